@@ -1,0 +1,1 @@
+"""vrl-lean: Lean 4 theorem proving with kimina-lean-server as the verifier."""

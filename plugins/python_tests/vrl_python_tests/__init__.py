@@ -1,0 +1,1 @@
+"""vrl-python-tests: write-a-function tasks judged by tests in a sandbox."""

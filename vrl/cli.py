@@ -1,0 +1,239 @@
+"""The `vrl` command line: train, eval, verify, plugins."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from vrl.config import ConfigError, build, load_file, merge, nest, parse_override
+
+console = Console(stderr=True)
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False)],
+        force=True,
+    )
+    for noisy in ("httpx", "urllib3", "transformers", "datasets", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    sys.exit(2)
+
+
+def _options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        out.update(parse_override(pair))
+    return out
+
+
+def _resolve_config(
+    config_file: Path | None, flags: dict[str, Any], overrides: tuple[str, ...], env_options: tuple[str, ...], base: dict | None = None
+):
+    """Layers: defaults < environment defaults < base (resumed run) < file < flags < --set overrides."""
+    from vrl.plugins import registry
+
+    file_layer = load_file(config_file) if config_file else {}
+    flag_layer = nest({k: v for k, v in flags.items() if v is not None})
+    set_layer: dict[str, Any] = {}
+    for item in overrides:
+        set_layer = merge(set_layer, parse_override(item))
+    if env_options:
+        set_layer = merge(set_layer, {"env_options": _options(env_options)})
+    upper = merge(merge(merge(base or {}, file_layer), flag_layer), set_layer)
+    plugin = upper.get("plugin", "countdown")
+    # A resumed run already carries its resolved defaults.
+    env_defaults = {} if base else nest(_environment_defaults(registry(), plugin))
+    return build(env_defaults, upper)
+
+
+def _environment_defaults(reg, plugin: str) -> dict[str, Any]:
+    """Defaults declared on the registered factory (an Environment subclass's `defaults`)."""
+    factory = reg.factory("environments", plugin)
+    return dict(getattr(factory, "defaults", {}) or {})
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="vrl")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def main(verbose: bool) -> None:
+    """Verifier-backed reinforcement learning for language models.
+
+    \b
+    Quick start (offline, CPU, a few minutes):
+      vrl train                                  # countdown, tiny model, ES
+      vrl train --optimizer grpo --iterations 5
+      vrl train --plugin lean --model AI-MO/Kimina-Prover-Preview-Distill-1.5B -o server=http://localhost:8000
+      vrl plugins                                # what is installed
+    """
+    _setup_logging(verbose)
+
+
+_set_help = "Override any config field, e.g. --set sampling.temperature=0.7 --set es.sigma=0.002 (repeatable)."
+_opt_help = "Environment option KEY=VALUE passed to the plugin, e.g. -o server=http://localhost:8000 (repeatable)."
+
+
+@main.command()
+@click.option("--plugin", "-p", help="Environment to train on (see `vrl plugins`). Default: countdown.")
+@click.option("--optimizer", type=click.Choice(["es", "grpo"]), help="Update rule. Default: es.")
+@click.option("--model", "-m", help="Hugging Face id or local path; 'tiny' builds a small local model. Default: tiny.")
+@click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields.")
+@click.option("--iterations", "-n", type=int, help="Training iterations.")
+@click.option("--name", help="Run name (directory under logging.runs_dir).")
+@click.option("--resume", type=click.Path(path_type=Path), help="Continue the run in this directory.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_set_help)
+@click.option("-o", "--option", "env_options", multiple=True, metavar="KEY=VALUE", help=_opt_help)
+def train(plugin, optimizer, model, config_file, iterations, name, resume, overrides, env_options) -> None:
+    """Train a model against a verifier.
+
+    Writes runs/<name>/ (config, metrics.jsonl, samples.jsonl, optimizer state, summary.json).
+    Ctrl-C stops cleanly; --resume continues exactly where the run stopped.
+    """
+    from vrl.plugins import UnknownNameError
+    from vrl.rundir import RunDir
+    from vrl.trainer import Trainer
+
+    flags = {"plugin": plugin, "optimizer": optimizer, "model": model, "iterations": iterations, "logging.name": name}
+    try:
+        if resume:
+            run_dir = RunDir.open(resume)
+            base = run_dir.config()
+            fixed = {k: v for k, v in flags.items() if v is not None and k not in ("iterations",)}
+            if fixed or config_file:
+                _fail(f"--resume continues {resume} with its recorded config; only --iterations and --set may change")
+            cfg = _resolve_config(None, flags, overrides, env_options, base=base)
+        else:
+            cfg = _resolve_config(config_file, flags, overrides, env_options)
+            run_dir = None
+        trainer = Trainer(cfg, run_dir=run_dir, console=console)
+    except (ConfigError, UnknownNameError, FileExistsError, FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    summary = trainer.run()
+    if summary["status"] == "interrupted":
+        sys.exit(130)
+
+
+@main.command(name="eval")
+@click.option("--plugin", "-p", help="Environment (see `vrl plugins`). Default: countdown.")
+@click.option("--model", "-m", help="Hugging Face id or local path; 'tiny' builds a small local model.")
+@click.option("--split", default="test", show_default=True, help="Environment split to evaluate on.")
+@click.option("--k", "k", type=int, default=1, show_default=True, help="Samples per task; reports pass@1..k.")
+@click.option("--limit", type=int, default=50, show_default=True, help="Tasks to evaluate (0: all).")
+@click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_set_help)
+@click.option("-o", "--option", "env_options", multiple=True, metavar="KEY=VALUE", help=_opt_help)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def eval_(plugin, model, split, k, limit, config_file, overrides, env_options, as_json) -> None:
+    """Measure pass@k of a model on an environment split."""
+    from vrl.evaluate import evaluate
+    from vrl.plugins import UnknownNameError
+
+    if k < 1:
+        _fail("--k must be at least 1")
+    try:
+        cfg = _resolve_config(config_file, {"plugin": plugin, "model": model}, overrides, env_options)
+        report = evaluate(cfg, split=split, k=k, limit=limit or None, console=console)
+    except (ConfigError, UnknownNameError, ValueError) as exc:
+        _fail(str(exc))
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    table = Table(title=f"{cfg.plugin} / {split} / {cfg.model}: {report['tasks']} tasks × {k} samples")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in report["pass_at"].items():
+        table.add_row(f"pass@{key}", f"{value:.3f}")
+    for status, count in report["statuses"].items():
+        table.add_row(f"verdicts {status}", str(count))
+    Console().print(table)
+
+
+@main.command()
+@click.argument("attempts", type=click.Path(path_type=Path, allow_dash=True))
+@click.option("--plugin", "-p", default="countdown", show_default=True, help="Environment whose verifier judges.")
+@click.option("--split", "splits", multiple=True, help="Splits searched for task ids (default: all).")
+@click.option("--out", type=click.Path(path_type=Path, allow_dash=True), default="-", help="Where verdicts go (default stdout).")
+@click.option("-o", "--option", "env_options", multiple=True, metavar="KEY=VALUE", help=_opt_help)
+def verify(attempts, plugin, splits, out, env_options) -> None:
+    """Score ready-made attempts without a model.
+
+    ATTEMPTS is JSONL (or - for stdin); each line names a task and carries a completion:
+
+    \b
+      {"task_id": "train-3", "completion": "<answer>(1 + 2) * 3</answer>"}
+      {"task": {"numbers": [3, 5, 7], "target": 22}, "completion": "<answer>3 * 5 + 7</answer>"}
+
+    One verdict per line comes out, in input order. A malformed line gets a `rejected` verdict that
+    names the problem; it never stops the others. See docs/cli.md for the format.
+    """
+    from vrl.plugins import UnknownNameError, registry
+    from vrl.verify_file import verify_lines
+
+    try:
+        env = registry().environment(plugin, **_options(env_options))
+    except (UnknownNameError, ConfigError, ValueError, TypeError) as exc:
+        _fail(str(exc))
+    text = sys.stdin.read() if str(attempts) == "-" else _read(attempts)
+    rows = asyncio.run(verify_lines(env, text.splitlines(), splits=splits or None))
+    payload = "".join(json.dumps(r) + "\n" for r in rows)
+    if str(out) == "-":
+        click.echo(payload, nl=False)
+    else:
+        Path(out).write_text(payload)
+    passed = sum(r["passed"] for r in rows)
+    console.print(f"{passed}/{len(rows)} passed")
+
+
+def _read(path: Path) -> str:
+    if not path.is_file():
+        _fail(f"attempts file not found: {path}")
+    return path.read_text()
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def plugins(as_json: bool) -> None:
+    """List installed plugins, their versions and what they register."""
+    from vrl.plugins import registry
+
+    reg = registry()
+    infos = list(reg.plugins.values())
+    if as_json:
+        click.echo(json.dumps([vars(i) for i in infos], indent=2))
+        return
+    table = Table(title="vrl plugins")
+    for col in ("plugin", "distribution", "version", "environments", "verifiers", "shapers", "status"):
+        table.add_column(col)
+    for info in infos:
+        status = f"[red]failed: {info.error}" if info.error else "[green]ok"
+        table.add_row(
+            info.name,
+            info.distribution or "",
+            info.version or "",
+            ", ".join(info.registered["environments"]),
+            ", ".join(info.registered["verifiers"]),
+            ", ".join(info.registered["shapers"]),
+            status,
+        )
+    Console().print(table)
+    for conflict in reg.conflicts:
+        console.print(f"[yellow]warning:[/] {conflict}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

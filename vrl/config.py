@@ -1,0 +1,206 @@
+"""Run configuration: one pydantic `TrainConfig`, loadable from YAML/TOML, overridable per field.
+
+Layers, lowest first: field defaults < the environment's defaults < the config file < command-line
+overrides (`--set sampling.temperature=0.7`). Every field is documented here, once.
+"""
+
+from __future__ import annotations
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from vrl.optim.es import ESConfig
+from vrl.optim.grpo import GRPOConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SamplingConfig(_Section):
+    """How completions are sampled."""
+
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    max_new_tokens: int = Field(64, ge=1, description="Cap on generated tokens per completion.")
+    n: int = Field(1, ge=1, description="Samples per task per policy variant (GRPO uses grpo.num_generations).")
+    stop: list[str] = Field(default_factory=list, description="Stop strings; the completion ends after the first one.")
+    batch_size: int = Field(
+        32, ge=1, description="Prompts per generation batch; each finished batch streams to the verifier."
+    )
+
+
+class GeneratorConfig(_Section):
+    """Which backend generates, and where."""
+
+    backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers, CPU or GPU) or 'vllm' (GPU).")
+    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="'auto': bfloat16 on GPU, float32 on CPU."
+    )
+    revision: str | None = Field(None, description="Model revision (branch, tag or commit) on the Hugging Face Hub.")
+
+
+class VerifierConfig(_Section):
+    """How attempts are sent to the verifier."""
+
+    batch_size: int = Field(64, ge=1, description="Attempts per verify() call.")
+    concurrency: int = Field(4, ge=1, description="verify() calls in flight at once.")
+    timeout_s: float = Field(
+        600.0, gt=0, description="Wall-clock cap for one verify() call; an overrun scores the batch as timeouts."
+    )
+
+
+class RuntimeConfig(_Section):
+    """Where generation and verification run."""
+
+    kind: Literal["local"] = Field("local", description="'local': this machine.")
+
+
+class LoggingConfig(_Section):
+    """Run directory and what goes in it."""
+
+    runs_dir: Path = Field(Path("runs"), description="Parent directory of run directories.")
+    name: str | None = Field(None, description="Run name; default: <plugin>-<optimizer>-<timestamp>.")
+    samples_per_iteration: int = Field(
+        8, ge=0, description="Completions (with verdicts) written to samples.jsonl per iteration."
+    )
+
+
+class TrainConfig(_Section):
+    """Everything a training run needs. `vrl train --help` lists the flags that set these."""
+
+    plugin: str = Field("countdown", description="Environment name, as listed by `vrl plugins`.")
+    env_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword options passed to the environment (e.g. a server URL)."
+    )
+    model: str = Field("tiny", description="Hugging Face model id or local path; 'tiny' builds a small local model.")
+    optimizer: Literal["es", "grpo"] = Field("es", description="Update rule: 'es' or 'grpo'.")
+    iterations: int = Field(10, ge=1, description="Training iterations.")
+    tasks_per_iteration: int = Field(8, ge=1, description="Tasks drawn per iteration.")
+    split: str = Field("train", description="Environment split to train on.")
+    seed: int = Field(0, description="Seeds task order, sampling and the optimizer.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    es: ESConfig = Field(default_factory=ESConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+
+    @model_validator(mode="after")
+    def _check_plugin(self) -> TrainConfig:
+        if not self.plugin.strip():
+            raise ValueError("plugin must be a non-empty environment name")
+        return self
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the user (field, value, what is allowed)."""
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML (.yaml/.yml) or TOML (.toml) file into a dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"config file {path} must end in .yaml, .yml or .toml")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot parse {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must contain a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def parse_override(item: str) -> dict[str, Any]:
+    """'sampling.temperature=0.7' -> {'sampling': {'temperature': 0.7}} (the value is parsed as YAML)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like key=value, e.g. sampling.temperature=0.7")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return nest({key.strip(): value})
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """Expand dotted keys into nested dicts."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        parts = key.split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key!r} conflicts with a non-mapping value at {part!r}")
+        node[parts[-1]] = value
+    return out
+
+
+def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge `top` over `base` (mappings merge, everything else replaces)."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def build(*layers: dict[str, Any]) -> TrainConfig:
+    """Validate merged layers into a TrainConfig; errors name each bad field and what is allowed."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged = merge(merged, layer)
+    try:
+        return TrainConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = ["invalid configuration:"]
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+            parent = _section_for(err["loc"][:-1])
+            if parent is not None:
+                msg += f"; known fields: {', '.join(sorted(parent.model_fields))}"
+        value = err.get("input")
+        shown = "" if err["type"] in ("missing",) or isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"  {field}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def _section_for(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = TrainConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def dump(config: TrainConfig) -> dict[str, Any]:
+    """The resolved config as plain JSON-able data (what a run directory records)."""
+    return config.model_dump(mode="json")

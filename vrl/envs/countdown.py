@@ -1,0 +1,167 @@
+"""Countdown: reach a target number with + - * / over given numbers (the ES-at-scale benchmark).
+
+Problems are generated from a seed, so every split is reproducible and needs no download. The
+answer inside <answer>...</answer> is parsed with `ast` and evaluated exactly over fractions by a
+whitelist walker: no `eval`, no names, no calls, no powers, bounded size. Each given number may be
+used at most once.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import re
+from fractions import Fraction
+from typing import Any
+
+from vrl.environment import Environment
+from vrl.reward import Binary, FormatBonus, RewardShaper
+from vrl.types import Attempt, Status, Task, Verdict
+from vrl.verifier import SimpleVerifier, Verifier
+
+PROMPT = (
+    "Using the numbers {numbers}, create an equation that equals {target}. You can use basic arithmetic "
+    "operations (+, -, *, /) and each number can only be used once. Show your work in <think> </think> "
+    "tags. And return the final answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."
+)
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+FORMAT_RE = r"<think>.*?</think>\s*<answer>.*?</answer>"
+MAX_ANSWER_CHARS = 200
+_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+_SPLIT_OFFSET = {"train": 0, "test": 1_000_003}
+
+
+def make_problem(rng: random.Random, min_numbers: int = 3, max_numbers: int = 4) -> tuple[list[int], int, str]:
+    """Draw numbers and combine them with random operations until the result is a usable target."""
+    while True:
+        numbers = [rng.randint(1, 99) for _ in range(rng.randint(min_numbers, max_numbers))]
+        values: list[tuple[Fraction, str]] = [(Fraction(n), str(n)) for n in numbers]
+        rng.shuffle(values)
+        while len(values) > 1:
+            (a, ea), (b, eb) = values.pop(), values.pop()
+            op = rng.choice("+-*/")
+            if op == "/" and b == 0:
+                op = "+"
+            value = {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else a}[op]
+            values.append((value, f"({ea} {op} {eb})"))
+        value, expr = values[0]
+        if value.denominator == 1 and 1 <= value <= 999:
+            return numbers, int(value), expr[1:-1] if expr.startswith("(") else expr
+
+
+class CountdownEnvironment(Environment):
+    name = "countdown"
+    description = "Reach a target with + - * / over 3-4 numbers (procedural, seeded, offline)."
+    splits = ("train", "test")
+    defaults = {"sampling.max_new_tokens": 64}
+
+    def __init__(self, size: int = 1000, seed: int = 0, min_numbers: int = 3, max_numbers: int = 4):
+        if size < 1:
+            raise ValueError("countdown size must be at least 1")
+        if not 2 <= min_numbers <= max_numbers <= 6:
+            raise ValueError("countdown needs 2 <= min_numbers <= max_numbers <= 6")
+        self.size, self.seed = size, seed
+        self.min_numbers, self.max_numbers = min_numbers, max_numbers
+
+    def tasks(self, split: str = "train", limit: int | None = None) -> list[Task]:
+        self._check_split(split)
+        count = self.size if limit is None else min(limit, self.size)
+        return [self.task(split, i) for i in range(count)]
+
+    def task(self, split: str, index: int) -> Task:
+        rng = random.Random(self.seed * 7_919 + _SPLIT_OFFSET[split] + index)
+        numbers, target, solution = make_problem(rng, self.min_numbers, self.max_numbers)
+        return make_task(f"{split}-{index}", numbers, target, solution)
+
+    def verifier(self) -> Verifier:
+        return CountdownVerifier()
+
+    def shaper(self) -> RewardShaper:
+        # Correctness dominates; a small bonus teaches the <think>/<answer> format first.
+        return Binary() + 0.1 * FormatBonus(FORMAT_RE)
+
+    def task_from_data(self, data: dict[str, Any]) -> Task:
+        if "numbers" in data and "target" in data and "prompt" not in data:
+            numbers, target = [int(n) for n in data["numbers"]], int(data["target"])
+            return make_task(str(data.get("id", f"inline-{target}")), numbers, target, data.get("solution"))
+        return super().task_from_data(data)
+
+
+def make_task(task_id: str, numbers: list[int], target: int, solution: str | None = None) -> Task:
+    shown = "[" + " ".join(str(n) for n in numbers) + "]"
+    data: dict[str, Any] = {"numbers": numbers, "target": target}
+    if solution is not None:
+        data["solution"] = solution
+    return Task(id=task_id, prompt=PROMPT.format(numbers=shown, target=target), data=data)
+
+
+class _Rejected(Exception):
+    pass
+
+
+def evaluate(expr: str) -> tuple[Fraction, list[int]]:
+    """Evaluate an arithmetic expression exactly; return its value and the integer literals used.
+
+    Raises `_Rejected` for anything outside + - * / over non-negative integer literals and
+    parentheses, and ZeroDivisionError for a division by zero.
+    """
+    if len(expr) > MAX_ANSWER_CHARS:
+        raise _Rejected(f"answer longer than {MAX_ANSWER_CHARS} characters")
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise _Rejected(f"not an arithmetic expression: {exc.msg}") from None
+    used: list[int] = []
+
+    def walk(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = walk(node.left), walk(node.right)
+            op = type(node.op)
+            if op is ast.Add:
+                return left + right
+            if op is ast.Sub:
+                return left - right
+            if op is ast.Mult:
+                return left * right
+            return left / right  # ZeroDivisionError propagates
+        if isinstance(node, ast.Constant) and type(node.value) is int and node.value >= 0:
+            used.append(node.value)
+            return Fraction(node.value)
+        raise _Rejected(f"only + - * / over the given numbers are allowed, found {type(node).__name__}")
+
+    return walk(tree.body), used
+
+
+class CountdownVerifier(SimpleVerifier):
+    name = "countdown"
+
+    def check(self, attempt: Attempt) -> Verdict:
+        task, text = attempt.task, attempt.completion.text
+        matches = ANSWER_RE.findall(text)
+        if not matches:
+            return Verdict.fail(Status.REJECTED, "no <answer>...</answer> in the completion")
+        expr = matches[-1].strip()
+        if "=" in expr:  # "1 + 2 = 3": judge the left-hand side
+            expr = expr.split("=", 1)[0].strip()
+        try:
+            value, used = evaluate(expr)
+        except _Rejected as exc:
+            return Verdict.fail(Status.REJECTED, str(exc))
+        except ZeroDivisionError:
+            return Verdict.fail(Status.FAILED, "division by zero")
+        except RecursionError:
+            return Verdict.fail(Status.REJECTED, "expression nested too deeply")
+        available = list(task.data["numbers"])
+        for n in used:
+            if n not in available:
+                why = "used more often than given" if n in task.data["numbers"] else "not among the given numbers"
+                return Verdict.fail(Status.FAILED, f"{n} is {why} ({task.data['numbers']})")
+            available.remove(n)
+        target = task.data["target"]
+        if value != target:
+            return Verdict.fail(Status.FAILED, f"{expr} = {_show(value)}, not {target}")
+        return Verdict.ok(f"{expr} = {target}")
+
+
+def _show(value: Fraction) -> str:
+    return str(value.numerator) if value.denominator == 1 else f"{float(value):.6g}"

@@ -1,0 +1,19 @@
+"""Generators: turn tasks into completions for one policy variant."""
+
+from vrl.generate.base import Generator
+
+__all__ = ["Generator", "make_generator"]
+
+
+def make_generator(config):
+    """Build the generator the run's config asks for (imports the backend lazily)."""
+    backend = config.generator.backend
+    if backend == "hf":
+        from vrl.generate.hf import HFGenerator
+
+        return HFGenerator.from_config(config)
+    if backend == "vllm":
+        raise NotImplementedError(
+            "the vllm generator backend is not available yet; use generator.backend=hf"
+        )
+    raise ValueError(f"unknown generator backend {backend!r}; choose hf or vllm")

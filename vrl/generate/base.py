@@ -1,0 +1,28 @@
+"""The Generator interface."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+
+from vrl.types import Completion, Task
+
+
+class Generator(ABC):
+    """Samples completions. `stream` yields one list per generation batch so the trainer can hand
+    finished batches to the verifier while the next batch is being generated."""
+
+    @abstractmethod
+    def stream(
+        self, tasks: Sequence[Task], n: int = 1, variant: int = 0, seed: int | None = None
+    ) -> Iterator[list[Completion]]:
+        """Yield completions (n per task, tagged with `variant`) one generation batch at a time."""
+
+    def generate(
+        self, tasks: Sequence[Task], n: int = 1, variant: int = 0, seed: int | None = None
+    ) -> list[Completion]:
+        """All completions for `tasks`, in task order, n per task."""
+        return [c for batch in self.stream(tasks, n=n, variant=variant, seed=seed) for c in batch]
+
+    def close(self) -> None:
+        """Free engines and memory."""

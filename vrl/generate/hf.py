@@ -1,0 +1,148 @@
+"""The `hf` generator: batched sampling with transformers on CPU or GPU.
+
+Prompts are left-padded so a batch decodes together with the KV cache; `n` samples per prompt come
+from `num_return_sequences`. Token ids are kept on each completion so training sees exactly what
+was sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from vrl.generate.base import Generator
+from vrl.types import Completion, Prompt, Task
+
+TINY = "tiny"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"generator.device={device!r} but no CUDA GPU is available; use 'cpu' or 'auto'")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def load_model_and_tokenizer(name: str, device: str = "auto", dtype: str = "auto", revision: str | None = None):
+    """Load a causal LM and its tokenizer ('tiny' builds one locally), ready for left-padded batches."""
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    if name == TINY:
+        from vrl.generate import tiny
+
+        model, tokenizer = tiny.build_model(), tiny.build_tokenizer()
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
+            model = AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=torch_dtype)
+        except OSError as exc:
+            raise RuntimeError(
+                f"cannot load model {name!r}: {exc}\n"
+                "Give a Hugging Face model id (with network access or a warm cache) or a local directory, "
+                "or use --model tiny to build a small local model."
+            ) from exc
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = model.to(device=dev, dtype=torch_dtype).eval()
+    return model, tokenizer
+
+
+def render_prompt(tokenizer: Any, prompt: Prompt) -> str:
+    """Text for the model: chat messages go through the tokenizer's chat template."""
+    if isinstance(prompt, str):
+        return prompt
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant: "
+
+
+class HFGenerator(Generator):
+    """Sampling with `model.generate`. The model is shared in-process with the optimizer."""
+
+    def __init__(self, model: Any, tokenizer: Any, sampling: Any):
+        self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
+
+    @classmethod
+    def from_config(cls, config: Any) -> HFGenerator:
+        g = config.generator
+        model, tokenizer = load_model_and_tokenizer(config.model, g.device, g.dtype, g.revision)
+        return cls(model, tokenizer, config.sampling)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def stream(
+        self, tasks: Sequence[Task], n: int = 1, variant: int = 0, seed: int | None = None
+    ) -> Iterator[list[Completion]]:
+        size = self.sampling.batch_size
+        for start in range(0, len(tasks), size):
+            batch_seed = None if seed is None else seed + start
+            yield self._generate_batch(tasks[start : start + size], n, variant, batch_seed)
+
+    @torch.inference_mode()
+    def _generate_batch(self, tasks: Sequence[Task], n: int, variant: int, seed: int | None) -> list[Completion]:
+        s, tok = self.sampling, self.tokenizer
+        texts = [render_prompt(tok, t.prompt) for t in tasks]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=s.max_new_tokens,
+            num_return_sequences=n,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+        if s.temperature > 0:
+            kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if s.stop:
+            kwargs.update(stop_strings=list(s.stop), tokenizer=tok)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(**enc, **kwargs)
+        prompt_len = enc["input_ids"].shape[1]
+        completions = []
+        for row in range(out.shape[0]):
+            task_index, sample = divmod(row, n)
+            prompt_ids = enc["input_ids"][task_index][enc["attention_mask"][task_index].bool()].tolist()
+            completions.append(self._completion(tasks[task_index], prompt_ids, out[row, prompt_len:].tolist(), variant, sample))
+        return completions
+
+    def _completion(self, task: Task, prompt_ids: list[int], new_ids: list[int], variant: int, sample: int) -> Completion:
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        finish = "length"
+        while new_ids and pad != eos and new_ids[-1] == pad:  # padding after a stop string
+            new_ids.pop()
+        if eos in new_ids:
+            new_ids = new_ids[: new_ids.index(eos) + 1]
+            finish = "stop"
+        text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
+        for stop in self.sampling.stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                text, finish = text[: cut + len(stop)], "stop"
+        return Completion(
+            task_id=task.id,
+            text=text,
+            variant=variant,
+            sample=sample,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(new_ids),
+            finish_reason=finish,
+            prompt_token_ids=prompt_ids,
+            token_ids=new_ids,
+        )

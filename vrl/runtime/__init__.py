@@ -1,0 +1,13 @@
+"""Where generation and verification run. The trainer only sees the `Runtime` interface."""
+
+from vrl.runtime.base import Runtime, VerificationPool
+
+__all__ = ["Runtime", "VerificationPool", "make_runtime"]
+
+
+def make_runtime(config) -> Runtime:
+    if config.runtime.kind == "local":
+        from vrl.runtime.local import LocalRuntime
+
+        return LocalRuntime()
+    raise ValueError(f"unknown runtime {config.runtime.kind!r}; choose local")

@@ -1,0 +1,90 @@
+"""The Runtime interface and the verification pool that lets verification overlap generation."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from vrl.generate.base import Generator
+from vrl.types import Attempt, Verdict
+from vrl.verifier import Verifier, verify_safely
+
+
+class Runtime(ABC):
+    """Builds the generator and the verification pool for a run."""
+
+    name: str = "runtime"
+
+    @abstractmethod
+    def generator(self, config) -> Generator: ...
+
+    @abstractmethod
+    def verification(self, verifier: Verifier, config) -> VerificationPool: ...
+
+
+class VerificationPool:
+    """Runs a verifier on its own event loop in a background thread.
+
+    `submit` returns at once with futures; the trainer keeps generating while batches are judged.
+    At most `concurrency` verify() calls are in flight; each is bounded by `timeout_s`.
+    """
+
+    def __init__(self, verifier: Verifier, batch_size: int = 64, concurrency: int = 4, timeout_s: float | None = None):
+        self.verifier, self.batch_size, self.timeout_s = verifier, batch_size, timeout_s
+        self._concurrency = concurrency
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vrl-verify", daemon=True)
+        self._thread.start()
+        self._sem = asyncio.run_coroutine_threadsafe(self._make_semaphore(), self._loop).result()
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    async def _make_semaphore(self) -> asyncio.Semaphore:
+        return asyncio.Semaphore(self._concurrency)
+
+    @property
+    def queue_depth(self) -> int:
+        """Attempts submitted and not yet judged."""
+        return self._pending
+
+    def submit(self, attempts: Sequence[Attempt]) -> list[tuple[list[Attempt], concurrent.futures.Future[list[Verdict]]]]:
+        """Queue attempts in chunks of `batch_size`; returns (chunk, future of its verdicts) pairs."""
+        futures = []
+        for start in range(0, len(attempts), self.batch_size):
+            chunk = list(attempts[start : start + self.batch_size])
+            with self._lock:
+                self._pending += len(chunk)
+            futures.append((chunk, asyncio.run_coroutine_threadsafe(self._run(chunk), self._loop)))
+        return futures
+
+    async def _run(self, chunk: list[Attempt]) -> list[Verdict]:
+        try:
+            async with self._sem:
+                return await verify_safely(self.verifier, chunk, self.timeout_s)
+        finally:
+            with self._lock:
+                self._pending -= len(chunk)
+
+    def close(self) -> None:
+        """Cancel what is pending, close the verifier, stop the loop."""
+        if self._loop.is_closed():
+            return
+
+        async def shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.verifier.aclose()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=30)
+        except Exception:  # closing must never mask the run's own outcome
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()

@@ -1,0 +1,277 @@
+"""The fixed loop: tasks -> optimizer.ask -> generate -> verify -> shape -> optimizer.tell.
+
+One implementation for every optimizer and runtime. Generation batches stream into the
+verification pool as soon as they finish, so verification overlaps the rest of generation; the
+iteration waits for the last verdicts only before the update.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from vrl.config import TrainConfig
+from vrl.environment import Environment
+from vrl.optim import Optimizer, make_optimizer
+from vrl.rundir import RunDir
+from vrl.runtime import Runtime, make_runtime
+from vrl.types import Attempt, Result, Status, Task, Verdict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IterationStats:
+    generation_s: float = 0.0
+    verification_s: float = 0.0
+    wait_s: float = 0.0
+    update_s: float = 0.0
+    loop_s: float = 0.0
+    results: list[Result] = field(default_factory=list)
+    optimizer_metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    """Runs a training loop described by a `TrainConfig`, writing everything to a run directory."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        run_dir: RunDir | None = None,
+        environment: Environment | None = None,
+        runtime: Runtime | None = None,
+        console: Console | None = None,
+        on_iteration: Callable[[dict[str, Any]], None] | None = None,
+    ):
+        self.config = config
+        self.console = console or Console(stderr=True)
+        self.on_iteration = on_iteration
+        if environment is None:
+            from vrl.plugins import registry
+
+            environment = registry().environment(config.plugin, **config.env_options)
+        self.env = environment
+        self.runtime = runtime or make_runtime(config)
+        self.run_dir = run_dir or RunDir.create(config)
+        self.start_iteration = self.run_dir.completed_iterations()
+
+    # -- task schedule -----------------------------------------------------------------------------
+    def _task_pool(self) -> list[Task]:
+        tasks = self.env.tasks(self.config.split)
+        if not tasks:
+            raise ValueError(f"environment {self.env.name!r} has no tasks in split {self.config.split!r}")
+        return tasks
+
+    def tasks_for(self, pool: list[Task], iteration: int) -> list[Task]:
+        """The batch of an iteration: a seeded permutation per epoch, so resume draws the same tasks."""
+        k = self.config.tasks_per_iteration
+        out: list[Task] = []
+        position = iteration * k
+        while len(out) < k:
+            epoch, offset = divmod(position, len(pool))
+            order = list(range(len(pool)))
+            random.Random(f"{self.config.seed}-{epoch}").shuffle(order)
+            out.append(pool[order[offset]])
+            position += 1
+        return out
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg = self.config
+        pool_tasks = self._task_pool()
+        shaper = self.env.shaper()
+        summary: dict[str, Any] = {
+            "name": self.run_dir.name,
+            "plugin": cfg.plugin,
+            "optimizer": cfg.optimizer,
+            "model": cfg.model,
+            "status": "running",
+            "started_at": time.time(),
+        }
+        self.run_dir.write_summary(summary)
+        generator = optimizer = pool = None
+        history: list[dict[str, Any]] = []
+        try:
+            generator = self.runtime.generator(cfg)
+            optimizer = make_optimizer(cfg)
+            optimizer.setup(generator)
+            if self.start_iteration:
+                optimizer.load(self.run_dir.path)
+                self.run_dir.truncate_metrics(self.start_iteration)
+                self.console.log(f"resuming {self.run_dir.path} after iteration {self.start_iteration}")
+            pool = self.runtime.verification(self.env.verifier(), cfg)
+            with self._progress() as progress:
+                bar = progress.add_task("training", total=cfg.iterations, completed=self.start_iteration, stats="")
+                for iteration in range(self.start_iteration, cfg.iterations):
+                    tasks = self.tasks_for(pool_tasks, iteration)
+                    stats = self._iteration(iteration, tasks, optimizer, generator, pool, shaper, progress, bar)
+                    metrics = self._finish_iteration(iteration, stats, optimizer)
+                    history.append(metrics)
+                    progress.update(bar, advance=1, stats=_short(metrics))
+                    self.console.log(_line(metrics))
+            summary["status"] = "finished"
+        except KeyboardInterrupt:
+            summary["status"] = "interrupted"
+            self.console.log("[yellow]interrupted: finished iterations are saved; continue with "
+                             f"`vrl train --resume {self.run_dir.path}`")
+        except BaseException as exc:
+            summary.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if pool is not None:
+                pool.close()
+            if generator is not None:
+                generator.close()
+            summary.update(_totals(self.run_dir.metrics()), finished_at=time.time(),
+                           iterations_completed=self.run_dir.completed_iterations())
+            self.run_dir.write_summary(summary)
+        self._print_summary(summary, history)
+        return summary
+
+    def _iteration(self, iteration, tasks, optimizer: Optimizer, generator, pool, shaper, progress, bar) -> IterationStats:
+        stats = IterationStats()
+        start = time.perf_counter()
+        by_id = {t.id: t for t in tasks}
+        pending: list[tuple[list[Attempt], Future[list[Verdict]]]] = []
+        sample_seed = random.Random(f"{self.config.seed}-sampling-{iteration}").randrange(2**31)
+        variants = optimizer.ask()
+        for variant in variants:
+            with optimizer.activate(variant):
+                t0 = time.perf_counter()
+                for batch in generator.stream(tasks, n=variant.samples_per_task, variant=variant.index, seed=sample_seed):
+                    stats.generation_s += time.perf_counter() - t0
+                    attempts = [Attempt(task=by_id[c.task_id], completion=c) for c in batch]
+                    pending += pool.submit(attempts)
+                    progress.update(bar, stats=f"it {iteration + 1} · member {variant.index + 1}/{len(variants)} · "
+                                               f"verifier queue {pool.queue_depth}")
+                    t0 = time.perf_counter()
+                stats.generation_s += time.perf_counter() - t0
+        t_wait = time.perf_counter()
+        for chunk, fut in pending:
+            verdicts = fut.result()
+            for attempt, verdict in zip(chunk, verdicts):
+                stats.verification_s += verdict.elapsed_s
+                reward = float(shaper(attempt.task, attempt.completion, verdict))
+                stats.results.append(Result(task=attempt.task, completion=attempt.completion, verdict=verdict, reward=reward))
+        stats.wait_s = time.perf_counter() - t_wait
+        t_update = time.perf_counter()
+        stats.optimizer_metrics = optimizer.tell(stats.results)
+        stats.update_s = time.perf_counter() - t_update
+        stats.loop_s = time.perf_counter() - start
+        return stats
+
+    def _finish_iteration(self, iteration: int, stats: IterationStats, optimizer: Optimizer) -> dict[str, Any]:
+        results = stats.results
+        rewards = [r.reward for r in results]
+        statuses = Counter(r.verdict.status.value for r in results)
+        tokens = sum(r.completion.completion_tokens for r in results)
+        metrics: dict[str, Any] = {
+            "iteration": iteration,
+            "time": time.time(),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "reward_max": max(rewards) if rewards else 0.0,
+            "pass_rate": statuses.get(Status.PASSED.value, 0) / len(results) if results else 0.0,
+            "completions": len(results),
+            "tokens": tokens,
+            "tokens_per_s": tokens / stats.generation_s if stats.generation_s else 0.0,
+            "generation_s": stats.generation_s,
+            "verification_s": stats.verification_s,
+            "verify_wait_s": stats.wait_s,
+            "update_s": stats.update_s,
+            "loop_s": stats.loop_s,
+        }
+        metrics.update({f"status/{s.value}": statuses.get(s.value, 0) for s in Status})
+        metrics.update(stats.optimizer_metrics)
+        optimizer.save(self.run_dir.path)
+        self.run_dir.append("metrics.jsonl", [metrics])
+        self.run_dir.append("samples.jsonl", _samples(iteration, results, self.config.logging.samples_per_iteration))
+        self.run_dir.finish_iteration(iteration)
+        if self.on_iteration:
+            self.on_iteration(metrics)
+        return metrics
+
+    # -- presentation ------------------------------------------------------------------------------
+    def _progress(self) -> Progress:
+        return Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[stats]}"),
+            console=self.console,
+            transient=False,
+        )
+
+    def _print_summary(self, summary: dict[str, Any], history: list[dict[str, Any]]) -> None:
+        table = Table(title=f"run {summary['name']} — {summary['status']}")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for key in ("iterations_completed", "reward_first", "reward_last", "reward_best", "pass_rate_last",
+                    "tokens_total", "generation_s_total", "verification_s_total", "loop_s_total"):
+            if key in summary:
+                value = summary[key]
+                table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+        table.add_row("run directory", str(self.run_dir.path))
+        self.console.print(table)
+
+
+def _samples(iteration: int, results: list[Result], limit: int) -> list[dict[str, Any]]:
+    # Keep the best attempts and a spread of the rest: passes are the rare, informative ones.
+    order = sorted(range(len(results)), key=lambda i: -results[i].reward)
+    best = order[: (limit + 1) // 2]
+    taken = set(best)
+    rest = [i for i in range(len(results)) if i not in taken]
+    step = max(1, len(rest) // max(1, limit - len(best)))
+    chosen = [results[i] for i in best + rest[::step][: limit - len(best)]]
+    return [
+        {
+            "iteration": iteration,
+            "task_id": r.task.id,
+            "prompt": r.task.prompt,
+            "variant": r.completion.variant,
+            "sample": r.completion.sample,
+            "completion": r.completion.text,
+            "finish_reason": r.completion.finish_reason,
+            "verdict": r.verdict.model_dump(mode="json"),
+            "reward": r.reward,
+        }
+        for r in chosen[:limit]
+    ]
+
+
+def _totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    if not rows:
+        return {}
+    return {
+        "reward_first": rows[0]["reward_mean"],
+        "reward_last": rows[-1]["reward_mean"],
+        "reward_best": max(r["reward_mean"] for r in rows),
+        "pass_rate_last": rows[-1]["pass_rate"],
+        "tokens_total": sum(r["tokens"] for r in rows),
+        "generation_s_total": sum(r["generation_s"] for r in rows),
+        "verification_s_total": sum(r["verification_s"] for r in rows),
+        "loop_s_total": sum(r["loop_s"] for r in rows),
+    }
+
+
+def _short(m: dict[str, Any]) -> str:
+    return f"reward {m['reward_mean']:.3f} · pass {m['pass_rate']:.1%} · {m['tokens_per_s']:.0f} tok/s"
+
+
+def _line(m: dict[str, Any]) -> str:
+    return (
+        f"iter {m['iteration'] + 1}: reward {m['reward_mean']:.3f} (max {m['reward_max']:.3f}), "
+        f"pass {m['pass_rate']:.1%}, {m['completions']} attempts, {m['tokens']} tokens, "
+        f"gen {m['generation_s']:.1f}s, verify {m['verification_s']:.1f}s (waited {m['verify_wait_s']:.1f}s), "
+        f"update {m['update_s']:.1f}s, loop {m['loop_s']:.1f}s"
+    )

@@ -1,0 +1,98 @@
+"""The data that flows through the loop: tasks, completions, verdicts.
+
+All three are pydantic models so they serialise to JSON unchanged, which is what lets them cross
+process, sandbox and Modal boundaries and land in run directories.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ChatMessage = dict[str, str]
+Prompt = Union[str, list[ChatMessage]]
+
+
+class Task(BaseModel):
+    """One problem: a stable id, the prompt the model sees, and the data the verifier needs."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str = Field(description="Stable identifier, unique within an environment split.")
+    prompt: Prompt = Field(description="Plain text, or chat messages [{'role': ..., 'content': ...}].")
+    data: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Whatever the verifier needs (target, tests, formal statement...). Never shown to the model.",
+    )
+
+
+class Completion(BaseModel):
+    """One attempt at a task by one policy variant."""
+
+    task_id: str
+    text: str
+    variant: int = Field(0, description="Index of the policy variant (ES member, or 0 for GRPO) that produced it.")
+    sample: int = Field(0, description="Index of this sample among the n drawn for the same task and variant.")
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = Field("stop", description="'stop' (EOS or a stop string) or 'length' (hit max_new_tokens).")
+    # Token ids as sampled, kept so GRPO trains on exactly what was generated (no re-tokenisation drift).
+    prompt_token_ids: list[int] | None = Field(None, exclude=True, repr=False)
+    token_ids: list[int] | None = Field(None, exclude=True, repr=False)
+    logprobs: list[float] | None = Field(None, exclude=True, repr=False)
+
+
+class Status(str, Enum):
+    """Why a verdict is what it is."""
+
+    PASSED = "passed"
+    FAILED = "failed"  # checked and wrong
+    TIMEOUT = "timeout"  # ran out of wall-clock or compute budget
+    CRASHED = "crashed"  # the attempt (or the checker on its behalf) died
+    REJECTED = "rejected"  # refused before running: malformed, banned construct, no answer found
+
+
+class Verdict(BaseModel):
+    """A verifier's answer for one attempt. Bad attempts produce verdicts, never exceptions."""
+
+    passed: bool
+    score: float = Field(description="In [0, 1]; 1.0 for a pass, partial credit otherwise.")
+    status: Status
+    detail: str = Field("", description="Human-readable reason, e.g. which test failed or which construct was banned.")
+    elapsed_s: float = 0.0
+
+    @field_validator("score")
+    @classmethod
+    def _score_in_unit_interval(cls, v: float) -> float:
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"score must lie in [0, 1], got {v}")
+        return v
+
+    @classmethod
+    def ok(cls, detail: str = "", elapsed_s: float = 0.0) -> Verdict:
+        return cls(passed=True, score=1.0, status=Status.PASSED, detail=detail, elapsed_s=elapsed_s)
+
+    @classmethod
+    def fail(cls, status: Status | str, detail: str, score: float = 0.0, elapsed_s: float = 0.0) -> Verdict:
+        status = Status(status)
+        if status is Status.PASSED:
+            raise ValueError("use Verdict.ok for a pass")
+        return cls(passed=False, score=score, status=status, detail=detail, elapsed_s=elapsed_s)
+
+
+class Attempt(BaseModel):
+    """What a verifier judges: the task (with its trusted data) and the completion text."""
+
+    task: Task
+    completion: Completion
+
+
+class Result(BaseModel):
+    """A judged attempt with its shaped reward: what the optimizer's `tell` receives."""
+
+    task: Task
+    completion: Completion
+    verdict: Verdict
+    reward: float

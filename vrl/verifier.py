@@ -1,0 +1,78 @@
+"""The Verifier interface: judge a batch of attempts, concurrently, without ever raising for one.
+
+A verifier runs (or inspects) text written by a model that is being optimised to make it say yes.
+Isolation and integrity are the verifier's job (see docs/concepts.md); this module fixes the
+contract the loop relies on and gives two helpers: `SimpleVerifier` for cheap synchronous checks and
+`verify_safely`, which turns a verifier's own failure into `crashed` verdicts so no batch is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from vrl.types import Attempt, Status, Verdict
+
+
+class Verifier(ABC):
+    """Judges attempts. `verify` returns exactly one verdict per attempt, in order."""
+
+    name: str = "verifier"
+
+    @abstractmethod
+    async def verify(self, attempts: Sequence[Attempt]) -> list[Verdict]:
+        """Judge a batch. A bad attempt becomes a verdict (failed, timeout, crashed, rejected)."""
+
+    async def aclose(self) -> None:
+        """Release servers, sandboxes or pools. Called once when the run ends."""
+
+
+class SimpleVerifier(Verifier):
+    """Base for verifiers whose check is a cheap, pure-Python function of one attempt.
+
+    Subclasses implement `check`; batches run in a thread so the event loop stays responsive.
+    Heavy or untrusted execution belongs in a sandboxed verifier, not here.
+    """
+
+    @abstractmethod
+    def check(self, attempt: Attempt) -> Verdict:
+        """Judge one attempt."""
+
+    def _check_timed(self, attempt: Attempt) -> Verdict:
+        start = time.perf_counter()
+        try:
+            verdict = self.check(attempt)
+        except Exception as exc:  # a checker bug must not take the run down
+            verdict = Verdict.fail(Status.CRASHED, f"verifier error: {type(exc).__name__}: {exc}")
+        if not verdict.elapsed_s:
+            verdict = verdict.model_copy(update={"elapsed_s": time.perf_counter() - start})
+        return verdict
+
+    async def verify(self, attempts: Sequence[Attempt]) -> list[Verdict]:
+        return await asyncio.to_thread(lambda: [self._check_timed(a) for a in attempts])
+
+
+async def verify_safely(verifier: Verifier, attempts: Sequence[Attempt], timeout_s: float | None = None) -> list[Verdict]:
+    """Run `verifier.verify`, guaranteeing one verdict per attempt whatever the verifier does.
+
+    An exception, a wrong-length answer or a batch that overruns `timeout_s` becomes a verdict for
+    every attempt in the batch (crashed or timeout) with the reason in `detail`.
+    """
+    if not attempts:
+        return []
+    start = time.perf_counter()
+    try:
+        verdicts = await asyncio.wait_for(verifier.verify(attempts), timeout_s)
+    except asyncio.TimeoutError:
+        elapsed = time.perf_counter() - start
+        return [Verdict.fail(Status.TIMEOUT, f"verifier batch exceeded {timeout_s:g} s", elapsed_s=elapsed) for _ in attempts]
+    except Exception as exc:
+        elapsed = time.perf_counter() - start
+        msg = f"verifier {verifier.name!r} raised {type(exc).__name__}: {exc}"
+        return [Verdict.fail(Status.CRASHED, msg, elapsed_s=elapsed) for _ in attempts]
+    if len(verdicts) != len(attempts):
+        msg = f"verifier {verifier.name!r} returned {len(verdicts)} verdicts for {len(attempts)} attempts"
+        return [Verdict.fail(Status.CRASHED, msg) for _ in attempts]
+    return list(verdicts)
