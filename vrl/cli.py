@@ -16,7 +16,7 @@ from rich.table import Table
 
 from vrl.config import ConfigError, build, load_file, merge, nest, parse_override
 
-console = Console(stderr=True)
+console = Console(stderr=True, log_path=False)
 
 
 def _setup_logging(verbose: bool) -> None:

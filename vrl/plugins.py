@@ -86,7 +86,7 @@ class Registry:
 
     def _collect(self, kind: str) -> None:
         caller = getattr(self.pm.hook, f"register_{kind}")
-        for impl in reversed(caller.get_hookimpls()):  # pluggy lists last-registered first
+        for impl in caller.get_hookimpls():  # in registration order: builtin first, then by name
             plugin = impl.plugin_name
             info = self.plugins[plugin]
 

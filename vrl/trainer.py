@@ -54,7 +54,7 @@ class Trainer:
         on_iteration: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.config = config
-        self.console = console or Console(stderr=True)
+        self.console = console or Console(stderr=True, log_path=False)
         self.on_iteration = on_iteration
         if environment is None:
             from vrl.plugins import registry
@@ -144,6 +144,7 @@ class Trainer:
         by_id = {t.id: t for t in tasks}
         pending: list[tuple[list[Attempt], Future[list[Verdict]]]] = []
         sample_seed = random.Random(f"{self.config.seed}-sampling-{iteration}").randrange(2**31)
+        busy_before = pool.busy_s
         variants = optimizer.ask()
         for variant in variants:
             with optimizer.activate(variant):
@@ -160,10 +161,10 @@ class Trainer:
         for chunk, fut in pending:
             verdicts = fut.result()
             for attempt, verdict in zip(chunk, verdicts):
-                stats.verification_s += verdict.elapsed_s
                 reward = float(shaper(attempt.task, attempt.completion, verdict))
                 stats.results.append(Result(task=attempt.task, completion=attempt.completion, verdict=verdict, reward=reward))
         stats.wait_s = time.perf_counter() - t_wait
+        stats.verification_s = pool.busy_s - busy_before
         t_update = time.perf_counter()
         stats.optimizer_metrics = optimizer.tell(stats.results)
         stats.update_s = time.perf_counter() - t_update

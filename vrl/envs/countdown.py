@@ -99,37 +99,51 @@ class _Rejected(Exception):
     pass
 
 
-def evaluate(expr: str) -> tuple[Fraction, list[int]]:
-    """Evaluate an arithmetic expression exactly; return its value and the integer literals used.
+def parse(expr: str) -> tuple[ast.expr, list[int]]:
+    """Parse an answer; return its tree and the integer literals it uses.
 
     Raises `_Rejected` for anything outside + - * / over non-negative integer literals and
-    parentheses, and ZeroDivisionError for a division by zero.
+    parentheses.
     """
     if len(expr) > MAX_ANSWER_CHARS:
         raise _Rejected(f"answer longer than {MAX_ANSWER_CHARS} characters")
     try:
-        tree = ast.parse(expr.strip(), mode="eval")
+        tree = ast.parse(expr.strip(), mode="eval").body
     except SyntaxError as exc:
         raise _Rejected(f"not an arithmetic expression: {exc.msg}") from None
     used: list[int] = []
-
-    def walk(node: ast.AST) -> Fraction:
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            left, right = walk(node.left), walk(node.right)
-            op = type(node.op)
-            if op is ast.Add:
-                return left + right
-            if op is ast.Sub:
-                return left - right
-            if op is ast.Mult:
-                return left * right
-            return left / right  # ZeroDivisionError propagates
-        if isinstance(node, ast.Constant) and type(node.value) is int and node.value >= 0:
+            stack += [node.right, node.left]
+        elif isinstance(node, ast.Constant) and type(node.value) is int and node.value >= 0:
             used.append(node.value)
-            return Fraction(node.value)
-        raise _Rejected(f"only + - * / over the given numbers are allowed, found {type(node).__name__}")
+        else:
+            raise _Rejected(f"only + - * / over the given numbers are allowed, found {type(node).__name__}")
+    return tree, used
 
-    return walk(tree.body), used
+
+def value_of(node: ast.expr) -> Fraction:
+    """Exact value of a tree accepted by `parse` (ZeroDivisionError for a division by zero)."""
+    if isinstance(node, ast.Constant):
+        return Fraction(node.value)
+    assert isinstance(node, ast.BinOp)
+    left, right = value_of(node.left), value_of(node.right)
+    op = type(node.op)
+    if op is ast.Add:
+        return left + right
+    if op is ast.Sub:
+        return left - right
+    if op is ast.Mult:
+        return left * right
+    return left / right
+
+
+def evaluate(expr: str) -> tuple[Fraction, list[int]]:
+    """Value and literals of an answer expression (see `parse` and `value_of`)."""
+    tree, used = parse(expr)
+    return value_of(tree), used
 
 
 class CountdownVerifier(SimpleVerifier):
@@ -144,11 +158,9 @@ class CountdownVerifier(SimpleVerifier):
         if "=" in expr:  # "1 + 2 = 3": judge the left-hand side
             expr = expr.split("=", 1)[0].strip()
         try:
-            value, used = evaluate(expr)
+            tree, used = parse(expr)
         except _Rejected as exc:
             return Verdict.fail(Status.REJECTED, str(exc))
-        except ZeroDivisionError:
-            return Verdict.fail(Status.FAILED, "division by zero")
         except RecursionError:
             return Verdict.fail(Status.REJECTED, "expression nested too deeply")
         available = list(task.data["numbers"])
@@ -157,6 +169,10 @@ class CountdownVerifier(SimpleVerifier):
                 why = "used more often than given" if n in task.data["numbers"] else "not among the given numbers"
                 return Verdict.fail(Status.FAILED, f"{n} is {why} ({task.data['numbers']})")
             available.remove(n)
+        try:
+            value = value_of(tree)
+        except ZeroDivisionError:
+            return Verdict.fail(Status.FAILED, "division by zero")
         target = task.data["target"]
         if value != target:
             return Verdict.fail(Status.FAILED, f"{expr} = {_show(value)}, not {target}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -40,10 +41,16 @@ class VerificationPool:
         self._thread.start()
         self._sem = asyncio.run_coroutine_threadsafe(self._make_semaphore(), self._loop).result()
         self._pending = 0
+        self._busy_s = 0.0
         self._lock = threading.Lock()
 
     async def _make_semaphore(self) -> asyncio.Semaphore:
         return asyncio.Semaphore(self._concurrency)
+
+    @property
+    def busy_s(self) -> float:
+        """Total wall time spent inside verify() calls so far (summed over concurrent calls)."""
+        return self._busy_s
 
     @property
     def queue_depth(self) -> int:
@@ -63,7 +70,12 @@ class VerificationPool:
     async def _run(self, chunk: list[Attempt]) -> list[Verdict]:
         try:
             async with self._sem:
-                return await verify_safely(self.verifier, chunk, self.timeout_s)
+                start = time.perf_counter()
+                try:
+                    return await verify_safely(self.verifier, chunk, self.timeout_s)
+                finally:
+                    with self._lock:
+                        self._busy_s += time.perf_counter() - start
         finally:
             with self._lock:
                 self._pending -= len(chunk)
