@@ -206,6 +206,30 @@ def _read(path: Path) -> str:
 
 
 @main.command()
+@click.option("--plugin", "-p", help="Environment whose defaults apply. Default: countdown.")
+@click.option("--optimizer", type=click.Choice(["es", "grpo"]), help="Update rule.")
+@click.option("--model", "-m", help="Model id or path.")
+@click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_set_help)
+@click.option("--fields", is_flag=True, help="Print the table of all fields (markdown) instead.")
+def config(plugin, optimizer, model, config_file, overrides, fields) -> None:
+    """Print the resolved configuration as YAML (what `vrl train` with the same flags would use)."""
+    import yaml
+
+    from vrl.config import dump, field_table
+    from vrl.plugins import UnknownNameError
+
+    if fields:
+        click.echo(field_table(), nl=False)
+        return
+    try:
+        cfg = _resolve_config(config_file, {"plugin": plugin, "optimizer": optimizer, "model": model}, overrides, ())
+    except (ConfigError, UnknownNameError) as exc:
+        _fail(str(exc))
+    click.echo(yaml.safe_dump(dump(cfg), sort_keys=False), nl=False)
+
+
+@main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def plugins(as_json: bool) -> None:
     """List installed plugins, their versions and what they register."""

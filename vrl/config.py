@@ -11,7 +11,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 from pathlib import Path
-from typing import Any, Literal
+import types
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -30,7 +31,6 @@ class SamplingConfig(_Section):
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy decoding.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(64, ge=1, description="Cap on generated tokens per completion.")
-    n: int = Field(1, ge=1, description="Samples per task per policy variant (GRPO uses grpo.num_generations).")
     stop: list[str] = Field(default_factory=list, description="Stop strings; the completion ends after the first one.")
     batch_size: int = Field(
         32, ge=1, description="Prompts per generation batch; each finished batch streams to the verifier."
@@ -204,3 +204,44 @@ def _section_for(loc: tuple) -> type[BaseModel] | None:
 def dump(config: TrainConfig) -> dict[str, Any]:
     """The resolved config as plain JSON-able data (what a run directory records)."""
     return config.model_dump(mode="json")
+
+
+def field_table() -> str:
+    """A markdown table of every config field (dotted name, type, default, description)."""
+    rows = ["| field | type | default | description |", "|---|---|---|---|"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            default = field.get_default(call_default_factory=True)
+            shown = str(default) if not isinstance(default, str) else repr(default)
+            kind = _type_name(ann)
+            desc, kind = (field.description or "").replace("|", "\\|"), kind.replace("|", "\\|")
+            rows.append(f"| `{prefix}{name}` | {kind} | `{shown}` | {desc} |")
+
+    walk(TrainConfig, "")
+    return "\n".join(rows) + "\n"
+
+
+def _type_name(ann: Any) -> str:
+    origin, args = get_origin(ann), get_args(ann)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    return "None" if ann is type(None) else getattr(ann, "__name__", str(ann))
+
+
+if __name__ == "__main__":  # python -m vrl.config: refresh the field table in docs/config.md
+    import sys
+
+    doc = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/config.md")
+    text = doc.read_text()
+    start, end = "<!-- fields:start -->\n", "<!-- fields:end -->"
+    head, tail = text[: text.index(start) + len(start)], text[text.index(end) :]
+    doc.write_text(head + field_table() + tail)

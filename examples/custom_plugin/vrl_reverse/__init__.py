@@ -1,0 +1,1 @@
+"""Example vrl plugin: reverse a word."""

@@ -1,0 +1,58 @@
+"""examples/custom_plugin is a real, pip-installable plugin: install it and train on it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_plugin"
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """pip-install the example into a private target directory (the test venv stays untouched)."""
+    target = tmp_path_factory.mktemp("site")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
+         "--target", str(target), str(EXAMPLE)],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    env = {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return env
+
+
+def vrl(env, *args, input=None):
+    return subprocess.run([sys.executable, "-m", "vrl.cli", *args], env=env, capture_output=True, text=True, input=input)
+
+
+def test_example_plugin_is_listed(installed):
+    out = vrl(installed, "plugins", "--json")
+    plugins = {p["name"]: p for p in json.loads(out.stdout)}
+    assert plugins["reverse"]["distribution"] == "vrl-reverse"
+    assert plugins["reverse"]["registered"]["environments"] == ["reverse"]
+    assert plugins["reverse"]["registered"]["verifiers"] == ["reverse"]
+
+
+def test_train_one_iteration_on_the_example_plugin(installed, tmp_path):
+    out = vrl(installed, "train", "--plugin", "reverse", "--iterations", "1", "--name", "rev",
+              "--set", f"logging.runs_dir={tmp_path}", "--set", "tasks_per_iteration=2", "--set", "es.population_size=2")
+    assert out.returncode == 0, out.stderr
+    row = json.loads((tmp_path / "rev" / "metrics.jsonl").read_text())
+    assert row["completions"] == 4 and row["status/rejected"] + row["status/failed"] + row["status/passed"] == 4
+    config = json.loads((tmp_path / "rev" / "config.json").read_text())
+    assert config["sampling"]["max_new_tokens"] == 24  # the plugin's declared default was applied
+
+
+def test_verify_with_the_example_plugin(installed):
+    lines = "\n".join([
+        json.dumps({"task": {"word": "abc"}, "completion": "<answer>cba</answer>"}),
+        json.dumps({"task": {"word": "abcd"}, "completion": "<answer>dcxx</answer>"}),
+    ])
+    out = vrl(installed, "verify", "--plugin", "reverse", "-", input=lines)
+    verdicts = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [v["passed"] for v in verdicts] == [True, False]
+    assert verdicts[1]["score"] == 0.5
