@@ -24,5 +24,12 @@ class Generator(ABC):
         """All completions for `tasks`, in task order, n per task."""
         return [c for batch in self.stream(tasks, n=n, variant=variant, seed=seed) for c in batch]
 
+    def sync_weights(self) -> None:
+        """Make sampling use the trainer's current weights (called after each update).
+
+        In-process backends (`hf`) sample from the very module the optimizer updates: nothing to do.
+        Backends with their own copy of the weights (vllm, remote workers) reload them here.
+        """
+
     def close(self) -> None:
         """Free engines and memory."""

@@ -10,9 +10,9 @@ def make_optimizer(config) -> Optimizer:
     if config.optimizer == "es":
         from vrl.optim.es import ES
 
-        return ES(config.es, seed=config.seed)
+        return ES(config.es, seed=config.seed, base={"model": config.model, "revision": config.generator.revision})
     if config.optimizer == "grpo":
         from vrl.optim.grpo import GRPO
 
-        return GRPO(config.grpo, seed=config.seed)
+        return GRPO(config.grpo, seed=config.seed, total_iterations=config.iterations)
     raise ValueError(f"unknown optimizer {config.optimizer!r}; choose es or grpo")

@@ -1,22 +1,558 @@
-"""GRPO (not implemented yet; see the GRPO issue)."""
+"""GRPO: group-relative policy optimisation, with the semantics of TRL's `GRPOTrainer`.
+
+One iteration: G samples per task from the current policy; rewards become advantages relative to
+their task's group; the policy takes `num_iterations` AdamW steps on the clipped token-level
+surrogate (plus a k3 KL penalty to a frozen reference when `beta` > 0). Field names and formulas
+follow TRL's `GRPOConfig`; docs/grpo.md writes each formula out and maps every field to TRL.
+
+    A_i      = (r_i − mean(r_group)) / (std(r_group) + 1e-4)        scale_rewards='group'
+    ρ_i,t    = exp(log π_θ(o_i,t) − log π_old(o_i,t))
+    ℓ_i,t    = −min(ρ A_i, clip(ρ, 1 − ε, 1 + ε_high) A_i) + β (e^{ref − logπ} − (ref − logπ) − 1)
+    loss     = grpo: mean_i (Σ_t m ℓ / Σ_t m) · dapo: Σ m ℓ / Σ m · dr_grpo: Σ m ℓ / (N · max_new_tokens)
+
+Every normaliser is taken over the whole batch of the iteration, so the gradient does not depend
+on `micro_batch_size` (gradient accumulation only bounds memory).
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import contextlib
+import copy
+import logging
+import math
+import os
+import shutil
+from collections.abc import Hashable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
 
-from vrl.optim.base import Optimizer
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vrl.optim.base import Optimizer, Variant
+from vrl.optim.logprobs import Packed, completion_logprobs, pack
+from vrl.types import Result
+
+log = logging.getLogger(__name__)
+
+LossType = Literal["grpo", "dapo", "dr_grpo"]
+ScaleRewards = Literal["group", "batch", "none"]
+_LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+_KEEP_CHECKPOINTS = 2
 
 
 class GRPOConfig(BaseModel):
-    """Group Relative Policy Optimization settings."""
+    """Group Relative Policy Optimization settings (names and defaults as in TRL's GRPOConfig)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     num_generations: int = Field(8, ge=2, description="Samples per task (the group size G).")
+    loss_type: LossType = Field(
+        "dapo",
+        description="How token losses are averaged: 'grpo' (per-sequence mean, then mean over sequences), "
+        "'dapo' (mean over all completion tokens of the batch), 'dr_grpo' (sum / (sequences × max_new_tokens)).",
+    )
+    scale_rewards: ScaleRewards = Field(
+        "group",
+        description="Advantage scaling: 'group' divides by each task group's reward std, 'batch' by the batch's, "
+        "'none' only subtracts the group mean (Dr. GRPO).",
+    )
+    epsilon: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clipping bound: ratios below 1 − ε are clipped.")
+    epsilon_high: float | None = Field(
+        None, ge=0.0, description="Upper clipping bound 1 + ε_high; default: epsilon (DAPO recommends 0.28)."
+    )
+    beta: float = Field(
+        0.0, ge=0.0, description="KL coefficient to the frozen initial policy (k3 estimator); 0 loads no reference."
+    )
+    num_iterations: int = Field(
+        1, ge=1, description="Optimizer steps per batch (μ); steps after the first use importance ratios."
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="Drop completions that hit max_new_tokens (finish_reason 'length') from the loss."
+    )
+    learning_rate: float = Field(1e-6, gt=0.0, description="Peak AdamW learning rate.")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
+        "linear", description="Learning-rate schedule after warmup: constant, linear decay to 0, or cosine to 0."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from 0 to learning_rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW β1.")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW β2.")
+    adam_epsilon: float = Field(1e-8, gt=0.0, description="AdamW ε.")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0.0, description="Clip the global gradient norm to this value; null disables clipping."
+    )
+    micro_batch_size: int = Field(
+        8, ge=1, description="Sequences per forward/backward pass; gradients accumulate over the whole batch."
+    )
+    logprob_chunk_size: int = Field(
+        2048, ge=1, description="Completion tokens per output-head chunk when computing log-probs (bounds memory)."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward: less memory, about a third more compute."
+    )
+    use_peft: bool = Field(False, description="Train LoRA adapters (needs `pip install vrl[lora]`) instead of all weights.")
+    lora_r: int = Field(16, ge=1, description="LoRA rank (with use_peft).")
+    lora_alpha: int = Field(32, ge=1, description="LoRA scaling α; the update is scaled by α / r (with use_peft).")
+    lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input (with use_peft).")
+    lora_target_modules: list[str] | None = Field(
+        None,
+        description="Module names to adapt, e.g. [q_proj, v_proj] or [all-linear]; null: peft's default for the "
+        "architecture (with use_peft).",
+    )
+
+    @model_validator(mode="after")
+    def _lora_needs_peft(self) -> GRPOConfig:
+        stray = sorted(f for f in _LORA_FIELDS if f in self.model_fields_set)
+        if stray and not self.use_peft:
+            raise ValueError(f"{', '.join(stray)} only apply to LoRA training; set grpo.use_peft=true or remove them")
+        return self
 
 
+# -- the math: advantages and loss ------------------------------------------------------------------
+def group_advantages(
+    rewards: Sequence[float], groups: Sequence[Hashable], scale_rewards: ScaleRewards = "group"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative advantages and, per sample, whether its scaling std was zero.
+
+    A_i = r_i − mean of i's group; unless scale_rewards='none' it is divided by (std + 1e-4), the
+    unbiased std of i's group ('group') or of the whole batch ('batch'). A group of one has std 0.
+    """
+    r = torch.tensor(list(rewards), dtype=torch.float32)
+    if r.numel() != len(groups) or r.numel() == 0:
+        raise ValueError(f"need one group key per reward (got {r.numel()} rewards and {len(groups)} keys)")
+    index: dict[Hashable, list[int]] = {}
+    for i, key in enumerate(groups):
+        index.setdefault(key, []).append(i)
+    mean, std = torch.zeros_like(r), torch.zeros_like(r)
+    for members in index.values():
+        sel = torch.tensor(members)
+        mean[sel] = r[sel].mean()
+        std[sel] = r[sel].std() if len(members) > 1 else 0.0
+    if scale_rewards == "batch":
+        std = torch.full_like(r, float(r.std()) if r.numel() > 1 else 0.0)
+    advantages = r - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + 1e-4)
+    return advantages, torch.isclose(std, torch.zeros_like(std))
+
+
+def grpo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: LossType,
+    epsilon: float,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    ref_logps: torch.Tensor | None = None,
+    num_sequences: int | None = None,
+    num_tokens: float | None = None,
+    max_completion_length: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO loss of a (micro-)batch and detached statistics for logging.
+
+    `logps`, `old_logps`, `ref_logps`, `mask` are [B, T]; `advantages` is [B]. `num_sequences` and
+    `num_tokens` are the counts of the *whole* batch when this is one micro-batch of it, so that
+    summing micro-batch losses gives the batch loss; they default to this batch's own counts.
+    """
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    adv = advantages.unsqueeze(1)
+    ratio = torch.exp(logps - old_logps)
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv)
+    per_token = -surrogate
+    stats: dict[str, torch.Tensor] = {}
+    if beta:
+        if ref_logps is None:
+            raise ValueError("beta > 0 needs ref_logps")
+        delta = ref_logps - logps
+        kl = torch.exp(delta) - delta - 1  # k3: unbiased, non-negative estimate of KL(π_θ ‖ π_ref)
+        per_token = per_token + beta * kl
+        stats["kl_sum"] = (kl * mask).sum().detach()
+    masked = per_token * mask
+    n = logps.shape[0] if num_sequences is None else num_sequences
+    if loss_type == "grpo":
+        loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / n
+    elif loss_type == "dapo":
+        tokens = float(mask.sum()) if num_tokens is None else float(num_tokens)
+        loss = masked.sum() / max(tokens, 1.0)
+    elif loss_type == "dr_grpo":
+        if not max_completion_length:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length (sampling.max_new_tokens)")
+        loss = masked.sum() / (n * max_completion_length)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose grpo, dapo or dr_grpo")
+    with torch.no_grad():
+        low = ((ratio < 1 - epsilon) & (adv < 0)).float() * mask
+        high = ((ratio > 1 + eps_high) & (adv > 0)).float() * mask
+        stats.update(clip_low_sum=low.sum(), clip_high_sum=high.sum(), tokens=mask.sum())
+    return loss, stats
+
+
+# -- the optimizer ----------------------------------------------------------------------------------
 class GRPO(Optimizer):
+    """GRPO on the generator's in-process model (the `hf` backend)."""
+
     name = "grpo"
 
-    def __init__(self, config: GRPOConfig, seed: int = 0):
-        raise NotImplementedError("the grpo optimizer is not implemented yet; use --optimizer es")
+    def __init__(self, config: GRPOConfig, seed: int = 0, total_iterations: int | None = None):
+        self.config, self.seed, self.total_iterations = config, seed, total_iterations
+        self.iteration = 0  # finished tell() calls
+        self.step = 0  # optimizer steps taken
+
+    # setup ---------------------------------------------------------------------------------------
+    def setup(self, generator) -> None:
+        """Attach to the generator's model: LoRA, checkpointing, reference model, AdamW, schedule."""
+        super().setup(generator)
+        cfg = self.config
+        model, tokenizer, sampling = (getattr(generator, a, None) for a in ("model", "tokenizer", "sampling"))
+        if model is None or tokenizer is None or sampling is None:
+            raise TypeError(
+                f"GRPO trains the generator's in-process model, but {type(generator).__name__} exposes no "
+                "model/tokenizer/sampling; use generator.backend=hf"
+            )
+        if sampling.temperature <= 0:
+            raise ValueError("GRPO needs sampling.temperature > 0: greedy decoding gives G identical samples per task")
+        if cfg.lr_scheduler_type != "constant" and self.total_iterations is None:
+            raise ValueError(
+                f"grpo.lr_scheduler_type={cfg.lr_scheduler_type!r} needs the run length; build GRPO with "
+                "make_optimizer(config) or pass total_iterations (or use lr_scheduler_type=constant)"
+            )
+        self.temperature = float(sampling.temperature)
+        self.max_completion_length = int(sampling.max_new_tokens)
+        self.model, self.tokenizer = model, tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.device = next(model.parameters()).device
+        self.ref_model = None
+        if cfg.beta > 0 and not cfg.use_peft:
+            # The frozen reference is the policy as loaded (TRL's default); with LoRA it is the
+            # same module with its adapters disabled, so it costs no memory.
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.peft_model = self._apply_lora(model) if cfg.use_peft else None
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters")
+        # bf16 cannot hold a 1e-6-sized step on most weights: keep fp32 master copies for AdamW.
+        self.master = (
+            self.params
+            if all(p.dtype == torch.float32 for p in self.params)
+            else [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        )
+        self.optim = torch.optim.AdamW(
+            self.master,
+            lr=cfg.learning_rate,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_epsilon,
+            weight_decay=cfg.weight_decay,
+            fused=self.device.type == "cuda",
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optim, self.lr_factor)
+
+    def _apply_lora(self, model):
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as exc:
+            raise ImportError("grpo.use_peft=true needs peft: pip install 'vrl[lora]'") from exc
+        cfg = self.config
+        targets = cfg.lora_target_modules
+        lora = LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=targets[0] if targets == ["all-linear"] else targets,
+            task_type="CAUSAL_LM",
+        )
+        # peft injects the adapters into `model` in place, so the generator samples with them.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.seed)
+            return get_peft_model(model, lora)
+
+    def lr_factor(self, step: int) -> float:
+        """Learning-rate multiplier at optimizer step `step` (0-based), as in transformers' schedules."""
+        cfg = self.config
+        if step < cfg.warmup_steps:
+            return step / cfg.warmup_steps
+        if cfg.lr_scheduler_type == "constant":
+            return 1.0
+        total = self.total_iterations * cfg.num_iterations
+        progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+        if cfg.lr_scheduler_type == "linear":
+            return max(0.0, 1.0 - progress)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+    # ask / tell ----------------------------------------------------------------------------------
+    def ask(self) -> list[Variant]:
+        return [Variant(index=0, samples_per_task=self.config.num_generations)]
+
+    def tell(self, results: list[Result]) -> dict[str, float]:
+        """Advantages from the results' rewards, then `num_iterations` AdamW steps on the GRPO loss."""
+        cfg = self.config
+        if not results:
+            raise ValueError("GRPO.tell got no results")
+        for r in results:
+            c = r.completion
+            if c.token_ids is None or c.prompt_token_ids is None:
+                raise ValueError(
+                    f"completion for task {c.task_id!r} carries no token ids; GRPO trains on the sampled ids "
+                    "(Completion.prompt_token_ids and token_ids), which the generator must keep"
+                )
+            if c.logprobs is not None and len(c.logprobs) != len(c.token_ids):
+                raise ValueError(
+                    f"completion for task {c.task_id!r} has {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens"
+                )
+        advantages, zero_std = group_advantages([r.reward for r in results], [r.task.id for r in results],
+                                                cfg.scale_rewards)
+        truncated = [r.completion.finish_reason == "length" for r in results]
+        # Shortest first: micro-batches of similar lengths waste less compute on padding.
+        order = sorted(range(len(results)), key=lambda i: len(results[i].completion.prompt_token_ids)
+                       + len(results[i].completion.token_ids))
+        batches = [self._micro_batch(results, order[s : s + cfg.micro_batch_size], advantages, truncated)
+                   for s in range(0, len(order), cfg.micro_batch_size)]
+        num_sequences = len(results)
+        num_tokens = float(sum(b["mask"].sum() for b in batches))
+
+        self._fill_reference_and_old(batches, results)
+        totals: dict[str, float] = {"loss": 0.0, "grad_norm": 0.0, "kl_sum": 0.0, "clip_low_sum": 0.0,
+                                    "clip_high_sum": 0.0, "tokens": 0.0}
+        lr = 0.0
+        for _ in range(cfg.num_iterations):
+            lr = self.optim.param_groups[0]["lr"]
+            loss, stats = self._accumulate(batches, num_sequences, num_tokens)
+            totals["loss"] += loss / cfg.num_iterations
+            totals["grad_norm"] += self._apply_step() / cfg.num_iterations
+            for key in ("kl_sum", "clip_low_sum", "clip_high_sum", "tokens"):
+                totals[key] += stats.get(key, 0.0)
+        self.iteration += 1
+        self.generator.sync_weights()
+
+        rewards = torch.tensor([r.reward for r in results])
+        tokens = max(totals["tokens"], 1.0)
+        metrics = {
+            "grpo/loss": totals["loss"],
+            "grpo/grad_norm": totals["grad_norm"],
+            "grpo/learning_rate": lr,
+            "grpo/reward_std": float(rewards.std()) if len(results) > 1 else 0.0,
+            "grpo/frac_reward_zero_std": float(zero_std.float().mean()),
+            "grpo/advantage_abs_mean": float(advantages.abs().mean()),
+            "grpo/clip_ratio/low_mean": totals["clip_low_sum"] / tokens,
+            "grpo/clip_ratio/high_mean": totals["clip_high_sum"] / tokens,
+            "grpo/clip_ratio/region_mean": (totals["clip_low_sum"] + totals["clip_high_sum"]) / tokens,
+            "grpo/completions/clipped_ratio": sum(truncated) / len(truncated),
+            "grpo/completions/mean_length": sum(len(r.completion.token_ids) for r in results) / len(results),
+            "grpo/trained_tokens": num_tokens,
+        }
+        if cfg.beta > 0:
+            metrics["grpo/kl"] = totals["kl_sum"] / tokens
+        return metrics
+
+    def _micro_batch(self, results: list[Result], rows: list[int], advantages: torch.Tensor,
+                     truncated: list[bool]) -> dict[str, Any]:
+        comps = [results[i].completion for i in rows]
+        packed = pack([c.prompt_token_ids for c in comps], [c.token_ids for c in comps], self.pad_id, self.device)
+        mask = packed.completion_mask.clone()
+        if self.config.mask_truncated_completions:
+            keep = torch.tensor([not truncated[i] for i in rows], dtype=mask.dtype, device=mask.device)
+            mask = mask * keep.unsqueeze(1)
+        sampled = None
+        if all(c.logprobs is not None for c in comps):
+            sampled = torch.zeros_like(mask)
+            for row, c in enumerate(comps):
+                sampled[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+        return {"packed": packed, "mask": mask, "advantages": advantages[rows].to(self.device),
+                "old": sampled, "ref": None, "has_sampled": sampled is not None}
+
+    @torch.no_grad()
+    def _logprobs_no_grad(self, model, packed: Packed) -> torch.Tensor:
+        return completion_logprobs(model, packed, self.temperature, self.config.logprob_chunk_size)
+
+    def _fill_reference_and_old(self, batches: list[dict[str, Any]], results: list[Result]) -> None:
+        """Reference log-probs (beta > 0) and sampling-policy log-probs (num_iterations > 1), once per batch."""
+        cfg = self.config
+        if any(b["has_sampled"] for b in batches) and not all(b["has_sampled"] for b in batches):
+            log.warning("only some completions carry sampling log-probs; recomputing them for all")
+            for b in batches:
+                b["old"], b["has_sampled"] = None, False
+        self.model.eval()
+        for b in batches:
+            if cfg.beta > 0:
+                if self.peft_model is not None:
+                    with self.peft_model.disable_adapter():
+                        b["ref"] = self._logprobs_no_grad(self.model, b["packed"])
+                else:
+                    b["ref"] = self._logprobs_no_grad(self.ref_model, b["packed"])
+            # With one step per batch the policy *is* the sampling policy, so ρ = 1 exactly
+            # (old = current log-probs, detached); later steps need the stored values.
+            if b["old"] is None and cfg.num_iterations > 1:
+                b["old"] = self._logprobs_no_grad(self.model, b["packed"])
+
+    def _accumulate(self, batches: list[dict[str, Any]], num_sequences: int, num_tokens: float
+                    ) -> tuple[float, dict[str, float]]:
+        """Forward and backward every micro-batch; gradients sum to those of the whole-batch loss."""
+        cfg = self.config
+        total_loss = torch.zeros((), device=self.device)
+        stats_sum: dict[str, torch.Tensor] = {}
+        self.model.train()
+        cuda = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=cuda):
+                # Dropout (LoRA) masks are a pure function of (seed, step): resume replays them.
+                torch.manual_seed((self.seed * 1_000_003 + self.step) % (2**63))
+                for b in batches:
+                    logps = completion_logprobs(self.model, b["packed"], self.temperature, cfg.logprob_chunk_size)
+                    old = logps.detach() if b["old"] is None else b["old"]
+                    loss, stats = grpo_loss(
+                        logps, old, b["advantages"], b["mask"],
+                        loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                        beta=cfg.beta, ref_logps=b["ref"], num_sequences=num_sequences, num_tokens=num_tokens,
+                        max_completion_length=self.max_completion_length,
+                    )
+                    loss.backward()
+                    self._move_grads_to_master()
+                    # Summed on the device: one host sync per step, not per micro-batch.
+                    total_loss += loss.detach()
+                    for key, value in stats.items():
+                        stats_sum[key] = stats_sum[key] + value if key in stats_sum else value
+        finally:
+            self.model.eval()
+        return float(total_loss), {key: float(value) for key, value in stats_sum.items()}
+
+    def _move_grads_to_master(self) -> None:
+        if self.master is self.params:
+            return
+        for p, m in zip(self.params, self.master):
+            if p.grad is not None:
+                g = p.grad.float()
+                m.grad = g if m.grad is None else m.grad.add_(g)
+                p.grad = None
+
+    def _apply_step(self) -> float:
+        """Clip, step AdamW and the schedule, write fp32 masters back to the model; returns the gradient norm."""
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(self.master, max_norm))
+        self.optim.step()
+        self.scheduler.step()
+        self.optim.zero_grad(set_to_none=True)
+        if self.master is not self.params:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m)
+        self.step += 1
+        return norm
+
+    # checkpoints ---------------------------------------------------------------------------------
+    def _checkpoint_dir(self, run_dir: Path, iteration: int) -> Path:
+        return Path(run_dir) / "grpo" / f"iter-{iteration:06d}"
+
+    def save(self, run_dir: Path) -> None:
+        """Write grpo/iter-NNNNNN/: the policy (save_pretrained + tokenizer) and optimizer/schedule/RNG state.
+
+        Written to a temporary directory and renamed, and the previous checkpoint is kept, so a crash
+        at any point leaves the checkpoint that matches the run's last finished iteration.
+        """
+        final = self._checkpoint_dir(run_dir, self.iteration)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        policy = self.peft_model if self.peft_model is not None else self.model
+        with _quiet_transformers():
+            policy.save_pretrained(tmp / "policy")
+            self.tokenizer.save_pretrained(tmp / "policy")
+        state = {
+            "iteration": self.iteration,
+            "step": self.step,
+            "config": self.config.model_dump(mode="json"),
+            "optimizer": self.optim.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "master": None if self.master is self.params else [m.detach().cpu() for m in self.master],
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+        torch.save(state, tmp / "state.pt")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        kept = sorted(p for p in final.parent.glob("iter-*") if not p.name.endswith(".tmp"))
+        for old in kept[:-_KEEP_CHECKPOINTS]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, run_dir: Path) -> None:
+        """Resume from the checkpoint of the run's last finished iteration."""
+        import json
+
+        state_file = Path(run_dir) / "state.json"
+        finished = json.loads(state_file.read_text())["iteration"] if state_file.exists() else 0
+        ckpt = self._checkpoint_dir(run_dir, finished)
+        if not ckpt.is_dir():
+            found = sorted(p.name for p in (Path(run_dir) / "grpo").glob("iter-*"))
+            raise FileNotFoundError(
+                f"no GRPO checkpoint for iteration {finished} in {ckpt.parent} (found: {found or 'none'}); "
+                "the run directory is incomplete, start a new run"
+            )
+        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+        saved = state["config"]
+        for key in ("use_peft",) + _LORA_FIELDS:
+            if saved.get(key) != getattr(self.config, key):
+                raise ValueError(f"checkpoint {ckpt} was trained with grpo.{key}={saved.get(key)!r}, "
+                                 f"the config says {getattr(self.config, key)!r}; resume with the recorded config")
+        self._load_policy(ckpt / "policy")
+        if state["master"] is not None:
+            with torch.no_grad():
+                for m, saved_m in zip(self.master, state["master"]):
+                    m.copy_(saved_m)
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m)
+        self.optim.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng_cpu"])
+        if state["rng_cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng_cuda"])
+        self.iteration, self.step = state["iteration"], state["step"]
+        self.generator.sync_weights()
+
+    def _load_policy(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        if self.peft_model is not None:
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.peft_model, load_file(str(path / "adapter_model.safetensors")))
+            if result.unexpected_keys:
+                raise ValueError(f"adapter checkpoint {path} has unexpected keys: {result.unexpected_keys[:5]}")
+            return
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        weights: dict[str, torch.Tensor] = {}
+        for f in files:
+            weights.update(load_file(str(f)))
+        result = self.model.load_state_dict(weights, strict=False)
+        loaded = {t.data_ptr() for name, t in self.model.state_dict().items() if name in weights}
+        own = self.model.state_dict()
+        # save_pretrained drops tied weights (e.g. lm_head tied to the embeddings); anything else is an error.
+        missing = [k for k in result.missing_keys if own[k].data_ptr() not in loaded]
+        if result.unexpected_keys or missing:
+            raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
+                             f"unexpected {result.unexpected_keys[:5]}")
+
+    def describe(self) -> dict[str, Any]:
+        cfg = self.config
+        return {"optimizer": self.name, "loss_type": cfg.loss_type, "scale_rewards": cfg.scale_rewards,
+                "num_generations": cfg.num_generations, "beta": cfg.beta, "use_peft": cfg.use_peft}
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No per-shard progress bar from save_pretrained after every iteration."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
