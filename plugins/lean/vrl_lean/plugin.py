@@ -1,12 +1,20 @@
-"""Entry point of the vrl-lean plugin."""
+"""Entry point of the vrl-lean plugin: registers the `lean` environment and verifier."""
+
+from __future__ import annotations
 
 import vrl
 
 
-def _lean(**options):
-    raise NotImplementedError("the lean environment is not implemented yet")
+@vrl.hookimpl
+def register_environments(register):
+    from vrl_lean.environment import LeanEnvironment
+
+    # The class itself is the factory, so `vrl train` can read LeanEnvironment.defaults.
+    register("lean", LeanEnvironment)
 
 
 @vrl.hookimpl
-def register_environments(register):
-    register("lean", _lean)
+def register_verifiers(register):
+    from vrl_lean.verifier import LeanVerifier
+
+    register("lean", LeanVerifier)

@@ -1,0 +1,96 @@
+"""The Lean verifier: validity policy before and after, kimina-lean-server in between."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from vrl.types import Attempt, Status, Verdict
+from vrl.verifier import Verifier
+from vrl_lean.client import KiminaClient, LeanServerError
+from vrl_lean.policy import DEFAULT_MAX_HEARTBEATS, Rejected, Theorem, judge, prepare
+from vrl_lean.server import KIMINA, ServerSupervisor
+
+log = logging.getLogger(__name__)
+
+NO_SERVER = (
+    "the lean verifier needs a kimina-lean-server. Start one with Docker:\n"
+    f"  docker run -d --rm -p 8000:8000 -e LEAN_SERVER_MAX_REPLS=4 {KIMINA.image}\n"
+    "then pass its URL: -o server=http://localhost:8000 (or `vrl verify --server URL`). "
+    "See docs/plugins/lean.md (Docker or Modal)."
+)
+
+
+def theorem_of(data: Mapping[str, Any]) -> Theorem:
+    """The trusted theorem stored in a task's data."""
+    try:
+        return Theorem(name=str(data["name"]), header=str(data["header"]), statement=str(data["statement"]))
+    except KeyError as exc:
+        raise ValueError(f"task data lacks {exc.args[0]!r}; a lean task needs name, header and statement") from None
+
+
+class LeanVerifier(Verifier):
+    """Judges Lean proofs: `prepare` (reject or rebuild), check on the server, `judge` Lean's answer."""
+
+    name = "lean"
+
+    def __init__(
+        self,
+        server: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout_s: float = 60.0,
+        max_heartbeats: int = DEFAULT_MAX_HEARTBEATS,
+        repls: int = 4,
+        max_retries: int = 5,
+        client: KiminaClient | None = None,
+        supervisor: ServerSupervisor | None = None,
+    ):
+        if client is None:
+            url = server or (supervisor.url if supervisor else None)
+            if not url:
+                raise ValueError(NO_SERVER)
+            client = KiminaClient(url, api_key, repls=repls, timeout_s=timeout_s, max_retries=max_retries)
+        if max_heartbeats < 1:
+            raise ValueError("max_heartbeats must be positive (0 would mean no limit)")
+        self.client = client
+        self.max_heartbeats = max_heartbeats
+        self.supervisor = supervisor
+        self._counter = 0
+
+    async def verify(self, attempts: Sequence[Attempt]) -> list[Verdict]:
+        verdicts: list[Verdict | None] = [None] * len(attempts)
+        snippets: list[tuple[str, str]] = []
+        names: dict[str, tuple[int, str]] = {}
+        for i, attempt in enumerate(attempts):
+            try:
+                theorem = theorem_of(attempt.task.data)
+                code = prepare(attempt.completion.text, theorem, self.max_heartbeats)
+            except Rejected as exc:
+                verdicts[i] = Verdict.fail(Status.REJECTED, str(exc))
+                continue
+            except ValueError as exc:
+                verdicts[i] = Verdict.fail(Status.REJECTED, f"bad task: {exc}")
+                continue
+            self._counter += 1
+            sid = f"{self._counter}-{attempt.task.id}"  # unique per process, so a result can only match its snippet
+            snippets.append((sid, code))
+            names[sid] = (i, theorem.name)
+        if snippets:
+            if self.supervisor is not None:
+                await self.supervisor.ensure_healthy()
+            try:
+                results = await self.client.check(snippets)
+            except LeanServerError as exc:
+                results = {sid: {"error": str(exc)} for sid, _ in snippets}
+            for sid, (i, name) in names.items():
+                verdicts[i] = judge(results[sid], name)
+            if self.supervisor is not None and any(r.get("transport_failure") for r in results.values()):
+                await self.supervisor.restart("a request to the server timed out or lost its connection")
+        return [v for v in verdicts if v is not None]
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+        if self.supervisor is not None:
+            await self.supervisor.stop()
