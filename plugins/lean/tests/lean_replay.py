@@ -7,6 +7,7 @@ server, which needs Docker and Lean + Mathlib (several GB) that the test machine
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -97,6 +98,7 @@ class ReplayServer:
         self.httpd.server_close()
 
 
+@functools.cache
 def recorded_results() -> dict[str, dict[str, Any]]:
     """Theorem name -> the recorded legacy `/verify` result for it."""
     out = {}
@@ -134,6 +136,17 @@ def fixture_responder(audit: str | None = AUDIT_OK) -> Responder:
     return respond
 
 
-if __name__ == "__main__":
-    server = ReplayServer(fixture_responder(), port=int(sys.argv[1]))
-    server.httpd.serve_forever()
+def _slow(respond: Responder, delay_s: float) -> Responder:
+    def slow(payload: dict[str, Any]) -> Answer:
+        answer = respond(payload)
+        answer.delay_s = delay_s
+        return answer
+
+    return slow
+
+
+if __name__ == "__main__":  # python lean_replay.py PORT [SLOW_SECONDS]
+    respond = fixture_responder()
+    if len(sys.argv) > 2:
+        respond = _slow(respond, float(sys.argv[2]))
+    ReplayServer(respond, port=int(sys.argv[1])).httpd.serve_forever()

@@ -56,8 +56,9 @@ class KiminaClient:
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
-        # The server times the header import and the proof separately, after queueing for a REPL.
-        self.http_timeout_s = queue_wait_s + 2 * timeout_s + 10.0
+        # The server times the header import and the proof separately, after queueing for a REPL;
+        # the margin covers the transfer and the server's own bookkeeping.
+        self.http_timeout_s = queue_wait_s + 2 * timeout_s + min(10.0, timeout_s)
         self._transport = transport
         self._http: httpx.AsyncClient | None = None
         self._gate: asyncio.Semaphore | None = None
@@ -67,7 +68,7 @@ class KiminaClient:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             limits = httpx.Limits(max_connections=self.repls + 2, max_keepalive_connections=self.repls + 2)
             self._http = httpx.AsyncClient(
-                base_url=self.url, headers=headers, timeout=httpx.Timeout(self.http_timeout_s, connect=10.0),
+                base_url=self.url, headers=headers, timeout=httpx.Timeout(self.http_timeout_s, connect=min(10.0, self.http_timeout_s)),
                 limits=limits, transport=self._transport,
             )
         return self._http

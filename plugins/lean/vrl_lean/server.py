@@ -138,7 +138,7 @@ class ServerSupervisor:
     handle: ServerHandle
     start_timeout_s: float = 600.0
     poll_s: float = 2.0
-    restarts: int = 0
+    starts: int = 0
     _lock: asyncio.Lock | None = field(default=None, repr=False)
 
     @property
@@ -161,11 +161,11 @@ class ServerSupervisor:
         await self.handle.stop()
 
     async def _restart(self, reason: str) -> None:
-        if self.handle.running():
+        if self.starts:
             log.warning("restarting the Lean server at %s: %s", self.handle.url, reason)
-            await self.handle.stop()
-            self.restarts += 1
+        await self.handle.stop()
         await self.handle.start()
+        self.starts += 1
         took = await wait_healthy(self.handle, self.start_timeout_s, self.poll_s)
         log.info("Lean server at %s healthy after %.1f s", self.handle.url, took)
 
