@@ -1,12 +1,17 @@
-"""Entry point of the vrl-python-tests plugin."""
+"""Entry point of the vrl-python-tests plugin: registers the environment and its verifier."""
 
 import vrl
 
 
-def _python_tests(**options):
-    raise NotImplementedError("the python-tests environment is not implemented yet")
+@vrl.hookimpl
+def register_environments(register):
+    from vrl_python_tests.environment import PythonTestsEnvironment
+
+    register("python-tests", PythonTestsEnvironment)  # the class itself, so the CLI sees its defaults
 
 
 @vrl.hookimpl
-def register_environments(register):
-    register("python-tests", _python_tests)
+def register_verifiers(register):
+    from vrl_python_tests.verifier import PythonTestsVerifier
+
+    register("python-tests", PythonTestsVerifier)

@@ -1,0 +1,309 @@
+"""The fork server that runs inside the sandbox, and the typed value encoding both sides share.
+
+This file is executed by a stand-alone interpreter inside bubblewrap (`python3 -I -S -c <this file>`),
+so it imports nothing but the standard library. It never sees expected outputs, and the server
+process never sees the attempt's code or inputs either: each attempt's child reads its payload from
+a pipe after the fork, so a later attempt forked from the server cannot find an earlier one's data in
+memory. The server's only jobs are to fork a child on command, report when it exits, and, on
+command, kill everything else in the sandbox and wipe its scratch space.
+
+Channels (pipes set up by the host; the numbers of the last three are in the config):
+  stdin    commands from the host, one JSON object per line ({"op": "spawn", "start": k} or {"op": "kill"})
+  stdout   replies to the host, one JSON object per line (hello, exited, cleaned)
+  results  the child writes JSON lines here (ready, import, one line per test)
+  output   the child's stdout and stderr (the host keeps the first few KB)
+  payload  after "ready", the host writes the attempt (8-byte length + JSON) for the child
+
+The host, not this process, keeps time, decodes results and compares them with expected values.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import resource
+import select
+import signal
+import sys
+
+MAX_NODES = 200_000  # values with more nodes than this are not worth comparing
+_SCALARS = (type(None), bool, int, str)
+_TAGS = ("list", "tuple", "set", "frozenset", "dict", "bytes", "float", "complex")
+
+
+class EncodeError(ValueError):
+    """A value outside the plain data types that cross the channel."""
+
+
+def encode(value, _budget=None):
+    """Encode a plain Python value as JSON-ready data; every container is tagged so types survive.
+
+    Exact types only (a subclass of int or an object with a custom __eq__ is refused), so what the
+    host decodes is data, never an object the attempt controls.
+    """
+    budget = _budget if _budget is not None else [MAX_NODES]
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise EncodeError(f"value has more than {MAX_NODES} parts")
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind is float:
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if kind is list or kind is tuple:
+        return {kind.__name__: [encode(v, budget) for v in value]}
+    if kind is set or kind is frozenset:
+        items = [encode(v, budget) for v in value]
+        items.sort(key=lambda v: json.dumps(v, sort_keys=True))  # stable text for equal sets
+        return {kind.__name__: items}
+    if kind is dict:
+        return {"dict": [[encode(k, budget), encode(v, budget)] for k, v in value.items()]}
+    if kind is bytes:
+        return {"bytes": base64.b64encode(value).decode("ascii")}
+    if kind is complex:
+        return {"complex": [encode(value.real, budget), encode(value.imag, budget)]}
+    raise EncodeError(f"cannot return a {kind.__name__}: only None, bool, int, float, complex, str, bytes, "
+                      "list, tuple, set, frozenset and dict cross the sandbox")
+
+
+def decode(data):
+    """Inverse of `encode`; raises ValueError on anything `encode` cannot have produced."""
+    kind = type(data)
+    if kind in _SCALARS:
+        return data
+    if kind is float:
+        return data
+    if kind is dict and len(data) == 1:
+        (tag, body), = data.items()
+        if tag in ("list", "tuple", "set", "frozenset") and type(body) is list:
+            items = [decode(v) for v in body]
+            return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
+        if tag == "dict" and type(body) is list:
+            out = {}
+            for pair in body:
+                if type(pair) is not list or len(pair) != 2:
+                    raise ValueError("dict entries must be [key, value] pairs")
+                out[decode(pair[0])] = decode(pair[1])
+            return out
+        if tag == "bytes" and type(body) is str:
+            return base64.b64decode(body.encode("ascii"), validate=True)
+        if tag == "float" and body in ("nan", "inf", "-inf"):
+            return float(body)
+        if tag == "complex" and type(body) is list and len(body) == 2:
+            return complex(decode(body[0]), decode(body[1]))
+    raise ValueError(f"not an encoded value: {str(data)[:80]}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The child: runs one attempt's tests and reports each result on the results pipe.
+# --------------------------------------------------------------------------------------------------
+
+def _send(fd, obj):
+    data = (json.dumps(obj, allow_nan=False) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read_exact(fd, n):
+    chunks = []
+    while n:
+        chunk = os.read(fd, min(n, 1 << 20))
+        if not chunk:
+            raise EOFError("payload pipe closed")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _describe(exc):
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except BaseException:  # a hostile __str__ must not hide the failure
+        text = type(exc).__name__
+    return text[:500]
+
+
+def _child(config, start):
+    """Set limits, take the payload, import the attempt, run tests start..n-1, report, exit."""
+    os.setsid()
+    fds = config["fds"]
+    results_fd, payload_fd = fds["results"], fds["payload"]
+    devnull = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(fds["output"], 1)
+    os.dup2(fds["output"], 2)
+    # Only the result and payload pipes stay open: the host's command channel is gone from here on.
+    keep = sorted((results_fd, payload_fd))
+    os.closerange(3, keep[0])
+    os.closerange(keep[0] + 1, keep[1])
+    os.closerange(keep[1] + 1, 1 << 16)
+    os.chdir(config["workdir"])
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an over-large file write fails instead of killing
+    limits = config["limits"]
+    for name, value in limits.items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    send = _send  # bound before the attempt runs; what it patches later can only garble its own reply
+    send(results_fd, {"ready": True})
+    size = int.from_bytes(_read_exact(payload_fd, 8), "big")
+    payload = json.loads(_read_exact(payload_fd, size))
+    os.close(payload_fd)
+    entry = payload["entry_point"]
+    tests = payload["tests"]
+    del payload["tests"]
+    namespace = {"__name__": "candidate", "__builtins__": __builtins__}
+    try:
+        code = compile(payload.pop("code"), "<attempt>", "exec")
+    except (SyntaxError, ValueError) as exc:
+        send(results_fd, {"import": "syntax", "error": _describe(exc)})
+        os._exit(0)
+    try:
+        exec(code, namespace)
+        fn = namespace.get(entry)
+        if not callable(fn):
+            raise NameError(f"the code defines no function named {entry!r}")
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt included: they are failures too
+        send(results_fd, {"import": "error", "error": _describe(exc)})
+        os._exit(0)
+    send(results_fd, {"import": "ok"})
+    for index in range(start, len(tests)):
+        test = tests[index]
+        try:
+            args = decode(test["args"])
+            kwargs = decode(test["kwargs"])
+            value = fn(*args, **kwargs)
+            message = {"i": index, "value": encode(value)}
+        except BaseException as exc:
+            message = {"i": index, "error": _describe(exc)}
+        try:
+            send(results_fd, message)
+        except (ValueError, TypeError, RecursionError) as exc:  # e.g. an int too long for JSON
+            send(results_fd, {"i": index, "error": _describe(exc)})
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The server: fork on command, report exits, clean up on command.
+# --------------------------------------------------------------------------------------------------
+
+def _non_dumpable():
+    """Forbid ptrace and /proc/<pid>/{mem,fd,environ} access to this process by the attempt."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
+    except Exception:
+        pass
+
+
+def _wipe(path):
+    """Remove everything below `path`; False if something could not be removed."""
+    ok = True
+    try:
+        entries = os.listdir(path)
+    except OSError:
+        return False
+    for name in entries:
+        full = os.path.join(path, name)
+        try:
+            if os.path.isdir(full) and not os.path.islink(full):
+                os.chmod(full, 0o700)
+                ok = _wipe(full) and ok
+                os.rmdir(full)
+            else:
+                os.unlink(full)
+        except OSError:
+            ok = False
+    return ok
+
+
+def _reply(obj):
+    _send(1, obj)
+
+
+def serve(config):
+    """Answer host commands until stdin closes."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as pid 1, signals without a handler are dropped
+    _non_dumpable()
+    for name in config.get("preload", []):
+        try:
+            __import__(name)
+        except Exception:
+            pass
+    is_init = os.getpid() == 1
+    _reply({"op": "hello", "python": sys.version.split()[0], "init": is_init})
+    buffer = b""
+    child = pidfd = None
+    status = None
+    while True:
+        watch = [0] + ([pidfd] if pidfd is not None else [])
+        ready, _, _ = select.select(watch, [], [])
+        if pidfd is not None and pidfd in ready:
+            _, status = os.waitpid(child, 0)
+            os.close(pidfd)
+            pidfd = None
+            _reply({"op": "exited", "status": _status_text(status)})
+        if 0 not in ready:
+            continue
+        chunk = os.read(0, 65536)
+        if not chunk:
+            break
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            command = json.loads(line)
+            if command["op"] == "spawn":
+                status = None
+                child = os.fork()
+                if child == 0:
+                    try:
+                        _child(config, int(command["start"]))
+                    finally:
+                        os._exit(70)
+                pidfd = os.pidfd_open(child)
+            elif command["op"] == "kill":
+                if pidfd is not None:
+                    os.close(pidfd)
+                    pidfd = None
+                _kill_all(child, is_init)
+                child = None
+                clean = all([_wipe(d) for d in config["scratch"]])
+                _reply({"op": "cleaned", "clean": clean})
+
+
+def _kill_all(child, is_init):
+    """Kill the attempt and everything it started, then reap."""
+    if is_init:
+        # As pid 1 of the sandbox's pid namespace, kill(-1) reaches every other process in it,
+        # including daemons that left the child's session.
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    elif child is not None:
+        try:
+            os.killpg(child, signal.SIGKILL)  # unsafe-local mode: the child's session only
+        except (ProcessLookupError, PermissionError):
+            pass
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+
+
+def _status_text(status):
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            return f"killed by signal {signal.Signals(sig).name}"
+        except ValueError:
+            return f"killed by signal {sig}"
+    return f"exited with code {os.WEXITSTATUS(status)}"
+
+
+if __name__ == "__main__":
+    serve(json.loads(sys.argv[1]))
