@@ -31,7 +31,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
     sys.exit(2)
 
 
@@ -121,7 +121,7 @@ def train(plugin, optimizer, model, config_file, iterations, name, resume, overr
             cfg = _resolve_config(config_file, flags, overrides, env_options)
             run_dir = None
         trainer = Trainer(cfg, run_dir=run_dir, console=console)
-    except (ConfigError, UnknownNameError, FileExistsError, FileNotFoundError, ValueError) as exc:
+    except (ConfigError, UnknownNameError, FileExistsError, FileNotFoundError, ValueError, RuntimeError) as exc:
         _fail(str(exc))
     summary = trainer.run()
     if summary["status"] == "interrupted":
@@ -169,7 +169,8 @@ def eval_(plugin, model, split, k, limit, config_file, overrides, env_options, a
 @click.option("--split", "splits", multiple=True, help="Splits searched for task ids (default: all).")
 @click.option("--out", type=click.Path(path_type=Path, allow_dash=True), default="-", help="Where verdicts go (default stdout).")
 @click.option("-o", "--option", "env_options", multiple=True, metavar="KEY=VALUE", help=_opt_help)
-def verify(attempts, plugin, splits, out, env_options) -> None:
+@click.option("--server", help="Verifier server URL; shorthand for -o server=URL (e.g. a kimina-lean-server).")
+def verify(attempts, plugin, splits, out, env_options, server) -> None:
     """Score ready-made attempts without a model.
 
     ATTEMPTS is JSONL (or - for stdin); each line names a task and carries a completion:
@@ -185,7 +186,10 @@ def verify(attempts, plugin, splits, out, env_options) -> None:
     from vrl.verify_file import verify_lines
 
     try:
-        env = registry().environment(plugin, **_options(env_options))
+        options = _options(env_options)
+        if server:
+            options["server"] = server
+        env = registry().environment(plugin, **options)
     except (UnknownNameError, ConfigError, ValueError, TypeError) as exc:
         _fail(str(exc))
     text = sys.stdin.read() if str(attempts) == "-" else _read(attempts)
@@ -227,6 +231,25 @@ def config(plugin, optimizer, model, config_file, overrides, fields) -> None:
     except (ConfigError, UnknownNameError) as exc:
         _fail(str(exc))
     click.echo(yaml.safe_dump(dump(cfg), sort_keys=False), nl=False)
+
+
+@main.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), default=Path("report"), show_default=True,
+              help="Directory for the PNG plots and report.html.")
+def report(runs, out) -> None:
+    """Plots and a self-contained HTML page comparing run directories.
+
+    \b
+      vrl report runs/countdown-es-* runs/countdown-grpo-* --out report/
+    """
+    from vrl.report import render
+
+    try:
+        page = render(list(runs), out)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    console.print(f"wrote {page} and {len(list(Path(out).glob('*.png')))} plots")
 
 
 @main.command()

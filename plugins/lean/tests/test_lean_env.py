@@ -1,0 +1,174 @@
+"""Data (STP rows, local files), Kimina prompts, the `lean` environment and `vrl verify --plugin lean`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from lean_replay import FIXTURE, ReplayServer, fixture_responder
+from vrl.cli import _environment_defaults, main
+from vrl.plugins import registry
+from vrl.types import Attempt, Completion
+from vrl_lean import data
+from vrl_lean.environment import LeanEnvironment
+from vrl_lean.policy import extract_code, prepare
+from vrl_lean.prompts import SYSTEM, kimina_messages
+from vrl_lean.verifier import theorem_of
+
+# Rows in kfdong/STP_Lean_SFT's format: prompt = "Complete the following Lean 4 code:\n\n```lean4\n" + header +
+# statement (ending in `:= by`), target = the proof. Written here because the Hub is not reachable in tests.
+PROVER = "Complete the following Lean 4 code:\n\n```lean4\n"
+STP_ROWS = [
+    {"prompt": PROVER + "import Mathlib\nimport Aesop\nset_option maxHeartbeats 0\nopen BigOperators Real Nat Topology Rat\n\n"
+     "theorem lean_workbook_plus_1234 (a b : ℝ) (hab : a + b = 2) : a * b ≤ 1 := by", "target": "\n  nlinarith [sq_nonneg (a - b)]\n```"},
+    {"prompt": PROVER + "import Mathlib\nimport Aesop\n\nset_option maxHeartbeats 400000\n\nopen BigOperators Real Nat Topology Rat\n\n"
+     "/-- Prove that $x^2 \\ge 0$ -/\ntheorem lean_workbook_77 (x : ℝ) : x ^ 2 ≥ 0 := by", "target": "\n  positivity\n```"},
+    # the same theorem again (another proof of it): deduplicated by name
+    {"prompt": PROVER + "import Mathlib\nopen Real\n\ntheorem lean_workbook_77 (x : ℝ) : x ^ 2 ≥ 0 := by", "target": "\n  nlinarith [sq_nonneg x]\n```"},
+    # Mathlib rows and conjecturer rows are not lean_workbook problems
+    {"prompt": PROVER + "import Mathlib\n\ntheorem Nat.succ_le_of_lt' (n m : ℕ) (h : n < m) : n + 1 ≤ m := by", "target": "\n  omega\n```"},
+    {"prompt": PROVER + "<lemma>\ntheorem lean_workbook_5 : True := by trivial\n<easy theorem>\ntheorem x : True := by\n  trivial\n<hard theorem>\n theorem",
+     "target": " lean_workbook_new : 1 = 1 := by rfl"},
+    # a malformed row: no statement at all
+    {"prompt": PROVER + "import Mathlib\n-- lean_workbook but no theorem\n", "target": ""},
+]
+
+
+def test_stp_rows_parse_to_header_and_statement_and_dedupe():
+    problems = data.problems_from_rows(STP_ROWS, data.parse_stp_row, "test")
+    assert [p.name for p in problems] == ["lean_workbook_plus_1234", "lean_workbook_77"]
+    first, second = problems
+    assert first.theorem.statement == "theorem lean_workbook_plus_1234 (a b : ℝ) (hab : a + b = 2) : a * b ≤ 1"
+    assert "import Aesop" in first.theorem.header and "open BigOperators Real Nat Topology Rat" in first.theorem.header
+    assert second.informal == "Prove that $x^2 \\ge 0$" and second.theorem.statement.endswith("x ^ 2 ≥ 0")
+
+
+def test_load_stp_uses_datasets(monkeypatch):
+    """`datasets.load_dataset` is replaced by an in-memory Dataset: the Hub is not reachable here."""
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(name, split, revision=None):
+        calls.append((name, split))
+        return datasets.Dataset.from_list(STP_ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    env = LeanEnvironment(server="http://x", test_fraction=0.0)
+    assert [t.id for t in env.tasks("train")] == ["lean_workbook_plus_1234", "lean_workbook_77"]
+    assert calls == [("kfdong/STP_Lean_SFT", "train")]
+
+
+def test_local_fixture_directory_gives_52_problems_with_informal_text():
+    problems = {p.name: p for p in data.load_local(FIXTURE / "input")}
+    assert len(problems) == 52
+    p = problems["lean_workbook_101"]
+    assert p.theorem.statement == "theorem lean_workbook_101 (x : ℕ) (hx : x = 2^9 + 1) : x = 513"
+    assert p.informal == "solution $2^9+1=512+1=\\boxed{513}$"
+    assert p.theorem.header.splitlines()[:2] == ["import Mathlib", "import Aesop"]
+
+
+def test_local_jsonl_statement_files(tmp_path):
+    path = tmp_path / "problems.jsonl"
+    rows = [
+        {"name": "lean_workbook_1", "formal_statement": "theorem lean_workbook_1 (n : ℕ) : n + 0 = n := by", "informal": "n+0=n"},
+        {"formal_statement": "theorem lean_workbook_1 (n : ℕ) : n = n := by"},  # duplicate name: first wins
+        STP_ROWS[0],
+        {"formal_statement": 3},  # malformed: skipped with a warning
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    problems = data.load_local(path)
+    assert [p.name for p in problems] == ["lean_workbook_1", "lean_workbook_plus_1234"]
+    assert problems[0].informal == "n+0=n" and problems[0].theorem.statement.endswith("n + 0 = n")
+    path.write_text('{"formal_statement": "theorem a : True := by"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"problems.jsonl:2: not JSON"):
+        data.load_local(path)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        data.load_local(tmp_path / "missing.jsonl")
+
+
+def test_split_is_deterministic_and_disjoint():
+    problems = data.load_local(FIXTURE / "input")
+    a = data.split_problems(problems, 0.1)
+    b = data.split_problems(list(reversed(problems)), 0.1)
+    assert {p.name for p in a["test"]} == {p.name for p in b["test"]} and len(a["test"]) == 5
+    assert not {p.name for p in a["test"]} & {p.name for p in a["train"]}
+    assert len(a["train"]) + len(a["test"]) == 52
+    with pytest.raises(ValueError):
+        data.split_problems(problems, 1.0)
+
+
+def test_kimina_prompt_matches_the_model_card():
+    problem = next(p for p in data.load_local(FIXTURE / "input") if p.name == "lean_workbook_101")
+    system, user = kimina_messages(problem)
+    assert system == {"role": "system", "content": SYSTEM} and SYSTEM == "You are an expert in mathematics and Lean 4."
+    text = user["content"]
+    assert text.startswith("Think about and solve the following problem step by step in Lean 4.\n# Problem:solution $2^9")
+    assert "\n# Formal statement:\n```lean4\nimport Mathlib\nimport Aesop\n" in text
+    assert text.endswith("theorem lean_workbook_101 (x : ℕ) (hx : x = 2^9 + 1) : x = 513 := by\n```\n")
+    assert "maxHeartbeats 400000" in text and "maxHeartbeats 0" not in text
+
+
+def test_environment_registration_defaults_and_options():
+    reg = registry()
+    assert reg.factory("environments", "lean") is LeanEnvironment
+    defaults = _environment_defaults(reg, "lean")
+    assert defaults["model"] == "AI-MO/Kimina-Prover-Preview-Distill-1.5B"
+    assert defaults["sampling.temperature"] == 0.6 and defaults["sampling.top_p"] == 0.95
+    assert reg.factory("verifiers", "lean").__name__ == "LeanVerifier"
+    with pytest.raises(ValueError, match="docker run .*projectnumina/kimina-lean-server:2.0.0"):
+        reg.environment("lean")
+    with pytest.raises(ValueError, match="test_fraction"):
+        LeanEnvironment(server="http://x", test_fraction=1.5)
+    env = LeanEnvironment(server="http://h:1", api_key="k", data=str(FIXTURE / "input"), test_fraction=0.1,
+                          timeout_s=7, max_heartbeats=1000, repls=3)
+    assert len(env.tasks("train")) == 47 and len(env.tasks("test", limit=2)) == 2
+    v = env.verifier()
+    assert v.client.url == "http://h:1" and v.client.api_key == "k" and v.client.repls == 3
+    assert v.client.timeout_s == 7 and v.max_heartbeats == 1000
+    task = env.tasks("train")[0]
+    assert task.id == task.data["name"] and "set_option maxHeartbeats 1000" in task.prompt[1]["content"]
+
+
+def test_a_model_style_completion_round_trips_through_extraction():
+    env = LeanEnvironment(server="http://x", data=str(FIXTURE / "input"), test_fraction=0.0)
+    task = next(t for t in env.tasks() if t.id == "lean_workbook_101")
+    completion = "<think>\nrewrite then compute\n</think>\nHere is the proof.\n```lean4\n" + task.data["formal_statement"] + "\n  rw [hx]\n```\n"
+    assert extract_code(completion).endswith("  rw [hx]\n")
+    code = prepare(completion, theorem_of(task.data))
+    assert "rw [hx]" in code
+    inline = env.task_from_data({"formal_statement": "theorem lean_workbook_9 (a : ℕ) : a = a := by"})
+    assert inline.id == "lean_workbook_9" and inline.data["statement"] == "theorem lean_workbook_9 (a : ℕ) : a = a"
+    assert isinstance(Attempt(task=inline, completion=Completion(task_id=inline.id, text="x")), Attempt)
+
+
+def test_vrl_verify_with_server_flag_scores_ready_made_proofs(tmp_path):
+    lines = []
+    for path in sorted((FIXTURE / "input").glob("*.lean")):
+        name = path.read_text().split("theorem ", 1)[1].split()[0]
+        lines.append({"task_id": name, "completion": f"```lean4\n{path.read_text()}\n```"})
+    lines.append({"task_id": "lean_workbook_101", "completion": "```lean4\ntheorem lean_workbook_101 (x : ℕ) (hx : x = 2^9 + 1) : x = 513 := by sorry\n```"})
+    lines.append({"task": {"formal_statement": "theorem lean_workbook_101 (x : ℕ) (hx : x = 2^9 + 1) : x = 513 := by"},
+                  "completion": f"```lean4\n{(FIXTURE / 'input' / 'goedel-lean_workbook_101.lean').read_text()}```"})
+    proofs = tmp_path / "proofs.jsonl"
+    proofs.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "verdicts.jsonl"
+    with ReplayServer(fixture_responder()) as server:
+        result = CliRunner().invoke(main, ["verify", "--plugin", "lean", str(proofs), "--server", server.url,
+                                           "-o", f"data={FIXTURE / 'input'}", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 54 and sum(r["passed"] for r in rows) == 51
+    assert [r["status"] for r in rows if r["task_id"] in ("lean_workbook_10090", "lean_workbook_1036")] == ["timeout", "timeout"]
+    assert rows[52]["status"] == "rejected" and "sorry" in rows[52]["detail"]
+    assert rows[53]["passed"]
+    assert "51/54 passed" in result.output
+
+
+def test_vrl_verify_without_a_server_explains_how_to_start_one(tmp_path):
+    proofs = tmp_path / "p.jsonl"
+    proofs.write_text('{"task_id": "x", "completion": ""}\n')
+    result = CliRunner().invoke(main, ["verify", "--plugin", "lean", str(proofs)])
+    assert result.exit_code == 2 and "docker run" in result.output
