@@ -6,14 +6,16 @@ in the prompt. The rules, in order:
 
 1. Fenced blocks (``` or ~~~, any info string): the last block that defines the entry point wins;
    otherwise all python-looking blocks joined (helpers and the function may be split).
-2. No fence: the text from the first line that starts like code (def, class, import, from, @,
-   or an indented line when a `prefix` is given) to the end, trailing prose lines dropped.
+2. No fence: the whole text if it parses as Python; otherwise from the first line that starts like
+   code (def, class, import, from, @, or an indented line when a `prefix` is given) to the end,
+   trailing prose lines dropped.
 3. If the result does not define the entry point and the task has a `prefix` (the signature and
    docstring the model was asked to complete), the prefix is prepended.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 
 _FENCE = re.compile(r"^(?P<fence>```|~~~)[ \t]*(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.DOTALL | re.MULTILINE)
@@ -52,7 +54,19 @@ def _from_fences(text: str, entry_point: str) -> str | None:
     return "\n".join(python)
 
 
+def _parses(text: str) -> bool:
+    if len(text) > 200_000:
+        return False
+    try:
+        ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return True
+
+
 def _bare(text: str, indented_ok: bool) -> str | None:
+    if _CODE_START.search(text) and _parses(text):
+        return text  # all of it is code, module-level statements included
     match = _CODE_START.search(text)
     if match is not None:
         lines = text[match.start():].split("\n")
