@@ -93,7 +93,7 @@ class ReplayServer:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -103,7 +103,7 @@ def recorded_results() -> dict[str, dict[str, Any]]:
     """Theorem name -> the recorded legacy `/verify` result for it."""
     out = {}
     for lean in sorted((FIXTURE / "input").glob("*.lean")):
-        name = re.search(r"^theorem\s+(\S+)", lean.read_text(), re.M).group(1)
+        name = re.search(r"^theorem\s+(\S+)", lean.read_text(), re.MULTILINE).group(1)
         recorded = json.loads((FIXTURE / "output" / f"{lean.stem}.json").read_text())["results"][0]
         out[name] = recorded
     return out

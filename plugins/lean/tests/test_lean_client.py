@@ -11,12 +11,12 @@ import re
 import time
 
 import pytest
-
-from lean_replay import FIXTURE, AUDIT_OK, Answer, ReplayServer, fixture_responder, fixture_result
-from vrl.types import Attempt, Completion, Status, Task
+from lean_replay import AUDIT_OK, FIXTURE, Answer, ReplayServer, fixture_responder, fixture_result
 from vrl_lean.client import KiminaClient, LeanServerError
 from vrl_lean.data import load_local
 from vrl_lean.verifier import LeanVerifier
+
+from vrl.types import Attempt, Completion, Status, Task
 
 PROBLEMS = {p.name: p for p in load_local(FIXTURE / "input")}
 

@@ -6,16 +6,15 @@ import json
 
 import pytest
 from click.testing import CliRunner
-
 from lean_replay import FIXTURE, ReplayServer, fixture_responder
-from vrl.cli import _environment_defaults, main
-from vrl.plugins import registry
-from vrl.types import Attempt, Completion
 from vrl_lean import data
 from vrl_lean.environment import LeanEnvironment
 from vrl_lean.policy import extract_code, prepare
 from vrl_lean.prompts import SYSTEM, kimina_messages
 from vrl_lean.verifier import theorem_of
+
+from vrl.cli import _environment_defaults, main
+from vrl.plugins import registry
 
 # Rows in kfdong/STP_Lean_SFT's format: prompt = "Complete the following Lean 4 code:\n\n```lean4\n" + header +
 # statement (ending in `:= by`), target = the proof. Written here because the Hub is not reachable in tests.
@@ -141,7 +140,8 @@ def test_a_model_style_completion_round_trips_through_extraction():
     assert "rw [hx]" in code
     inline = env.task_from_data({"formal_statement": "theorem lean_workbook_9 (a : ℕ) : a = a := by"})
     assert inline.id == "lean_workbook_9" and inline.data["statement"] == "theorem lean_workbook_9 (a : ℕ) : a = a"
-    assert isinstance(Attempt(task=inline, completion=Completion(task_id=inline.id, text="x")), Attempt)
+    with pytest.raises(ValueError, match="no `theorem"):
+        env.task_from_data({"formal_statement": "example : True := by"})
 
 
 def test_vrl_verify_with_server_flag_scores_ready_made_proofs(tmp_path):

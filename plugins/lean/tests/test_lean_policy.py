@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+from vrl_lean.policy import Rejected, Theorem, extract_code, judge, prepare
 
 from vrl.types import Status
-from vrl_lean.policy import Rejected, Theorem, extract_code, judge, prepare
 
 FIXTURE = Path(__file__).parent / "fixtures" / "lean_workbook"
 HEADER = "import Mathlib\nimport Aesop\n\nset_option maxHeartbeats 400000\n\nopen BigOperators Real Nat Topology Rat\n"

@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_lean_client import attempt
-from vrl.types import Status
 from vrl_lean.client import KiminaClient
 from vrl_lean.server import KIMINA, ProcessServer, ServerSupervisor, ServerUnavailable, is_healthy
 from vrl_lean.verifier import LeanVerifier
+
+from vrl.types import Status
 
 REPLAY = str(Path(__file__).parent / "lean_replay.py")
 

@@ -53,9 +53,8 @@ def parse_lean_source(text: str, name: str | None = None) -> Problem:
         spans = comment_spans(text)
     except LexError as exc:
         raise BadProblem(str(exc)) from None
-    decl = next((m for m in _DECL.finditer(text) if not any(s <= m.start() < e for s, e in spans)), None)
-    if name is not None:
-        decl = next((m for m in _DECL.finditer(text) if m.group(2) == name and not any(s <= m.start() < e for s, e in spans)), None)
+    decls = [m for m in _DECL.finditer(text) if not any(s <= m.start() < e for s, e in spans)]
+    decl = next((m for m in decls if name is None or m.group(2) == name), None)
     if decl is None:
         raise BadProblem(f"no `theorem {name or 'NAME'}` declaration found")
     head, rest = text[: decl.start()], strip_comments(text[decl.start():])
