@@ -45,8 +45,11 @@ _START_TIMEOUT_S = 30.0
 _CONTROL_TIMEOUT_S = 10.0
 
 
-class SandboxUnavailable(RuntimeError):
-    """The sandbox cannot run on this machine; the message says what is missing and what to do."""
+class SandboxUnavailable(ValueError):
+    """The sandbox cannot run on this machine; the message says what is missing and what to do.
+
+    A ValueError, like other setup problems, so `vrl train` reports it as an error line, not a traceback.
+    """
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,8 @@ def _uid_kwargs(slot: int) -> dict[str, Any]:
 def bwrap_argv(python: str, uid_slot: int, tmpfs_mb: int) -> list[str]:
     """The bubblewrap command line (without the command to run)."""
     del uid_slot  # the host uid is chosen by the caller's spawn; kept for symmetry with _uid_kwargs
-    argv = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+    # The host resolves bwrap on its PATH: the sandbox's own uid may not be able to search every entry.
+    argv = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
             "--new-session", "--as-pid-1", "--clearenv", "--cap-drop", "ALL",
             "--uid", str(_UID_INSIDE), "--gid", str(_UID_INSIDE), "--hostname", "sandbox",
             "--ro-bind", "/usr", "/usr"]
