@@ -172,3 +172,19 @@ def test_vrl_verify_without_a_server_explains_how_to_start_one(tmp_path):
     proofs.write_text('{"task_id": "x", "completion": ""}\n')
     result = CliRunner().invoke(main, ["verify", "--plugin", "lean", str(proofs)])
     assert result.exit_code == 2 and "docker run" in result.output
+
+
+def test_modal_sandbox_runs_kimina_as_a_sidecar():
+    sandbox = pytest.importorskip("vrl.runtime.modal.sandbox", reason="the Modal runtime is not installed in this tree")
+    spec_for = sandbox.spec_for
+
+    env = LeanEnvironment(server="http://remote:8000", repls=6, timeout_s=30)
+    spec = spec_for(env, "lean", {"server": "http://remote:8000"})
+    assert spec.image == "projectnumina/kimina-lean-server:2.0.0" and spec.sidecar == ("python", "-m", "server")
+    assert spec.wait_url == "http://127.0.0.1:8000/health" and spec.workdir == "/root/kimina-lean-server"
+    assert spec.env["LEAN_SERVER_MAX_REPLS"] == "6" and not spec.network
+    assert spec.options["server"] == "http://127.0.0.1:8000" and spec.options["timeout_s"] == 30
+    command = " ".join(spec.command())
+    assert "python -m server" in command and "--plugin lean" in command
+    rebuilt = LeanEnvironment(**spec.options)  # what the verify server inside the sandbox constructs
+    assert rebuilt.verifier().client.url == "http://127.0.0.1:8000"

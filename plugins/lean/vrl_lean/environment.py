@@ -11,6 +11,7 @@ from vrl_lean import data as data_mod
 from vrl_lean.data import Problem, parse_jsonl_row
 from vrl_lean.policy import DEFAULT_MAX_HEARTBEATS
 from vrl_lean.prompts import MODEL, formal_statement, kimina_messages
+from vrl_lean.server import KIMINA
 from vrl_lean.verifier import NO_SERVER, LeanVerifier
 
 
@@ -85,6 +86,22 @@ class LeanEnvironment(Environment):
         return LeanVerifier(
             self.server, self.api_key, timeout_s=self.timeout_s, max_heartbeats=self.max_heartbeats, repls=self.repls
         )
+
+    def modal_sandbox(self) -> dict[str, Any]:
+        """How the Modal runtime runs this verifier: kimina-lean-server as a sidecar in its own image.
+
+        Inside the sandbox the verifier talks to the sidecar on localhost; `server` here is ignored.
+        """
+        local = f"http://127.0.0.1:{KIMINA.port}"
+        options = {"server": local, "timeout_s": self.timeout_s, "max_heartbeats": self.max_heartbeats, "repls": self.repls}
+        return {
+            "image": KIMINA.image,
+            "sidecar": KIMINA.command,
+            "wait_url": f"{local}/health",
+            "workdir": KIMINA.workdir,
+            "env": KIMINA.environment(self.repls),
+            "options": options,
+        }
 
     def task_from_data(self, data: dict[str, Any]) -> Task:
         """Inline tasks for `vrl verify`: {"formal_statement": "theorem ... := by", "header"?, "name"?}."""
