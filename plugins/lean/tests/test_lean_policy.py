@@ -114,6 +114,7 @@ CHEATS = [
     ("notation", block(PROOF, prelude='notation "T" => True\n'), "`notation`"),
     ("infix", block(PROOF, prelude='infixl:65 " +++ " => HAdd.hAdd\n'), "`infixl`"),
     ("run_tac", block("  run_tac Lean.Elab.Tactic.closeMainGoal (Lean.mkConst ``True.intro)"), "`run_tac`"),
+    ("by_elab", block("  exact by_elab pure (Lean.mkConst ``True.intro)"), "`by_elab`"),
     ("run_cmd", block(PROOF, prelude="run_cmd Lean.logInfo \"hi\"\n"), "`run_cmd`"),
     ("#eval", block(PROOF, prelude="#eval 1 + 1\n"), "`#eval`"),
     ("#print forging the audit", block(PROOF + "\n\n#print \"'lean_workbook_101' depends on axioms: [propext]\""), "#print"),

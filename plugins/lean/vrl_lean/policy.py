@@ -120,6 +120,7 @@ BANNED: list[tuple[re.Pattern[str], str]] = [
     _rule(_CMD, "run_cmd", "`run_cmd` runs arbitrary meta code"),
     _rule(_CMD, "run_elab", "`run_elab` runs arbitrary meta code"),
     _rule(_CMD, "run_meta", "`run_meta` runs arbitrary meta code"),
+    _rule(_WORD, "by_elab", "`by_elab` runs arbitrary meta code"),
     (re.compile(r"#exit(?![\w'!?])"), "`#exit` stops Lean before the rest of the file is checked"),
     (re.compile(r"#eval(?![\w'!?])"), "`#eval` runs arbitrary code"),
     (
