@@ -1,0 +1,127 @@
+"""The Modal app of a run: per-role images, the GPU worker, `prepare_model`, the detached orchestrator.
+
+Built from the run's `RuntimeConfig` (GPU type, timeouts, retries, containers are settings, so the
+functions are declared when the app is built, with `serialized=True`). Each role sits next to its
+image, in the spirit of modal-labs' examples::
+
+    GPUWorker          gpu image, gpu=runtime.gpu, Volume at /vrl, no secrets
+      .es_member       (a) one ES member: history + seed + tasks + sampling -> completions
+      .generate_shard  (b) GRPO / eval: a shard of tasks with given weights -> completions
+    prepare_model      gpu image, CPU only, Volume, secrets: base weights + tokenizer onto the Volume
+    orchestrate        orchestrator image (+ optional GPU for GRPO), Volume, secrets: the detached loop
+    verifier sandboxes verifier image per plugin, block_network, no secrets (created by the runtime)
+"""
+
+# No `from __future__ import annotations`: Modal reads the class parameter annotation at runtime.
+from dataclasses import dataclass, field
+from typing import Any
+
+from vrl.runtime.modal import workers
+from vrl.runtime.modal.images import ImageRecipe, gpu_recipe, orchestrator_recipe
+
+ORCHESTRATOR_TIMEOUT_S = 24 * 3600  # Modal's maximum for one function call
+PREPARE_TIMEOUT_S = 3 * 3600
+
+
+def gpu_options(runtime: Any) -> dict[str, Any]:
+    """The keyword options the GPU worker is declared with (from `TrainConfig.runtime`)."""
+    return {
+        "gpu": runtime.gpu,
+        "cpu": runtime.cpu,
+        "memory": runtime.memory_mb,
+        "timeout": runtime.timeout_s,
+        "retries": runtime.retries,
+        "max_containers": runtime.max_containers,
+        "scaledown_window": runtime.scaledown_window_s,
+    }
+
+
+def orchestrator_options(runtime: Any) -> dict[str, Any]:
+    """The detached orchestrator's options: long timeout, optional GPU (GRPO's learner), no retries."""
+    return {"gpu": runtime.orchestrator_gpu, "timeout": ORCHESTRATOR_TIMEOUT_S, "retries": 0, "cpu": 2.0}
+
+
+@dataclass
+class ModalApp:
+    """A built app and its parts, so callers (and tests) can reach each role."""
+
+    app: Any
+    recipes: dict[str, ImageRecipe]
+    images: dict[str, Any]
+    volume: Any
+    secrets: list[Any]
+    GPUWorker: Any
+    prepare_model: Any
+    orchestrate: Any
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def worker(self, root: str = workers.VOLUME_ROOT) -> Any:
+        """A handle on the GPU worker class (`root`: where its Volume is mounted)."""
+        return self.GPUWorker(root=root)
+
+
+def build_app(config: Any) -> ModalApp:
+    """Declare the Modal app for `config` (a `TrainConfig`). Needs `pip install vrl[modal]`; no account."""
+    try:
+        import modal
+    except ImportError as exc:  # pragma: no cover - the extra is installed in tests
+        raise RuntimeError("the Modal runtime needs the modal package: pip install 'vrl[modal]'") from exc
+
+    rt = config.runtime
+    recipes = {"gpu": gpu_recipe(), "orchestrator": orchestrator_recipe()}
+    images = {role: recipe.build() for role, recipe in recipes.items()}
+    volume = modal.Volume.from_name(rt.volume, create_if_missing=True)
+    secrets = [modal.Secret.from_name(name) for name in rt.secrets]
+    root = workers.VOLUME_ROOT
+    app = modal.App(rt.app_name)
+    opts = {"gpu": gpu_options(rt), "orchestrator": orchestrator_options(rt)}
+
+    @app.cls(image=images["gpu"], volumes={root: volume}, serialized=True, **opts["gpu"])
+    class GPUWorker:
+        """Generation on one GPU; warm across calls (base weights, replayed ES state, loaded shards)."""
+
+        root: str = modal.parameter(default=workers.VOLUME_ROOT)
+
+        @modal.enter()
+        def load(self) -> None:
+            workers.use_volume(self.root)
+
+        @modal.method()
+        def es_member(self, seed: int, sign: int, index: int, *, history: dict, tasks: list, sampling: dict,
+                      sample_seed: int | None, n: int = 1) -> list[dict]:
+            return workers.es_member(history, seed, sign, index, tasks, sampling, sample_seed, n=n)
+
+        @modal.method()
+        def generate_shard(self, tasks: list, seed: int | None, *, model: dict, n: int, variant: int,
+                           sampling: dict) -> list[dict]:
+            if model.get("weights"):
+                # New GRPO weights were committed after this container mounted the Volume.
+                _reload(self.root)
+            return workers.generate_shard(model, tasks, n, variant, sampling, seed)
+
+    volume_name = rt.volume
+
+    def _reload(mount: str) -> None:
+        if mount == workers.VOLUME_ROOT:  # only inside Modal; a local run reads the directory itself
+            modal.Volume.from_name(volume_name).reload()
+
+    @app.function(image=images["gpu"], volumes={root: volume}, secrets=secrets, timeout=PREPARE_TIMEOUT_S,
+                  cpu=2.0, memory=8192, serialized=True, name="prepare_model")
+    def prepare_model(model: str, revision: str | None = None, mount: str = workers.VOLUME_ROOT) -> dict:
+        info = workers.prepare_model(model, revision, mount)
+        if mount == workers.VOLUME_ROOT:
+            modal.Volume.from_name(volume_name).commit()
+        return info
+
+    @app.function(image=images["orchestrator"], volumes={root: volume}, secrets=secrets, serialized=True,
+                  name="orchestrate", **opts["orchestrator"])
+    def orchestrate(config_data: dict, resume: bool = False, worker: Any = None) -> dict:
+        from vrl.config import TrainConfig
+        from vrl.runtime.modal.runtime import ModalRuntime
+
+        cfg = TrainConfig.model_validate(config_data)
+        runtime = ModalRuntime(cfg, app=None, worker=worker, volume_root=root, in_container=True)
+        vol = modal.Volume.from_name(volume_name)
+        return workers.orchestrate(config_data, root, runtime, resume=resume, on_iteration=lambda _m: vol.commit())
+
+    return ModalApp(app, recipes, images, volume, secrets, GPUWorker, prepare_model, orchestrate, opts)

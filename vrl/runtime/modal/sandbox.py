@@ -1,0 +1,446 @@
+"""Verifier sandboxes: a pool of long-lived, warm sandboxes that judge batches of attempts.
+
+Each sandbox runs `python -m vrl.runtime.modal.verify_server` (the plugin's own verifier, loaded
+inside the sandbox) and speaks JSON lines over stdin/stdout; a plugin may add a sidecar server
+(kimina-lean-server) that the verify server waits for. The pool is written against the abstract
+`SandboxHandle`, so the same logic drives Modal Sandboxes (`ModalSandbox`) and local processes
+(`ProcessSandbox`, used by the tests and by anyone without a Modal account).
+
+Pool rules: started lazily and all at once (a Lean REPL importing Mathlib costs seconds, so warm
+sandboxes are reused); a sandbox that dies is restarted and its batch retried once; a batch that
+overruns its timeout scores `timeout` and the sandbox is replaced (its state is unknown); a sandbox
+older than its lifetime is replaced before Modal kills it. `per_attempt` mode starts a fresh sandbox
+for every attempt instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import json
+import logging
+import os
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vrl.types import Attempt, Status, Verdict
+from vrl.verifier import Verifier
+
+log = logging.getLogger(__name__)
+
+LINE_LIMIT = 64 * 1024 * 1024  # one response line carries a whole batch of verdicts
+
+
+class SandboxDied(RuntimeError):
+    """The sandbox's process ended (or its stream closed) while a request was in flight."""
+
+
+class SandboxUnavailable(RuntimeError):
+    """A sandbox could not be started or did not become healthy in time."""
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What a verifier sandbox runs: the command (verify server, maybe a sidecar) and its limits.
+
+    A plugin can describe its sandbox by giving its Environment a `modal_sandbox()` method that
+    returns one of these (the Lean plugin names the kimina-lean-server image and its start command).
+    """
+
+    plugin: str
+    options: dict[str, Any] = field(default_factory=dict)
+    image: str | None = None  # registry image to build on; None: debian_slim
+    sidecar: tuple[str, ...] = ()  # a server started in the background before the verify server
+    wait_url: str | None = None  # health URL of the sidecar; the verify server answers once it is healthy
+    workdir: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    network: bool = False  # a verifier that must reach the network sets this (code verifiers never do)
+
+    def command(self, python: str = "python", wait_timeout_s: float = 600.0) -> list[str]:
+        """argv of the sandbox's main process."""
+        serve = [python, "-m", "vrl.runtime.modal.verify_server", "--plugin", self.plugin]
+        for key, value in self.options.items():
+            serve += ["-o", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
+        if self.wait_url:
+            serve += ["--wait-url", self.wait_url, "--wait-timeout", str(wait_timeout_s)]
+        if not self.sidecar:
+            return serve
+        sidecar = " ".join(_quote(a) for a in self.sidecar)
+        return ["bash", "-c", f"{sidecar} >/tmp/sidecar.log 2>&1 & exec {' '.join(_quote(a) for a in serve)}"]
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)
+
+
+def spec_for(environment: Any, plugin: str, options: dict[str, Any]) -> SandboxSpec:
+    """The environment's own sandbox (its `modal_sandbox()`), or the default: its verifier, no network."""
+    hook = getattr(environment, "modal_sandbox", None)
+    if callable(hook):
+        spec = hook()
+        if isinstance(spec, dict):
+            spec = SandboxSpec(**{"plugin": plugin, "options": options, **spec})
+        if not isinstance(spec, SandboxSpec):
+            raise TypeError(f"{plugin}: modal_sandbox() must return a SandboxSpec or a dict, got {type(spec).__name__}")
+        return spec
+    return SandboxSpec(plugin=plugin, options=dict(options))
+
+
+# -- handles ------------------------------------------------------------------------------------------
+
+
+class SandboxHandle(ABC):
+    """One sandbox: start it, exchange lines with its verify server, stop it."""
+
+    started_at: float = 0.0
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Launch the sandbox (returns once launched; readiness is a ping away)."""
+
+    @abstractmethod
+    async def send(self, line: str) -> None:
+        """Write one request line to the verify server."""
+
+    @abstractmethod
+    async def receive(self) -> str:
+        """Read one response line; raise `SandboxDied` if the stream ended."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Terminate the sandbox and release what it holds; safe to call twice."""
+
+    @abstractmethod
+    def running(self) -> bool:
+        """Whether the sandbox is still alive."""
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+def _scrubbed_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A minimal environment for a local sandbox: no tokens or credentials from this process."""
+    keep = ("PATH", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env.update(PYTHONUNBUFFERED="1", HOME=os.environ.get("TMPDIR", "/tmp"))
+    env.update(extra or {})
+    return env
+
+
+class ProcessSandbox(SandboxHandle):
+    """A local child process standing in for a sandbox (same command, same protocol, scrubbed env)."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None, cwd: str | None = None):
+        self.argv, self.env, self.cwd = list(argv), _scrubbed_env(env), cwd
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stderr: collections.deque[str] = collections.deque(maxlen=40)
+        self._drain: asyncio.Task | None = None
+
+    @classmethod
+    def for_spec(cls, spec: SandboxSpec, wait_timeout_s: float = 600.0) -> ProcessSandbox:
+        return cls(spec.command(sys.executable, wait_timeout_s), env=spec.env, cwd=spec.workdir)
+
+    async def start(self) -> None:
+        self._proc = await asyncio.create_subprocess_exec(
+            *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=self.env, cwd=self.cwd, limit=LINE_LIMIT,
+            start_new_session=True,  # a stop kills the whole group (sidecar included)
+        )
+        self.started_at = time.monotonic()
+        self._drain = asyncio.create_task(self._keep_stderr(self._proc))
+
+    async def _keep_stderr(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stderr is not None
+        async for raw in proc.stderr:
+            self._stderr.append(raw.decode(errors="replace").rstrip())
+
+    async def send(self, line: str) -> None:
+        proc = self._require()
+        try:
+            proc.stdin.write(line.encode() + b"\n")  # type: ignore[union-attr]
+            await proc.stdin.drain()  # type: ignore[union-attr]
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise SandboxDied(self._why("its stdin closed")) from exc
+
+    async def receive(self) -> str:
+        proc = self._require()
+        raw = await proc.stdout.readline()  # type: ignore[union-attr]
+        if not raw:
+            await asyncio.sleep(0.05)  # let the exit status and last stderr lines arrive
+            raise SandboxDied(self._why("its output ended"))
+        return raw.decode()
+
+    def _why(self, what: str) -> str:
+        code = self._proc.returncode if self._proc else None
+        tail = " | ".join(list(self._stderr)[-3:])
+        return f"local sandbox {what} (exit code {code}){': ' + tail if tail else ''}"
+
+    async def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.returncode is None:
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+        await proc.wait()
+        if self._drain is not None:
+            self._drain.cancel()
+        for stream in (proc.stdin,):
+            if stream is not None:
+                stream.close()
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    def _require(self) -> asyncio.subprocess.Process:
+        if self._proc is None:
+            raise SandboxDied("local sandbox is not started")
+        return self._proc
+
+    def describe(self) -> str:
+        return f"process {self._proc.pid if self._proc else '-'}"
+
+
+class ModalSandbox(SandboxHandle):
+    """A Modal Sandbox running the verify server (needs a Modal account; not exercised in tests)."""
+
+    def __init__(self, app: Any, image: Any, argv: Sequence[str], *, cpu: float, memory_mb: int, timeout_s: int,
+                 block_network: bool, workdir: str | None = None, env: dict[str, str] | None = None):
+        self.app, self.image, self.argv = app, image, list(argv)
+        self.options = dict(cpu=cpu, memory=memory_mb, timeout=timeout_s, block_network=block_network,
+                            workdir=workdir, env=env or None)
+        self._sb: Any = None
+        self._chunks: Any = None
+        self._buffer = ""
+
+    async def start(self) -> None:
+        import modal
+
+        # No secrets are passed: the sandbox runs model-written code.
+        self._sb = await modal.Sandbox.create.aio(*self.argv, app=self.app, image=self.image, **self.options)
+        self._chunks = self._sb.stdout.__aiter__()
+        self._buffer = ""
+        self.started_at = time.monotonic()
+
+    async def send(self, line: str) -> None:
+        try:
+            self._sb.stdin.write(line + "\n")
+            await self._sb.stdin.drain.aio()
+        except Exception as exc:  # the client raises several types once the sandbox is gone
+            raise SandboxDied(f"Modal sandbox stdin failed: {exc}") from exc
+
+    async def receive(self) -> str:
+        while "\n" not in self._buffer:
+            try:
+                self._buffer += await self._chunks.__anext__()
+            except StopAsyncIteration:
+                raise SandboxDied(f"Modal sandbox output ended (exit code {self._sb.returncode})") from None
+        line, self._buffer = self._buffer.split("\n", 1)
+        return line
+
+    async def stop(self) -> None:
+        sb, self._sb = self._sb, None
+        if sb is not None:
+            try:
+                await sb.terminate.aio()
+            except Exception as exc:  # already gone
+                log.debug("terminating sandbox: %s", exc)
+
+    def running(self) -> bool:
+        return self._sb is not None and self._sb.poll() is None
+
+    def describe(self) -> str:
+        return f"modal sandbox {getattr(self._sb, 'object_id', '-')}"
+
+
+# -- the pool ------------------------------------------------------------------------------------------
+
+
+def pool_size(attempts_per_iteration: int, batch_size: int, concurrency: int, fixed: int = 0) -> int:
+    """Sandboxes to keep: `fixed`, or as many as batches can be in flight (at most `concurrency`)."""
+    if fixed > 0:
+        return fixed
+    batches = -(-attempts_per_iteration // batch_size)
+    return max(1, min(concurrency, batches))
+
+
+class _Slot:
+    """A pool position: the current handle in it, and its request counter."""
+
+    def __init__(self, index: int):
+        self.index, self.handle, self.ids = index, None, itertools.count(1)
+
+    async def request(self, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        rid = next(self.ids)
+        await self.handle.send(json.dumps({"id": rid, **payload}))
+
+        async def answer() -> dict[str, Any]:
+            while True:
+                line = await self.handle.receive()
+                try:
+                    msg = json.loads(line)
+                except json.JSONDecodeError:
+                    log.debug("sandbox %d: ignoring non-protocol line %r", self.index, line[:200])
+                    continue
+                if msg.get("id") == rid:
+                    return msg
+
+        return await asyncio.wait_for(answer(), timeout_s)
+
+
+class SandboxPool(Verifier):
+    """A Verifier that sends each batch to a warm sandbox, restarting sandboxes that die or hang."""
+
+    name = "sandbox-pool"
+
+    def __init__(
+        self,
+        factory: Callable[[], SandboxHandle],
+        size: int,
+        *,
+        mode: str = "pool",
+        request_timeout_s: float = 600.0,
+        start_timeout_s: float = 600.0,
+        lifetime_s: float | None = None,
+    ):
+        if size < 1:
+            raise ValueError("a sandbox pool needs at least one sandbox")
+        if mode not in ("pool", "per_attempt"):
+            raise ValueError(f"sandbox mode {mode!r}; choose pool or per_attempt")
+        self.factory, self.size, self.mode = factory, size, mode
+        self.request_timeout_s, self.start_timeout_s, self.lifetime_s = request_timeout_s, start_timeout_s, lifetime_s
+        self.stats = {"starts": 0, "restarts": 0, "crashes": 0, "timeouts": 0, "batches": 0}
+        self._slots = [_Slot(i) for i in range(size)]
+        self._idle: asyncio.Queue[_Slot] | None = None
+        self._started = False
+        self._start_lock: asyncio.Lock | None = None
+        self._sem: asyncio.Semaphore | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start every sandbox of the pool at once and wait until each answers a ping."""
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self._started:
+                return
+            self._idle = asyncio.Queue()
+            results = await asyncio.gather(*(self._boot(s) for s in self._slots), return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            for slot in self._slots:
+                self._idle.put_nowait(slot)  # a failed slot is rebooted when it is next used
+            self._started = True
+            if len(failed) == len(self._slots):
+                raise SandboxUnavailable(f"no verifier sandbox started: {failed[0]}")
+            for exc in failed:
+                log.warning("a verifier sandbox failed to start (it will be retried): %s", exc)
+
+    async def _boot(self, slot: _Slot) -> None:
+        if slot.handle is not None:
+            await slot.handle.stop()
+        slot.handle = self.factory()
+        slot.ids = itertools.count(1)
+        self.stats["starts"] += 1
+        t0 = time.monotonic()
+        await slot.handle.start()
+        try:
+            reply = await slot.request({"op": "ping"}, self.start_timeout_s)
+        except asyncio.TimeoutError:
+            await slot.handle.stop()
+            raise SandboxUnavailable(f"sandbox {slot.index} was not healthy after {self.start_timeout_s:g} s") from None
+        except SandboxDied as exc:
+            await slot.handle.stop()
+            raise SandboxUnavailable(f"sandbox {slot.index} died while starting: {exc}") from None
+        if not reply.get("ok"):
+            await slot.handle.stop()
+            raise SandboxUnavailable(f"sandbox {slot.index} is unhealthy: {reply.get('error', reply)}")
+        log.info("verifier sandbox %d ready in %.1f s (%s)", slot.index, time.monotonic() - t0, slot.handle.describe())
+
+    async def _restart(self, slot: _Slot, reason: str) -> None:
+        log.warning("restarting verifier sandbox %d: %s", slot.index, reason)
+        self.stats["restarts"] += 1
+        await self._boot(slot)
+
+    def _expired(self, slot: _Slot) -> bool:
+        return self.lifetime_s is not None and time.monotonic() - slot.handle.started_at > self.lifetime_s
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(s.handle.stop() for s in self._slots if s.handle is not None), return_exceptions=True)
+        self._started = False
+
+    # -- judging ------------------------------------------------------------------------------------
+    async def verify(self, attempts: Sequence[Attempt]) -> list[Verdict]:
+        if self.mode == "per_attempt":
+            return await self._per_attempt(attempts)
+        await self.start()
+        assert self._idle is not None
+        slot = await self._idle.get()
+        try:
+            return await self._judge(slot, attempts)
+        finally:
+            self._idle.put_nowait(slot)
+
+    async def _judge(self, slot: _Slot, attempts: Sequence[Attempt]) -> list[Verdict]:
+        payload = {"op": "verify", "attempts": [a.model_dump(mode="json") for a in attempts]}
+        self.stats["batches"] += 1
+        for trial in range(2):
+            if slot.handle is None or not slot.handle.running():
+                await self._restart(slot, "not running")
+            elif self._expired(slot):
+                await self._restart(slot, f"older than its lifetime ({self.lifetime_s:g} s)")
+            start = time.monotonic()
+            try:
+                reply = await slot.request(payload, self.request_timeout_s)
+            except asyncio.TimeoutError:
+                self.stats["timeouts"] += 1
+                await self._restart(slot, f"a batch overran {self.request_timeout_s:g} s")
+                elapsed = time.monotonic() - start
+                return [Verdict.fail(Status.TIMEOUT, f"sandbox batch exceeded {self.request_timeout_s:g} s",
+                                     elapsed_s=elapsed) for _ in attempts]
+            except SandboxDied as exc:
+                self.stats["crashes"] += 1
+                log.warning("verifier sandbox %d died during a batch (%s)%s", slot.index, exc,
+                            "; retrying once" if trial == 0 else "")
+                slot.handle = await _stopped(slot.handle)
+                continue
+            except asyncio.CancelledError:
+                # The caller gave up mid-request: the stream is out of step, so replace the sandbox.
+                slot.handle = await _stopped(slot.handle)
+                raise
+            if "verdicts" not in reply:
+                raise RuntimeError(f"verifier sandbox error: {reply.get('error', reply)}")
+            return [Verdict.model_validate(v) for v in reply["verdicts"]]
+        return [Verdict.fail(Status.CRASHED, "the verifier sandbox died twice on this batch") for _ in attempts]
+
+    async def _per_attempt(self, attempts: Sequence[Attempt]) -> list[Verdict]:
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.size)
+
+        async def one(attempt: Attempt) -> Verdict:
+            async with self._sem:
+                slot = _Slot(-1)
+                try:
+                    await self._boot(slot)
+                    return (await self._judge(slot, [attempt]))[0]
+                except SandboxUnavailable as exc:
+                    return Verdict.fail(Status.CRASHED, str(exc))
+                finally:
+                    if slot.handle is not None:
+                        await slot.handle.stop()
+
+        return list(await asyncio.gather(*(one(a) for a in attempts)))
+
+
+async def _stopped(handle: SandboxHandle | None) -> None:
+    if handle is not None:
+        await handle.stop()
+    return None

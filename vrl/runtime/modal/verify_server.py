@@ -1,0 +1,108 @@
+"""The process inside a verifier sandbox: the plugin's verifier behind a JSON-lines protocol.
+
+    python -m vrl.runtime.modal.verify_server --plugin NAME [-o KEY=VALUE ...] [--wait-url URL]
+
+stdin carries one request per line, stdout one response per line (same `id`):
+
+    {"id": 1, "op": "ping"}                      -> {"id": 1, "ok": true}
+    {"id": 2, "op": "verify", "attempts": [...]} -> {"id": 2, "verdicts": [...]}
+
+Anything a plugin prints goes to stderr: file descriptor 1 is taken for the protocol at start-up.
+With `--wait-url`, pings are answered only once that URL is healthy (a sidecar server such as
+kimina-lean-server importing Mathlib), so the pool's start timeout covers the warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+import urllib.request
+
+log = logging.getLogger("vrl.verify_server")
+
+
+def _wait_healthy(url: str, timeout_s: float) -> str | None:
+    """Poll `url` until it answers 200; None when healthy, else the reason."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                if resp.status == 200:
+                    return None
+                last = f"HTTP {resp.status}"
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(1.0)
+    return f"{url} not healthy after {timeout_s:g} s ({last})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plugin", required=True)
+    parser.add_argument("-o", "--option", action="append", default=[])
+    parser.add_argument("--wait-url")
+    parser.add_argument("--wait-timeout", type=float, default=600.0)
+    parser.add_argument("--batch-timeout", type=float, default=None)
+    args = parser.parse_args(argv)
+
+    # Keep fd 1 for the protocol; everything else written to stdout lands on stderr.
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="verify_server: %(message)s")
+
+    from vrl.config import parse_override
+    from vrl.plugins import registry
+    from vrl.types import Attempt
+    from vrl.verifier import verify_safely
+
+    options: dict = {}
+    for item in args.option:
+        options.update(parse_override(item))
+    loop = asyncio.new_event_loop()
+    try:
+        verifier = registry().environment(args.plugin, **options).verifier()
+        error = None
+    except Exception as exc:  # reported on ping, so the pool shows the reason instead of a dead pipe
+        verifier, error = None, f"cannot build the {args.plugin!r} verifier: {type(exc).__name__}: {exc}"
+    waited = False
+
+    def reply(msg: dict) -> None:
+        proto.write(json.dumps(msg) + "\n")
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+        except json.JSONDecodeError as exc:
+            reply({"id": None, "error": f"bad request line: {exc}"})
+            continue
+        rid, op = req.get("id"), req.get("op")
+        if op == "ping":
+            if not waited and args.wait_url and error is None:
+                error = _wait_healthy(args.wait_url, args.wait_timeout)
+            waited = True
+            reply({"id": rid, "ok": error is None, **({"error": error} if error else {})})
+        elif op == "verify":
+            if verifier is None:
+                reply({"id": rid, "error": error})
+                continue
+            attempts = [Attempt.model_validate(a) for a in req.get("attempts", [])]
+            verdicts = loop.run_until_complete(verify_safely(verifier, attempts, args.batch_timeout))
+            reply({"id": rid, "verdicts": [v.model_dump(mode="json") for v in verdicts]})
+        else:
+            reply({"id": rid, "error": f"unknown op {op!r}; expected ping or verify"})
+    if verifier is not None:
+        loop.run_until_complete(verifier.aclose())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
