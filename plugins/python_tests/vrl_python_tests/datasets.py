@@ -171,7 +171,7 @@ def from_vrl(row: dict[str, Any], visible_tests: int = 1) -> Task:
     entry = str(row["entry_point"])
     shown = _tests(row["tests"], entry, hidden=False)
     hidden = _tests(row.get("hidden_tests", []), entry, hidden=True)
-    prompt = row.get("prompt") or make_prompt(str(row["text"]), entry, shown)
+    prompt = row.get("prompt") or make_prompt(str(row.get("text", "")), entry, shown)
     return _task(str(row["id"]), prompt, entry, shown + hidden, str(row.get("split", "train")), "vrl",
                  row.get("solution"))
 
