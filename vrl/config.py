@@ -59,9 +59,47 @@ class VerifierConfig(_Section):
 
 
 class RuntimeConfig(_Section):
-    """Where generation and verification run."""
+    """Where generation and verification run. The fields after `kind` apply to `kind: modal` (docs/modal.md)."""
 
-    kind: Literal["local"] = Field("local", description="'local': this machine.")
+    kind: Literal["local", "modal"] = Field(
+        "local", description="'local': this machine; 'modal': GPU functions and verifier sandboxes on Modal."
+    )
+    app_name: str = Field("vrl", min_length=1, description="Modal app name (shown in the Modal dashboard).")
+    gpu: str = Field("H100", min_length=1, description="GPU type of the generation functions, e.g. 'H100', 'A100-80GB', 'L40S'.")
+    cpu: float = Field(4.0, gt=0, description="CPU cores reserved per GPU container.")
+    memory_mb: int = Field(65536, ge=1024, description="Memory (MiB) reserved per GPU container.")
+    timeout_s: int = Field(3600, ge=10, description="Wall-clock cap for one GPU call (an ES member or a generation shard).")
+    retries: int = Field(2, ge=0, le=10, description="Retries of a failed GPU call (preemption, OOM) before the run fails.")
+    max_containers: int = Field(
+        30, ge=1, description="GPU containers at most (ES: members evaluated at once; GRPO: shards at once)."
+    )
+    scaledown_window_s: int = Field(
+        300, ge=2, description="Seconds an idle GPU container stays warm (keeps the base weights and replayed ES state)."
+    )
+    volume: str = Field("vrl", min_length=1, description="Modal Volume holding base weights, the HF cache and run directories.")
+    secrets: list[str] = Field(
+        default_factory=list,
+        description="Modal Secret names (e.g. 'huggingface'), mounted on `vrl modal prepare` and the detached "
+        "orchestrator only; never on GPU workers or verifier sandboxes, never logged.",
+    )
+    detach: bool = Field(False, description="Run the orchestrator itself on Modal; the run directory lives on the Volume.")
+    orchestrator_gpu: str | None = Field(
+        None, description="GPU for the detached orchestrator (GRPO trains there); None: CPU only (ES needs none)."
+    )
+    verify_in: Literal["sandbox", "local"] = Field(
+        "sandbox", description="'sandbox': verifiers run in Modal Sandboxes; 'local': in the orchestrator process."
+    )
+    sandboxes: int = Field(0, ge=0, description="Verifier sandboxes in the pool; 0: sized from the batch.")
+    sandbox_mode: Literal["pool", "per_attempt"] = Field(
+        "pool", description="'pool': long-lived warm sandboxes; 'per_attempt': a fresh sandbox for every attempt."
+    )
+    sandbox_cpu: float = Field(2.0, gt=0, description="CPU cores per verifier sandbox.")
+    sandbox_memory_mb: int = Field(8192, ge=256, description="Memory (MiB) per verifier sandbox.")
+    sandbox_timeout_s: int = Field(3600, ge=60, description="Lifetime of a verifier sandbox; the pool replaces expired ones.")
+    sandbox_start_timeout_s: float = Field(
+        600.0, gt=0, description="How long a sandbox may take to become healthy (a Lean server imports Mathlib)."
+    )
+    block_network: bool = Field(True, description="Verifier sandboxes get no network (model-written code runs there).")
 
 
 class LoggingConfig(_Section):
@@ -72,6 +110,10 @@ class LoggingConfig(_Section):
     samples_per_iteration: int = Field(
         8, ge=0, description="Completions (with verdicts) written to samples.jsonl per iteration."
     )
+    mlflow: bool = Field(False, description="Also log metrics to MLflow (MLFLOW_TRACKING_URI, default ./mlruns).")
+    mlflow_experiment: str = Field("vrl", description="MLflow experiment name.")
+    wandb: bool = Field(False, description="Also log metrics to Weights & Biases (WANDB_MODE=offline works without network).")
+    wandb_project: str = Field("vrl", description="W&B project name.")
 
 
 class TrainConfig(_Section):

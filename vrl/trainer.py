@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from vrl.config import TrainConfig
 from vrl.environment import Environment
 from vrl.optim import Optimizer, make_optimizer
 from vrl.rundir import RunDir
+from vrl.sinks import Sinks
 from vrl.runtime import Runtime, make_runtime
 from vrl.types import Attempt, Result, Status, Task, Verdict
 
@@ -62,6 +64,7 @@ class Trainer:
             environment = registry().environment(config.plugin, **config.env_options)
         self.env = environment
         self.runtime = runtime or make_runtime(config)
+        self.sinks = Sinks.from_config(config.logging)  # before the run directory: a missing package fails first
         self.run_dir = run_dir or RunDir.create(config)
         self.start_iteration = self.run_dir.completed_iterations()
 
@@ -101,9 +104,11 @@ class Trainer:
         self.run_dir.write_summary(summary)
         generator = optimizer = pool = None
         history: list[dict[str, Any]] = []
+        sinks = self.sinks
+        sinks.start(self.run_dir.path, self.run_dir.config())
         try:
             generator = self.runtime.generator(cfg)
-            optimizer = make_optimizer(cfg)
+            optimizer = self.runtime.optimizer(cfg)
             optimizer.setup(generator)
             if self.start_iteration:
                 optimizer.load(self.run_dir.path)
@@ -116,6 +121,7 @@ class Trainer:
                     tasks = self.tasks_for(pool_tasks, iteration)
                     stats = self._iteration(iteration, tasks, optimizer, generator, pool, shaper, progress, bar)
                     metrics = self._finish_iteration(iteration, stats, optimizer)
+                    sinks.log(metrics, step=iteration)
                     history.append(metrics)
                     progress.update(bar, advance=1, stats=_short(metrics))
                     self.console.log(_line(metrics))
@@ -132,6 +138,7 @@ class Trainer:
                 pool.close()
             if generator is not None:
                 generator.close()
+            sinks.finish(summary["status"])
             summary.update(_totals(self.run_dir.metrics()), finished_at=time.time(),
                            iterations_completed=self.run_dir.completed_iterations())
             self.run_dir.write_summary(summary)
@@ -192,6 +199,7 @@ class Trainer:
             "loop_s": stats.loop_s,
         }
         metrics.update({f"status/{s.value}": statuses.get(s.value, 0) for s in Status})
+        metrics["reasons"] = _reasons(results)
         metrics.update(stats.optimizer_metrics)
         optimizer.save(self.run_dir.path)
         self.run_dir.append("metrics.jsonl", [metrics])
@@ -248,6 +256,16 @@ def _samples(iteration: int, results: list[Result], limit: int) -> list[dict[str
         }
         for r in chosen[:limit]
     ]
+
+
+def _reasons(results: list[Result], top: int = 8) -> dict[str, int]:
+    """The most common reasons for verdicts that did not pass, digits folded so they group."""
+    counts = Counter(
+        f"{r.verdict.status.value}: {re.sub(r'[0-9]+', 'N', r.verdict.detail.splitlines()[0] if r.verdict.detail else '')[:80]}"
+        for r in results
+        if not r.verdict.passed
+    )
+    return dict(counts.most_common(top))
 
 
 def _totals(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,58 @@
+"""vrl report renders plots and an HTML page from real (short) runs, including an interrupted one."""
+
+import base64
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from tests.toy import CharsEnvironment
+from vrl.cli import main
+from vrl.config import build
+from vrl.trainer import Trainer
+
+
+def short_run(tmp_path, name, stop_after=None, **overrides):
+    layer = {
+        "iterations": 3, "tasks_per_iteration": 4,
+        "sampling": {"max_new_tokens": 8}, "es": {"population_size": 2},
+        "logging": {"runs_dir": str(tmp_path), "name": name},
+    }
+
+    def stop(metrics):
+        if stop_after is not None and metrics["iteration"] == stop_after:
+            raise KeyboardInterrupt
+
+    Trainer(build(layer, overrides), environment=CharsEnvironment(), on_iteration=stop).run()
+    return tmp_path / name
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    return [short_run(root, "a"), short_run(root, "b", stop_after=0, es={"population_size": 3})]
+
+
+def test_report_files_and_content(runs, tmp_path):
+    out = tmp_path / "report"
+    res = CliRunner().invoke(main, ["report", *map(str, runs), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    for name in ("reward.png", "reward_per_token.png", "time.png", "outcomes.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    page = (out / "report.html").read_text()
+    assert "a (es)" in page and "b (es)" in page
+    assert page.count("data:image/png;base64,") == 4
+    for section in ("Reward and pass rate per iteration", "Reward and pass rate per generated token",
+                    "Where the time goes", "Verifier outcomes", "Why attempts did not pass", "Best attempts"):
+        assert f"<h2>{section}</h2>" in page
+    assert "interrupted" in page and "finished" in page  # both statuses shown
+    assert re.search(r"failed: N?% of characters in the target set|failed: empty completion", page)
+    # the embedded images are the written files, so the page is self-contained
+    first = re.search(r"base64,([A-Za-z0-9+/=]+)", page).group(1)
+    assert base64.b64decode(first) == (out / "reward.png").read_bytes()
+
+
+def test_report_rejects_what_is_not_a_run(tmp_path):
+    res = CliRunner().invoke(main, ["report", str(tmp_path), "--out", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "not a vrl run directory" in res.output
