@@ -230,3 +230,25 @@ def test_verify_returns_one_verdict_per_attempt_in_order():
 def test_python_inside_the_sandbox_is_readable_by_its_uid():
     python = pick_python(None, "bwrap")
     assert os.path.isabs(python) and os.access(python, os.X_OK)
+
+
+@needs_bwrap
+def test_file_size_and_scratch_space_are_capped():
+    task = make_task("fill", ["assert fill() == 'wrote 32 MiB'"])
+    code = """
+def fill():
+    try:
+        with open('/tmp/big', 'wb') as f:
+            for _ in range(32):
+                f.write(b'x' * (1 << 20))
+                f.flush()
+    except OSError as e:
+        return type(e).__name__
+    return 'wrote 32 MiB'
+"""
+    v = make()  # max_file_mb defaults to 16: RLIMIT_FSIZE and the tmpfs size
+    try:
+        report = v.judge(attempt(task, code))
+        assert not report.verdict.passed and "returned 'OSError'" in report.verdict.detail
+    finally:
+        v.close()

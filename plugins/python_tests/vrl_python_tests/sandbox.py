@@ -43,6 +43,8 @@ _SYSTEM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _UID_INSIDE = 1000
 _START_TIMEOUT_S = 30.0
 _CONTROL_TIMEOUT_S = 10.0
+_OPT_OUT = ("opt out of isolation with `-o sandbox=unsafe-local` (Python: sandbox='unsafe-local'), "
+            "only for code you trust")
 
 
 class SandboxUnavailable(ValueError):
@@ -143,17 +145,15 @@ def check_bwrap(python: str) -> None:
     """Fail with a clear message unless bubblewrap can start `python` in a full sandbox here."""
     if sys.platform != "linux":
         raise SandboxUnavailable(
-            f"the bubblewrap sandbox needs Linux (this is {sys.platform}); pass sandbox=unsafe-local to run "
-            "attempts without isolation, only for code you trust")
+            f"the bubblewrap sandbox needs Linux (this is {sys.platform}); {_OPT_OUT}")
     if shutil.which("bwrap") is None:
         raise SandboxUnavailable(
             "bubblewrap (`bwrap`) is not installed: install the Debian/Ubuntu package `bubblewrap` "
-            "(apt-get install bubblewrap; Fedora: dnf install bubblewrap), or pass sandbox=unsafe-local to run "
-            "attempts without isolation, only for code you trust")
-    argv = bwrap_argv(python, uid_slot=0, tmpfs_mb=1) + [python, "-I", "-S", "-c", "pass"]
+            f"(apt-get install bubblewrap; Fedora: dnf install bubblewrap), or {_OPT_OUT}")
+    argv = bwrap_argv(python, tmpfs_mb=1) + [python, "-I", "-S", "-c", "pass"]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=_START_TIMEOUT_S, cwd="/",
-                              **_uid_kwargs(0))
+                              **spawn_user(0))
     except subprocess.TimeoutExpired:
         raise SandboxUnavailable("bubblewrap did not start a sandbox within 30 s") from None
     if proc.returncode != 0:
@@ -162,10 +162,11 @@ def check_bwrap(python: str) -> None:
             "It needs unprivileged user namespaces: check `sysctl user.max_user_namespaces` (> 0), "
             "`kernel.unprivileged_userns_clone=1` (Debian) and `kernel.apparmor_restrict_unprivileged_userns=0` "
             "(Ubuntu 24.04+); inside Docker run with --security-opt seccomp=unconfined or --privileged. "
-            "Or pass sandbox=unsafe-local to run attempts without isolation, only for code you trust")
+            f"Or {_OPT_OUT}")
 
 
-def _uid_kwargs(slot: int) -> dict[str, Any]:
+def spawn_user(slot: int) -> dict[str, Any]:
+    """Popen arguments that run bwrap under the sandbox's own host uid (only when we are root)."""
     if not _drops_uid():
         return {}
     # One host uid per (process, slot): sandboxes never share a uid with each other or with a user.
@@ -173,9 +174,8 @@ def _uid_kwargs(slot: int) -> dict[str, Any]:
     return {"user": uid, "group": uid, "extra_groups": []}
 
 
-def bwrap_argv(python: str, uid_slot: int, tmpfs_mb: int) -> list[str]:
+def bwrap_argv(python: str, tmpfs_mb: int) -> list[str]:
     """The bubblewrap command line (without the command to run)."""
-    del uid_slot  # the host uid is chosen by the caller's spawn; kept for symmetry with _uid_kwargs
     # The host resolves bwrap on its PATH: the sandbox's own uid may not be able to search every entry.
     argv = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
             "--new-session", "--as-pid-1", "--clearenv", "--cap-drop", "ALL",
@@ -233,7 +233,7 @@ class Sandbox:
             # Counted per uid inside the sandbox's user namespace, where the server is the only other.
             limits["RLIMIT_NPROC"] = cfg.max_processes + 1
             scratch, workdir = ["/tmp", "/dev/shm"], "/tmp"
-            argv = bwrap_argv(self.python, self.slot, cfg.max_file_mb)
+            argv = bwrap_argv(self.python, cfg.max_file_mb)
             env = None
         else:
             self._workdir = tempfile.TemporaryDirectory(prefix="vrl-unsafe-")
@@ -248,7 +248,7 @@ class Sandbox:
             self.proc = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd="/",
                 close_fds=True, pass_fds=(results_w, output_w, payload_r),
-                **(_uid_kwargs(self.slot) if cfg.mode == "bwrap" else {}),
+                **(spawn_user(self.slot) if cfg.mode == "bwrap" else {}),
             )
         finally:
             for fd in (results_w, output_w, payload_r):
