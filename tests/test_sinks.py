@@ -1,6 +1,7 @@
 """MLflow and W&B sinks, run for real against local stores (no server, no network)."""
 
 import json
+import time
 
 import pytest
 
@@ -41,7 +42,10 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     run_id = json.loads((tmp_path / "runs" / "r" / "sinks.json").read_text())["wandb"]
     records = list((tmp_path / "runs" / "r" / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert len(records) == 1
-    data = records[0].read_bytes()  # the run's protobuf records: our metric names are in it
+    deadline = time.monotonic() + 30  # wandb's service process finishes writing the file on its own
+    while b"reward_mean" not in (data := records[0].read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # the run's protobuf records: our metric names and config are in it
     for key in (b"reward_mean", b"pass_rate", b"status/failed", b"population_size"):
         assert key in data, key
 
