@@ -170,8 +170,9 @@ def grpo_loss(
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1  # k3: unbiased, non-negative estimate of KL(π_θ ‖ π_ref)
         per_token = per_token + beta * kl
-        stats["kl_sum"] = (kl * mask).sum().detach()
-    masked = per_token * mask
+        stats["kl_sum"] = torch.where(mask.bool(), kl, 0.0).sum().detach()
+    # where, not multiply: a non-finite value under the mask (inf · 0 = nan) must not leak in.
+    masked = torch.where(mask.bool(), per_token, 0.0) * mask
     n = logps.shape[0] if num_sequences is None else num_sequences
     if loss_type == "grpo":
         loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / n
@@ -231,8 +232,14 @@ class GRPO(Optimizer):
             # same module with its adapters disabled, so it costs no memory.
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.peft_model = self._apply_lora(model) if cfg.use_peft else None
+        # New modules (LoRA dropout) start in training mode; sampling must never run dropout.
+        model.eval()
         if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers >= 5.2x renamed the method; older releases only have the first name.
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
