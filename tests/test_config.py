@@ -66,3 +66,12 @@ def test_bad_files_and_overrides(tmp_path):
         load_file(tmp_path / "list.yaml")
     with pytest.raises(ConfigError, match="key=value"):
         parse_override("temperature")
+
+
+def test_a_dumped_config_loads_again():
+    """Run directories store the resolved config; resume rebuilds it from that dump."""
+    from vrl.config import dump
+
+    for layer in ({}, {"optimizer": "grpo"}, {"sampling": {"stop": ["\n"]}, "logging": {"name": "x"}}):
+        cfg = build(layer)
+        assert build(dump(cfg)) == cfg
