@@ -21,12 +21,11 @@ import subprocess
 import time
 
 from rich.console import Console
+from vrl_python_tests.datasets import bundled_path, load_source, read_rows
+from vrl_python_tests.sandbox import bwrap_argv, default_workers, pick_python, spawn_user
+from vrl_python_tests.verifier import PythonTestsVerifier
 
 from vrl.types import Attempt, Completion
-
-from vrl_python_tests.datasets import bundled_path, load_source, read_rows
-from vrl_python_tests.sandbox import spawn_user, bwrap_argv, default_workers, pick_python
-from vrl_python_tests.verifier import PythonTestsVerifier
 
 
 def time_process(argv: list[str], runs: int, **kwargs) -> float:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
-from vrl.types import Attempt, Completion, Task
-
 from vrl_python_tests.datasets import to_tasks
 from vrl_python_tests.sandbox import SandboxUnavailable, check_bwrap, pick_python
 from vrl_python_tests.verifier import PythonTestsVerifier, Report
+
+from vrl.types import Attempt, Completion, Task
 
 
 def _bwrap_problem() -> str | None:

@@ -12,11 +12,10 @@ import socket
 import time
 
 import pytest
-
-from vrl.types import Status
-
 from conftest import BWRAP_PROBLEM, attempt, make_task, needs_bwrap
 from vrl_python_tests.verifier import PythonTestsVerifier
+
+from vrl.types import Status
 
 pytestmark = needs_bwrap
 
@@ -413,7 +412,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return not open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _sandbox_processes_on_host() -> list[int]:
@@ -421,8 +421,10 @@ def _sandbox_processes_on_host() -> list[int]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
         if b"The fork server that runs inside the sandbox" in cmdline and state != "Z":

@@ -6,11 +6,10 @@ import asyncio
 import json
 
 import pytest
-
-from vrl.types import Status
-
 from conftest import attempt, needs_bwrap
 from vrl_python_tests.datasets import bundled_path, load_source, read_rows
+
+from vrl.types import Status
 
 ROWS = [row for _, row in read_rows(bundled_path())]
 TASKS = load_source("bundled")

@@ -6,16 +6,15 @@ import json
 import logging
 
 import pytest
-
-from vrl.plugins import registry
-from vrl.reward import Binary, PartialCredit
-from vrl.types import Completion, Status, Task, Verdict
-
 from conftest import BWRAP_PROBLEM, attempt, needs_bwrap
 from vrl_python_tests.datasets import DatasetError, load_source, mbpp_split
 from vrl_python_tests.environment import PythonTestsEnvironment
 from vrl_python_tests.harness import decode
 from vrl_python_tests.verifier import PythonTestsVerifier
+
+from vrl.plugins import registry
+from vrl.reward import Binary, PartialCredit
+from vrl.types import Completion, Status, Task, Verdict
 
 # Rows in the public formats, written for these tests (MBPP and HumanEval keys, invented content).
 MBPP_ROWS = [

@@ -5,12 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from vrl_python_tests.asserts import UnsupportedTest, parse_assert, parse_check_function
 from vrl_python_tests.checks import TestCase
 from vrl_python_tests.extract import extract_code
 from vrl_python_tests.harness import EncodeError, decode, encode
-
 
 # -- typed encoding ---------------------------------------------------------------------------------
 

@@ -11,12 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from vrl.types import Status
-
 from conftest import BWRAP_PROBLEM, attempt, make_task, needs_bwrap
 from vrl_python_tests.sandbox import SandboxConfig, SandboxUnavailable, check_bwrap, pick_python
 from vrl_python_tests.verifier import PythonTestsVerifier
+
+from vrl.types import Status
 
 ADD = make_task("add", ["assert add(1, 2) == 3"], ["assert add(2, 2) == 4"])
 CORRECT = "def add(a, b):\n    return a + b\n"

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vrl.types import Task
-
 from vrl_python_tests.asserts import UnsupportedTest, parse_assert, parse_check_function
 from vrl_python_tests.checks import TestCase
 from vrl_python_tests.harness import decode
@@ -249,7 +248,7 @@ def hub_rows(name: str) -> list[tuple[str, dict[str, Any]]]:
     path, _, config = name.partition(":")
     try:
         loaded = datasets.load_dataset(path, config or None)
-    except Exception as exc:  # offline, unknown name, gated: all worth the same advice
+    except Exception as exc:  # noqa: BLE001 - offline, unknown name, gated: all worth the same advice
         raise DatasetError(f"could not load {path!r} from the Hugging Face Hub ({exc}); "
                            "download it as JSONL or parquet and pass tasks=/path/to/file instead") from None
     return [(f"hf:{name}/{split} row {i + 1}", dict(row)) for split, rows in loaded.items() for i, row in enumerate(rows)]

@@ -7,7 +7,6 @@ from typing import Any
 from vrl.environment import Environment
 from vrl.reward import Binary, PartialCredit, RewardShaper
 from vrl.types import Task
-
 from vrl_python_tests.datasets import FORMATS, DatasetError, load_source, to_tasks
 from vrl_python_tests.verifier import PythonTestsVerifier
 
@@ -34,9 +33,10 @@ class PythonTestsEnvironment(Environment):
         self.format = format
         self._tasks = load_source(str(tasks), format, self.visible_tests)
         self.splits = tuple(sorted({t.data["split"] for t in self._tasks}, key=lambda s: (s != "train", s)))
-        self._verifier_options: dict[str, Any] = dict(
-            sandbox=sandbox, workers=workers, test_timeout_s=test_timeout_s, attempt_timeout_s=attempt_timeout_s,
-            memory_mb=memory_mb, max_processes=max_processes, python=python)
+        self._verifier_options: dict[str, Any] = {
+            "sandbox": sandbox, "workers": workers, "test_timeout_s": test_timeout_s,
+            "attempt_timeout_s": attempt_timeout_s, "memory_mb": memory_mb, "max_processes": max_processes,
+            "python": python}
         PythonTestsVerifier(**self._verifier_options).pool.close()  # fail now if the sandbox cannot run here
 
     def tasks(self, split: str = "train", limit: int | None = None) -> list[Task]:

@@ -120,7 +120,7 @@ def _read_exact(fd, n):
 def _describe(exc):
     try:
         text = f"{type(exc).__name__}: {exc}"
-    except BaseException:  # a hostile __str__ must not hide the failure
+    except BaseException:  # noqa: BLE001 - a hostile __str__ must not hide the failure
         text = type(exc).__name__
     return text[:500]
 
@@ -161,11 +161,11 @@ def _child(config, start):
         send(results_fd, {"import": "syntax", "error": _describe(exc)})
         os._exit(0)
     try:
-        exec(code, namespace)
+        exec(code, namespace)  # noqa: S102 - running the attempt is the point; this is the sandbox
         fn = namespace.get(entry)
         if not callable(fn):
             raise NameError(f"the code defines no function named {entry!r}")
-    except BaseException as exc:  # SystemExit and KeyboardInterrupt included: they are failures too
+    except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are failures too
         send(results_fd, {"import": "error", "error": _describe(exc)})
         os._exit(0)
     send(results_fd, {"import": "ok"})
@@ -176,7 +176,7 @@ def _child(config, start):
             kwargs = decode(test["kwargs"])
             value = fn(*args, **kwargs)
             message = {"i": index, "value": encode(value)}
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - whatever the attempt raises is its test's result
             message = {"i": index, "error": _describe(exc)}
         try:
             send(results_fd, message)
@@ -195,7 +195,7 @@ def _non_dumpable():
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
-    except Exception:
+    except (ImportError, OSError, AttributeError):  # no ctypes or no prctl: not Linux, nothing to harden
         pass
 
 
@@ -231,7 +231,7 @@ def serve(config):
     for name in config.get("preload", []):
         try:
             __import__(name)
-        except Exception:
+        except ImportError:  # an older interpreter without it: attempts import it themselves
             pass
     is_init = os.getpid() == 1
     _reply({"op": "hello", "python": sys.version.split()[0], "init": is_init})
@@ -270,7 +270,7 @@ def serve(config):
                     pidfd = None
                 _kill_all(child, is_init)
                 child = None
-                clean = all([_wipe(d) for d in config["scratch"]])
+                clean = all([_wipe(d) for d in config["scratch"]])  # noqa: C419 - wipe every directory, no short-circuit
                 _reply({"op": "cleaned", "clean": clean})
 
 
@@ -290,7 +290,7 @@ def _kill_all(child, is_init):
             pass
     while True:
         try:
-            pid, _ = os.waitpid(-1, 0)
+            os.waitpid(-1, 0)
         except ChildProcessError:
             break
 

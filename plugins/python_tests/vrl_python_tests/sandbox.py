@@ -140,7 +140,7 @@ def _prefix_of(python: str) -> str:
     return str(Path(python).parent.parent)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def check_bwrap(python: str) -> None:
     """Fail with a clear message unless bubblewrap can start `python` in a full sandbox here."""
     if sys.platform != "linux":
@@ -153,7 +153,7 @@ def check_bwrap(python: str) -> None:
     argv = bwrap_argv(python, tmpfs_mb=1) + [python, "-I", "-S", "-c", "pass"]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=_START_TIMEOUT_S, cwd="/",
-                              **spawn_user(0))
+                              check=False, **spawn_user(0))
     except subprocess.TimeoutExpired:
         raise SandboxUnavailable("bubblewrap did not start a sandbox within 30 s") from None
     if proc.returncode != 0:

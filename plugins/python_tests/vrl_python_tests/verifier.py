@@ -19,7 +19,6 @@ from typing import Any
 
 from vrl.types import Attempt, Status, Task, Verdict
 from vrl.verifier import Verifier
-
 from vrl_python_tests.checks import TestCase
 from vrl_python_tests.extract import extract_code
 from vrl_python_tests.sandbox import SandboxConfig, SandboxPool, SandboxUnavailable
@@ -121,7 +120,7 @@ class PythonTestsVerifier(Verifier):
             run = self.pool.run(code, entry, [t.inputs() for t in tests], self.test_timeout_s, self.attempt_timeout_s)
         except SandboxUnavailable:
             raise  # a setup problem, not the attempt's fault: the run must stop and say what is missing
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a verifier bug must cost one verdict, not the batch
             verdict = Verdict.fail(Status.CRASHED, f"verifier error: {type(exc).__name__}: {exc}",
                                    elapsed_s=time.perf_counter() - start)
             return Report(verdict, code=code)
