@@ -67,6 +67,7 @@ class Trainer:
         self.sinks = Sinks.from_config(config.logging)  # before the run directory: a missing package fails first
         self.run_dir = run_dir or RunDir.create(config)
         self.start_iteration = self.run_dir.completed_iterations()
+        self._last_stats = "first iteration"  # the live line: last iteration's numbers + current queue
 
     # -- task schedule -----------------------------------------------------------------------------
     def _task_pool(self) -> list[Task]:
@@ -123,7 +124,8 @@ class Trainer:
                     metrics = self._finish_iteration(iteration, stats, optimizer)
                     sinks.log(metrics, step=iteration)
                     history.append(metrics)
-                    progress.update(bar, advance=1, stats=_short(metrics))
+                    self._last_stats = _short(metrics)
+                    progress.update(bar, advance=1, stats=self._last_stats)
                     self.console.log(_line(metrics))
             summary["status"] = "finished"
         except KeyboardInterrupt:
@@ -160,7 +162,7 @@ class Trainer:
                     stats.generation_s += time.perf_counter() - t0
                     attempts = [Attempt(task=by_id[c.task_id], completion=c) for c in batch]
                     pending += pool.submit(attempts)
-                    progress.update(bar, stats=f"it {iteration + 1} · member {variant.index + 1}/{len(variants)} · "
+                    progress.update(bar, stats=f"{self._last_stats} · variant {variant.index + 1}/{len(variants)} · "
                                                f"verifier queue {pool.queue_depth}")
                     t0 = time.perf_counter()
                 stats.generation_s += time.perf_counter() - t0
