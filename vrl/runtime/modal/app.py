@@ -76,7 +76,8 @@ def build_app(config: Any) -> ModalApp:
     app = modal.App(rt.app_name)
     opts = {"gpu": gpu_options(rt), "orchestrator": orchestrator_options(rt)}
 
-    @app.cls(image=images["gpu"], volumes={root: volume}, serialized=True, **opts["gpu"])
+    # The Hub switches are read when huggingface_hub is imported, so they are set for the container.
+    @app.cls(image=images["gpu"], volumes={root: volume}, env=workers.volume_env(root), serialized=True, **opts["gpu"])
     class GPUWorker:
         """Generation on one GPU; warm across calls (base weights, replayed ES state, loaded shards)."""
 
@@ -84,7 +85,7 @@ def build_app(config: Any) -> ModalApp:
 
         @modal.enter()
         def load(self) -> None:
-            workers.use_volume(self.root)
+            workers.warm_up()
 
         @modal.method()
         def es_member(self, seed: int, sign: int, index: int, *, history: dict, tasks: list, sampling: dict,
@@ -114,6 +115,7 @@ def build_app(config: Any) -> ModalApp:
         return info
 
     @app.function(image=images["orchestrator"], volumes={root: volume}, secrets=secrets, serialized=True,
+                  env=workers.volume_env(root, offline=False),  # datasets may still come from the Hub
                   name="orchestrate", **opts["orchestrator"])
     def orchestrate(config_data: dict, resume: bool = False, worker: Any = None) -> dict:
         from vrl.config import TrainConfig

@@ -30,13 +30,24 @@ HF_DIR = "hf"
 RUNS_DIR = "runs"
 
 
-def use_volume(root: str | os.PathLike) -> Path:
-    """Point the Hugging Face libraries at the Volume's cache, offline: a worker never downloads."""
-    root = Path(root)
-    os.environ["HF_HUB_CACHE"] = str(root / HF_DIR)
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
-    return root
+def volume_env(root: str | os.PathLike = VOLUME_ROOT, offline: bool = True) -> dict[str, str]:
+    """A container's environment: the Volume's HF cache; `offline` switches the Hub off (GPU workers).
+
+    Set at container start, because huggingface_hub reads these variables when it is imported.
+    """
+    env = {"HF_HUB_CACHE": str(Path(root) / HF_DIR)}
+    if offline:
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return env
+
+
+def warm_up() -> None:
+    """Import the heavy modules when the container starts, not during the first call."""
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import vrl.generate.hf  # noqa: F401
+    import vrl.optim.es  # noqa: F401
 
 
 # -- wire formats --------------------------------------------------------------------------------
@@ -204,20 +215,12 @@ def prepare_model(model: str, revision: str | None, root: str | os.PathLike) -> 
 
 
 def check_offline_load(model: str, revision: str | None, root: str | os.PathLike) -> None:
-    """Load config and tokenizer from the Volume's cache with the Hub switched off (what workers do)."""
+    """Load config and tokenizer from the Volume's cache with no Hub access (what workers will do)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    saved = {k: os.environ.get(k) for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    use_volume(root)
-    try:
-        AutoConfig.from_pretrained(model, revision=revision, cache_dir=str(Path(root) / HF_DIR))
-        AutoTokenizer.from_pretrained(model, revision=revision, cache_dir=str(Path(root) / HF_DIR))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    cache = str(Path(root) / HF_DIR)
+    AutoConfig.from_pretrained(model, revision=revision, cache_dir=cache, local_files_only=True)
+    AutoTokenizer.from_pretrained(model, revision=revision, cache_dir=cache, local_files_only=True)
 
 
 # -- the detached orchestrator ----------------------------------------------------------------------
