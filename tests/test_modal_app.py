@@ -1,0 +1,190 @@
+"""The Modal app's structure: roles, images, GPU/CPU/memory, volumes, secrets, sandboxes, config plumbing.
+
+The app is built for real with the installed `modal` package (building needs no account); the
+Modal service itself is absent, so `.map()` is exercised against a stand-in object that yields
+outputs the way Modal's does (a mock of the service, nothing else), and commands that would reach
+Modal are checked to fail with a clear message.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from vrl.config import ConfigError, build, dump
+from vrl.runtime import make_runtime
+from vrl.runtime.modal.app import build_app
+from vrl.runtime.modal.images import installed_plugins, verifier_recipe
+from vrl.runtime.modal.runtime import ModalCaller, ModalRuntime
+from vrl.runtime.modal.sandbox import ModalSandbox
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+CUSTOM = {
+    "app_name": "vrl-test", "gpu": "A100-80GB", "cpu": 8.0, "memory_mb": 131072, "timeout_s": 1234, "retries": 3,
+    "max_containers": 12, "scaledown_window_s": 77, "volume": "vrl-vol", "secrets": ["huggingface", "wandb"],
+    "orchestrator_gpu": "L40S",
+}
+
+
+@pytest.fixture(scope="module")
+def built():
+    cfg = build({"runtime": {"kind": "modal", **CUSTOM}})
+    return cfg, build_app(cfg)
+
+
+def spec_of(fn):
+    return fn._spec_
+
+
+def same(public, internal) -> bool:
+    """A public Modal object (as `build_app` returns it) is the internal one a function spec holds."""
+    from modal._utils.async_utils import synchronizer
+
+    return synchronizer._translate_in(public) is internal
+
+
+def test_gpu_worker_is_declared_with_the_configured_resources(built):
+    cfg, app = built
+    spec = spec_of(app.GPUWorker._get_class_service_function())
+    assert (spec.gpus, spec.cpu, spec.memory) == ("A100-80GB", 8.0, 131072)
+    assert list(spec.volumes) == ["/vrl"] and same(app.volume, spec.volumes["/vrl"])
+    # Workers load from the Volume: no named secrets; Modal carries `env=` (Hub off) as an inline secret.
+    assert [repr(x) for x in spec.secrets if "from_name" in repr(x)] == []
+    assert "HF_HUB_OFFLINE" in repr(spec.secrets)
+    assert same(app.images["gpu"], spec.image) and not same(app.images["orchestrator"], spec.image)
+    assert app.options["gpu"] == {"gpu": "A100-80GB", "cpu": 8.0, "memory": 131072, "timeout": 1234, "retries": 3,
+                                  "max_containers": 12, "scaledown_window": 77}
+    assert set(app.GPUWorker._get_method_names()) >= {"es_member", "generate_shard"}
+
+
+def test_prepare_and_orchestrator_get_the_secrets_and_the_volume(built):
+    _, app = built
+    for fn in (app.prepare_model, app.orchestrate):
+        spec = spec_of(fn)
+        named = [x for x in spec.secrets if "from_name" in repr(x)]
+        assert len(named) == 2 and all(same(a, b) for a, b in zip(app.secrets, named))
+        assert same(app.volume, spec.volumes["/vrl"])
+    assert spec_of(app.prepare_model).gpus is None  # downloading needs no GPU
+    assert spec_of(app.orchestrate).gpus == "L40S"
+    assert same(app.images["orchestrator"], spec_of(app.orchestrate).image)
+    assert app.options["orchestrator"]["retries"] == 0  # a loop is resumed, not silently re-run
+
+
+def test_app_name_and_volume_name_come_from_the_config(built):
+    _, app = built
+    assert app.app.name == "vrl-test"
+    assert "vrl-vol" in repr(app.volume)
+    assert [repr(s) for s in app.secrets] == ["modal.Secret.from_name('huggingface')", "modal.Secret.from_name('wandb')"]
+
+
+def test_role_images_carry_what_the_case_study_used_plus_vrl_and_plugins(built):
+    _, app = built
+    gpu, orch = app.recipes["gpu"], app.recipes["orchestrator"]
+    names = lambda r: {p.split(">")[0].split("=")[0].split(";")[0].strip() for p in r.pip}  # noqa: E731
+    assert gpu.base is None and gpu.python == "3.11"
+    assert {"vllm", "torch", "transformers", "datasets"} <= names(gpu)
+    assert {"requests", "tqdm", "numpy", "pydantic", "pluggy"} <= names(orch)
+    assert orch.extra_index_url and "cpu" in orch.extra_index_url  # no CUDA wheels in the light image
+    plugin_packages = {p.package for p in installed_plugins()}
+    assert {"vrl_lean", "vrl_python_tests"} <= plugin_packages
+    for recipe in (gpu, orch):
+        assert recipe.sources[0] == "vrl" and plugin_packages <= set(recipe.sources)
+
+
+def test_verifier_image_builds_on_the_plugin_image():
+    lean = next(p for p in installed_plugins() if p.name == "lean")
+    recipe = verifier_recipe(lean, base="projectnumina/kimina-lean-server:2.0.0")
+    assert recipe.role == "verifier:lean" and recipe.base == "projectnumina/kimina-lean-server:2.0.0"
+    assert recipe.sources == ("vrl", "vrl_lean")  # only the plugin that verifies, not the others
+    assert recipe.build() is not None
+
+
+def test_sandboxes_get_the_configured_limits_and_no_network():
+    cfg = build({"runtime": {"kind": "modal", "sandbox_cpu": 3.0, "sandbox_memory_mb": 4096, "sandbox_timeout_s": 900,
+                             "sandbox_start_timeout_s": 42.0, "sandboxes": 5, "sandbox_mode": "per_attempt"}})
+    runtime = ModalRuntime(cfg, app=build_app(cfg))  # execute="modal": nothing starts until used
+    pool = runtime.sandboxes(cfg)
+    assert (pool.size, pool.mode, pool.start_timeout_s, pool.lifetime_s) == (5, "per_attempt", 42.0, 840.0)
+    handle = pool.factory()
+    assert isinstance(handle, ModalSandbox)
+    assert handle.options["cpu"] == 3.0 and handle.options["memory"] == 4096 and handle.options["timeout"] == 900
+    assert handle.options["block_network"] is True
+    assert "secrets" not in handle.options  # model-written code never sees credentials
+    assert handle.argv[:3] == ["python", "-m", "vrl.runtime.modal.verify_server"]
+
+    open_net = build({"runtime": {"kind": "modal", "block_network": False}})
+    assert ModalRuntime(open_net, app=build_app(open_net)).sandboxes(open_net).factory().options["block_network"] is False
+
+
+def test_pool_is_sized_from_the_iteration_when_not_fixed():
+    cfg = build({"runtime": {"kind": "modal"}, "tasks_per_iteration": 4, "es": {"population_size": 30},
+                 "verifier": {"batch_size": 64, "concurrency": 16}})
+    assert ModalRuntime(cfg, app=build_app(cfg)).sandboxes(cfg).size == 2  # 120 attempts / 64 per batch
+
+
+def test_verify_in_local_keeps_the_verifier_in_the_orchestrator(tmp_path):
+    from vrl.plugins import registry
+
+    cfg = build({"runtime": {"kind": "modal", "verify_in": "local"}})
+    runtime = ModalRuntime(cfg, app=build_app(cfg), execute="local", volume_root=tmp_path)
+    verifier = registry().environment("countdown").verifier()
+    pool = runtime.verification(verifier, cfg)
+    try:
+        assert pool.verifier is verifier and runtime.sandbox_pool is None
+    finally:
+        pool.close()
+    cfg = build({"runtime": {"kind": "modal"}})
+    runtime = ModalRuntime(cfg, app=build_app(cfg), execute="local", volume_root=tmp_path)
+    pool = runtime.verification(registry().environment("countdown").verifier(), cfg)
+    try:
+        assert pool.verifier is runtime.sandbox_pool
+        assert pool.timeout_s == cfg.verifier.timeout_s + cfg.runtime.sandbox_start_timeout_s
+    finally:
+        pool.close()
+
+
+def test_make_runtime_builds_the_modal_runtime():
+    cfg = build({"runtime": {"kind": "modal"}})
+    runtime = make_runtime(cfg)
+    assert isinstance(runtime, ModalRuntime) and runtime.execute == "modal"
+
+
+def test_unknown_runtime_kind_names_both_choices():
+    with pytest.raises(ConfigError, match="'local' or 'modal'"):
+        build({"runtime": {"kind": "cluster"}})
+
+
+def test_secrets_are_names_only_in_the_recorded_config(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_supersecretvalue")
+    cfg = build({"runtime": {"kind": "modal", "secrets": ["huggingface"]}})
+    assert "hf_supersecretvalue" not in repr(dump(cfg))
+    assert dump(cfg)["runtime"]["secrets"] == ["huggingface"]
+
+
+class FakeMappable:
+    """Stands in for a Modal method's `.map` (the Modal service is what is mocked here)."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.fail_at, self.calls = fail_at, []
+
+    def map(self, *columns, kwargs, order_outputs, return_exceptions):
+        assert order_outputs and return_exceptions
+        self.calls.append((columns, kwargs))
+        for i, args in enumerate(zip(*columns)):
+            yield ValueError(f"member {i} failed") if i == self.fail_at else (sum(args), kwargs["k"])
+
+
+def test_modal_caller_turns_map_outputs_into_ordered_futures():
+    caller = ModalCaller()
+    try:
+        fake = FakeMappable(fail_at=1)
+        futures = caller.map(fake, [(1, 2), (3, 4), (5, 6)], {"k": "shared"})
+        concurrent.futures.wait(futures, timeout=10)
+        assert futures[0].result() == (3, "shared") and futures[2].result() == (11, "shared")
+        with pytest.raises(ValueError, match="member 1"):
+            futures[1].result()
+        assert fake.calls == [(([1, 3, 5], [2, 4, 6]), {"k": "shared"})]  # one .map for all calls
+    finally:
+        caller.close()
