@@ -10,4 +10,8 @@ def make_runtime(config) -> Runtime:
         from vrl.runtime.local import LocalRuntime
 
         return LocalRuntime()
-    raise ValueError(f"unknown runtime {config.runtime.kind!r}; choose local")
+    if config.runtime.kind == "modal":
+        from vrl.runtime.modal import ModalRuntime
+
+        return ModalRuntime(config)
+    raise ValueError(f"unknown runtime {config.runtime.kind!r}; choose local or modal")

@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from vrl.generate.base import Generator
+from vrl.optim.base import Optimizer
 from vrl.types import Attempt, Verdict
 from vrl.verifier import Verifier, verify_safely
 
@@ -24,6 +25,12 @@ class Runtime(ABC):
 
     @abstractmethod
     def verification(self, verifier: Verifier, config) -> VerificationPool: ...
+
+    def optimizer(self, config) -> Optimizer:
+        """The update rule for this runtime (a remote runtime may keep the weights elsewhere)."""
+        from vrl.optim import make_optimizer
+
+        return make_optimizer(config)
 
 
 class VerificationPool:
