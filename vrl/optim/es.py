@@ -361,7 +361,11 @@ class ES(Optimizer):
         """Take over the generator model's selected weights (flat buffers + fp32 master θ₀)."""
         super().setup(generator)
         c = self.config
-        self.params = FlatParams(select_parameters(generator.model, c.include, c.exclude))
+        engine_params = getattr(generator, "es_params", None)  # a backend that perturbs its own engine (vllm)
+        if engine_params is not None:
+            self.params = engine_params(c.include, c.exclude)
+        else:
+            self.params = FlatParams(select_parameters(generator.model, c.include, c.exclude))
         self.history = ESHistory(
             base=BaseModelRef(**{**self.base, "dtype": self.params.dtype}),
             sigma=c.sigma,
@@ -589,6 +593,7 @@ def evaluate_member(
     sampling: Any,
     *,
     index: int = 0,
+    samples_per_task: int = 1,
     sample_seed: int | None = None,
     device: str = "auto",
 ) -> list[Completion]:
@@ -597,7 +602,7 @@ def evaluate_member(
 
     A pure function of its arguments (the result does not depend on the worker or on earlier calls);
     a warm worker keeps its replica and replays only iterations it has not seen. `index` tags the
-    completions with the member's variant index.
+    completions with the member's variant index; `samples_per_task` completions are drawn per task.
     """
     global _REPLICA
     if isinstance(history, (str, Path)):
@@ -613,6 +618,6 @@ def evaluate_member(
         _REPLICA.sync(history)
     generator = _REPLICA.generator
     generator.sampling = sampling
-    variant = Variant(index=index, seed=seed, sign=sign)
+    variant = Variant(index=index, samples_per_task=samples_per_task, seed=seed, sign=sign)
     with _REPLICA.es.activate(variant):
-        return generator.generate(tasks, n=sampling.n, variant=index, seed=sample_seed)
+        return generator.generate(tasks, n=samples_per_task, variant=index, seed=sample_seed)

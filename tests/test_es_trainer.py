@@ -1,0 +1,153 @@
+"""ES inside the real training loop: interrupted + resumed == uninterrupted, per-member evaluation
+reproduces the loop's completions from the history alone, and ES learns a toy task."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+
+from tests.toy import CharsEnvironment
+from vrl.config import SamplingConfig, TrainConfig
+from vrl.generate.hf import HFGenerator, load_model_and_tokenizer
+from vrl.optim.es import ES, ESConfig, ESHistory, evaluate_member
+from vrl.rundir import RunDir
+from vrl.runtime.local import LocalRuntime
+from vrl.trainer import Trainer
+
+
+class RecordingRuntime(LocalRuntime):
+    """The local runtime, keeping the generator it builds so the test can read the final weights."""
+
+    def generator(self, config: Any) -> HFGenerator:
+        self.built = super().generator(config)
+        return self.built
+
+
+def _config(tmp_path: Path, name: str, iterations: int, **es: Any) -> TrainConfig:
+    return TrainConfig(
+        plugin="toy-chars",
+        model="tiny",
+        iterations=iterations,
+        tasks_per_iteration=2,
+        seed=3,
+        sampling={"max_new_tokens": 4, "temperature": 1.0},
+        generator={"device": "cpu"},
+        logging={"runs_dir": str(tmp_path), "name": name, "samples_per_iteration": 100},
+        es={"population_size": 4, "sigma": 0.05, "alpha": 0.05, **es},
+    )
+
+
+def _train(config: TrainConfig, run_dir: RunDir | None = None, stop_after: int | None = None) -> tuple[dict, RecordingRuntime]:
+    def interrupt(metrics: dict[str, Any]) -> None:
+        if stop_after is not None and metrics["iteration"] + 1 == stop_after:
+            raise KeyboardInterrupt  # what Ctrl-C does between two iterations
+
+    runtime = RecordingRuntime()
+    trainer = Trainer(config, run_dir=run_dir, environment=CharsEnvironment(), runtime=runtime,
+                      console=Console(file=io.StringIO()), on_iteration=interrupt)
+    return trainer.run(), runtime
+
+
+def _state(runtime: RecordingRuntime) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in runtime.built.model.named_parameters()}
+
+
+@pytest.mark.parametrize("snapshot_every", [0, 2])
+def test_interrupted_and_resumed_run_ends_with_the_same_weights(tmp_path: Path, snapshot_every: int) -> None:
+    straight, rt_straight = _train(_config(tmp_path, "straight", 4, snapshot_every=snapshot_every))
+    assert straight["status"] == "finished"
+
+    first, _ = _train(_config(tmp_path, "resumed", 4, snapshot_every=snapshot_every), stop_after=3)
+    assert first["status"] == "interrupted" and first["iterations_completed"] == 3
+    run_dir = RunDir.open(tmp_path / "resumed")
+    second, rt_resumed = _train(_config(tmp_path, "resumed", 4, snapshot_every=snapshot_every), run_dir=run_dir)
+    assert second["status"] == "finished" and second["iterations_completed"] == 4
+
+    a, b = _state(rt_straight), _state(rt_resumed)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    theta0 = tiny_state()
+    assert any(not torch.equal(a[n], theta0[n]) for n in a)  # training did move the weights
+    assert (tmp_path / "straight" / "es_history.json").read_text() == (tmp_path / "resumed" / "es_history.json").read_text()
+    assert [r["reward_mean"] for r in RunDir(tmp_path / "straight").metrics()] == [
+        r["reward_mean"] for r in RunDir(tmp_path / "resumed").metrics()
+    ]
+
+
+def tiny_state() -> dict[str, torch.Tensor]:
+    model, _ = load_model_and_tokenizer("tiny", "cpu", "float32")
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_evaluate_member_reproduces_the_loops_completions_from_the_history(tmp_path: Path) -> None:
+    config = _config(tmp_path, "run", 3)
+    _train(config)
+    path = tmp_path / "run"
+    history = ESHistory.read(path / "es_history.json")
+    samples = [json.loads(line) for line in (path / "samples.jsonl").read_text().splitlines()]
+    trainer = Trainer(config, run_dir=RunDir.open(path), environment=CharsEnvironment(), console=Console(file=io.StringIO()))
+    iteration = 2
+    tasks = trainer.tasks_for(CharsEnvironment().tasks(), iteration)
+    sample_seed = random.Random(f"{config.seed}-sampling-{iteration}").randrange(2**31)  # the trainer's rule
+    prefix = history.model_copy(update={"iterations": history.iterations[:iteration]})
+    record = history.iterations[iteration]
+    for index in (0, 3):
+        got = evaluate_member(prefix.model_dump(), record.seed + index, 1, tasks, config.sampling,
+                              index=index, sample_seed=sample_seed, device="cpu")
+        logged = {s["task_id"]: s["completion"] for s in samples if s["iteration"] == iteration and s["variant"] == index}
+        assert len(logged) == len(tasks) and {c.task_id: c.text for c in got} == logged
+        assert all(c.variant == index for c in got)
+    # A worker holding θ_2 is brought forward by replaying only the new iteration; same answer as a cold start.
+    warm = evaluate_member(history, record.seed, -1, tasks, config.sampling, sample_seed=1, device="cpu")
+    import vrl.optim.es as es_module
+
+    es_module._REPLICA = None
+    cold = evaluate_member(path / "es_history.json", record.seed, -1, tasks, config.sampling, sample_seed=1, device="cpu")
+    assert [c.text for c in warm] == [c.text for c in cold]
+    with pytest.raises(ValueError, match="sign must be"):
+        evaluate_member(history, 1, 0, tasks, config.sampling, device="cpu")
+
+
+def _reward(generator: HFGenerator, env: CharsEnvironment) -> float:
+    verifier, tasks = env.verifier(), env.tasks()
+    completions = generator.generate(tasks, n=4, seed=1234)
+    total = 0.0
+    for c in completions:
+        text = c.text
+        total += sum(ch in "abcdefghijklmnop" for ch in text) / len(text) if text else 0.0
+    assert verifier.name == "toy-chars"
+    return total / len(completions)
+
+
+def test_es_raises_the_reward_on_the_toy_task(tmp_path: Path) -> None:
+    """Before ≈ 0.07 (16 of 257 byte tokens), after ≈ 0.9 with these settings (σ=0.2, α=1, lm_head only).
+
+    A random tiny model needs large steps, and training only the output layer keeps each update cheap
+    on CPU. Measured: 0.066 before, 0.94 after 8 iterations (about 5-10 s on 2 idle cores).
+    """
+    env = CharsEnvironment()
+    config = TrainConfig(
+        plugin="toy-chars", model="tiny", iterations=8, tasks_per_iteration=8, seed=0,
+        sampling={"max_new_tokens": 16, "temperature": 1.0}, generator={"device": "cpu"},
+        logging={"runs_dir": str(tmp_path), "name": "learn", "samples_per_iteration": 0},
+        es={"population_size": 16, "sigma": 0.2, "alpha": 1.0, "include": ["lm_head.*"]},
+    )
+    summary, runtime = _train(config)
+    assert summary["status"] == "finished"
+
+    model, tokenizer = load_model_and_tokenizer("tiny", "cpu", "float32")
+    before = _reward(HFGenerator(model, tokenizer, SamplingConfig(max_new_tokens=16)), env)
+    trained = HFGenerator(*load_model_and_tokenizer("tiny", "cpu", "float32"), SamplingConfig(max_new_tokens=16))
+    es = ES(ESConfig(**config.es.model_dump()), seed=config.seed, base={"model": "tiny", "revision": None})
+    es.setup(trained)
+    es.load(tmp_path / "learn")  # the weights the run reached, rebuilt from its history
+    after = _reward(trained, env)
+    assert before < 0.12, before
+    assert after > 0.5, after
+    assert after == _reward(runtime.built, env)  # replayed weights behave exactly like the run's own
