@@ -13,7 +13,7 @@ def make_generator(config):
 
         return HFGenerator.from_config(config)
     if backend == "vllm":
-        raise NotImplementedError(
-            "the vllm generator backend is not available yet; use generator.backend=hf"
-        )
+        from vrl.generate.vllm import VLLMGenerator
+
+        return VLLMGenerator.from_config(config)
     raise ValueError(f"unknown generator backend {backend!r}; choose hf or vllm")

@@ -1,0 +1,250 @@
+"""The vllm backend on a real GPU with a real vLLM engine (run on the device: `pytest -m gpu`).
+
+A small Qwen2 model with random weights and the byte tokenizer of `vrl.generate.tiny` is saved to a
+temporary directory; engines run eagerly (start-up in seconds). float32 engines compare with the
+hf backend token for token (bf16 kernels differ between transformers and vLLM, so greedy ties
+could flip); the ES engine runs in bfloat16, the dtype real runs use.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install vrl[vllm])"),
+]
+
+from vrl.config import SamplingConfig, build
+from vrl.generate.hf import HFGenerator, load_model_and_tokenizer
+from vrl.optim.es import ES, ESConfig, FlatParams, replay, select_parameters
+from vrl.types import Result, Task, Verdict
+
+PROMPTS = ["Hello there", "2 + 2 =", "def f(x):", "The quick brown fox", "Lean 4 theorem", "abc", "xyz 123", "Q:"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from vrl.generate import tiny
+
+    path = tmp_path_factory.mktemp("qwen2-small")
+    cfg = Qwen2Config(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=False, bos_token_id=256, eos_token_id=256, pad_token_id=256,
+                      initializer_range=0.05)  # sharper logits than the default: fewer near-ties in greedy
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    model.generation_config.eos_token_id = 256
+    model.generation_config.pad_token_id = 256
+    model.save_pretrained(path)
+    tiny.build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def tasks(k: int = len(PROMPTS)) -> list[Task]:
+    return [Task(id=f"t{i}", prompt=p) for i, p in enumerate(PROMPTS[:k])]
+
+
+def config(model_dir: str, **generator):
+    return build({"model": model_dir, "optimizer": generator.pop("optimizer", "grpo"), "seed": 3,
+                  "sampling": {"temperature": 1.0, "max_new_tokens": 24, "batch_size": 3},
+                  "generator": {"backend": "vllm", "enforce_eager": True, "gpu_memory_utilization": 0.2,
+                                "max_model_len": 256, **generator}})
+
+
+def greedy(max_new_tokens: int = 24, stop=()) -> SamplingConfig:
+    return SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens, stop=list(stop), batch_size=3)
+
+
+def same(a, b) -> bool:
+    return [(c.task_id, c.token_ids, c.text, c.finish_reason, c.prompt_token_ids) for c in a] == \
+           [(c.task_id, c.token_ids, c.text, c.finish_reason, c.prompt_token_ids) for c in b]
+
+
+# -- float32 engine with a trainable HF copy (GRPO) ------------------------------------------------------
+@pytest.fixture(scope="module")
+def grpo_gen(model_dir):
+    from vrl.generate import make_generator
+
+    gen = make_generator(config(model_dir, dtype="float32"))
+    yield gen
+    gen.close()
+
+
+def hf_side(gen, sampling) -> HFGenerator:
+    tok = copy.deepcopy(gen.tokenizer)
+    tok.padding_side = "left"
+    return HFGenerator(gen.model, tok, sampling)
+
+
+def test_hf_and_vllm_greedy_completions_are_identical(grpo_gen):
+    grpo_gen.sampling = greedy()
+    ours = grpo_gen.generate(tasks())
+    theirs = hf_side(grpo_gen, greedy()).generate(tasks())
+    assert same(ours, theirs)
+    assert all(c.completion_tokens == len(c.token_ids) > 0 for c in ours)
+    # A stop string taken from the middle of a completion: both backends cut there and say 'stop'.
+    text = next(c.text for c in ours if len(c.text) > 8)
+    stop = text[4:6]
+    grpo_gen.sampling = greedy(stop=[stop])
+    ours = grpo_gen.generate(tasks())
+    theirs = hf_side(grpo_gen, greedy(stop=[stop])).generate(tasks())
+    assert same(ours, theirs)
+    assert any(c.finish_reason == "stop" and c.text.endswith(stop) for c in ours)
+
+
+def test_sampling_n_seeds_and_logprobs(grpo_gen):
+    from vrl.optim.logprobs import completion_logprobs, pack
+
+    grpo_gen.sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, batch_size=2)
+    a = grpo_gen.generate(tasks(4), n=3, seed=11)
+    b = grpo_gen.generate(tasks(4), n=3, seed=11)
+    c = grpo_gen.generate(tasks(4), n=3, seed=12)
+    assert len(a) == 12 and [x.sample for x in a[:3]] == [0, 1, 2]
+    assert same(a, b)  # seeded: reproducible
+    assert not same(a, c)
+    assert len({tuple(x.token_ids) for x in a}) > 6  # samples differ within and across prompts
+    for x in a:
+        assert x.logprobs is not None and len(x.logprobs) == len(x.token_ids)
+    # Sampling log-probs vs the training model's log-probs of the same tokens (temperature 1).
+    packed = pack([x.prompt_token_ids for x in a], [x.token_ids for x in a], 256, "cuda")
+    with torch.no_grad():
+        train = completion_logprobs(grpo_gen.model, packed, 1.0)
+    diff = torch.cat([(train[i, : len(x.logprobs)].cpu() - torch.tensor(x.logprobs)).abs() for i, x in enumerate(a)])
+    print(f"\nsampling-vs-training log-prob |diff| (float32): mean {diff.mean():.2e}, max {diff.max():.2e}")
+    assert diff.max() < 1e-3
+
+
+def rewarded(results_of, gen, seed):
+    """Results with a real (if arbitrary) reward: the share of lowercase letters in the completion."""
+    out = []
+    for c in gen.generate(tasks(4), n=4, seed=seed):
+        score = sum(ch.islower() for ch in c.text) / max(1, len(c.text))
+        out.append(Result(task=results_of[c.task_id], completion=c, verdict=Verdict.ok(), reward=score))
+    return out
+
+
+def test_weight_sync_makes_vllm_follow_the_trained_model(grpo_gen):
+    from vrl.optim.grpo import GRPO, GRPOConfig
+
+    by_id = {t.id: t for t in tasks()}
+    grpo_gen.sampling = greedy()
+    before = grpo_gen.generate(tasks())
+    grpo_gen.sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, batch_size=4)
+    opt = GRPO(GRPOConfig(num_generations=4, learning_rate=3e-3, lr_scheduler_type="constant"))
+    opt.setup(grpo_gen)
+    metrics = opt.tell(rewarded(by_id, grpo_gen, seed=1))  # trains the HF copy, then sync_weights
+    assert grpo_gen.last_sync_s is not None
+    grpo_gen.sampling = greedy()
+    after = grpo_gen.generate(tasks())
+    assert not same(before, after)  # training changed the policy ...
+    assert same(after, hf_side(grpo_gen, greedy()).generate(tasks()))  # ... and the engine follows it
+    print(f"\nweight sync: {grpo_gen.last_sync_s * 1e3:.1f} ms; GRPO metrics: "
+          f"{ {k: round(v, 4) for k, v in metrics.items() if 'logprob' in k} }")
+
+    # sync_every=2: the next update is not pushed, the one after is.
+    grpo_gen.sync_every = 2
+    grpo_gen.sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, batch_size=4)
+    opt.tell(rewarded(by_id, grpo_gen, seed=2))
+    grpo_gen.sampling = greedy()
+    stale = grpo_gen.generate(tasks())
+    assert same(stale, after)
+    assert not same(stale, hf_side(grpo_gen, greedy()).generate(tasks()))
+    grpo_gen.sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, batch_size=4)
+    opt.tell(rewarded(by_id, grpo_gen, seed=3))
+    grpo_gen.sampling = greedy()
+    assert same(grpo_gen.generate(tasks()), hf_side(grpo_gen, greedy()).generate(tasks()))
+    grpo_gen.sync_every = 1
+
+
+# -- bfloat16 engine with ES inside it -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def es_gen(model_dir, grpo_gen):
+    from vrl.generate import make_generator
+
+    grpo_gen.close()  # one engine at a time
+    gen = make_generator(config(model_dir, optimizer="es", dtype="bfloat16"))
+    yield gen
+    gen.close()
+
+
+def test_es_perturb_and_restore_in_the_engine_is_exact(es_gen):
+    es_gen.sampling = greedy()
+    es = ES(ESConfig(population_size=4, sigma=0.05), seed=1)
+    es.setup(es_gen)
+    assert es.params.numel > 0 and es.params.dtype == "bfloat16"
+    base = es_gen.generate(tasks())
+    variants = es.ask()
+    changed = 0
+    for v in variants:
+        with es.activate(v):
+            changed += not same(es_gen.generate(tasks()), base)
+        assert same(es_gen.generate(tasks()), base)  # restored bit for bit: the same greedy tokens
+    assert changed == len(variants)
+
+
+def test_es_member_in_the_engine_equals_the_member_in_hf(es_gen, model_dir):
+    from vrl.optim.es import IterationRecord, update_terms
+
+    es = ES(ESConfig(population_size=4, sigma=0.01, exclude=["*norm*"]), seed=2)
+    es.setup(es_gen)
+    hf, _ = load_model_and_tokenizer(model_dir, "cuda", "bfloat16")
+    flat = FlatParams(select_parameters(hf, ["*"], ["*norm*"]))
+    hf_params = dict(hf.named_parameters())
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+             "model.layers.1.self_attn.v_proj.bias", "model.layers.1.mlp.gate_proj.weight",
+             "model.layers.1.mlp.up_proj.weight", "model.embed_tokens.weight", "lm_head.weight"]
+    theta0 = es.params.state()
+    for seed, sign in ((987654321, 1), (5, -1)):
+        es.params.perturb(seed, sign, 0.01)
+        flat.perturb(seed, sign, 0.01)
+        engine = es.params.engine_weights(names)
+        for n in names:
+            assert torch.equal(engine[n], hf_params[n].detach().cpu()), n
+        es.params.restore()
+        flat.restore()
+    # An update, then replay of the history from θ₀ after a (simulated) restart: the same weights.
+    record = IterationRecord(seed=41, z=[1.0, -1.0, 0.5, -0.5])
+    terms = update_terms(record, False, 0.02)
+    es.params.update(terms)
+    flat.update(terms)
+    updated = es.params.engine_weights(names)
+    assert all(torch.equal(updated[n], hf_params[n].detach().cpu()) for n in names)
+    es.params.load_state(theta0)
+    assert not torch.equal(es.params.engine_weights(names[:1])[names[0]], updated[names[0]])
+    es.history.iterations.append(record)
+    replay(es.history, es.params)
+    again = es.params.engine_weights(names)
+    assert all(torch.equal(again[n], updated[n]) for n in names)
+
+
+# -- colocated GRPO: the engine sleeps while the model trains -------------------------------------------
+def test_sleep_mode_frees_memory_and_sync_wakes_the_engine(model_dir, es_gen):
+    from vrl.generate import make_generator
+    from vrl.optim.grpo import GRPO, GRPOConfig
+
+    es_gen.close()
+    gen = make_generator(config(model_dir, dtype="float32", sleep=True, gpu_memory_utilization=0.3))
+    try:
+        by_id = {t.id: t for t in tasks()}
+        free_awake = torch.cuda.mem_get_info()[0]
+        gen.sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, batch_size=4)
+        results = rewarded(by_id, gen, seed=1)  # the pass ends with the engine asleep
+        free_asleep = torch.cuda.mem_get_info()[0]
+        print(f"\nsleep freed {(free_asleep - free_awake) / 2**30:.1f} GiB")
+        assert gen._asleep and free_asleep - free_awake > 2**30
+        opt = GRPO(GRPOConfig(num_generations=4, learning_rate=3e-3, lr_scheduler_type="constant"))
+        opt.setup(gen)
+        opt.tell(results)  # trains, then sync_weights wakes the engine and pushes
+        assert not gen._asleep
+        gen.sampling = greedy()
+        assert same(gen.generate(tasks()), hf_side(gen, greedy()).generate(tasks()))
+    finally:
+        gen.close()

@@ -1,0 +1,258 @@
+"""The CPU-checkable parts of the vllm backend: HF ↔ fused-engine parameter mapping, in-engine ES
+against the hf backend's ES, engine arguments from the config, stop strings and log-probs.
+
+vLLM itself needs a GPU (tests/test_vllm_gpu.py runs it on the device). Here the engine's layout is
+built from an HF Qwen2 model the way vLLM lays it out (q/k/v rows stacked in `qkv_proj`, gate/up in
+`gate_up_proj`, vocabulary padded to a multiple of 64), independently of the code under test.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from vrl.config import build
+from vrl.generate import make_generator
+from vrl.generate.vllm import WORKER_EXTENSION, cut_at_stop, engine_kwargs, sampled_logprobs
+from vrl.generate.vllm_worker import EngineES, engine_layout, slot_views
+from vrl.optim.es import ES, ESConfig, FlatParams, IterationRecord, select_parameters, update_terms
+
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB, PADDED_VOCAB, LAYERS = 4, 2, 8, 32, 48, 257, 320, 2
+
+
+def hf_model(dtype=torch.float32) -> Qwen2ForCausalLM:
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).to(dtype).eval()
+
+
+def fuse(model: Qwen2ForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights in vLLM's Qwen2 layout (what `model_runner.get_model()` holds)."""
+    sd = {k: v.detach().clone() for k, v in model.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        if ".q_proj." in name:
+            k, v = sd[name.replace("q_proj", "k_proj")], sd[name.replace("q_proj", "v_proj")]
+            out[name.replace("q_proj", "qkv_proj")] = torch.cat([t, k, v])
+        elif ".gate_proj." in name:
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([t, sd[name.replace("gate_proj", "up_proj")]])
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            pad = torch.full((PADDED_VOCAB - VOCAB, HIDDEN), 7.0, dtype=t.dtype)  # padding rows ES must not touch
+            out[name] = torch.cat([t, pad])
+        elif not any(s in name for s in (".k_proj.", ".v_proj.", ".up_proj.")):
+            out[name] = t
+    return out
+
+
+def shapes(params) -> dict[str, list[int]]:
+    return {n: list(p.shape) for n, p in params.items()}
+
+
+def test_layout_places_each_hf_parameter_in_its_fused_rows():
+    model = hf_model()
+    hf = shapes(dict(model.named_parameters()))
+    layout = engine_layout(hf, shapes(fuse(model)), PACKED)
+    assert set(layout) == set(hf)
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    for suffix in ("weight", "bias"):
+        base = f"model.layers.1.self_attn.{{}}.{suffix}"
+        assert (layout[base.format("q_proj")].engine_name, layout[base.format("q_proj")].row) == (base.format("qkv_proj"), 0)
+        assert layout[base.format("k_proj")].row == q and layout[base.format("k_proj")].rows == kv
+        assert layout[base.format("v_proj")].row == q + kv
+    assert layout["model.layers.0.mlp.up_proj.weight"].engine_name == "model.layers.0.mlp.gate_up_proj.weight"
+    assert layout["model.layers.0.mlp.up_proj.weight"].row == INTER
+    assert layout["model.embed_tokens.weight"].rows == VOCAB  # the padding rows are not an HF parameter
+    assert layout["model.layers.0.self_attn.o_proj.weight"].engine_name == "model.layers.0.self_attn.o_proj.weight"
+
+
+def test_unfused_views_equal_the_hf_tensors():
+    model = hf_model()
+    engine = fuse(model)
+    views = slot_views(engine, engine_layout(shapes(dict(model.named_parameters())), shapes(engine), PACKED))
+    for name, p in model.named_parameters():
+        assert torch.equal(views[name], p.detach()), name
+
+
+def test_layout_errors_name_the_parameter():
+    model = hf_model()
+    hf = shapes(dict(model.named_parameters()))
+    engine = shapes(fuse(model))
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj.weight has no engine tensor"):
+        engine_layout(hf, {k: v for k, v in engine.items() if "layers.0.self_attn.qkv" not in k}, PACKED)
+    wrong = dict(engine, **{"model.layers.0.mlp.down_proj.weight": [HIDDEN, INTER + 1]})
+    with pytest.raises(ValueError, match="down_proj.weight .* does not fit"):
+        engine_layout(hf, wrong, PACKED)
+    bigger = dict(engine, **{"model.layers.1.self_attn.qkv_proj.weight": [HEADS * HEAD_DIM * 3, HIDDEN]})
+    with pytest.raises(ValueError, match="have 64 rows but the engine tensor has 96"):
+        engine_layout(hf, bigger, PACKED)
+    no_k = {k: v for k, v in hf.items() if k != "model.layers.0.self_attn.k_proj.weight"}
+    with pytest.raises(ValueError, match="sibling model.layers.0.self_attn.k_proj.weight"):
+        engine_layout(no_k, engine, PACKED)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_es_matches_hf_es_bit_for_bit(dtype):
+    """A member perturbed inside the (fused) engine holds exactly the hf backend's member weights."""
+    model = hf_model(dtype)
+    reference = copy.deepcopy(model)
+    engine = fuse(model)
+    original = {k: v.clone() for k, v in engine.items()}
+    selected = select_parameters(model, ["*"], ["*norm*"])  # a selection that leaves some tensors alone
+    layout = engine_layout({n: list(p.shape) for n, p in selected}, shapes(engine), PACKED)
+    views = slot_views(engine, layout)
+    es = EngineES(views)
+    flat = FlatParams(select_parameters(reference, ["*"], ["*norm*"]))
+    hf_params = dict(reference.named_parameters())
+
+    es.perturb(seed=12345, sign=-1, sigma=0.05)
+    flat.perturb(12345, -1, 0.05)
+    for name, _ in selected:
+        assert torch.equal(views[name], hf_params[name].detach()), name
+        assert not torch.equal(views[name], original[layout[name].engine_name][layout[name].row :][: layout[name].rows])
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # vocabulary padding rows untouched
+        assert torch.equal(engine[name][VOCAB:], original[name][VOCAB:])
+    assert torch.equal(engine["model.norm.weight"], original["model.norm.weight"])  # excluded
+
+    es.restore()
+    for name, t in engine.items():
+        assert torch.equal(t, original[name]), name  # bit-exact restore
+
+    record = IterationRecord(seed=77, z=[1.0, -0.5, -0.5, 0.25])
+    terms = update_terms(record, antithetic=False, alpha=0.01)
+    es.update(terms)
+    flat.restore()
+    flat.update(terms)
+    for name, _ in selected:
+        assert torch.equal(views[name], hf_params[name].detach()), name
+    state = es.state()
+    assert all(torch.equal(state[n], flat.state()[n]) for n, _ in selected)
+
+
+def test_engine_es_state_round_trip_replays_exactly():
+    model = hf_model(torch.bfloat16)
+    engine = fuse(model)
+    selected = dict(model.named_parameters())
+    es = EngineES(slot_views(engine, engine_layout(shapes(selected), shapes(engine), PACKED)))
+    theta0 = es.state()
+    terms = [update_terms(IterationRecord(seed=s, z=[1.0, -1.0]), False, 0.02) for s in (3, 9)]
+    es.update(*terms)
+    after = {k: v.clone() for k, v in engine.items()}
+    es.load_state(theta0)
+    assert not all(torch.equal(engine[k], after[k]) for k in engine)
+    for t in terms:  # ES.load replays one update per iteration
+        es.update(t)
+    for k in engine:
+        assert torch.equal(engine[k], after[k]), k
+
+
+class _FakeEngineGenerator:
+    """Stands in for VLLMGenerator.es_params (vLLM needs a GPU): ES must use it instead of `.model`."""
+
+    def __init__(self, es: EngineES):
+        self.es, self.calls = es, []
+
+    def es_params(self, include, exclude):
+        self.calls.append((list(include), list(exclude)))
+        return self.es.flat
+
+
+def test_es_setup_takes_engine_params_from_the_generator():
+    model = hf_model()
+    engine = fuse(model)
+    es_state = EngineES(slot_views(engine, engine_layout(shapes(dict(model.named_parameters())), shapes(engine), PACKED)))
+    gen = _FakeEngineGenerator(es_state)
+    opt = ES(ESConfig(population_size=2, include=["model.*"], exclude=["*norm*"]))
+    opt.setup(gen)
+    assert gen.calls == [(["model.*"], ["*norm*"])]
+    assert opt.params is es_state.flat
+
+
+def test_engine_kwargs_read_every_vllm_field():
+    cfg = build({"model": "/models/m", "seed": 5, "generator": {
+        "backend": "vllm", "dtype": "float32", "revision": "abc", "gpu_memory_utilization": 0.3,
+        "max_model_len": 2048, "enforce_eager": True, "tensor_parallel_size": 2, "sleep": True, "sync_every": 3}})
+    kw = engine_kwargs(cfg, "/models/m")
+    assert kw == {"model": "/models/m", "revision": "abc", "dtype": "float32", "gpu_memory_utilization": 0.3,
+                  "max_model_len": 2048, "enforce_eager": True, "tensor_parallel_size": 2,
+                  "enable_sleep_mode": True, "seed": 5, "worker_extension_cls": WORKER_EXTENSION,
+                  "logprobs_mode": "processed_logprobs"}
+    default = engine_kwargs(build({"model": "tiny", "generator": {"backend": "vllm", "revision": "x"}}), "/tmp/t")
+    assert default["dtype"] == "bfloat16" and default["revision"] is None and default["max_model_len"] is None
+    assert default["enforce_eager"] is False and default["enable_sleep_mode"] is False
+
+
+def test_config_rejects_bad_vllm_values():
+    from vrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="generator.gpu_memory_utilization"):
+        build({"generator": {"gpu_memory_utilization": 1.5}})
+    with pytest.raises(ConfigError, match="generator.sync_every"):
+        build({"generator": {"sync_every": 0}})
+    with pytest.raises(ConfigError, match="generator.tensor_parallel_size"):
+        build({"generator": {"tensor_parallel_size": 0}})
+
+
+def test_sleep_needs_grpo():
+    cfg = build({"generator": {"backend": "vllm", "sleep": True}, "optimizer": "es"})
+    with pytest.raises(ValueError, match="generator.sleep .* only helps optimizer=grpo"):
+        make_generator(cfg)
+
+
+def test_missing_vllm_or_gpu_is_a_clear_error():
+    try:
+        import vllm  # noqa: F401
+
+        have_vllm = True
+    except ImportError:
+        have_vllm = False
+    if have_vllm and torch.cuda.is_available():
+        pytest.skip("vLLM and a GPU are present: nothing is missing")
+    with pytest.raises(RuntimeError, match="generator.backend=vllm needs (vLLM|a CUDA GPU).*generator.backend=hf"):
+        make_generator(build({"generator": {"backend": "vllm"}}))
+
+
+def test_cut_at_stop_keeps_the_stop_string_like_the_hf_backend():
+    assert cut_at_stop("abc</x>def", ["</x>"]) == ("abc</x>", True)
+    assert cut_at_stop("a;b.c", [".", ";"]) == ("a;", True)
+    assert cut_at_stop("nothing", ["!"]) == ("nothing", False)
+
+
+def test_sampled_logprobs_reads_both_vllm_formats():
+    """vLLM is not installed here: the two shapes of CompletionOutput.logprobs are rebuilt by hand."""
+    flat = SimpleNamespace(start_indices=[0, 1, 3], logprobs=[-0.1, -0.2, -5.0, -0.3], token_ids=[4, 5, 9, 6])
+    assert sampled_logprobs(flat, [4, 5, 6]) == [-0.1, -0.2, -0.3]
+    nested = [{4: SimpleNamespace(logprob=-0.1)}, {5: SimpleNamespace(logprob=-0.2), 1: SimpleNamespace(logprob=-3.0)}]
+    assert sampled_logprobs(nested, [4, 5]) == [-0.1, -0.2]
+
+
+def test_grpo_reports_the_sampling_logprob_gap():
+    """GRPO's metric for how far a sampler's log-probs (vllm) are from training's, on the hf backend
+    with log-probs set to training's own plus a known offset."""
+    from vrl.generate import tiny
+    from vrl.generate.hf import HFGenerator
+    from vrl.optim.grpo import GRPO, GRPOConfig
+    from vrl.optim.logprobs import completion_logprobs, pack
+    from vrl.types import Result, Task, Verdict
+
+    tok = tiny.build_tokenizer()
+    gen = HFGenerator(tiny.build_model(), tok, build({"sampling": {"max_new_tokens": 6}}).sampling)
+    tasks = [Task(id=f"t{i}", prompt=p) for i, p in enumerate(["ab", "cde"])]
+    comps = gen.generate(tasks, n=2, seed=1)
+    with torch.no_grad():
+        for c in comps:
+            own = completion_logprobs(gen.model, pack([c.prompt_token_ids], [c.token_ids], tok.pad_token_id), 1.0)[0]
+            c.logprobs = [v - (0.25 if k == 0 else 0.0) for k, v in enumerate(own.tolist())]
+    results = [Result(task=tasks[int(c.task_id[1])], completion=c, verdict=Verdict.ok(), reward=float(c.sample))
+               for c in comps]
+    opt = GRPO(GRPOConfig(num_generations=2, lr_scheduler_type="constant"))
+    opt.setup(gen)
+    metrics = opt.tell(results)
+    tokens = sum(len(c.token_ids) for c in comps)
+    assert metrics["grpo/sampling_logprob_diff_max"] == pytest.approx(0.25, abs=1e-5)
+    assert metrics["grpo/sampling_logprob_diff_mean"] == pytest.approx(0.25 * len(comps) / tokens, abs=1e-5)

@@ -1,0 +1,394 @@
+"""The `vllm` generator: fast GPU sampling with a vLLM engine, ES inside the engine, GRPO weight sync.
+
+- Sampling: prompts are tokenised here exactly as the `hf` backend does and sent as token ids;
+  `n` samples per prompt, stop strings, per-prompt seeds, token ids, and (for GRPO) the sampled
+  tokens' log-probs under the temperature-scaled distribution (vLLM's `processed_logprobs`). All
+  prompts go into the engine at once; completions stream out in batches as requests finish, so
+  the verifier starts while the engine is still generating.
+- ES: `es_params` hands the ES optimizer an `EngineParams`, which perturbs, restores and updates
+  the engine's own (fused) weight tensors through `vrl.generate.vllm_worker.VRLWorkerExtension`,
+  with the noise of the `hf` backend (same seeds, same HF parameter names, same values).
+- GRPO: the trainable Hugging Face model lives in this process (`.model`, on `generator.device`);
+  `sync_weights` pushes it into the engine in place (CUDA IPC handles + the model's own
+  `load_weights`), every `generator.sync_every` updates. With `generator.sleep` the engine frees
+  its GPU memory between generation passes so training can use it (colocated mode).
+
+vLLM is imported lazily: `pip install vrl[vllm]`, on a machine with a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from vrl.generate.base import Generator
+from vrl.generate.hf import TINY, load_model_and_tokenizer, render_prompt
+from vrl.types import Completion, Task
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "vrl.generate.vllm_worker.VRLWorkerExtension"
+
+
+def import_vllm() -> Any:
+    """The vllm module, or an error that says how to get it and what it needs."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise RuntimeError(
+            f"generator.backend=vllm needs vLLM, which cannot be imported ({exc}). Install it with "
+            "`pip install vrl[vllm]` on a machine with a CUDA GPU, or use generator.backend=hf."
+        ) from exc
+    if not torch.cuda.is_available():
+        raise RuntimeError("generator.backend=vllm needs a CUDA GPU and none is visible; use generator.backend=hf")
+    return vllm
+
+
+def engine_kwargs(config: Any, model_path: str) -> dict[str, Any]:
+    """Keyword arguments of `vllm.LLM` for a run's config (one place where every vllm field is read)."""
+    g = config.generator
+    return {
+        "model": model_path,
+        "revision": None if config.model == TINY else g.revision,
+        # As the hf backend on a GPU: 'auto' means bfloat16, not the checkpoint's dtype.
+        "dtype": "bfloat16" if g.dtype == "auto" else g.dtype,
+        "gpu_memory_utilization": g.gpu_memory_utilization,
+        "max_model_len": g.max_model_len,
+        "enforce_eager": g.enforce_eager,
+        "tensor_parallel_size": g.tensor_parallel_size,
+        "enable_sleep_mode": g.sleep,
+        "seed": config.seed,
+        "worker_extension_cls": WORKER_EXTENSION,
+        # Log-probs of the distribution tokens are drawn from (after temperature), as GRPO's ratio needs.
+        "logprobs_mode": "processed_logprobs",
+    }
+
+
+def hf_meta_model(model_path: str, revision: str | None = None) -> torch.nn.Module:
+    """The Hugging Face model's module tree on the meta device: its parameter names and shapes, no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_path, revision=revision)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def save_tiny(path: str) -> str:
+    """Write the `tiny` model and tokenizer to `path` (vLLM loads models from a directory)."""
+    from vrl.generate import tiny
+
+    tiny.build_model().save_pretrained(path)
+    tiny.build_tokenizer().save_pretrained(path)
+    return path
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """`text` up to and including the first stop string found (in `stops` order, as the hf backend)."""
+    stopped = False
+    for stop in stops:
+        cut = text.find(stop)
+        if cut >= 0:
+            text, stopped = text[: cut + len(stop)], True
+    return text, stopped
+
+
+def sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> list[float]:
+    """The log-prob of each sampled token from a vLLM `CompletionOutput.logprobs`."""
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: the sampled token comes first at each position
+        return [float(logprobs.logprobs[i]) for i in logprobs.start_indices[: len(token_ids)]]
+    return [float(step[tok].logprob) for step, tok in zip(logprobs, token_ids)]
+
+
+class VLLMGenerator(Generator):
+    """Sampling with a vLLM engine; ES perturbs and GRPO syncs the engine's weights in place."""
+
+    def __init__(
+        self,
+        llm: Any,
+        tokenizer: Any,
+        sampling: Any,
+        *,
+        model: torch.nn.Module | None = None,
+        model_path: str | None = None,
+        revision: str | None = None,
+        logprobs: bool = False,
+        sync_every: int = 1,
+        sleep: bool = False,
+        cleanup: str | None = None,
+    ):
+        self.llm, self.tokenizer, self.sampling = llm, tokenizer, sampling
+        if model is not None:
+            self.model = model  # GRPO trains this copy; sync_weights pushes it into the engine
+        self.model_path, self.revision = model_path, revision
+        self.logprobs, self.sync_every, self.sleep = logprobs, sync_every, sleep
+        self._cleanup = cleanup
+        self._asleep = False
+        self._pushed = False
+        self._since_push = 0
+        self.last_sync_s: float | None = None
+
+    @classmethod
+    def from_config(cls, config: Any) -> VLLMGenerator:
+        """Start an engine for the run's model; GRPO also gets a trainable HF copy on `generator.device`."""
+        g = config.generator
+        grpo = config.optimizer == "grpo"
+        if g.sleep and not grpo:
+            raise ValueError(
+                "generator.sleep frees the engine's memory for training between generation passes; it only "
+                "helps optimizer=grpo (ES perturbs the engine itself). Set generator.sleep=false."
+            )
+        vllm = import_vllm()
+        cleanup = None
+        path = config.model
+        if config.model == TINY:
+            cleanup = path = save_tiny(tempfile.mkdtemp(prefix="vrl-tiny-"))
+        kwargs = engine_kwargs(config, path)
+        # The driver sends CUDA IPC handles and ES terms through collective_rpc, which vLLM only
+        # pickles when allowed; the engine is private to this process (no server is exposed).
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        t0 = time.perf_counter()
+        llm = vllm.LLM(**kwargs)
+        log.info("vLLM engine ready in %.1f s", time.perf_counter() - t0)
+        model = None
+        if grpo:
+            device = "cuda" if g.device == "auto" else g.device
+            model, tokenizer = load_model_and_tokenizer(path, device, kwargs["dtype"], kwargs["revision"])
+        else:
+            tokenizer = _load_tokenizer(path, kwargs["revision"])
+        gen = cls(llm, tokenizer, config.sampling, model=model, model_path=path, revision=kwargs["revision"],
+                  logprobs=grpo, sync_every=g.sync_every, sleep=g.sleep, cleanup=cleanup)
+        # No initial push: engine and copy loaded the same checkpoint in the same dtype.
+        return gen
+
+    # -- sampling ------------------------------------------------------------------------------------
+    def _params(self, n: int, seed: int | None, vllm: Any) -> Any:
+        s = self.sampling
+        greedy = s.temperature <= 0
+        return vllm.SamplingParams(
+            n=n,
+            temperature=0.0 if greedy else s.temperature,
+            top_p=1.0 if greedy else s.top_p,
+            max_tokens=s.max_new_tokens,
+            stop=list(s.stop) or None,
+            include_stop_str_in_output=True,
+            detokenize=bool(s.stop),  # only stop strings need the engine's detokenizer; text is decoded here
+            seed=seed,
+            logprobs=0 if self.logprobs else None,
+            flat_logprobs=True,
+        )
+
+    def stream(
+        self, tasks: Sequence[Task], n: int = 1, variant: int = 0, seed: int | None = None
+    ) -> Iterator[list[Completion]]:
+        """All prompts go to the engine at once; finished prompts are yielded `batch_size` at a time."""
+        import vllm
+
+        if not tasks:
+            return
+        self._wake()
+        tok = self.tokenizer
+        prompts = [tok(render_prompt(tok, t.prompt), add_special_tokens=False)["input_ids"] for t in tasks]
+        # Seed of prompt i's sample j is seed + i·n + j (vLLM adds j): distinct across prompts and samples.
+        params = [self._params(n, None if seed is None else seed + i * n, vllm) for i in range(len(tasks))]
+        ids = self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        position = {rid: i for i, rid in enumerate(ids)}
+        engine = self.llm.llm_engine
+        open_ids = set(ids)
+        ready: list[Completion] = []
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if not out.finished or out.request_id not in position:
+                        continue
+                    open_ids.discard(out.request_id)
+                    i = position[out.request_id]
+                    ready += [self._completion(tasks[i], prompts[i], o, variant) for o in out.outputs]
+                    if len(ready) >= self.sampling.batch_size * n:
+                        yield ready
+                        ready = []
+            if ready:
+                yield ready
+        finally:
+            if open_ids:  # the consumer stopped early: do not leave requests running in the engine
+                engine.abort_request(sorted(open_ids))
+        if self.sleep:
+            self._sleep()
+
+    def generate(
+        self, tasks: Sequence[Task], n: int = 1, variant: int = 0, seed: int | None = None
+    ) -> list[Completion]:
+        """All completions for `tasks`, in task order, n per task (the engine finishes them in any order)."""
+        first = {}
+        for i, t in enumerate(tasks):
+            first.setdefault(t.id, i)
+        out = [c for batch in self.stream(tasks, n=n, variant=variant, seed=seed) for c in batch]
+        return sorted(out, key=lambda c: (first[c.task_id], c.sample))
+
+    def _completion(self, task: Task, prompt_ids: list[int], out: Any, variant: int) -> Completion:
+        if out.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM finished a completion of task {task.id!r} with reason {out.finish_reason!r}")
+        token_ids = list(out.token_ids)
+        text, _ = cut_at_stop(self.tokenizer.decode(token_ids, skip_special_tokens=True), self.sampling.stop)
+        return Completion(
+            task_id=task.id,
+            text=text,
+            variant=variant,
+            sample=out.index,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(token_ids),
+            finish_reason=out.finish_reason,
+            prompt_token_ids=list(prompt_ids),
+            token_ids=token_ids,
+            logprobs=sampled_logprobs(out.logprobs, token_ids) if self.logprobs and out.logprobs is not None else None,
+        )
+
+    # -- engine control ------------------------------------------------------------------------------
+    def rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call a `VRLWorkerExtension` method on every engine worker."""
+        return self.llm.collective_rpc(method, args=args)
+
+    def weights_changed(self) -> None:
+        """Forget cached prompt KV: it was computed with the old weights (prefix caching would reuse it)."""
+        self.llm.reset_prefix_cache()
+
+    def _sleep(self) -> None:
+        # Level 2 drops the weights too: fine when every wake-up is followed by a full weight push.
+        level = 2 if self.sync_every == 1 and hasattr(self, "model") else 1
+        self.llm.sleep(level=level)
+        self._asleep = level
+
+    def _wake(self, tags: list[str] | None = None) -> None:
+        if self._asleep:
+            self.llm.wake_up(tags)
+            if tags is None or "kv_cache" in tags:
+                self._asleep = False
+            self.weights_changed()
+
+    # -- GRPO: weight sync ---------------------------------------------------------------------------
+    def sync_weights(self) -> None:
+        """Push the trainable model into the engine: on the first call, then every `sync_every` calls."""
+        model = getattr(self, "model", None)
+        if model is None:
+            return  # ES moves the engine's weights itself; there is no separate copy to push
+        self._since_push += 1
+        if self._pushed and self._since_push < self.sync_every:
+            return
+        t0 = time.perf_counter()
+        if self._asleep:
+            self.llm.wake_up(["weights"])
+        payload = _share(model)
+        self.rpc("vrl_load_weights", payload)
+        del payload
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+        if self._asleep:
+            self.llm.wake_up(["kv_cache"])
+            self._asleep = False
+        self.weights_changed()
+        self._pushed, self._since_push = True, 0
+        self.last_sync_s = time.perf_counter() - t0
+        log.debug("vllm: pushed weights in %.3f s", self.last_sync_s)
+
+    # -- ES inside the engine ------------------------------------------------------------------------
+    def es_params(self, include: Sequence[str], exclude: Sequence[str]) -> EngineParams:
+        """The ES optimizer's view of the engine's weights (see `vrl.optim.es.ES.setup`)."""
+        from vrl.optim.es import select_parameters
+
+        if hasattr(self, "model"):
+            raise ValueError("this generator trains an HF copy (GRPO); ES perturbs the engine, build it with optimizer=es")
+        chosen = select_parameters(hf_meta_model(self.model_path, self.revision), include, exclude)
+        return EngineParams(self, {n: list(p.shape) for n, p in chosen})
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            core = getattr(llm.llm_engine, "engine_core", None)
+            if hasattr(core, "shutdown"):
+                core.shutdown()
+            self.llm = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if self._cleanup:
+            shutil.rmtree(self._cleanup, ignore_errors=True)
+            self._cleanup = None
+
+
+class EngineParams:
+    """What `FlatParams` is for the hf backend, for weights that live in a vLLM engine.
+
+    Same interface (perturb, restore, update, state, load_state); each call runs in the engine's
+    workers, which hold the fp32 master θ in HF layout and write into the fused engine tensors.
+    """
+
+    def __init__(self, generator: VLLMGenerator, hf_shapes: dict[str, list[int]]):
+        self.generator = generator
+        self.hf_shapes = hf_shapes
+        self.names = list(hf_shapes)
+        info = generator.rpc("vrl_es_setup", hf_shapes)[0]
+        self.numel = int(info["numel"])
+        self._dtype = str(info["dtype"])
+        log.info("ES in the engine: %d HF tensors in %d engine tensors, %d parameters",
+                 info["tensors"], info["engine_tensors"], self.numel)
+
+    @property
+    def dtype(self) -> str:
+        return self._dtype
+
+    def perturb(self, seed: int, sign: int, sigma: float) -> None:
+        self.generator.rpc("vrl_es_perturb", seed, sign, sigma)
+        self.generator.weights_changed()
+
+    def restore(self) -> None:
+        self.generator.rpc("vrl_es_restore")
+        self.generator.weights_changed()
+
+    def update(self, terms: Sequence[tuple[int, float]]) -> None:
+        if not terms:
+            return
+        self.generator.rpc("vrl_es_update", [(int(s), float(c)) for s, c in terms])
+        self.generator.weights_changed()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.generator.rpc("vrl_es_state")[0]
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.names if n not in state or list(state[n].shape) != self.hf_shapes[n]]
+        if missing:
+            raise ValueError(f"snapshot does not match the model at parameter {missing[0]}")
+        self.generator.rpc("vrl_es_load_state", {n: state[n].float().cpu() for n in self.names})
+        self.generator.weights_changed()
+
+    def engine_weights(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The engine's current values of HF parameters `names`, un-fused (CPU copies)."""
+        return self.generator.rpc("vrl_hf_weights", self.hf_shapes, list(names))[0]
+
+
+def _share(model: torch.nn.Module) -> list[tuple[str, Any]]:
+    """(name, what the worker needs to see the tensor) per parameter.
+
+    A CUDA tensor crosses to the engine process as an IPC handle (no copy); an engine running in
+    this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) gets the tensor itself; CPU tensors are sent.
+    """
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    out: list[tuple[str, Any]] = []
+    for name, p in model.named_parameters():
+        t = p.detach()
+        out.append((name, reduce_tensor(t) if t.is_cuda and not in_process else t.contiguous()))
+    return out
+
+
+def _load_tokenizer(path: str, revision: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, revision=revision)

@@ -1,0 +1,268 @@
+"""Inside the vLLM engine: ES perturbation on the engine's own (fused) weights, and weight loading.
+
+`VRLWorkerExtension` is mixed into every vLLM worker (`LLM(worker_extension_cls=...)`); the driver
+calls its `vrl_*` methods with `llm.collective_rpc`. vLLM fuses some Hugging Face parameters into
+one tensor (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) and pads vocabulary rows. ES noise
+is defined per *Hugging Face* parameter (`vrl.optim.noise`: member seed, HF name, element index),
+so `engine_layout` maps each HF parameter explicitly to the rows of the engine tensor that hold
+it. The worker keeps the ES state in HF layout (the same `FlatParams` buffers as the `hf` backend:
+an fp32 master θ, one fused Triton launch per perturbation) and copies the result into those rows
+with one multi-tensor copy. A member therefore sees bit for bit the weights the `hf` backend would.
+
+This module imports no vLLM: the mapping is tested on CPU (tests/test_vllm_layout.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one HF parameter lives in the engine: rows [row, row + rows) of `engine_name`."""
+
+    hf_name: str
+    engine_name: str
+    row: int
+    rows: int
+
+
+def engine_layout(
+    hf_shapes: Mapping[str, Sequence[int]],
+    engine_shapes: Mapping[str, Sequence[int]],
+    packed: Mapping[str, Sequence[str]],
+) -> dict[str, Slot]:
+    """Map each HF parameter to its rows in the engine's tensors.
+
+    `packed` is vLLM's `packed_modules_mapping` (e.g. {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}):
+    a fused tensor holds its members' rows one after another, in that order, so a member's first
+    row is the sum of the rows of the members before it (taken from the HF shapes). Unfused
+    parameters keep their names; an engine tensor may have extra rows (vLLM pads vocabularies).
+    Trailing dimensions must agree exactly. Raises ValueError naming the first parameter that
+    does not fit.
+    """
+    member_of = {sub: (fused, i, subs) for fused, subs in packed.items() for i, sub in enumerate(subs)}
+    layout: dict[str, Slot] = {}
+    for name, shape in hf_shapes.items():
+        shape = tuple(shape)
+        parts = name.split(".")
+        hit = next(((k, member_of[p]) for k, p in enumerate(parts) if p in member_of), None)
+        row = 0
+        if hit is None:
+            engine_name = name
+        else:
+            k, (fused, index, subs) = hit
+            engine_name = ".".join(parts[:k] + [fused] + parts[k + 1 :])
+            for sibling in subs[:index]:
+                sib_name = ".".join(parts[:k] + [sibling] + parts[k + 1 :])
+                if sib_name not in hf_shapes:
+                    raise ValueError(
+                        f"cannot place {name} inside {engine_name}: its sibling {sib_name} is not a model parameter"
+                    )
+                row += int(hf_shapes[sib_name][0])
+        if engine_name not in engine_shapes:
+            sample = ", ".join(list(engine_shapes)[:4])
+            raise ValueError(
+                f"HF parameter {name} has no engine tensor {engine_name} (engine tensors look like: {sample}, ...); "
+                "this architecture's names differ between transformers and vLLM, so in-engine ES cannot map it"
+            )
+        eshape = tuple(engine_shapes[engine_name])
+        if eshape[1:] != shape[1:] or row + shape[0] > eshape[0]:
+            raise ValueError(
+                f"HF parameter {name} {list(shape)} does not fit rows {row}.. of engine tensor "
+                f"{engine_name} {list(eshape)}"
+            )
+        if hit is not None and index == len(subs) - 1 and row + shape[0] != eshape[0]:
+            raise ValueError(
+                f"the members of {engine_name} ({', '.join(subs)}) have {row + shape[0]} rows but the engine "
+                f"tensor has {eshape[0]}"
+            )
+        layout[name] = Slot(name, engine_name, row, int(shape[0]))
+    _check_disjoint(layout)
+    return layout
+
+
+def _check_disjoint(layout: Mapping[str, Slot]) -> None:
+    by_engine: dict[str, list[Slot]] = {}
+    for slot in layout.values():
+        by_engine.setdefault(slot.engine_name, []).append(slot)
+    for engine_name, slots in by_engine.items():
+        slots.sort(key=lambda s: s.row)
+        for a, b in itertools.pairwise(slots):
+            if a.row + a.rows > b.row:
+                raise ValueError(f"{a.hf_name} and {b.hf_name} overlap inside engine tensor {engine_name}")
+
+
+def slot_views(params: Mapping[str, torch.Tensor], layout: Mapping[str, Slot]) -> dict[str, torch.Tensor]:
+    """For each HF name, the view of the engine tensor rows that hold it (writes go to the engine)."""
+    return {name: params[s.engine_name].data[s.row : s.row + s.rows] for name, s in layout.items()}
+
+
+class EngineES:
+    """ES state for one engine's weights: HF-layout fp32 master θ and a cast copy, kept in step.
+
+    `perturb` writes cast(θ + σ·sign·ε(seed)) into the engine rows; `restore` copies cast(θ) back
+    (bit-exact); `update` applies ES update terms to θ in fp32. Noise comes from the same
+    `FlatParams` code as the `hf` backend, so the result does not depend on where a tensor lives.
+    """
+
+    def __init__(self, views: Mapping[str, torch.Tensor]):
+        from vrl.optim.es import FlatParams
+
+        # Throw-away HF-shaped parameters seed FlatParams with the engine's current values.
+        named = [(n, torch.nn.Parameter(v.detach().clone(), requires_grad=False)) for n, v in views.items()]
+        self.flat = FlatParams(named)
+        self.names = list(views)
+        self._targets = [views[n] for g in self.flat.groups for n in g.names]
+        # `flat.weights` is scratch for perturbations; `base` always holds cast(θ) for restores.
+        self.base = [g.weights.clone() for g in self.flat.groups]
+        self._base_views = [
+            b[start : start + v.numel()].view(v.shape)
+            for g, b in zip(self.flat.groups, self.base)
+            for start, v in zip(g.starts.tolist(), g.weight_views)
+        ]
+        self._scratch_views = [v for g in self.flat.groups for v in g.weight_views]
+
+    @torch.no_grad()
+    def perturb(self, seed: int, sign: int, sigma: float) -> None:
+        self.flat.perturb(seed, sign, sigma)
+        _copy_all(self._targets, self._scratch_views)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        _copy_all(self._targets, self._base_views)
+
+    @torch.no_grad()
+    def update(self, *iterations: Sequence[tuple[int, float]]) -> None:
+        """θ ← θ + Σⱼ cⱼ·s(seedⱼ) for each iteration's terms in order; the engine then holds cast(θ)."""
+        for terms in iterations:
+            self.flat.update(terms)
+        for g, b in zip(self.flat.groups, self.base):
+            b.copy_(g.weights)
+        self.restore()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.flat.state()
+
+    @torch.no_grad()
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.flat.load_state(dict(state))
+        for g, b in zip(self.flat.groups, self.base):
+            b.copy_(g.weights)
+        self.restore()
+
+
+def _timed(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    # One multi-tensor launch instead of one copy per parameter (hundreds of tiny launches).
+    if dst and dst[0].is_cuda:
+        torch._foreach_copy_(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
+def rebuild_weights(payload: Sequence[tuple[str, object]]) -> list[tuple[str, torch.Tensor]]:
+    """Tensors sent by the driver: tensors as they are, CUDA IPC handles (rebuild, args) opened here."""
+    out = []
+    for name, item in payload:
+        if isinstance(item, torch.Tensor):
+            out.append((name, item))
+        else:
+            rebuild, args = item  # type: ignore[misc]
+            # The handle names the sender's device ordinal; the engine sees the same GPUs in the same order.
+            out.append((name, rebuild(*args)))
+    return out
+
+
+_LORA = re.compile(r"(^|\.)lora_|\.base_layer\.")
+
+
+class VRLWorkerExtension:
+    """Methods vLLM mixes into each worker; the driver calls them with `llm.collective_rpc("vrl_...")`."""
+
+    def _vrl_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()  # type: ignore[attr-defined]
+
+    def vrl_engine_shapes(self) -> dict[str, list[int]]:
+        """Engine parameter names and shapes (this worker's shard)."""
+        return {n: list(p.shape) for n, p in self._vrl_model().named_parameters()}
+
+    def vrl_es_setup(self, hf_shapes: dict[str, list[int]]) -> dict[str, object]:
+        """Build the HF-layout ES state from the engine's current weights (θ₀); returns a summary."""
+        model = self._vrl_model()
+        if self.parallel_config.tensor_parallel_size != 1:  # type: ignore[attr-defined]
+            raise ValueError("in-engine ES needs generator.tensor_parallel_size=1 (one engine per GPU)")
+        params = dict(model.named_parameters())
+        layout = engine_layout(hf_shapes, {n: p.shape for n, p in params.items()},
+                               getattr(model, "packed_modules_mapping", {}) or {})
+        self._vrl_es = EngineES(slot_views(params, layout))
+        flat = self._vrl_es.flat
+        log.info("vrl: in-engine ES over %d HF tensors in %d engine tensors", len(layout),
+                 len({s.engine_name for s in layout.values()}))
+        return {"numel": flat.numel, "dtype": flat.dtype, "tensors": len(layout),
+                "engine_tensors": len({s.engine_name for s in layout.values()})}
+
+    def _vrl_require_es(self) -> EngineES:
+        es = getattr(self, "_vrl_es", None)
+        if es is None:
+            raise RuntimeError("call vrl_es_setup before perturbing the engine's weights")
+        return es
+
+    # Each call waits for its GPU work and returns the seconds it took inside the worker, so the
+    # driver's clock measures finished work (and benchmarks can separate it from RPC overhead).
+    def vrl_es_perturb(self, seed: int, sign: int, sigma: float) -> float:
+        return _timed(self._vrl_require_es().perturb, seed, sign, sigma)
+
+    def vrl_es_restore(self) -> float:
+        return _timed(self._vrl_require_es().restore)
+
+    def vrl_es_update(self, terms: list[tuple[int, float]]) -> float:
+        return _timed(self._vrl_require_es().update, terms)
+
+    def vrl_es_state(self) -> dict[str, torch.Tensor]:
+        return self._vrl_require_es().state()
+
+    def vrl_es_load_state(self, state: dict[str, torch.Tensor]) -> None:
+        self._vrl_require_es().load_state(state)
+
+    def vrl_hf_weights(self, hf_shapes: dict[str, list[int]], names: list[str]) -> dict[str, torch.Tensor]:
+        """The engine's current values of some HF parameters, un-fused (CPU copies), for checks."""
+        model = self._vrl_model()
+        params = dict(model.named_parameters())
+        layout = engine_layout(hf_shapes, {n: p.shape for n, p in params.items()},
+                               getattr(model, "packed_modules_mapping", {}) or {})
+        views = slot_views(params, {n: layout[n] for n in names})
+        return {n: v.detach().to("cpu", copy=True) for n, v in views.items()}
+
+    def vrl_load_weights(self, payload: list[tuple[str, object]]) -> int:
+        """Load HF-named weights in place through the model's own `load_weights` (fuses, shards)."""
+        weights = rebuild_weights(payload)
+        lora = [n for n, _ in weights if _LORA.search(n)]
+        if lora:
+            raise ValueError(f"got LoRA parameter names ({lora[0]}, ...); merge adapters before syncing weights")
+        model = self._vrl_model()
+        with torch.no_grad():
+            model.load_weights(weights=iter(weights))
+        torch.cuda.synchronize()
+        count = len(weights)
+        del weights
+        # ES state (if any) no longer describes these weights.
+        self._vrl_es = None
+        return count
