@@ -354,6 +354,10 @@ class GRPO(Optimizer):
         }
         if cfg.beta > 0:
             metrics["grpo/kl"] = totals["kl_sum"] / tokens
+        diffs = [b["sampling_diff"] for b in batches if "sampling_diff" in b]
+        if diffs:  # the generator reported sampling log-probs (vllm): how far they are from training's
+            metrics["grpo/sampling_logprob_diff_mean"] = float(sum(d[0] for d in diffs) / max(float(sum(d[2] for d in diffs)), 1.0))
+            metrics["grpo/sampling_logprob_diff_max"] = float(max(d[1] for d in diffs))
         return metrics
 
     def _micro_batch(self, results: list[Result], rows: list[int], advantages: torch.Tensor,
@@ -411,6 +415,11 @@ class GRPO(Optimizer):
                 for b in batches:
                     logps = completion_logprobs(self.model, b["packed"], self.temperature, cfg.logprob_chunk_size)
                     old = logps.detach() if b["old"] is None else b["old"]
+                    if b["has_sampled"] and "sampling_diff" not in b:
+                        # First step: the policy is the one that sampled, so any gap is the sampler's
+                        # numerics (or weights it had not been synced to yet).
+                        gap = torch.where(b["packed"].completion_mask.bool(), (logps.detach() - old).abs(), 0.0)
+                        b["sampling_diff"] = (gap.sum(), gap.max(), b["packed"].completion_mask.sum())
                     loss, stats = grpo_loss(
                         logps, old, b["advantages"], b["mask"],
                         loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
