@@ -316,7 +316,19 @@ def test_bf16_model_trains_through_fp32_master_weights():
     opt.tell(sample_results(gen))
     assert any(not torch.equal(a, b) for a, b in zip(start, opt.master))  # a 1e-6 step survives in fp32
     for p, m in zip(opt.params, opt.master):
-        assert p.dtype == torch.bfloat16 and torch.equal(p, m.to(torch.bfloat16))
+        assert p.dtype == torch.bfloat16 and torch.equal(p, m.to(torch.bfloat16)) and p.grad is None
+
+
+def test_bf16_gradients_accumulate_in_fp32(monkeypatch):
+    """bf16 gradients move into the fp32 masters per micro-batch; the sum matches one big batch."""
+    results = sample_results(make_generator(dtype=torch.bfloat16))
+    grads = capture_grads(monkeypatch)
+    for mb in (1, 12):
+        make_grpo(make_generator(dtype=torch.bfloat16), micro_batch_size=mb).tell(results)
+    assert all(g.dtype == torch.float32 for g in grads[0])
+    one, many = torch.cat([g.flatten() for g in grads[0]]), torch.cat([g.flatten() for g in grads[1]])
+    assert one.abs().sum() > 0
+    assert float((one - many).norm() / many.norm()) < 0.02  # bf16 forward noise, not a missing micro-batch
 
 
 def test_setup_errors():
