@@ -36,7 +36,7 @@ def solo():
     """One sandbox, so a probe attempt lands in the same container as the attack before it."""
     if BWRAP_PROBLEM is not None:
         pytest.skip(BWRAP_PROBLEM)
-    v = PythonTestsVerifier(workers=1, test_timeout_s=1.0, attempt_timeout_s=4.0, memory_mb=256, max_processes=8)
+    v = PythonTestsVerifier(workers=1, test_timeout_s=1.0, attempt_timeout_s=4.0, memory_mb=128, max_processes=8)
     yield v
     v.close()
 
@@ -81,7 +81,7 @@ def test_memory_bomb_is_capped(solo):
             "        blocks.append(bytearray(64 * 1024 * 1024))\n    return 'allocated'\n")  # 4 GiB
     report = solo.judge(attempt(task, code))
     assert not report.verdict.passed
-    assert "MemoryError" in report.verdict.detail
+    assert "MemoryError" in report.verdict.detail, report.verdict.detail
     assert_clean_and_working(solo)
 
 
