@@ -232,7 +232,7 @@ class FlatParams:
                 raise ValueError(f"parameter {name} has {p.numel()} elements; the noise scheme indexes < 2**32")
             by_dtype[p.dtype].append((name, p))
         self.groups = [_Group(items, self.GRANULE, self.device) for items in by_dtype.values()]
-        self.numel = sum(g.numel for g in self.groups)
+        self.numel = sum(p.numel() for _, p in named)
         self.use_triton = self.device.type == "cuda" and _triton_available()
 
     @property
@@ -291,7 +291,6 @@ class _Group:
         for _, p in items:
             starts.append(position)
             position += -(-p.numel() // granule) * granule
-        self.numel = position
         dtype = items[0][1].dtype
         self.weights = torch.zeros(position, dtype=dtype, device=device)
         self.master = torch.zeros(position, dtype=torch.float32, device=device)
