@@ -178,4 +178,6 @@ def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="use_peft"):
         build({"grpo": {"lora_r": 8}})
     assert build({"grpo": {"use_peft": True, "lora_r": 8}}).grpo.lora_r == 8
+    # A recorded config (every field written out, as in a run directory) loads back for resume.
+    assert build(build({"optimizer": "grpo"}).model_dump(mode="json")).grpo == GRPOConfig()
     assert GRPOConfig().loss_type == "dapo" and GRPOConfig().beta == 0.0  # TRL's current defaults

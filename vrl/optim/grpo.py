@@ -103,7 +103,8 @@ class GRPOConfig(BaseModel):
 
     @model_validator(mode="after")
     def _lora_needs_peft(self) -> GRPOConfig:
-        stray = sorted(f for f in _LORA_FIELDS if f in self.model_fields_set)
+        # Compared with the defaults, not `model_fields_set`: a recorded config lists every field.
+        stray = sorted(f for f in _LORA_FIELDS if getattr(self, f) != type(self).model_fields[f].default)
         if stray and not self.use_peft:
             raise ValueError(f"{', '.join(stray)} only apply to LoRA training; set grpo.use_peft=true or remove them")
         return self
