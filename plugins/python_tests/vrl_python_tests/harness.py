@@ -30,7 +30,6 @@ import sys
 
 MAX_NODES = 200_000  # values with more nodes than this are not worth comparing
 _SCALARS = (type(None), bool, int, str)
-_TAGS = ("list", "tuple", "set", "frozenset", "dict", "bytes", "float", "complex")
 
 
 class EncodeError(ValueError):
@@ -237,7 +236,6 @@ def serve(config):
     _reply({"op": "hello", "python": sys.version.split()[0], "init": is_init})
     buffer = b""
     child = pidfd = None
-    status = None
     while True:
         watch = [0] + ([pidfd] if pidfd is not None else [])
         ready, _, _ = select.select(watch, [], [])
@@ -256,7 +254,6 @@ def serve(config):
             line, buffer = buffer.split(b"\n", 1)
             command = json.loads(line)
             if command["op"] == "spawn":
-                status = None
                 child = os.fork()
                 if child == 0:
                     try:

@@ -244,6 +244,8 @@ class Sandbox:
                          "fds": {"results": results_w, "output": output_w, "payload": payload_r}}
         argv = argv + [self.python, "-I", "-S", "-B", "-c", _HARNESS_SOURCE, json.dumps(server_config)]
         stderr = tempfile.TemporaryFile()
+        # bwrap's --die-with-parent follows the *thread* that starts it: a sandbox started from a thread
+        # that later exits dies with it, and the next attempt restarts it. Pool threads live until close().
         try:
             self.proc = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd="/",
