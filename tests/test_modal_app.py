@@ -28,6 +28,14 @@ CUSTOM = {
 }
 
 
+@pytest.fixture(autouse=True)
+def modal_token(monkeypatch, tmp_path):
+    """A syntactically valid token: the runtime checks one is configured; nothing here contacts Modal."""
+    monkeypatch.setenv("HOME", str(tmp_path))  # ignore any ~/.modal.toml
+    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-test")
+    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-test")
+
+
 @pytest.fixture(scope="module")
 def built():
     cfg = build({"runtime": {"kind": "modal", **CUSTOM}})
@@ -188,3 +196,33 @@ def test_modal_caller_turns_map_outputs_into_ordered_futures():
         assert fake.calls == [(([1, 3, 5], [2, 4, 6]), {"k": "shared"})]  # one .map for all calls
     finally:
         caller.close()
+
+
+def test_without_credentials_the_runtime_and_commands_say_how_to_set_up(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from vrl.cli import main
+
+    monkeypatch.delenv("MODAL_TOKEN_ID")
+    monkeypatch.delenv("MODAL_TOKEN_SECRET")
+    with pytest.raises(RuntimeError, match="modal setup"):
+        make_runtime(build({"runtime": {"kind": "modal"}}))
+    runner = CliRunner()
+    for args in (["modal", "prepare", "--model", "Qwen/Qwen2.5-0.5B", "--secret", "huggingface"],
+                 ["train", "--runtime", "modal", "--detach", "--name", "x", "-n", "1"],
+                 ["train", "--runtime", "modal", "-n", "1", "--set", f"logging.runs_dir={tmp_path}"]):
+        result = runner.invoke(main, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert "modal setup" in result.output
+    assert not list(tmp_path.glob("countdown-*"))  # no run directory was left behind
+
+
+def test_detach_needs_the_modal_runtime_and_a_name():
+    from click.testing import CliRunner
+
+    from vrl.cli import main
+
+    result = CliRunner().invoke(main, ["train", "--detach", "-n", "1"])
+    assert result.exit_code == 2 and "--runtime modal" in result.output
+    result = CliRunner().invoke(main, ["train", "--runtime", "modal", "--detach", "-n", "1"])
+    assert result.exit_code == 2 and "--name" in result.output

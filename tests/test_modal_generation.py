@@ -202,3 +202,21 @@ def test_offline_volume_cache_serves_a_model_by_id(tmp_path, monkeypatch):
     assert info["downloaded"] is False and "model.safetensors" in info["files"] and info["bytes"] > 0
     assert workers.volume_env(tmp_path) == {"HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
                                             "TRANSFORMERS_OFFLINE": "1"}
+
+
+def test_detached_orchestrator_body_writes_to_the_volume_and_resumes(tmp_path):
+    """`orchestrate` (the detached loop's body) keeps the run on the Volume and continues it exactly."""
+    from vrl.config import dump
+
+    volume = tmp_path / "volume"
+    layers = [BASE, {"logging": {"name": "d"}, "runtime": {"kind": "modal", "verify_in": "local"}}]
+    first = build(*layers, {"iterations": 1})
+    commits: list = []
+    summary = workers.orchestrate(dump(first), volume, modal_local(first, tmp_path), on_iteration=commits.append)
+    assert summary["status"] == "finished" and len(commits) == 1
+    more = build(*layers, {"iterations": 2})
+    summary = workers.orchestrate(dump(more), volume, modal_local(more, tmp_path), resume=True)
+    run = volume / "runs" / "d"
+    assert summary["iterations_completed"] == 2
+    assert len(ESHistory.read(run / "es_history.json").iterations) == 2
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2

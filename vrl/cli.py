@@ -98,7 +98,9 @@ _opt_help = "Environment option KEY=VALUE passed to the plugin, e.g. -o server=h
 @click.option("--resume", type=click.Path(path_type=Path), help="Continue the run in this directory.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_set_help)
 @click.option("-o", "--option", "env_options", multiple=True, metavar="KEY=VALUE", help=_opt_help)
-def train(plugin, optimizer, model, config_file, iterations, name, resume, overrides, env_options) -> None:
+@click.option("--runtime", type=click.Choice(["local", "modal"]), help="Where generation and verification run. Default: local.")
+@click.option("--detach", is_flag=True, default=None, help="With --runtime modal: run the loop itself on Modal (needs --name).")
+def train(plugin, optimizer, model, config_file, iterations, name, resume, overrides, env_options, runtime, detach) -> None:
     """Train a model against a verifier.
 
     Writes runs/<name>/ (config, metrics.jsonl, samples.jsonl, optimizer state, summary.json).
@@ -108,7 +110,8 @@ def train(plugin, optimizer, model, config_file, iterations, name, resume, overr
     from vrl.rundir import RunDir
     from vrl.trainer import Trainer
 
-    flags = {"plugin": plugin, "optimizer": optimizer, "model": model, "iterations": iterations, "logging.name": name}
+    flags = {"plugin": plugin, "optimizer": optimizer, "model": model, "iterations": iterations, "logging.name": name,
+             "runtime.kind": runtime, "runtime.detach": detach}
     try:
         if resume:
             run_dir = RunDir.open(resume)
@@ -120,6 +123,13 @@ def train(plugin, optimizer, model, config_file, iterations, name, resume, overr
         else:
             cfg = _resolve_config(config_file, flags, overrides, env_options)
             run_dir = None
+        if cfg.runtime.detach:
+            from vrl.runtime.modal.launch import launch_detached
+
+            call = launch_detached(cfg)
+            console.print(f"detached run {cfg.logging.name!r} started on Modal (call {call}); its run directory is "
+                          f"runs/{cfg.logging.name} on the Volume {cfg.runtime.volume!r}")
+            return
         trainer = Trainer(cfg, run_dir=run_dir, console=console)
     except (ConfigError, UnknownNameError, FileExistsError, FileNotFoundError, ValueError, RuntimeError) as exc:
         _fail(str(exc))
@@ -250,6 +260,30 @@ def report(runs, out) -> None:
     except (FileNotFoundError, ValueError) as exc:
         _fail(str(exc))
     console.print(f"wrote {page} and {len(list(Path(out).glob('*.png')))} plots")
+
+
+@main.group()
+def modal() -> None:
+    """Run on Modal: prepare the Volume once, then `vrl train --runtime modal` (docs/modal.md)."""
+
+
+@modal.command()
+@click.option("--model", "-m", required=True, help="Hugging Face model id to put on the Volume.")
+@click.option("--revision", help="Branch, tag or commit (default: main).")
+@click.option("--secret", "secrets", multiple=True, help="Modal Secret name to mount, e.g. huggingface (repeatable).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="runtime.* overrides, e.g. runtime.volume=vrl2.")
+def prepare(model, revision, secrets, overrides) -> None:
+    """Download base weights and tokenizer onto the Modal Volume once; workers load them from there."""
+    from vrl.runtime.modal.launch import prepare as run_prepare
+
+    try:
+        cfg = _resolve_config(None, {"model": model, "runtime.kind": "modal",
+                                     "runtime.secrets": list(secrets) or None}, overrides, ())
+        info = run_prepare(cfg, model, revision)
+    except (ConfigError, RuntimeError, ValueError) as exc:
+        _fail(str(exc))
+    console.print(f"{model}: {len(info['files'])} files, {info['bytes'] / 1e9:.2f} GB on Volume "
+                  f"{cfg.runtime.volume!r} ({'downloaded' if info['downloaded'] else 'already there'})")
 
 
 @main.command()

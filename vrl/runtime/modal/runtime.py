@@ -242,6 +242,10 @@ class ModalRuntime(Runtime):
         if execute not in ("modal", "local"):
             raise ValueError(f"execute={execute!r}; choose modal or local")
         self.config, self.execute, self.in_container = config, execute, in_container
+        if execute == "modal" and not in_container:
+            from vrl.runtime.modal.launch import require_credentials
+
+            require_credentials()
         if app is None and worker is None:
             from vrl.runtime.modal.app import build_app
 

@@ -242,11 +242,13 @@ def orchestrate(config: dict[str, Any], root: str | os.PathLike, runtime: Any, r
     from vrl.rundir import RunDir
     from vrl.trainer import Trainer
 
-    cfg = TrainConfig.model_validate(config)
-    cfg = cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"runs_dir": Path(root) / RUNS_DIR})})
     run_dir = None
     if resume:
-        run_dir = RunDir.open(Path(root) / RUNS_DIR / str(cfg.logging.name))
+        # Continue with the recorded config; only the number of iterations may grow.
+        run_dir = RunDir.open(Path(root) / RUNS_DIR / str(config["logging"]["name"]))
+        config = {**run_dir.config(), "iterations": config["iterations"]}
+    cfg = TrainConfig.model_validate(config)
+    cfg = cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"runs_dir": Path(root) / RUNS_DIR})})
     trainer = Trainer(cfg, run_dir=run_dir, runtime=runtime, on_iteration=on_iteration)
     summary = trainer.run()
     return json.loads(json.dumps(summary, default=str))
