@@ -15,6 +15,7 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
+from tests.toy import TARGET, CharsEnvironment
 from vrl.config import SamplingConfig, build
 from vrl.generate import tiny
 from vrl.generate.hf import HFGenerator
@@ -24,8 +25,6 @@ from vrl.optim.logprobs import completion_logprobs, pack
 from vrl.rundir import RunDir
 from vrl.trainer import Trainer
 from vrl.types import Result, Task, Verdict
-
-from tests.toy import TARGET, CharsEnvironment
 
 TEMPERATURE = 0.9
 MAX_NEW = 8

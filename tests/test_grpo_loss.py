@@ -71,7 +71,7 @@ def test_loss_value_matches_formula(loss_type, eps_high, beta):
 
 def test_clipping_regions_and_gradients():
     """A token whose ratio left the trust region on the side its advantage pushes gets no gradient."""
-    logps, old, ref, mask, adv = tensors()
+    logps, old, _ref, mask, adv = tensors()
     eps, eps_high = 0.2, 0.28
     loss, stats = grpo_loss(logps, old, adv, mask, loss_type="dapo", epsilon=eps, epsilon_high=eps_high)
     loss.backward()
@@ -117,7 +117,7 @@ def test_kl_gradient_is_the_k3_derivative():
 
 
 def test_padding_and_masked_rows_do_not_contribute():
-    logps, old, ref, mask, adv = tensors()
+    logps, old, _ref, mask, adv = tensors()
     garbage = logps.detach().clone()
     garbage[mask == 0] = 123.0  # whatever sits under the mask is ignored
     a, _ = grpo_loss(logps, old, adv, mask, loss_type="grpo", epsilon=0.2)
@@ -136,7 +136,7 @@ def test_padding_and_masked_rows_do_not_contribute():
 def test_micro_batches_sum_to_the_batch_loss(loss_type):
     """Gradient accumulation: micro-batch losses with whole-batch normalisers add up to the batch loss."""
     logps, old, ref, mask, adv = tensors()
-    kw = dict(loss_type=loss_type, epsilon=0.2, beta=0.04, max_completion_length=6)
+    kw = {"loss_type": loss_type, "epsilon": 0.2, "beta": 0.04, "max_completion_length": 6}
     whole, _ = grpo_loss(logps, old, adv, mask, ref_logps=ref, **kw)
     parts = sum(
         float(grpo_loss(logps[s], old[s], adv[s], mask[s], ref_logps=ref[s], num_sequences=3,
