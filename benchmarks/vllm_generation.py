@@ -63,6 +63,10 @@ def main() -> None:
 
     res: dict = {"device": torch.cuda.get_device_name(), "vllm": vllm.__version__, "small": args.small,
                  "prompts": args.prompts, "new_tokens": args.new_tokens}
+    def save() -> None:  # after every section, so a run cut short still reports what it measured
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
     t0 = time.perf_counter()
     build_model(args.path, args.small)
     res["build_model_s"] = time.perf_counter() - t0
@@ -77,6 +81,7 @@ def main() -> None:
     t0 = time.perf_counter()
     gen = VLLMGenerator.from_config(cfg)
     res["startup_s"] = time.perf_counter() - t0
+    save()
     llm = gen.llm
     ids = [gen.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
@@ -104,6 +109,7 @@ def main() -> None:
     s, n = ours()
     res["vrl_tok_s_with_logprobs"] = n / s
     gen.logprobs = False
+    save()
 
     # ES inside the engine.
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=32, batch_size=32)
@@ -151,6 +157,7 @@ def main() -> None:
     res["plain_weight_copy_ms"] = llm.collective_rpc(plain_copy)[0] * 1e3
     res["es_member_overhead_ms"] = res["es_perturb_ms"] + res["es_restore_ms"]
     res["es_member_over_plain_copy"] = res["es_member_overhead_ms"] / res["plain_weight_copy_ms"]
+    save()
 
     # Compiled engine + CUDA graphs: in-place perturbation reaches the graphs, restore is exact.
     params.perturb(7, 1, 1e-2)
@@ -172,6 +179,7 @@ def main() -> None:
     res["weight_sync_s"] = statistics.median(syncs[1:])
     res["weight_sync_gb"] = sum(p.numel() * p.element_size() for p in hf.parameters()) / 1e9
     res["after_sync_equals_before"] = key(gen.generate(tasks[:16])) == key(before)
+    save()
 
     # Sampling vs training log-probs (bf16 engine vs bf16 transformers).
     from vrl.optim.logprobs import completion_logprobs, pack
@@ -199,8 +207,7 @@ def main() -> None:
     res["hf_tok_s"] = sum(c.completion_tokens for c in comps) / (time.perf_counter() - t)
     res["hf_new_tokens"] = args.hf_new_tokens
     res["vrl_over_hf"] = res["vrl_tok_s"] / res["hf_tok_s"]
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    save()
     logging.getLogger("vrl.bench").info("results: %s", json.dumps(res, indent=1))
 
 

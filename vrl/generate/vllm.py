@@ -154,6 +154,8 @@ class VLLMGenerator(Generator):
         # The driver sends CUDA IPC handles and ES terms through collective_rpc, which vLLM only
         # pickles when allowed; the engine is private to this process (no server is exposed).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        # A forked engine process cannot use CUDA once this process has touched it (an HF copy, a test).
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         t0 = time.perf_counter()
         llm = vllm.LLM(**kwargs)
         log.info("vLLM engine ready in %.1f s", time.perf_counter() - t0)
@@ -198,7 +200,9 @@ class VLLMGenerator(Generator):
         prompts = [tok(render_prompt(tok, t.prompt), add_special_tokens=False)["input_ids"] for t in tasks]
         # Seed of prompt i's sample j is seed + i·n + j (vLLM adds j): distinct across prompts and samples.
         params = [self._params(n, None if seed is None else seed + i * n, vllm) for i in range(len(tasks))]
-        ids = self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        internal = self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        # enqueue returns the engine's internal ids ("<id>-<random suffix>"); outputs carry "<id>".
+        ids = [rid.rsplit("-", 1)[0] if "-" in rid else rid for rid in internal]
         position = {rid: i for i, rid in enumerate(ids)}
         engine = self.llm.llm_engine
         open_ids = set(ids)
@@ -214,6 +218,8 @@ class VLLMGenerator(Generator):
                     if len(ready) >= self.sampling.batch_size * n:
                         yield ready
                         ready = []
+            if open_ids:
+                raise RuntimeError(f"the vLLM engine went idle with {len(open_ids)} of {len(ids)} prompts unanswered")
             if ready:
                 yield ready
         finally:
