@@ -54,7 +54,7 @@ def same(public, internal) -> bool:
 
 
 def test_gpu_worker_is_declared_with_the_configured_resources(built):
-    cfg, app = built
+    _, app = built
     spec = spec_of(app.GPUWorker._get_class_service_function())
     assert (spec.gpus, spec.cpu, spec.memory) == ("A100-80GB", 8.0, 131072)
     assert list(spec.volumes) == ["/vrl"] and same(app.volume, spec.volumes["/vrl"])
@@ -90,7 +90,7 @@ def test_app_name_and_volume_name_come_from_the_config(built):
 def test_role_images_carry_what_the_case_study_used_plus_vrl_and_plugins(built):
     _, app = built
     gpu, orch = app.recipes["gpu"], app.recipes["orchestrator"]
-    names = lambda r: {p.split(">")[0].split("=")[0].split(";")[0].strip() for p in r.pip}  # noqa: E731
+    names = lambda r: {p.split(">")[0].split("=")[0].split(";")[0].strip() for p in r.pip}
     assert gpu.base is None and gpu.python == "3.11"
     assert {"vllm", "torch", "transformers", "datasets"} <= names(gpu)
     assert {"requests", "tqdm", "numpy", "pydantic", "pluggy"} <= names(orch)

@@ -9,7 +9,6 @@ samples, and GRPO generation shards before and after a weight sync through the "
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
@@ -17,12 +16,12 @@ import torch
 from tests.toy import CharsEnvironment
 from vrl.config import build
 from vrl.generate.hf import HFGenerator
-from vrl.optim.es import ES, ESHistory
 from vrl.optim.base import Variant
+from vrl.optim.es import ES, ESHistory
 from vrl.runtime.local import LocalRuntime
+from vrl.runtime.modal import workers
 from vrl.runtime.modal.app import build_app
 from vrl.runtime.modal.runtime import ModalRuntime, RemoteES
-from vrl.runtime.modal import workers
 from vrl.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -60,7 +59,7 @@ def _samples(path):
 
 
 def test_es_run_on_modal_bodies_matches_the_local_runtime(tmp_path):
-    local, remote, runtime = run_pair(tmp_path)
+    local, remote, _ = run_pair(tmp_path)
     h_local, h_remote = ESHistory.read(local / "es_history.json"), ESHistory.read(remote / "es_history.json")
     assert h_local.iterations == h_remote.iterations
     assert any(z != 0 for r in h_local.iterations for z in r.z)  # rewards differed: the updates were real
@@ -108,8 +107,8 @@ def test_warm_worker_replays_only_the_new_iteration(tmp_path):
     first = full.model_copy(update={"iterations": full.iterations[:1]})
     cfg = build(BASE, {"runtime": {"kind": "modal"}})
     worker = build_app(cfg).worker(str(tmp_path / "volume"))
-    kwargs = dict(tasks=workers.tasks_to_wire(CharsEnvironment().tasks("train")[:1]),
-                  sampling=cfg.sampling.model_dump(mode="json"), sample_seed=1)
+    kwargs = {"tasks": workers.tasks_to_wire(CharsEnvironment().tasks("train")[:1]),
+              "sampling": cfg.sampling.model_dump(mode="json"), "sample_seed": 1}
     worker.es_member.local(7, 1, 0, history=first.model_dump(mode="json"), **kwargs)
     replica = es_module._REPLICA
     assert replica is not None and len(replica.es.history.iterations) == 1
@@ -125,12 +124,28 @@ def test_warm_worker_replays_only_the_new_iteration(tmp_path):
 
 
 def test_es_members_are_launched_once_per_iteration(tmp_path):
-    _, _, runtime = run_pair(tmp_path)
-    # _Closing wraps the generator; 2 iterations -> 2 fan-outs of 4 members each
-    assert runtime.caller is not None
-    cfg = build(BASE, {"runtime": {"kind": "modal"}, "es": {"snapshot_every": 2}})
+    """The first request of an iteration launches every member; the others read their results."""
+    from vrl.types import Result, Verdict
+
+    cfg = build(BASE, {"runtime": {"kind": "modal"}})
+    runtime = modal_local(cfg, tmp_path)
+    gen = runtime.generator(cfg)
+    es = runtime.optimizer(cfg)
+    es.setup(gen)
+    tasks = CharsEnvironment().tasks("train")[:2]
+    for iteration in range(2):
+        results = []
+        for variant in es.ask():
+            (batch,) = list(gen.stream(tasks, n=1, variant=variant.index, seed=iteration))
+            assert {c.variant for c in batch} == {variant.index} and len(batch) == 2
+            results += [Result(task=tasks[i], completion=c, verdict=Verdict.ok(), reward=float(variant.index))
+                        for i, c in enumerate(batch)]
+        assert gen.inner.launches == iteration + 1
+        es.tell(results)
+    gen.close()
     with pytest.raises(ValueError, match="snapshot_every"):
-        ModalRuntime(cfg, app=build_app(cfg), execute="local").optimizer(cfg)
+        snap = build(BASE, {"runtime": {"kind": "modal"}, "es": {"snapshot_every": 2}})
+        modal_local(snap, tmp_path).optimizer(snap)
 
 
 def test_remote_es_resume_continues_the_history_exactly(tmp_path):

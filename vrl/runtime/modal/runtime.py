@@ -64,7 +64,7 @@ class ModalCaller(Caller):
                         futures[i].set_exception(out)
                     else:
                         futures[i].set_result(out)
-            except BaseException as exc:  # the map itself failed: every unfinished call fails with it
+            except Exception as exc:  # noqa: BLE001 - the map itself failed: every unfinished call fails with it
                 for f in futures:
                     if not f.done():
                         f.set_exception(exc)
@@ -98,7 +98,7 @@ class LocalCaller(Caller):
 class _NoWeights:
     """Stands in for ES's flat parameters in the orchestrator: updates happen by replay on the workers."""
 
-    names: list[str] = []
+    names: tuple[str, ...] = ()
     numel = 0
 
     def __init__(self, dtype: str):
@@ -361,5 +361,5 @@ def _close_quietly(verifier: Verifier) -> None:
 
     try:
         asyncio.run(verifier.aclose())
-    except Exception as exc:  # closing an unused verifier must not stop the run
+    except Exception as exc:  # noqa: BLE001 - closing an unused verifier must not stop the run
         log.debug("closing the unused local verifier: %s", exc)

@@ -216,8 +216,8 @@ class ModalSandbox(SandboxHandle):
     def __init__(self, app: Any, image: Any, argv: Sequence[str], *, cpu: float, memory_mb: int, timeout_s: int,
                  block_network: bool, workdir: str | None = None, env: dict[str, str] | None = None):
         self.app, self.image, self.argv = app, image, list(argv)
-        self.options = dict(cpu=cpu, memory=memory_mb, timeout=timeout_s, block_network=block_network,
-                            workdir=workdir, env=env or None)
+        self.options = {"cpu": cpu, "memory": memory_mb, "timeout": timeout_s, "block_network": block_network,
+                        "workdir": workdir, "env": env or None}
         self._sb: Any = None
         self._chunks: Any = None
         self._buffer = ""
@@ -252,7 +252,7 @@ class ModalSandbox(SandboxHandle):
         if sb is not None:
             try:
                 await sb.terminate.aio()
-            except Exception as exc:  # already gone
+            except Exception as exc:  # noqa: BLE001 - already gone
                 log.debug("terminating sandbox: %s", exc)
 
     def running(self) -> bool:
@@ -410,11 +410,13 @@ class SandboxPool(Verifier):
                 self.stats["crashes"] += 1
                 log.warning("verifier sandbox %d died during a batch (%s)%s", slot.index, exc,
                             "; retrying once" if trial == 0 else "")
-                slot.handle = await _stopped(slot.handle)
+                await _stop(slot.handle)
+                slot.handle = None
                 continue
             except asyncio.CancelledError:
                 # The caller gave up mid-request: the stream is out of step, so replace the sandbox.
-                slot.handle = await _stopped(slot.handle)
+                await _stop(slot.handle)
+                slot.handle = None
                 raise
             if "verdicts" not in reply:
                 raise RuntimeError(f"verifier sandbox error: {reply.get('error', reply)}")
@@ -440,7 +442,6 @@ class SandboxPool(Verifier):
         return list(await asyncio.gather(*(one(a) for a in attempts)))
 
 
-async def _stopped(handle: SandboxHandle | None) -> None:
+async def _stop(handle: SandboxHandle | None) -> None:
     if handle is not None:
         await handle.stop()
-    return None

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         verifier = registry().environment(args.plugin, **options).verifier()
         error = None
-    except Exception as exc:  # reported on ping, so the pool shows the reason instead of a dead pipe
+    except Exception as exc:  # noqa: BLE001 - reported on ping, so the pool shows the reason instead of a dead pipe
         verifier, error = None, f"cannot build the {args.plugin!r} verifier: {type(exc).__name__}: {exc}"
     waited = False
 

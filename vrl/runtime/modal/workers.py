@@ -46,7 +46,7 @@ def warm_up() -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    import vrl.generate.hf  # noqa: F401
+    import vrl.generate.hf
     import vrl.optim.es  # noqa: F401
 
 
@@ -194,6 +194,7 @@ def prepare_model(model: str, revision: str | None, root: str | os.PathLike) -> 
     snapshot in the cache and downloads nothing.
     """
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     cache = Path(root) / HF_DIR
     cache.mkdir(parents=True, exist_ok=True)
@@ -201,7 +202,7 @@ def prepare_model(model: str, revision: str | None, root: str | os.PathLike) -> 
     try:
         path = snapshot_download(model, revision=revision, cache_dir=str(cache), allow_patterns=patterns, local_files_only=True)
         downloaded = False
-    except Exception:  # not cached yet (huggingface_hub raises several types for a cache miss)
+    except LocalEntryNotFoundError:  # not on the Volume yet
         path = snapshot_download(model, revision=revision, cache_dir=str(cache), allow_patterns=patterns)
         downloaded = True
     files = sorted(p for p in Path(path).rglob("*") if p.is_file())
