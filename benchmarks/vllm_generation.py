@@ -114,6 +114,7 @@ def main() -> None:
     # ES inside the engine.
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=32, batch_size=32)
     gen.sampling = greedy
+    gen.weights_changed()  # cold prefix cache, as after every weight change: outputs comparable below
     before = gen.generate(tasks[:16])
     t0 = time.perf_counter()
     params = gen.es_params(["*"], [])

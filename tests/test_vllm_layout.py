@@ -256,3 +256,15 @@ def test_grpo_reports_the_sampling_logprob_gap():
     tokens = sum(len(c.token_ids) for c in comps)
     assert metrics["grpo/sampling_logprob_diff_max"] == pytest.approx(0.25, abs=1e-5)
     assert metrics["grpo/sampling_logprob_diff_mean"] == pytest.approx(0.25 * len(comps) / tokens, abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_tensors_cross_the_rpc_boundary_as_bytes(dtype):
+    """vLLM decodes collective_rpc arguments untyped (tuples arrive as lists), so tensors go as bytes."""
+    from vrl.generate.vllm_worker import pack_tensor, rebuild_weights, unpack_tensor
+
+    t = (torch.randn(3, 5) * 100).to(dtype)
+    packed = pack_tensor(t)
+    wire = [packed[0], packed[1], list(packed[2]), bytes(packed[3])]  # what the worker receives
+    assert torch.equal(unpack_tensor(wire), t) and unpack_tensor(wire).dtype == dtype
+    assert torch.equal(rebuild_weights([("w", wire)])[0][1], t)

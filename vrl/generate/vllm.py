@@ -370,7 +370,9 @@ class EngineParams:
         missing = [n for n in self.names if n not in state or list(state[n].shape) != self.hf_shapes[n]]
         if missing:
             raise ValueError(f"snapshot does not match the model at parameter {missing[0]}")
-        self.generator.rpc("vrl_es_load_state", {n: state[n].float().cpu() for n in self.names})
+        from vrl.generate.vllm_worker import pack_tensor
+
+        self.generator.rpc("vrl_es_load_state", {n: pack_tensor(state[n].float()) for n in self.names})
         self.generator.weights_changed()
 
     def engine_weights(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -382,15 +384,20 @@ def _share(model: torch.nn.Module) -> list[tuple[str, Any]]:
     """(name, what the worker needs to see the tensor) per parameter.
 
     A CUDA tensor crosses to the engine process as an IPC handle (no copy); an engine running in
-    this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) gets the tensor itself; CPU tensors are sent.
+    this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) gets the tensor itself; CPU tensors go as bytes.
     """
     from torch.multiprocessing.reductions import reduce_tensor
+
+    from vrl.generate.vllm_worker import pack_tensor
 
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
     out: list[tuple[str, Any]] = []
     for name, p in model.named_parameters():
         t = p.detach()
-        out.append((name, reduce_tensor(t) if t.is_cuda and not in_process else t.contiguous()))
+        if in_process:
+            out.append((name, t))
+        else:
+            out.append((name, reduce_tensor(t) if t.is_cuda else pack_tensor(t)))
     return out
 
 

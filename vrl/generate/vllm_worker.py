@@ -178,12 +178,30 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
             d.copy_(s)
 
 
+def pack_tensor(t: torch.Tensor) -> tuple[str, str, list[int], bytes]:
+    """A CPU tensor as plain msgpack data: vLLM decodes tensor arguments of collective_rpc untyped."""
+    t = t.detach().cpu().contiguous()
+    return ("vrl-tensor", str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes())
+
+
+def unpack_tensor(item: object) -> torch.Tensor:
+    """The inverse of `pack_tensor` (a tensor passes through unchanged)."""
+    if isinstance(item, torch.Tensor):
+        return item
+    tag, dtype, shape, data = item  # type: ignore[misc]
+    if tag != "vrl-tensor":
+        raise ValueError(f"expected a packed tensor, got {tag!r}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
+
+
 def rebuild_weights(payload: Sequence[tuple[str, object]]) -> list[tuple[str, torch.Tensor]]:
     """Tensors sent by the driver: tensors as they are, CUDA IPC handles (rebuild, args) opened here."""
     out = []
     for name, item in payload:
         if isinstance(item, torch.Tensor):
             out.append((name, item))
+        elif isinstance(item, (list, tuple)) and item and item[0] == "vrl-tensor":
+            out.append((name, unpack_tensor(item)))
         else:
             rebuild, args = item  # type: ignore[misc]
             # The handle names the sender's device ordinal; the engine sees the same GPUs in the same order.
@@ -239,8 +257,8 @@ class VRLWorkerExtension:
     def vrl_es_state(self) -> dict[str, torch.Tensor]:
         return self._vrl_require_es().state()
 
-    def vrl_es_load_state(self, state: dict[str, torch.Tensor]) -> None:
-        self._vrl_require_es().load_state(state)
+    def vrl_es_load_state(self, state: dict[str, object]) -> None:
+        self._vrl_require_es().load_state({n: unpack_tensor(v) for n, v in state.items()})
 
     def vrl_hf_weights(self, hf_shapes: dict[str, list[int]], names: list[str]) -> dict[str, torch.Tensor]:
         """The engine's current values of some HF parameters, un-fused (CPU copies), for checks."""
