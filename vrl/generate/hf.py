@@ -98,9 +98,10 @@ class HFGenerator(Generator):
         s, tok = self.sampling, self.tokenizer
         texts = [render_prompt(tok, t.prompt) for t in tasks]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        # n rows per prompt (rather than num_return_sequences, which greedy decoding refuses).
+        rows = {k: v.repeat_interleave(n, dim=0) for k, v in enc.items()}
         kwargs: dict[str, Any] = dict(
             max_new_tokens=s.max_new_tokens,
-            num_return_sequences=n,
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
         )
@@ -113,7 +114,7 @@ class HFGenerator(Generator):
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             if seed is not None:
                 torch.manual_seed(seed)
-            out = self.model.generate(**enc, **kwargs)
+            out = self.model.generate(**rows, **kwargs)
         prompt_len = enc["input_ids"].shape[1]
         completions = []
         for row in range(out.shape[0]):
@@ -131,10 +132,13 @@ class HFGenerator(Generator):
             new_ids = new_ids[: new_ids.index(eos) + 1]
             finish = "stop"
         text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
+        cut_text = False
         for stop in self.sampling.stop:
             cut = text.find(stop)
             if cut >= 0:
-                text, finish = text[: cut + len(stop)], "stop"
+                text, finish, cut_text = text[: cut + len(stop)], "stop", True
+        if cut_text:  # keep only the tokens up to the stop string: GRPO trains on these ids
+            new_ids = self._tokens_covering(new_ids, text)
         return Completion(
             task_id=task.id,
             text=text,
@@ -146,3 +150,14 @@ class HFGenerator(Generator):
             prompt_token_ids=prompt_ids,
             token_ids=new_ids,
         )
+
+    def _tokens_covering(self, ids: list[int], text: str) -> list[int]:
+        """The shortest prefix of `ids` whose decoding contains all of `text` (binary search)."""
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= len(text):
+                hi = mid
+            else:
+                lo = mid + 1
+        return ids[:lo]
