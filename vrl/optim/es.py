@@ -450,7 +450,7 @@ class ES(Optimizer):
     # -- persistence ----------------------------------------------------------------------------------
     def save(self, run_dir: Path) -> None:
         """Write es_history.json (atomically), and a snapshot every `snapshot_every` iterations."""
-        params, history = self._require_setup()
+        _, history = self._require_setup()
         run_dir = Path(run_dir)
         _write_atomic(run_dir / HISTORY_FILE, history.to_json())
         k = self.config.snapshot_every
