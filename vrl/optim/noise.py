@@ -13,7 +13,7 @@ Scheme ``vrl-hash32-v1`` (change `NOISE_VERSION` whenever a single output bit co
    x ^= x>>16`` (all mod 2**32). The four bytes of ``x`` summed, minus 510, give an integer
    ``s`` in [-510, 510] with mean 0 and variance 21845 (four uniform bytes).
 4. The noise value is ``ε = C·s`` with ``C = 1/√21845`` rounded to 13 significant bits, so every ε is
-   exact in fp32; ε has mean 0 and variance 1 (to 1e-4), and light tails (|ε| ≤ 3.46, kurtosis 2.7).
+   exact in fp32; ε has mean 0 and variance 1 (to 2e-4), and light tails (|ε| ≤ 3.46, kurtosis 2.7).
 
 Only integer arithmetic decides the noise, so CPU (this module, int64 torch ops masked to 32 bits)
 and GPU (`vrl.optim.es_triton`) agree bit for bit; `torch.randn` on CUDA does not (its stream depends
