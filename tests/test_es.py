@@ -289,7 +289,7 @@ def test_include_and_exclude_select_the_trained_parameters() -> None:
 
 def _run(es: ES, iterations: int, run_dir: Path | None = None) -> None:
     g = torch.Generator().manual_seed(es.iteration)
-    for t in range(iterations):
+    for _ in range(iterations):
         es.ask()
         es.tell(_results(torch.rand(es.config.population_size, generator=g).tolist()))
         if run_dir is not None:

@@ -10,8 +10,8 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
-from pathlib import Path
 import types
+from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml

@@ -13,6 +13,7 @@ callable; registering is cheap and lazy (factories are called only when the name
 from __future__ import annotations
 
 from collections.abc import Callable
+
 import pluggy
 
 hookspec = pluggy.HookspecMarker("vrl")

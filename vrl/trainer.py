@@ -23,10 +23,10 @@ from rich.table import Table
 
 from vrl.config import TrainConfig
 from vrl.environment import Environment
-from vrl.optim import Optimizer, make_optimizer
+from vrl.optim import Optimizer
 from vrl.rundir import RunDir
-from vrl.sinks import Sinks
 from vrl.runtime import Runtime, make_runtime
+from vrl.sinks import Sinks
 from vrl.types import Attempt, Result, Status, Task, Verdict
 
 log = logging.getLogger(__name__)

@@ -390,7 +390,7 @@ class Sandbox:
             except BlockingIOError:
                 _, writable, _ = select.select([], [self._payload], [], max(0.0, deadline - time.monotonic()))
                 if not writable:
-                    raise _Dead("the attempt's process stopped reading its payload")
+                    raise _Dead("the attempt's process stopped reading its payload") from None
 
     # -- one attempt --
     def run(self, code: str, entry_point: str, inputs: list[dict[str, Any]], test_timeout_s: float,

@@ -72,12 +72,6 @@ def tasks_from_wire(rows: Sequence[dict[str, Any]]) -> list[Task]:
     return [Task.model_validate(r) for r in rows]
 
 
-class MemberSampling(SamplingConfig):
-    """Sampling settings plus `n`, the samples per task that one ES member draws."""
-
-    n: int = 1
-
-
 # -- (a) ES member evaluation ------------------------------------------------------------------------
 
 
@@ -97,15 +91,11 @@ def es_member(
     The replica (base weights + replayed θ) stays warm in the container between calls, so a call for
     the next iteration replays only the iterations the container has not seen (`vrl.optim.es`).
     """
-    import inspect
-
     from vrl.optim.es import evaluate_member
 
-    # evaluate_member takes the samples per task as `samples_per_task` (newer) or `sampling.n` (older).
-    extra = {"samples_per_task": n} if "samples_per_task" in inspect.signature(evaluate_member).parameters else {}
     completions = evaluate_member(
-        history, seed, sign, tasks_from_wire(tasks), MemberSampling(**sampling, n=n),
-        index=index, sample_seed=sample_seed, device=device, **extra,
+        history, seed, sign, tasks_from_wire(tasks), SamplingConfig(**sampling),
+        index=index, samples_per_task=n, sample_seed=sample_seed, device=device,
     )
     return [completion_to_wire(c) for c in completions]
 
