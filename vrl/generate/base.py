@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from vrl.types import Completion, Task
 
@@ -33,3 +34,19 @@ class Generator(ABC):
 
     def close(self) -> None:
         """Free engines and memory."""
+
+
+def tokens_covering(tokenizer: Any, ids: list[int], text: str) -> list[int]:
+    """The shortest prefix of `ids` whose decoding is at least `text` long (binary search).
+
+    Used after a stop string cut the text, so the token ids (what GRPO trains on) end where the
+    text ends, whatever the backend's stop detection did.
+    """
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= len(text):
+            hi = mid
+        else:
+            lo = mid + 1
+    return ids[:lo]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from vrl.generate.base import Generator
+from vrl.generate.base import Generator, tokens_covering
 from vrl.types import Completion, Prompt, Task
 
 TINY = "tiny"
@@ -138,7 +138,7 @@ class HFGenerator(Generator):
             if cut >= 0:
                 text, finish, cut_text = text[: cut + len(stop)], "stop", True
         if cut_text:  # keep only the tokens up to the stop string: GRPO trains on these ids
-            new_ids = self._tokens_covering(new_ids, text)
+            new_ids = tokens_covering(self.tokenizer, new_ids, text)
         return Completion(
             task_id=task.id,
             text=text,
@@ -150,14 +150,3 @@ class HFGenerator(Generator):
             prompt_token_ids=prompt_ids,
             token_ids=new_ids,
         )
-
-    def _tokens_covering(self, ids: list[int], text: str) -> list[int]:
-        """The shortest prefix of `ids` whose decoding contains all of `text` (binary search)."""
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(self.tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= len(text):
-                hi = mid
-            else:
-                lo = mid + 1
-        return ids[:lo]

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from vrl.generate.base import Generator
+from vrl.generate.base import Generator, tokens_covering
 from vrl.generate.hf import TINY, load_model_and_tokenizer, render_prompt
 from vrl.types import Completion, Task
 
@@ -242,7 +242,9 @@ class VLLMGenerator(Generator):
         if out.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM finished a completion of task {task.id!r} with reason {out.finish_reason!r}")
         token_ids = list(out.token_ids)
-        text, _ = cut_at_stop(self.tokenizer.decode(token_ids, skip_special_tokens=True), self.sampling.stop)
+        text, stopped = cut_at_stop(self.tokenizer.decode(token_ids, skip_special_tokens=True), self.sampling.stop)
+        if stopped:  # the engine's detokenizer may see the stop a few byte tokens late
+            token_ids = tokens_covering(self.tokenizer, token_ids, text)
         return Completion(
             task_id=task.id,
             text=text,
@@ -364,7 +366,9 @@ class EngineParams:
         self.generator.weights_changed()
 
     def state(self) -> dict[str, torch.Tensor]:
-        return self.generator.rpc("vrl_es_state")[0]
+        from vrl.generate.vllm_worker import unpack_tensor
+
+        return {n: unpack_tensor(v) for n, v in self.generator.rpc("vrl_es_state")[0].items()}
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.names if n not in state or list(state[n].shape) != self.hf_shapes[n]]

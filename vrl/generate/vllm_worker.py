@@ -254,8 +254,9 @@ class VRLWorkerExtension:
     def vrl_es_update(self, terms: list[tuple[int, float]]) -> float:
         return _timed(self._vrl_require_es().update, terms)
 
-    def vrl_es_state(self) -> dict[str, torch.Tensor]:
-        return self._vrl_require_es().state()
+    def vrl_es_state(self) -> dict[str, object]:
+        # Packed explicitly: vLLM's RPC encoding of tensors is not a contract we can rely on.
+        return {n: pack_tensor(v) for n, v in self._vrl_require_es().state().items()}
 
     def vrl_es_load_state(self, state: dict[str, object]) -> None:
         self._vrl_require_es().load_state({n: unpack_tensor(v) for n, v in state.items()})
