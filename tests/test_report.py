@@ -15,7 +15,7 @@ from vrl.trainer import Trainer
 def short_run(tmp_path, name, stop_after=None, **overrides):
     layer = {
         "iterations": 3, "tasks_per_iteration": 4,
-        "sampling": {"max_new_tokens": 8}, "es": {"population_size": 2},
+        "sampling": {"max_new_tokens": 8}, "es": {"population_size": 2}, "grpo": {"num_generations": 2},
         "logging": {"runs_dir": str(tmp_path), "name": name},
     }
 
@@ -30,7 +30,7 @@ def short_run(tmp_path, name, stop_after=None, **overrides):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    return [short_run(root, "a"), short_run(root, "b", stop_after=0, es={"population_size": 3})]
+    return [short_run(root, "a"), short_run(root, "b", stop_after=0, optimizer="grpo")]
 
 
 def test_report_files_and_content(runs, tmp_path):
@@ -41,7 +41,7 @@ def test_report_files_and_content(runs, tmp_path):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     page = (out / "report.html").read_text()
-    assert "a (es)" in page and "b (es)" in page
+    assert "a (es)" in page and "b (grpo)" in page
     assert page.count("data:image/png;base64,") == 4
     for section in ("Reward and pass rate per iteration", "Reward and pass rate per generated token",
                     "Where the time goes", "Verifier outcomes", "Why attempts did not pass", "Best attempts"):
@@ -56,3 +56,35 @@ def test_report_files_and_content(runs, tmp_path):
 def test_report_rejects_what_is_not_a_run(tmp_path):
     res = CliRunner().invoke(main, ["report", str(tmp_path), "--out", str(tmp_path / "r")])
     assert res.exit_code == 2 and "not a vrl run directory" in res.output
+
+
+def test_interrupted_mid_iteration_run_is_reported_and_resumed(tmp_path):
+    """Ctrl-C inside an iteration: `vrl report` reads the directory and `vrl train --resume` finishes it."""
+
+    class StopInSecondIteration(CharsEnvironment):
+        shaped = 0
+
+        def shaper(self):
+            base = super().shaper()
+
+            def shape(task, completion, verdict):
+                StopInSecondIteration.shaped += 1
+                if StopInSecondIteration.shaped == 8 + 3:  # 8 results per iteration; stop in the second
+                    raise KeyboardInterrupt
+                return base(task, completion, verdict)
+
+            return shape
+
+    layer = {"iterations": 3, "tasks_per_iteration": 4, "sampling": {"max_new_tokens": 8},
+             "es": {"population_size": 2}, "logging": {"runs_dir": str(tmp_path), "name": "cut"}}
+    Trainer(build(layer), environment=StopInSecondIteration()).run()
+    run = tmp_path / "cut"
+    res = CliRunner().invoke(main, ["report", str(run), "--out", str(tmp_path / "rep")])
+    assert res.exit_code == 0, res.output
+    assert "interrupted" in (tmp_path / "rep" / "report.html").read_text()
+    from vrl.rundir import RunDir
+
+    resumed = Trainer(build(RunDir.open(run).config()), run_dir=RunDir.open(run), environment=CharsEnvironment())
+    assert resumed.start_iteration == 1
+    assert resumed.run()["status"] == "finished"
+    assert [r["iteration"] for r in RunDir.open(run).metrics()] == [0, 1, 2]
