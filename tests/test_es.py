@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,16 +18,6 @@ from vrl.optim.es import ES, ESConfig, ESHistory, normalize
 from vrl.types import Completion, Result, Task, Verdict
 
 BASE = {"model": "tiny", "revision": None}
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    # The tiny model gains nothing from intra-op threads, and on a busy 2-core machine torch's spinning
-    # thread pool made generation 10-100x slower (0.2 s vs 10-35 s per iteration, measured).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _generator(dtype: torch.dtype = torch.float32) -> HFGenerator:

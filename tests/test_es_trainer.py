@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +20,6 @@ from vrl.optim.es import ES, ESConfig, ESHistory, evaluate_member
 from vrl.rundir import RunDir
 from vrl.runtime.local import LocalRuntime
 from vrl.trainer import Trainer
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    # The tiny model gains nothing from intra-op threads, and on a busy 2-core machine torch's spinning
-    # thread pool made generation 10-100x slower (0.2 s vs 10-35 s per iteration, measured).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class RecordingRuntime(LocalRuntime):
