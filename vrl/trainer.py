@@ -79,14 +79,14 @@ class Trainer:
     def tasks_for(self, pool: list[Task], iteration: int) -> list[Task]:
         """The batch of an iteration: a seeded permutation per epoch, so resume draws the same tasks."""
         k = self.config.tasks_per_iteration
+        orders: dict[int, list[int]] = {}  # one shuffle per epoch the batch touches
         out: list[Task] = []
-        position = iteration * k
-        while len(out) < k:
+        for position in range(iteration * k, (iteration + 1) * k):
             epoch, offset = divmod(position, len(pool))
-            order = list(range(len(pool)))
-            random.Random(f"{self.config.seed}-{epoch}").shuffle(order)
-            out.append(pool[order[offset]])
-            position += 1
+            if epoch not in orders:
+                orders[epoch] = list(range(len(pool)))
+                random.Random(f"{self.config.seed}-{epoch}").shuffle(orders[epoch])
+            out.append(pool[orders[epoch][offset]])
         return out
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -104,7 +104,6 @@ class Trainer:
         }
         self.run_dir.write_summary(summary)
         generator = optimizer = pool = None
-        history: list[dict[str, Any]] = []
         sinks = self.sinks
         sinks.start(self.run_dir.path, self.run_dir.config())
         try:
@@ -123,7 +122,6 @@ class Trainer:
                     stats = self._iteration(iteration, tasks, optimizer, generator, pool, shaper, progress, bar)
                     metrics = self._finish_iteration(iteration, stats, optimizer)
                     sinks.log(metrics, step=iteration)
-                    history.append(metrics)
                     self._last_stats = _short(metrics)
                     progress.update(bar, advance=1, stats=self._last_stats)
                     self.console.log(_line(metrics))
@@ -144,7 +142,7 @@ class Trainer:
             summary.update(_totals(self.run_dir.metrics()), finished_at=time.time(),
                            iterations_completed=self.run_dir.completed_iterations())
             self.run_dir.write_summary(summary)
-        self._print_summary(summary, history)
+        self._print_summary(summary)
         return summary
 
     def _iteration(self, iteration, tasks, optimizer: Optimizer, generator, pool, shaper, progress, bar) -> IterationStats:
@@ -223,7 +221,7 @@ class Trainer:
             transient=False,
         )
 
-    def _print_summary(self, summary: dict[str, Any], history: list[dict[str, Any]]) -> None:
+    def _print_summary(self, summary: dict[str, Any]) -> None:
         table = Table(title=f"run {summary['name']} — {summary['status']}")
         table.add_column("metric")
         table.add_column("value", justify="right")
