@@ -36,9 +36,10 @@ def _fail(message: str) -> None:
 
 
 def _options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """KEY=VALUE pairs (dotted keys allowed) merged into one nested mapping."""
     out: dict[str, Any] = {}
     for pair in pairs:
-        out.update(parse_override(pair))
+        out = merge(out, parse_override(pair))
     return out
 
 
@@ -50,9 +51,7 @@ def _resolve_config(
 
     file_layer = load_file(config_file) if config_file else {}
     flag_layer = nest({k: v for k, v in flags.items() if v is not None})
-    set_layer: dict[str, Any] = {}
-    for item in overrides:
-        set_layer = merge(set_layer, parse_override(item))
+    set_layer = _options(overrides)
     if env_options:
         set_layer = merge(set_layer, {"env_options": _options(env_options)})
     upper = merge(merge(merge(base or {}, file_layer), flag_layer), set_layer)

@@ -11,7 +11,7 @@ from vrl.types import Attempt, Completion, Status, Task, Verdict
 from vrl.verifier import verify_safely
 
 
-def _parse(line: str, number: int, env: Environment, index: dict[str, Task]) -> Attempt:
+def _parse(line: str, env: Environment, index: dict[str, Task]) -> Attempt:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -46,7 +46,7 @@ async def verify_lines(env: Environment, lines: Sequence[str], splits: Sequence[
     good: list[tuple[int, Attempt]] = []
     for slot, (number, line) in enumerate(numbered):
         try:
-            good.append((slot, _parse(line, number, env, index)))
+            good.append((slot, _parse(line, env, index)))
         except Exception as exc:
             verdict = Verdict.fail(Status.REJECTED, f"line {number}: {exc}")
             rows[slot] = _row(number, None, verdict)
