@@ -17,7 +17,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from vrl.config import build
 from vrl.generate import make_generator
-from vrl.generate.vllm import WORKER_EXTENSION, cut_at_stop, engine_kwargs, sampled_logprobs
+from vrl.generate.base import cut_at_stop
+from vrl.generate.vllm import WORKER_EXTENSION, engine_kwargs, sampled_logprobs
 from vrl.generate.vllm_worker import EngineES, engine_layout, slot_views
 from vrl.optim.es import ES, ESConfig, FlatParams, IterationRecord, select_parameters, update_terms
 

@@ -36,6 +36,16 @@ class Generator(ABC):
         """Free engines and memory."""
 
 
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """`text` up to and including the earliest stop string, and whether one was found."""
+    stopped = False
+    for stop in stops:
+        cut = text.find(stop)
+        if cut >= 0:
+            text, stopped = text[: cut + len(stop)], True
+    return text, stopped
+
+
 def tokens_covering(tokenizer: Any, ids: list[int], text: str) -> list[int]:
     """The shortest prefix of `ids` whose decoding is at least `text` long (binary search).
 

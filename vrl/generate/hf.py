@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from vrl.generate.base import Generator, tokens_covering
+from vrl.generate.base import Generator, cut_at_stop, tokens_covering
 from vrl.types import Completion, Prompt, Task
 
 TINY = "tiny"
@@ -132,13 +132,9 @@ class HFGenerator(Generator):
             new_ids = new_ids[: new_ids.index(eos) + 1]
             finish = "stop"
         text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
-        cut_text = False
-        for stop in self.sampling.stop:
-            cut = text.find(stop)
-            if cut >= 0:
-                text, finish, cut_text = text[: cut + len(stop)], "stop", True
-        if cut_text:  # keep only the tokens up to the stop string: GRPO trains on these ids
-            new_ids = tokens_covering(self.tokenizer, new_ids, text)
+        text, stopped = cut_at_stop(text, self.sampling.stop)
+        if stopped:  # keep only the tokens up to the stop string: GRPO trains on these ids
+            new_ids, finish = tokens_covering(self.tokenizer, new_ids, text), "stop"
         return Completion(
             task_id=task.id,
             text=text,

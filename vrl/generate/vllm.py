@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from vrl.generate.base import Generator, tokens_covering
+from vrl.generate.base import Generator, cut_at_stop, tokens_covering
 from vrl.generate.hf import TINY, load_model_and_tokenizer, render_prompt
 from vrl.types import Completion, Task
 
@@ -88,16 +88,6 @@ def save_tiny(path: str) -> str:
     tiny.build_model().save_pretrained(path)
     tiny.build_tokenizer().save_pretrained(path)
     return path
-
-
-def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """`text` up to and including the first stop string found (in `stops` order, as the hf backend)."""
-    stopped = False
-    for stop in stops:
-        cut = text.find(stop)
-        if cut >= 0:
-            text, stopped = text[: cut + len(stop)], True
-    return text, stopped
 
 
 def sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> list[float]:
