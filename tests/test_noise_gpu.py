@@ -71,3 +71,35 @@ def test_triton_perturb_and_update_match_reference(dtype: torch.dtype) -> None:
     torch.cuda.synchronize()
     assert _equal(_master(fast), _master(ref_cpu)) and _equal(_master(fast), _master(ref_gpu))
     assert _equal(_weights(fast), _weights(ref_cpu))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_writes_weights_in_place_through_the_address_table(dtype: torch.dtype) -> None:
+    """`FlatParams.over` (the vLLM engine's case): the kernels write each tensor where it lives, rows
+    inside larger tensors, exactly as the reference does, and never touch the rows around them."""
+    g = torch.Generator().manual_seed(0)  # the weights `_build` makes
+    hosts, views = {}, {}
+    for name, shape in SHAPES.items():
+        host = torch.full((shape[0] + 5, *shape[1:]), 7.0, dtype=dtype)
+        host[2 : 2 + shape[0]] = (torch.randn(shape, generator=g) * 0.02).to(dtype)
+        hosts[name] = host.cuda()
+        views[name] = hosts[name][2 : 2 + shape[0]]
+    fast = FlatParams.over(views)
+    assert fast.use_triton
+    ref = _build(dtype, "cpu", False)
+    start = [v.cpu() for v in views.values()]
+    assert _equal(start, _weights(ref))  # same initial weights as the reference
+    for seed, sign in SEEDS:
+        fast.perturb(seed, sign, 1e-2)
+        ref.perturb(seed, sign, 1e-2)
+        torch.cuda.synchronize()
+        assert _equal([v.cpu() for v in views.values()], _weights(ref)), f"seed {seed}"
+        fast.restore()
+        ref.restore()
+        assert _equal([v.cpu() for v in views.values()], start)
+    fast.update(TERMS)
+    ref.update(TERMS)
+    torch.cuda.synchronize()
+    assert _equal([v.cpu() for v in views.values()], _weights(ref)) and _equal(_master(fast), _master(ref))
+    for host in hosts.values():  # the rows before and after each view still hold 7.0
+        assert bool((host[:2] == 7).all()) and bool((host[-3:] == 7).all())

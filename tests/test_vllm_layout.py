@@ -9,6 +9,7 @@ built from an HF Qwen2 model the way vLLM lays it out (q/k/v rows stacked in `qk
 from __future__ import annotations
 
 import copy
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -269,3 +270,97 @@ def test_tensors_cross_the_rpc_boundary_as_bytes(dtype):
     wire = [packed[0], packed[1], list(packed[2]), bytes(packed[3])]  # what the worker receives
     assert torch.equal(unpack_tensor(wire), t) and unpack_tensor(wire).dtype == dtype
     assert torch.equal(rebuild_weights([("w", wire)])[0][1], t)
+
+
+class _EngineModel(torch.nn.Module):
+    """An engine's model as a worker sees it: vLLM's fused parameter names, `packed_modules_mapping`."""
+
+    packed_modules_mapping = PACKED
+
+    def __init__(self, fused: dict[str, torch.Tensor]):
+        super().__init__()
+        self._names = list(fused)
+        for i, t in enumerate(fused.values()):
+            self.register_parameter(f"p{i}", torch.nn.Parameter(t, requires_grad=False))
+
+    def named_parameters(self, *args, **kwargs):
+        return iter([(n, getattr(self, f"p{i}")) for i, n in enumerate(self._names)])
+
+
+class _InProcessLLM:
+    """vLLM's `LLM` cannot run here (no GPU): this stands in for its RPC and cache surface only, calling
+    the real `VRLWorkerExtension` methods in-process on a fused model, and records what reached it."""
+
+    def __init__(self, model: torch.nn.Module):
+        from vrl.generate.vllm_worker import VRLWorkerExtension
+
+        self.worker = VRLWorkerExtension()
+        self.worker.model_runner = SimpleNamespace(get_model=lambda: model)
+        self.worker.parallel_config = SimpleNamespace(tensor_parallel_size=1)
+        self.calls: list[str] = []
+        self.at_enqueue: list[dict[str, torch.Tensor]] = []
+        self.model = model
+        self.llm_engine = SimpleNamespace(has_unfinished_requests=lambda: False)
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(method)
+        return [getattr(self.worker, method)(*args)]
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def enqueue(self, prompts, params, use_tqdm=False):
+        self.at_enqueue.append({n: p.detach().clone() for n, p in self.model.named_parameters()})
+        return []
+
+
+def test_engine_es_defers_restores_until_the_engine_is_read(tmp_path, monkeypatch):
+    """ES restores after each member, but the engine only writes cast(θ) when it is next read: the
+    next member's perturbation overwrites every selected weight anyway. Members, the center seen by
+    a generation pass, and an update still equal the hf backend's weights bit for bit."""
+    from vrl.generate import tiny
+    from vrl.generate.vllm import VLLMGenerator
+    from vrl.types import Task
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: kw))
+    model = hf_model(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    reference = copy.deepcopy(model)
+    engine_model = _EngineModel(fuse(model))
+    original = {n: p.detach().clone() for n, p in engine_model.named_parameters()}
+    llm = _InProcessLLM(engine_model)
+    gen = VLLMGenerator(llm, tiny.build_tokenizer(), build({}).sampling, model_path=str(tmp_path))
+    opt = ES(ESConfig(population_size=4, sigma=0.05, exclude=["*norm*"]), seed=3)
+    opt.setup(gen)
+    flat = FlatParams(select_parameters(reference, ["*"], ["*norm*"]))
+    names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight", "lm_head.weight"]
+    hf = dict(reference.named_parameters())
+
+    def engine_equals_hf() -> bool:
+        got = llm.worker.vrl_hf_weights(opt.params.hf_shapes, names)
+        return all(torch.equal(got[n], hf[n].detach()) for n in names)
+
+    variants = opt.ask()
+    for v in variants:
+        with opt.activate(v):
+            flat.perturb(v.seed, v.sign, 0.05)
+            assert engine_equals_hf()  # the member, over whatever the last member left behind
+        flat.restore()
+    assert "vrl_es_restore" not in llm.calls  # no member paid for a restore
+    gen.generate([Task(id="t", prompt="ab")])  # a generation pass reads the engine: cast(θ) first
+    assert llm.calls.count("vrl_es_restore") == 1
+    for n, t in llm.at_enqueue[-1].items():
+        assert torch.equal(t, original[n]), n
+    gen.generate([Task(id="t", prompt="ab")])
+    assert llm.calls.count("vrl_es_restore") == 1  # nothing was due the second time
+
+    with opt.activate(variants[0]):
+        pass
+    results_terms = update_terms(IterationRecord(seed=variants[0].seed, z=[1.0, -1.0, 0.5, -0.5]), True, 0.01)
+    opt.params.update(results_terms)  # writes cast(θ') over the member the engine still held
+    flat.update(results_terms)
+    assert llm.calls.count("vrl_es_restore") == 1 and engine_equals_hf()
+    with opt.activate(variants[1]):
+        pass
+    assert opt.params.engine_weights(names)  # reading the weights flushes the due restore
+    assert llm.calls.count("vrl_es_restore") == 2 and engine_equals_hf()

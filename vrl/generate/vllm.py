@@ -124,6 +124,7 @@ class VLLMGenerator(Generator):
         self._pushed = False
         self._since_push = 0
         self.last_sync_s: float | None = None
+        self._es: EngineParams | None = None  # in-engine ES state, flushed before each generation pass
 
     @classmethod
     def from_config(cls, config: Any) -> VLLMGenerator:
@@ -186,6 +187,8 @@ class VLLMGenerator(Generator):
         if not tasks:
             return
         self._wake()
+        if self._es is not None:
+            self._es.flush()
         tok = self.tokenizer
         prompts = [tok(render_prompt(tok, t.prompt), add_special_tokens=False)["input_ids"] for t in tasks]
         # Seed of prompt i's sample j is seed + i·n + j (vLLM adds j): distinct across prompts and samples.
@@ -303,7 +306,8 @@ class VLLMGenerator(Generator):
         if hasattr(self, "model"):
             raise ValueError("this generator trains an HF copy (GRPO); ES perturbs the engine, build it with optimizer=es")
         chosen = select_parameters(hf_meta_model(self.model_path, self.revision), include, exclude)
-        return EngineParams(self, {n: list(p.shape) for n, p in chosen})
+        self._es = EngineParams(self, {n: list(p.shape) for n, p in chosen})
+        return self._es
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
@@ -325,6 +329,11 @@ class EngineParams:
 
     Same interface (perturb, restore, update, state, load_state); each call runs in the engine's
     workers, which hold the fp32 master θ in HF layout and write into the fused engine tensors.
+
+    `restore` is deferred: ES restores after every member, but the next member's `perturb` (or the
+    iteration's `update`) rewrites every selected weight anyway, so the engine only writes cast(θ)
+    when something is about to read it (`flush`: the generator's next pass, `engine_weights`). A
+    member then costs one pass over the weights instead of two.
     """
 
     def __init__(self, generator: VLLMGenerator, hf_shapes: dict[str, list[int]]):
@@ -334,6 +343,7 @@ class EngineParams:
         info = generator.rpc("vrl_es_setup", hf_shapes)[0]
         self.numel = int(info["numel"])
         self._dtype = str(info["dtype"])
+        self._restore_due = False
         log.info("ES in the engine: %d HF tensors in %d engine tensors, %d parameters",
                  info["tensors"], info["engine_tensors"], self.numel)
 
@@ -342,17 +352,26 @@ class EngineParams:
         return self._dtype
 
     def perturb(self, seed: int, sign: int, sigma: float) -> None:
-        self.generator.rpc("vrl_es_perturb", seed, sign, sigma)
+        self.generator.rpc("vrl_es_perturb", seed, sign, sigma)  # overwrites every selected weight
+        self._restore_due = False
         self.generator.weights_changed()
 
     def restore(self) -> None:
-        self.generator.rpc("vrl_es_restore")
-        self.generator.weights_changed()
+        """Mark the engine for cast(θ); written by `flush` before anything reads the weights."""
+        self._restore_due = True
+
+    def flush(self) -> None:
+        """Write a deferred restore into the engine (no-op when none is due)."""
+        if self._restore_due:
+            self.generator.rpc("vrl_es_restore")
+            self._restore_due = False
+            self.generator.weights_changed()
 
     def update(self, terms: Sequence[tuple[int, float]]) -> None:
         if not terms:
             return
-        self.generator.rpc("vrl_es_update", [(int(s), float(c)) for s, c in terms])
+        self.generator.rpc("vrl_es_update", [(int(s), float(c)) for s, c in terms])  # engine ← cast(θ')
+        self._restore_due = False
         self.generator.weights_changed()
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -367,10 +386,12 @@ class EngineParams:
         from vrl.generate.vllm_worker import pack_tensor
 
         self.generator.rpc("vrl_es_load_state", {n: pack_tensor(state[n].float()) for n in self.names})
+        self._restore_due = False
         self.generator.weights_changed()
 
     def engine_weights(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """The engine's current values of HF parameters `names`, un-fused (CPU copies)."""
+        self.flush()
         return self.generator.rpc("vrl_hf_weights", self.hf_shapes, list(names))[0]
 
 

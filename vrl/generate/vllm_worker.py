@@ -5,9 +5,9 @@ calls its `vrl_*` methods with `llm.collective_rpc`. vLLM fuses some Hugging Fac
 one tensor (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) and pads vocabulary rows. ES noise
 is defined per *Hugging Face* parameter (`vrl.optim.noise`: member seed, HF name, element index),
 so `engine_layout` maps each HF parameter explicitly to the rows of the engine tensor that hold
-it. The worker keeps the ES state in HF layout (the same `FlatParams` buffers as the `hf` backend:
-an fp32 master θ, one fused Triton launch per perturbation) and copies the result into those rows
-with one multi-tensor copy. A member therefore sees bit for bit the weights the `hf` backend would.
+it. The worker keeps the fp32 master θ in HF layout (`FlatParams.over` those rows, the code the
+`hf` backend uses) and one fused Triton launch writes a perturbation straight into the rows. A
+member therefore sees bit for bit the weights the `hf` backend would.
 
 This module imports no vLLM: the mapping is tested on CPU (tests/test_vllm_layout.py).
 """
@@ -108,47 +108,39 @@ def slot_views(params: Mapping[str, torch.Tensor], layout: Mapping[str, Slot]) -
 
 
 class EngineES:
-    """ES state for one engine's weights: HF-layout fp32 master θ and a cast copy, kept in step.
+    """ES state for one engine's weights: the HF-layout fp32 master θ, written straight into the engine rows.
 
-    `perturb` writes cast(θ + σ·sign·ε(seed)) into the engine rows; `restore` copies cast(θ) back
-    (bit-exact); `update` applies ES update terms to θ in fp32. Noise comes from the same
-    `FlatParams` code as the `hf` backend, so the result does not depend on where a tensor lives.
+    `perturb` writes cast(θ + σ·sign·ε(seed)) into the engine rows and `restore` writes cast(θ)
+    (bit-exact), each in one fused pass that reads θ once and writes each weight once; `update`
+    applies ES update terms to θ in fp32 and writes cast(θ). Noise comes from the same `FlatParams`
+    code as the `hf` backend, so the result does not depend on where a tensor lives. Extra device
+    memory: θ only (4 bytes per parameter); there is no staging copy of the weights.
     """
 
     def __init__(self, views: Mapping[str, torch.Tensor]):
         from vrl.optim.es import FlatParams
 
-        # Throw-away HF-shaped parameters seed FlatParams with the engine's current values.
-        named = [(n, torch.nn.Parameter(v.detach().clone(), requires_grad=False)) for n, v in views.items()]
-        self.flat = FlatParams(named)
+        self.flat = FlatParams.over(dict(views))
         self.names = list(views)
-        self._targets = [views[n] for g in self.flat.groups for n in g.names]
-        # `flat.weights` is scratch for perturbations; `base` always holds cast(θ) for restores.
-        self.base = [g.weights.clone() for g in self.flat.groups]
-        self._base_views = [
-            b[start : start + v.numel()].view(v.shape)
-            for g, b in zip(self.flat.groups, self.base)
-            for start, v in zip(g.starts.tolist(), g.weight_views)
-        ]
-        self._scratch_views = [v for g in self.flat.groups for v in g.weight_views]
 
     @torch.no_grad()
     def perturb(self, seed: int, sign: int, sigma: float) -> None:
         self.flat.perturb(seed, sign, sigma)
-        _copy_all(self._targets, self._scratch_views)
 
     @torch.no_grad()
     def restore(self) -> None:
-        _copy_all(self._targets, self._base_views)
+        self.flat.restore()
 
     @torch.no_grad()
     def update(self, *iterations: Sequence[tuple[int, float]]) -> None:
         """θ ← θ + Σⱼ cⱼ·s(seedⱼ) for each iteration's terms in order; the engine then holds cast(θ)."""
+        wrote = False
         for terms in iterations:
-            self.flat.update(terms)
-        for g, b in zip(self.flat.groups, self.base):
-            b.copy_(g.weights)
-        self.restore()
+            if terms:
+                self.flat.update(terms)  # writes cast(θ) into the engine as it goes
+                wrote = True
+        if not wrote:
+            self.flat.restore()  # still leave the engine at cast(θ), as after any update
 
     def state(self) -> dict[str, torch.Tensor]:
         return self.flat.state()
@@ -156,9 +148,6 @@ class EngineES:
     @torch.no_grad()
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         self.flat.load_state(dict(state))
-        for g, b in zip(self.flat.groups, self.base):
-            b.copy_(g.weights)
-        self.restore()
 
 
 def _timed(fn, *args) -> float:
@@ -167,15 +156,6 @@ def _timed(fn, *args) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter() - start
-
-
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    # One multi-tensor launch instead of one copy per parameter (hundreds of tiny launches).
-    if dst and dst[0].is_cuda:
-        torch._foreach_copy_(dst, src)
-    else:
-        for d, s in zip(dst, src):
-            d.copy_(s)
 
 
 def pack_tensor(t: torch.Tensor) -> tuple[str, str, list[int], bytes]:

@@ -209,16 +209,19 @@ def normalize(rewards: Sequence[float], method: str, per_task: Sequence[Sequence
 
 
 class FlatParams:
-    """The selected parameters, moved into one flat padded buffer per dtype, plus an fp32 master θ.
+    """The selected parameters' fp32 master θ in one flat padded buffer per dtype, and where the weights live.
 
-    Each parameter becomes a view into its group's buffer, so a perturbation of the whole model is one
-    kernel launch on GPU. Each tensor starts at a multiple of `GRANULE` elements (padding is never
-    seen by the model). Outside `perturb` the weights are always exactly cast(master).
+    `FlatParams(named)` (hf backend) also moves the weights into one flat buffer per dtype, each
+    parameter becoming a view of it. `FlatParams.over(views)` (vLLM engine) leaves the weights where
+    they are, e.g. rows of an engine's fused tensors, and writes them there. Either way a
+    perturbation of the whole model is one kernel launch on GPU that reads θ and writes each weight
+    once. Each tensor's master starts at a multiple of `GRANULE` elements (padding is never
+    written to a weight). Outside `perturb` the weights are always exactly cast(master).
     """
 
     GRANULE = 8192
 
-    def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]]):
+    def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]], *, move: bool = True):
         if not named:
             raise ValueError("no parameters selected for ES")
         devices = {p.device for _, p in named}
@@ -226,19 +229,27 @@ class FlatParams:
             raise ValueError(f"ES needs the selected parameters on one device; found {sorted(map(str, devices))}")
         self.device = devices.pop()
         self.names = [n for n, _ in named]
-        by_dtype: dict[torch.dtype, list[tuple[str, torch.nn.Parameter]]] = defaultdict(list)
+        by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = defaultdict(list)
         for name, p in named:
             if p.numel() >= nz.MAX_NUMEL:
                 raise ValueError(f"parameter {name} has {p.numel()} elements; the noise scheme indexes < 2**32")
             by_dtype[p.dtype].append((name, p))
-        self.groups = [_Group(items, self.GRANULE, self.device) for items in by_dtype.values()]
+        self.groups = [_Group(items, self.GRANULE, self.device, move) for items in by_dtype.values()]
         self.numel = sum(p.numel() for _, p in named)
         self.use_triton = self.device.type == "cuda" and _triton_available()
+
+    @classmethod
+    def over(cls, views: dict[str, torch.Tensor]) -> FlatParams:
+        """θ for tensors that stay where they are (contiguous views, e.g. rows of a fused engine tensor)."""
+        bad = [n for n, v in views.items() if not v.is_contiguous()]
+        if bad:
+            raise ValueError(f"ES writes weights in place and needs contiguous tensors; {bad[0]} is not")
+        return cls(list(views.items()), move=False)
 
     @property
     def dtype(self) -> str:
         """The weights' dtype name (the groups' joined when they differ)."""
-        return "+".join(str(g.weights.dtype).removeprefix("torch.") for g in self.groups)
+        return "+".join(str(g.dtype).removeprefix("torch.") for g in self.groups)
 
     def perturb(self, seed: int, sign: int, sigma: float) -> None:
         """weights ← cast(θ + sign·σ·ε(seed))."""
@@ -247,7 +258,7 @@ class FlatParams:
             if self.use_triton:
                 from vrl.optim import es_triton
 
-                es_triton.perturb(g.master, g.weights, g.granule_tensor, g.starts, g.words_t, seed, scale, self.GRANULE)
+                es_triton.perturb(g.master, g.targets(), g.granule_tensor, g.starts, g.words_t, seed, scale, self.GRANULE)
             else:
                 nz.perturb_reference(g.master_views, g.weight_views, g.words, seed, scale)
 
@@ -255,7 +266,15 @@ class FlatParams:
         """weights ← cast(θ): bit-exact, whatever happened to the weights since."""
         with torch.no_grad():
             for g in self.groups:
-                g.weights.copy_(g.master)
+                if g.weights is not None:
+                    g.weights.copy_(g.master)
+                elif self.use_triton:
+                    from vrl.optim import es_triton
+
+                    es_triton.cast(g.master, g.targets(), g.granule_tensor, g.starts, self.GRANULE)
+                else:
+                    for w, m in zip(g.weight_views, g.master_views):
+                        w.copy_(m)
 
     def update(self, terms: Sequence[tuple[int, float]]) -> None:
         """θ ← θ + Σⱼ cⱼ·s(seedⱼ) (fp32, in term order); weights ← cast(θ)."""
@@ -265,7 +284,7 @@ class FlatParams:
             if self.use_triton:
                 from vrl.optim import es_triton
 
-                es_triton.update(g.master, g.weights, g.granule_tensor, g.starts, g.words_t, list(terms), self.GRANULE)
+                es_triton.update(g.master, g.targets(), g.granule_tensor, g.starts, g.words_t, list(terms), self.GRANULE)
             else:
                 nz.update_reference(g.master_views, g.weight_views, g.words, terms)
 
@@ -284,22 +303,31 @@ class FlatParams:
 
 
 class _Group:
-    def __init__(self, items: Sequence[tuple[str, torch.nn.Parameter]], granule: int, device: torch.device):
+    """The tensors of one dtype: their fp32 master in one flat buffer, and their weights.
+
+    `move=True`: the weights move into a flat buffer of their own (`weights`) and each parameter's
+    `.data` becomes a view of it. `move=False`: the weights stay where they are (`weights` is None).
+    """
+
+    def __init__(self, items: Sequence[tuple[str, torch.Tensor]], granule: int, device: torch.device, move: bool):
         self.names = [n for n, _ in items]
         self.words = [nz.name_words(n) for n in self.names]
+        self.dtype = items[0][1].dtype
         starts, position = [], 0
         for _, p in items:
             starts.append(position)
             position += -(-p.numel() // granule) * granule
-        dtype = items[0][1].dtype
-        self.weights = torch.zeros(position, dtype=dtype, device=device)
+        self.weights = torch.zeros(position, dtype=self.dtype, device=device) if move else None
         self.master = torch.zeros(position, dtype=torch.float32, device=device)
         self.weight_views, self.master_views = [], []
         with torch.no_grad():
             for (_, p), start in zip(items, starts):
-                w = self.weights[start : start + p.numel()].view(p.shape)
-                w.copy_(p.detach())
-                p.data = w  # the model now reads its weights from the flat buffer
+                if self.weights is not None:
+                    w = self.weights[start : start + p.numel()].view(p.shape)
+                    w.copy_(p.detach())
+                    p.data = w  # the model now reads its weights from the flat buffer
+                else:
+                    w = p.detach()
                 m = self.master[start : start + p.numel()].view(p.shape)
                 m.copy_(w)
                 self.weight_views.append(w)
@@ -308,6 +336,15 @@ class _Group:
         self.granule_tensor = torch.repeat_interleave(torch.arange(len(items), dtype=torch.int32), torch.tensor(counts)).to(device)
         self.starts = torch.tensor(starts, dtype=torch.int64, device=device)
         self.words_t = torch.tensor(self.words, dtype=torch.int64, device=device)
+        self._targets = None
+
+    def targets(self):
+        """The kernels' address table of the weights (built on first use: GPU only)."""
+        if self._targets is None:
+            from vrl.optim import es_triton
+
+            self._targets = es_triton.Targets(self.weight_views)
+        return self._targets
 
 
 def _triton_available() -> bool:
