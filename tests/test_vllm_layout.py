@@ -198,6 +198,9 @@ def test_config_rejects_bad_vllm_values():
         build({"generator": {"sync_every": 0}})
     with pytest.raises(ConfigError, match="generator.tensor_parallel_size"):
         build({"generator": {"tensor_parallel_size": 0}})
+    with pytest.raises(ConfigError, match="sampling_logprobs=true or set generator.sync_every=1"):
+        build({"generator": {"sync_every": 2, "sampling_logprobs": False}})
+    assert not build({"generator": {"sampling_logprobs": False}}).generator.sampling_logprobs
 
 
 def test_sleep_needs_grpo():
@@ -299,6 +302,7 @@ class _InProcessLLM:
         self.worker.parallel_config = SimpleNamespace(tensor_parallel_size=1)
         self.calls: list[str] = []
         self.at_enqueue: list[dict[str, torch.Tensor]] = []
+        self.salts: list[set[str]] = []
         self.model = model
         self.llm_engine = SimpleNamespace(has_unfinished_requests=lambda: False)
 
@@ -306,11 +310,9 @@ class _InProcessLLM:
         self.calls.append(method)
         return [getattr(self.worker, method)(*args)]
 
-    def reset_prefix_cache(self):
-        self.calls.append("reset_prefix_cache")
-
     def enqueue(self, prompts, params, use_tqdm=False):
         self.at_enqueue.append({n: p.detach().clone() for n, p in self.model.named_parameters()})
+        self.salts.append({p["cache_salt"] for p in prompts})
         return []
 
 
@@ -353,14 +355,23 @@ def test_engine_es_defers_restores_until_the_engine_is_read(tmp_path, monkeypatc
         assert torch.equal(t, original[n]), n
     gen.generate([Task(id="t", prompt="ab")])
     assert llm.calls.count("vrl_es_restore") == 1  # nothing was due the second time
+    # Prefix caching: same weights, same salt (prompt KV reused); new weights, new salt (never reused).
+    assert len(llm.salts[-1]) == 1 and llm.salts[-1] == llm.salts[-2]
+    with opt.activate(variants[2]):
+        gen.generate([Task(id="t", prompt="ab")])
+    assert llm.salts[-1] != llm.salts[-2]
+    gen.generate([Task(id="t", prompt="ab")])  # restored: a third salt, not the member's
+    assert len({min(s) for s in llm.salts[-3:]}) == 3
+    flat.perturb(variants[2].seed, variants[2].sign, 0.05)
+    flat.restore()
 
     with opt.activate(variants[0]):
         pass
     results_terms = update_terms(IterationRecord(seed=variants[0].seed, z=[1.0, -1.0, 0.5, -0.5]), True, 0.01)
     opt.params.update(results_terms)  # writes cast(θ') over the member the engine still held
     flat.update(results_terms)
-    assert llm.calls.count("vrl_es_restore") == 1 and engine_equals_hf()
+    assert llm.calls.count("vrl_es_restore") == 2 and engine_equals_hf()
     with opt.activate(variants[1]):
         pass
     assert opt.params.engine_weights(names)  # reading the weights flushes the due restore
-    assert llm.calls.count("vrl_es_restore") == 2 and engine_equals_hf()
+    assert llm.calls.count("vrl_es_restore") == 3 and engine_equals_hf()

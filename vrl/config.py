@@ -49,7 +49,7 @@ class GeneratorConfig(_Section):
     gpu_memory_utilization: float = Field(
         0.6, gt=0.0, le=1.0,
         description="vllm: fraction of GPU memory the engine may take (weights + KV cache); leave room for "
-        "in-engine ES state (8 bytes per parameter) or GRPO training on the same GPU.",
+        "in-engine ES state (4 bytes per selected parameter) or GRPO training on the same GPU.",
     )
     max_model_len: int | None = Field(
         None, ge=1, description="vllm: longest prompt + completion in tokens; None: the model's own limit."
@@ -70,6 +70,21 @@ class GeneratorConfig(_Section):
         description="vllm + grpo: push the trained weights into the engine every k updates; in between the engine "
         "samples slightly stale weights and GRPO's importance ratio uses the engine's log-probs.",
     )
+    sampling_logprobs: bool = Field(
+        True,
+        description="vllm + grpo: the engine returns each sampled token's log-prob and GRPO's importance ratio "
+        "uses it (corrects for sampler/trainer numerics and stale weights). Costs about 40% of generation "
+        "throughput at 1.5B (docs/benchmarks.md); false: the ratio uses the trainer's own log-probs.",
+    )
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> GeneratorConfig:
+        if self.sync_every > 1 and not self.sampling_logprobs:
+            raise ValueError(
+                "generator.sync_every > 1 samples from weights up to k-1 updates old, which only the engine's own "
+                "log-probs can correct for; keep generator.sampling_logprobs=true or set generator.sync_every=1"
+            )
+        return self
 
 
 class VerifierConfig(_Section):
