@@ -209,6 +209,12 @@ def test_sleep_needs_grpo():
         make_generator(cfg)
 
 
+def test_in_engine_es_refuses_tensor_parallel_before_starting_an_engine():
+    cfg = build({"generator": {"backend": "vllm", "tensor_parallel_size": 2}, "optimizer": "es"})
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        make_generator(cfg)  # raised before vLLM is imported: no engine, no GPU needed
+
+
 def test_missing_vllm_or_gpu_is_a_clear_error():
     try:
         import vllm  # noqa: F401

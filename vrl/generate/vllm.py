@@ -137,6 +137,11 @@ class VLLMGenerator(Generator):
                 "generator.sleep frees the engine's memory for training between generation passes; it only "
                 "helps optimizer=grpo (ES perturbs the engine itself). Set generator.sleep=false."
             )
+        if config.optimizer == "es" and g.tensor_parallel_size > 1:
+            raise ValueError(
+                "ES perturbs the engine's weights in place, which needs the whole model in one worker: set "
+                "generator.tensor_parallel_size=1 (ES runs members on separate GPUs, not one member on several)"
+            )
         vllm = import_vllm()
         cleanup = None
         path = config.model
