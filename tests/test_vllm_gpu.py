@@ -264,6 +264,64 @@ def test_sleep_mode_frees_memory_and_sync_wakes_the_engine(model_dir, es_gen):
         gen.close()
 
 
+# -- LoRA: the engine serves the merged adapted weights ----------------------------------------------------
+def test_lora_training_pushes_merged_weights(model_dir, es_gen):
+    """grpo.use_peft: after a step the engine holds W + ΔW (out-of-place merge), bit for bit."""
+    pytest.importorskip("peft", reason="LoRA needs peft")
+    from vrl.generate import make_generator
+    from vrl.generate.vllm import weights_for_engine
+    from vrl.optim.grpo import GRPO, GRPOConfig
+
+    es_gen.close()
+    gen = make_generator(config(model_dir, dtype="float32"))
+    try:
+        gen.sampling = greedy()
+        before = gen.generate(tasks())
+        by_id = {t.id: t for t in tasks()}
+        gen.sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, batch_size=4)
+        opt = GRPO(GRPOConfig(num_generations=4, learning_rate=3e-2, lr_scheduler_type="constant",
+                              use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0))
+        opt.setup(gen)
+        opt.tell(rewarded(by_id, gen, seed=5))
+        sent = dict(weights_for_engine(gen.model))
+        engine = gen.rpc("vrl_hf_weights", {n: list(t.shape) for n, t in sent.items()}, list(sent))[0]
+        assert all(torch.equal(engine[n], t.cpu()) for n, t in sent.items())
+        q = "model.layers.0.self_attn.q_proj.weight"
+        base = dict(gen.model.named_parameters())["model.layers.0.self_attn.q_proj.base_layer.weight"]
+        assert not torch.equal(sent[q], base.detach())  # the adapters moved the served weights
+        gen.sampling = greedy()
+        assert not same(before, gen.generate(tasks()))
+    finally:
+        gen.close()
+
+
+# -- the whole loop: `vrl train` on the vllm backend, then --resume ---------------------------------------
+@pytest.mark.parametrize("optimizer", ["es", "grpo"])
+def test_vrl_train_on_the_vllm_backend_and_resume(model_dir, es_gen, tmp_path, optimizer):
+    """The CLI in a fresh process, as a user runs it: 2 iterations, then a resume to 3 (ES replays its
+    history inside a new engine; GRPO reloads its checkpoint and pushes it)."""
+    import json
+    import subprocess
+    import sys
+
+    es_gen.close()
+    cli = [sys.executable, "-m", "vrl.cli", "train"]
+    common = ["--set", "generator.enforce_eager=true", "--set", "generator.gpu_memory_utilization=0.2",
+              "--set", "generator.max_model_len=256"]
+    subprocess.run([*cli, "--model", model_dir, "--optimizer", optimizer, "--iterations", "2", "--name", "run",
+                    "--set", f"logging.runs_dir={tmp_path}", "--set", "generator.backend=vllm", *common,
+                    "--set", "tasks_per_iteration=4", "--set", "es.population_size=4",
+                    "--set", "sampling.max_new_tokens=24"], check=True, timeout=400)
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1] and all(r["tokens"] > 0 for r in rows)
+    subprocess.run([*cli, "--resume", str(run), "--iterations", "3"], check=True, timeout=400)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    if optimizer == "es":
+        assert len(json.loads((run / "es_history.json").read_text())["iterations"]) == 3
+
+
 # -- two GPUs: the engine and the trained copy on different devices; a tensor-parallel engine ------------
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 

@@ -381,3 +381,33 @@ def test_engine_es_defers_restores_until_the_engine_is_read(tmp_path, monkeypatc
         pass
     assert opt.params.engine_weights(names)  # reading the weights flushes the due restore
     assert llm.calls.count("vrl_es_restore") == 3 and engine_equals_hf()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_weights_reach_the_engine_merged_and_the_base_stays_untouched(dtype):
+    """GRPO with LoRA: the engine gets W + ΔW under the checkpoint's names (what peft's own
+    merge_and_unload gives), computed out of place, so the trainable base keeps its bits."""
+    peft = pytest.importorskip("peft", reason="LoRA needs peft (pip install vrl[lora])")
+    from vrl.generate.vllm import weights_for_engine
+
+    model = hf_model(dtype)
+    expected_names = [n for n, _ in model.named_parameters()]
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():  # trained adapters: B is no longer zero
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn_like(p) * 0.1)
+    base_before = {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
+    sent = dict(weights_for_engine(model))
+    assert sorted(sent) == sorted(expected_names)
+    merged = dict(copy.deepcopy(lora).merge_and_unload().named_parameters())
+    for n in expected_names:
+        assert torch.equal(sent[n], merged[n].detach()), n
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(sent[q], base_before[q.replace("q_proj.", "q_proj.base_layer.")])  # ΔW is in
+    for n, p in model.named_parameters():
+        if "base_layer" in n:
+            assert torch.equal(p, base_before[n]), n
+    with lora.disable_adapter():  # adapters off (the GRPO reference policy): the plain base weights
+        off = dict(weights_for_engine(model))
+    assert torch.equal(off[q], base_before[q.replace("q_proj.", "q_proj.base_layer.")])

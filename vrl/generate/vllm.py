@@ -294,9 +294,10 @@ class VLLMGenerator(Generator):
         t0 = time.perf_counter()
         if self._asleep:
             self.llm.wake_up(["weights"])
-        payload = _share(model)
+        weights = weights_for_engine(model)
+        payload = _share(weights)
         self.rpc("vrl_load_weights", payload)
-        del payload
+        del payload, weights
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
         if self._asleep:
@@ -404,8 +405,44 @@ class EngineParams:
         return self.generator.rpc("vrl_hf_weights", self.hf_shapes, list(names))[0]
 
 
-def _share(model: torch.nn.Module) -> list[tuple[str, Any]]:
-    """(name, what the worker needs to see the tensor) per parameter.
+def weights_for_engine(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's weights under the checkpoint's (HF) names, as the engine loads them.
+
+    LoRA (peft injects `base_layer` + `lora_A/B` into the model): each adapted layer is sent as one
+    merged weight W + ΔW computed out of place (peft's own `get_delta_weight`), so the engine serves
+    the adapted policy while the trainable base stays untouched (merging in place and unmerging
+    again would not give back W's bits in bf16). Without adapters the parameters go as they are.
+    """
+    lora = {
+        name: m for name, m in model.named_modules() if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")
+    }
+    if not lora:
+        return [(n, p.detach()) for n, p in model.named_parameters()]
+    out: list[tuple[str, torch.Tensor]] = []
+    with torch.no_grad():
+        for name, m in lora.items():
+            base = m.base_layer
+            weight = base.weight.detach()
+            if not (m.merged or m.disable_adapters):  # merged: W already holds ΔW
+                for adapter in m.active_adapters:
+                    if adapter in m.lora_A:
+                        # As peft's merge: the sum in fp32 (adapters are often fp32), rounded once.
+                        weight = (weight.float() + m.get_delta_weight(adapter).float()).to(weight.dtype)
+            out.append((f"{name}.weight", weight))
+            if getattr(base, "bias", None) is not None:
+                out.append((f"{name}.bias", base.bias.detach()))
+        inside = tuple(f"{name}." for name in lora)
+        for n, p in model.named_parameters():
+            if n.startswith(inside):
+                continue
+            if "modules_to_save" in n or "original_module" in n:
+                raise ValueError(f"cannot sync peft modules_to_save ({n}) into the engine; adapt those layers with LoRA")
+            out.append((n, p.detach()))
+    return out
+
+
+def _share(weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, Any]]:
+    """(name, what the worker needs to see the tensor) per weight; keep `weights` alive until it loaded.
 
     A CUDA tensor crosses to the engine process as an IPC handle (no copy); an engine running in
     this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) gets the tensor itself; CPU tensors go as bytes.
@@ -416,8 +453,7 @@ def _share(model: torch.nn.Module) -> list[tuple[str, Any]]:
 
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
     out: list[tuple[str, Any]] = []
-    for name, p in model.named_parameters():
-        t = p.detach()
+    for name, t in weights:
         if in_process:
             out.append((name, t))
         else:
