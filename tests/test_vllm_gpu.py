@@ -307,7 +307,7 @@ def test_vrl_train_on_the_vllm_backend_and_resume(model_dir, es_gen, tmp_path, o
     es_gen.close()
     cli = [sys.executable, "-m", "vrl.cli", "train"]
     common = ["--set", "generator.enforce_eager=true", "--set", "generator.gpu_memory_utilization=0.2",
-              "--set", "generator.max_model_len=256"]
+              "--set", "generator.max_model_len=1024"]  # countdown prompts: ~300 byte tokens
     subprocess.run([*cli, "--model", model_dir, "--optimizer", optimizer, "--iterations", "2", "--name", "run",
                     "--set", f"logging.runs_dir={tmp_path}", "--set", "generator.backend=vllm", *common,
                     "--set", "tasks_per_iteration=4", "--set", "es.population_size=4",

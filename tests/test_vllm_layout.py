@@ -311,6 +311,7 @@ class _InProcessLLM:
         self.salts: list[set[str]] = []
         self.model = model
         self.llm_engine = SimpleNamespace(has_unfinished_requests=lambda: False)
+        self.model_config = SimpleNamespace(max_model_len=64)
 
     def collective_rpc(self, method, args=()):
         self.calls.append(method)
@@ -370,6 +371,9 @@ def test_engine_es_defers_restores_until_the_engine_is_read(tmp_path, monkeypatc
     assert len({min(s) for s in llm.salts[-3:]}) == 3
     flat.perturb(variants[2].seed, variants[2].sign, 0.05)
     flat.restore()
+    with pytest.raises(ValueError, match=r"1 of 2 prompts .*max_model_len=64 \(task 'long': 70 prompt tokens\)"):
+        gen.generate([Task(id="ok", prompt="ab"), Task(id="long", prompt="x" * 70)])
+    assert len(llm.at_enqueue) == 4  # refused before anything reached the engine
 
     with opt.activate(variants[0]):
         pass

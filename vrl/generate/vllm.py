@@ -198,6 +198,15 @@ class VLLMGenerator(Generator):
         tok = self.tokenizer
         prompts = [tok(render_prompt(tok, t.prompt), add_special_tokens=False)["input_ids"] for t in tasks]
         # Seed of prompt i's sample j is seed + i·n + j (vLLM adds j): distinct across prompts and samples.
+        limit = getattr(getattr(self.llm, "model_config", None), "max_model_len", None)
+        too_long = [(t.id, len(p)) for t, p in zip(tasks, prompts) if limit and len(p) >= limit]
+        if too_long:  # vLLM would reject the whole batch with an error about one request
+            task_id, length = too_long[0]
+            raise ValueError(
+                f"{len(too_long)} of {len(tasks)} prompts leave no room to generate within generator.max_model_len="
+                f"{limit} (task {task_id!r}: {length} prompt tokens); raise generator.max_model_len (up to the "
+                "model's context length) or shorten the prompts"
+            )
         params = [self._params(n, None if seed is None else seed + i * n, vllm) for i in range(len(tasks))]
         salt = f"vrl-weights-{self._weights_version}"
         internal = self.llm.enqueue([{"prompt_token_ids": p, "cache_salt": salt} for p in prompts], params, use_tqdm=False)
