@@ -13,8 +13,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from tests.toy import CharsEnvironment
 from vrl.config import SamplingConfig, TrainConfig
+from vrl.envs.letters import LettersEnvironment
 from vrl.generate.hf import HFGenerator, load_model_and_tokenizer
 from vrl.optim.es import ES, ESConfig, ESHistory, evaluate_member
 from vrl.rundir import RunDir
@@ -32,7 +32,7 @@ class RecordingRuntime(LocalRuntime):
 
 def _config(tmp_path: Path, name: str, iterations: int, **es: Any) -> TrainConfig:
     return TrainConfig(
-        plugin="toy-chars",
+        plugin="letters",
         model="tiny",
         iterations=iterations,
         tasks_per_iteration=2,
@@ -50,7 +50,7 @@ def _train(config: TrainConfig, run_dir: RunDir | None = None, stop_after: int |
             raise KeyboardInterrupt  # what Ctrl-C does between two iterations
 
     runtime = RecordingRuntime()
-    trainer = Trainer(config, run_dir=run_dir, environment=CharsEnvironment(), runtime=runtime,
+    trainer = Trainer(config, run_dir=run_dir, environment=LettersEnvironment(), runtime=runtime,
                       console=Console(file=io.StringIO()), on_iteration=interrupt)
     return trainer.run(), runtime
 
@@ -91,9 +91,9 @@ def test_evaluate_member_reproduces_the_loops_completions_from_the_history(tmp_p
     path = tmp_path / "run"
     history = ESHistory.read(path / "es_history.json")
     samples = [json.loads(line) for line in (path / "samples.jsonl").read_text().splitlines()]
-    trainer = Trainer(config, run_dir=RunDir.open(path), environment=CharsEnvironment(), console=Console(file=io.StringIO()))
+    trainer = Trainer(config, run_dir=RunDir.open(path), environment=LettersEnvironment(), console=Console(file=io.StringIO()))
     iteration = 2
-    tasks = trainer.tasks_for(CharsEnvironment().tasks(), iteration)
+    tasks = trainer.tasks_for(LettersEnvironment().tasks(), iteration)
     sample_seed = random.Random(f"{config.seed}-sampling-{iteration}").randrange(2**31)  # the trainer's rule
     prefix = history.model_copy(update={"iterations": history.iterations[:iteration]})
     record = history.iterations[iteration]
@@ -114,14 +114,14 @@ def test_evaluate_member_reproduces_the_loops_completions_from_the_history(tmp_p
         evaluate_member(history, 1, 0, tasks, config.sampling, device="cpu")
 
 
-def _reward(generator: HFGenerator, env: CharsEnvironment) -> float:
+def _reward(generator: HFGenerator, env: LettersEnvironment) -> float:
     verifier, tasks = env.verifier(), env.tasks()
     completions = generator.generate(tasks, n=4, seed=1234)
     total = 0.0
     for c in completions:
         text = c.text
         total += sum(ch in "abcdefghijklmnop" for ch in text) / len(text) if text else 0.0
-    assert verifier.name == "toy-chars"
+    assert verifier.name == "letters"
     return total / len(completions)
 
 
@@ -132,9 +132,9 @@ def test_es_raises_the_reward_on_the_toy_task(tmp_path: Path) -> None:
     on CPU. Measured: 0.070 before, 0.994 after 8 iterations (iteration rewards 0.069, 0.080, 0.153,
     0.294, 0.563, 0.798, 0.936, 0.936); about 2-4 s on 2 cores.
     """
-    env = CharsEnvironment()
+    env = LettersEnvironment()
     config = TrainConfig(
-        plugin="toy-chars", model="tiny", iterations=8, tasks_per_iteration=8, seed=0,
+        plugin="letters", model="tiny", iterations=8, tasks_per_iteration=8, seed=0,
         sampling={"max_new_tokens": 16, "temperature": 1.0}, generator={"device": "cpu"},
         logging={"runs_dir": str(tmp_path), "name": "learn", "samples_per_iteration": 0},
         es={"population_size": 16, "sigma": 0.2, "alpha": 1.0, "include": ["lm_head.*"]},

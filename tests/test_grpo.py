@@ -15,8 +15,8 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
-from tests.toy import TARGET, CharsEnvironment
 from vrl.config import SamplingConfig, build
+from vrl.envs.letters import TARGET, LettersEnvironment
 from vrl.generate import tiny
 from vrl.generate.hf import HFGenerator
 from vrl.optim import grpo as grpo_mod
@@ -372,7 +372,7 @@ def test_lora_trains_only_adapters_and_the_generator_sees_them():
 def _toy_config(tmp_path, name: str, iterations: int, tasks: int = 3, max_new_tokens: int = 12, **grpo):
     grpo = {"num_generations": 4, "learning_rate": 1e-2, "lr_scheduler_type": "linear", "micro_batch_size": 6,
             **grpo}
-    return build({"plugin": "toy-chars", "optimizer": "grpo", "iterations": iterations, "tasks_per_iteration": tasks,
+    return build({"plugin": "letters", "optimizer": "grpo", "iterations": iterations, "tasks_per_iteration": tasks,
                   "sampling": {"max_new_tokens": max_new_tokens, "temperature": 1.0}, "grpo": grpo,
                   "logging": {"runs_dir": str(tmp_path), "name": name}})
 
@@ -392,7 +392,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, lora):
         pytest.importorskip("peft")
     extra = {"use_peft": True, "lora_r": 4, "lora_dropout": 0.1, "beta": 0.05} if lora else {"num_iterations": 2}
     file = "adapter_model.safetensors" if lora else "model.safetensors"
-    straight = Trainer(_toy_config(tmp_path, "straight", 4, **extra), environment=CharsEnvironment(), console=_quiet())
+    straight = Trainer(_toy_config(tmp_path, "straight", 4, **extra), environment=LettersEnvironment(), console=_quiet())
     assert straight.run()["status"] == "finished"
 
     def interrupt(metrics):
@@ -400,10 +400,10 @@ def test_resume_matches_uninterrupted_run(tmp_path, lora):
             raise KeyboardInterrupt
 
     cfg = _toy_config(tmp_path, "resumed", 4, **extra)
-    first = Trainer(cfg, environment=CharsEnvironment(), console=_quiet(), on_iteration=interrupt)
+    first = Trainer(cfg, environment=LettersEnvironment(), console=_quiet(), on_iteration=interrupt)
     assert first.run()["status"] == "interrupted"
     assert first.run_dir.completed_iterations() == 2
-    second = Trainer(cfg, run_dir=RunDir.open(first.run_dir.path), environment=CharsEnvironment(), console=_quiet())
+    second = Trainer(cfg, run_dir=RunDir.open(first.run_dir.path), environment=LettersEnvironment(), console=_quiet())
     assert second.start_iteration == 2 and second.run()["status"] == "finished"
 
     a, b = _final_weights(straight.run_dir, 4, file), _final_weights(second.run_dir, 4, file)
@@ -439,7 +439,7 @@ def test_grpo_raises_reward_on_the_toy_environment(tmp_path):
     a-p) in the first iteration to 0.83 (mean of the last two; 0.85 in the last)."""
     cfg = _toy_config(tmp_path, "learn", 12, tasks=4, max_new_tokens=16, num_generations=8, micro_batch_size=32,
                       lr_scheduler_type="constant")
-    trainer = Trainer(cfg, environment=CharsEnvironment(), console=_quiet())
+    trainer = Trainer(cfg, environment=LettersEnvironment(), console=_quiet())
     summary = trainer.run()
     rows = trainer.run_dir.metrics()
     first, last = rows[0]["reward_mean"], sum(r["reward_mean"] for r in rows[-2:]) / 2

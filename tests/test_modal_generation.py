@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from tests.toy import CharsEnvironment
 from vrl.config import build
+from vrl.envs.letters import LettersEnvironment
 from vrl.generate.hf import HFGenerator
 from vrl.optim.base import Variant
 from vrl.optim.es import ES, ESHistory
@@ -45,9 +45,9 @@ def run_pair(tmp_path, extra=None):
     layers = [BASE, {"logging": {"runs_dir": str(tmp_path)}}, extra or {}]
     local_cfg = build(*layers, {"logging": {"name": "local"}})
     modal_cfg = build(*layers, {"logging": {"name": "modal"}, "runtime": {"kind": "modal", "verify_in": "local"}})
-    Trainer(local_cfg, environment=CharsEnvironment(), runtime=LocalRuntime()).run()
+    Trainer(local_cfg, environment=LettersEnvironment(), runtime=LocalRuntime()).run()
     runtime = modal_local(modal_cfg, tmp_path)
-    Trainer(modal_cfg, environment=CharsEnvironment(), runtime=runtime).run()
+    Trainer(modal_cfg, environment=LettersEnvironment(), runtime=runtime).run()
     return tmp_path / "local", tmp_path / "modal", runtime
 
 
@@ -84,7 +84,7 @@ def test_es_member_body_equals_local_perturbed_generation(tmp_path):
     es = ES(cfg.es, seed=cfg.seed, base={"model": "tiny", "revision": None})
     es.setup(gen)
     es.load(local)  # θ_2, replayed from the history
-    tasks = CharsEnvironment().tasks("train")[:3]
+    tasks = LettersEnvironment().tasks("train")[:3]
     for index, (seed, sign) in enumerate([(11, 1), (12, 1), (11, -1)]):
         with es.activate(Variant(index=index, seed=seed, sign=sign)):
             expected = gen.generate(tasks, n=2, variant=index, seed=5)
@@ -107,7 +107,7 @@ def test_warm_worker_replays_only_the_new_iteration(tmp_path):
     first = full.model_copy(update={"iterations": full.iterations[:1]})
     cfg = build(BASE, {"runtime": {"kind": "modal"}})
     worker = build_app(cfg).worker(str(tmp_path / "volume"))
-    kwargs = {"tasks": workers.tasks_to_wire(CharsEnvironment().tasks("train")[:1]),
+    kwargs = {"tasks": workers.tasks_to_wire(LettersEnvironment().tasks("train")[:1]),
               "sampling": cfg.sampling.model_dump(mode="json"), "sample_seed": 1}
     worker.es_member.local(7, 1, 0, history=first.model_dump(mode="json"), **kwargs)
     replica = es_module._REPLICA
@@ -132,7 +132,7 @@ def test_es_members_are_launched_once_per_iteration(tmp_path):
     gen = runtime.generator(cfg)
     es = runtime.optimizer(cfg)
     es.setup(gen)
-    tasks = CharsEnvironment().tasks("train")[:2]
+    tasks = LettersEnvironment().tasks("train")[:2]
     for iteration in range(2):
         results = []
         for variant in es.ask():
@@ -151,11 +151,11 @@ def test_es_members_are_launched_once_per_iteration(tmp_path):
 def test_remote_es_resume_continues_the_history_exactly(tmp_path):
     layers = [BASE, {"logging": {"runs_dir": str(tmp_path), "name": "r"}, "runtime": {"kind": "modal", "verify_in": "local"}}]
     cfg1 = build(*layers, {"iterations": 1})
-    Trainer(cfg1, environment=CharsEnvironment(), runtime=modal_local(cfg1, tmp_path)).run()
+    Trainer(cfg1, environment=LettersEnvironment(), runtime=modal_local(cfg1, tmp_path)).run()
     from vrl.rundir import RunDir
 
     cfg2 = build(*layers, {"iterations": 2})
-    Trainer(cfg2, run_dir=RunDir.open(tmp_path / "r"), environment=CharsEnvironment(),
+    Trainer(cfg2, run_dir=RunDir.open(tmp_path / "r"), environment=LettersEnvironment(),
             runtime=modal_local(cfg2, tmp_path)).run()
     local, _, _ = run_pair(tmp_path / "ref")
     assert ESHistory.read(tmp_path / "r" / "es_history.json").iterations == ESHistory.read(local / "es_history.json").iterations
@@ -170,7 +170,7 @@ def test_remote_es_keeps_no_weights(tmp_path):
     opt.setup(gen)
     assert opt.history.base.dtype == "float32" and not hasattr(gen.inner, "model")
     with pytest.raises(RuntimeError, match="asked"):
-        next(gen.stream(CharsEnvironment().tasks("train")[:1]))
+        next(gen.stream(LettersEnvironment().tasks("train")[:1]))
     gen.close()
 
 
@@ -180,7 +180,7 @@ def test_grpo_shards_match_local_generation_before_and_after_a_weight_sync(tmp_p
     runtime = modal_local(cfg, tmp_path)
     gen = runtime.generator(cfg)
     local = HFGenerator.from_config(cfg)
-    tasks = CharsEnvironment().tasks("train")[:5]
+    tasks = LettersEnvironment().tasks("train")[:5]
 
     def same(a, b):
         return [(c.task_id, c.sample, c.text, c.token_ids, c.prompt_token_ids) for c in a] == [

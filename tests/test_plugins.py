@@ -42,7 +42,7 @@ def test_installed_plugins_are_discovered():
     assert {"countdown", "lean", "python-tests"} <= set(reg.names("environments"))
     assert reg.plugins["lean"].distribution == "vrl-lean"
     assert reg.plugins["python-tests"].distribution == "vrl-python-tests"
-    assert reg.plugins["builtin"].registered["environments"] == ["countdown"]
+    assert reg.plugins["builtin"].registered["environments"] == ["countdown", "letters"]
     assert "binary" in reg.names("shapers")
 
 

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from tests.toy import CharsEnvironment
 from vrl.config import build
+from vrl.envs.letters import LettersEnvironment
 from vrl.sinks import Sink, Sinks
 from vrl.trainer import Trainer
 
@@ -22,7 +22,7 @@ def test_mlflow_receives_the_same_metric_names(tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path}/mlruns")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a local store; real setups use a tracking server
-    Trainer(config(tmp_path, mlflow=True, mlflow_experiment="vrl-test"), environment=CharsEnvironment()).run()
+    Trainer(config(tmp_path, mlflow=True, mlflow_experiment="vrl-test"), environment=LettersEnvironment()).run()
     run_id = json.loads((tmp_path / "runs" / "r" / "sinks.json").read_text())["mlflow"]
     client = mlflow.tracking.MlflowClient()
     run = client.get_run(run_id)
@@ -38,7 +38,7 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    Trainer(config(tmp_path, wandb=True, wandb_project="vrl-test"), environment=CharsEnvironment()).run()
+    Trainer(config(tmp_path, wandb=True, wandb_project="vrl-test"), environment=LettersEnvironment()).run()
     run_id = json.loads((tmp_path / "runs" / "r" / "sinks.json").read_text())["wandb"]
     records = list((tmp_path / "runs" / "r" / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert len(records) == 1
@@ -76,5 +76,5 @@ def test_missing_package_is_a_clear_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     with pytest.raises(RuntimeError, match=r"wandb is not installed: pip install 'vrl\[wandb\]'"):
-        Trainer(config(tmp_path, wandb=True), environment=CharsEnvironment())
+        Trainer(config(tmp_path, wandb=True), environment=LettersEnvironment())
     assert not (tmp_path / "runs" / "r").exists()  # failed before creating anything

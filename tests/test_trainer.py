@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from tests.toy import CharsEnvironment, CharsVerifier
 from vrl.config import build
+from vrl.envs.letters import LettersEnvironment, LettersVerifier
 from vrl.rundir import RunDir
 from vrl.trainer import Trainer
 
@@ -23,7 +23,7 @@ def small_config(tmp_path, **overrides):
     return build(layer, overrides)
 
 
-class SlowChars(CharsEnvironment):
+class SlowChars(LettersEnvironment):
     """The toy environment with a verifier that takes `delay` seconds per batch (like a Lean server)."""
 
     def __init__(self, delay):
@@ -33,7 +33,7 @@ class SlowChars(CharsEnvironment):
     def verifier(self):
         delay = self.delay
 
-        class Slow(CharsVerifier):
+        class Slow(LettersVerifier):
             async def verify(self, attempts):
                 await asyncio.sleep(delay)
                 return [self.check(a) for a in attempts]
@@ -64,7 +64,7 @@ def test_verification_overlaps_generation(tmp_path):
 
 def test_metrics_samples_and_summary(tmp_path):
     cfg = small_config(tmp_path, logging={"samples_per_iteration": 3})
-    summary = Trainer(cfg, environment=CharsEnvironment()).run()
+    summary = Trainer(cfg, environment=LettersEnvironment()).run()
     run = RunDir.open(tmp_path / "run")
     rows = run.metrics()
     assert [r["iteration"] for r in rows] == [0, 1, 2]
@@ -82,7 +82,7 @@ def test_metrics_samples_and_summary(tmp_path):
 
 
 def test_task_schedule_is_deterministic_and_covers_the_pool(tmp_path):
-    trainer = Trainer(small_config(tmp_path), environment=CharsEnvironment(size=6))
+    trainer = Trainer(small_config(tmp_path), environment=LettersEnvironment(size=6))
     pool = trainer._task_pool()
     first_epoch = [t.id for i in range(3) for t in trainer.tasks_for(pool, i)][:6]
     assert sorted(first_epoch) == sorted(t.id for t in pool)
@@ -94,7 +94,7 @@ def test_ctrl_c_between_iterations_keeps_finished_work(tmp_path):
         if metrics["iteration"] == 1:
             raise KeyboardInterrupt
 
-    summary = Trainer(small_config(tmp_path, iterations=5), environment=CharsEnvironment(), on_iteration=stop_after_two).run()
+    summary = Trainer(small_config(tmp_path, iterations=5), environment=LettersEnvironment(), on_iteration=stop_after_two).run()
     run = RunDir.open(tmp_path / "run")
     assert summary["status"] == "interrupted"
     assert run.completed_iterations() == 2
@@ -104,7 +104,7 @@ def test_ctrl_c_between_iterations_keeps_finished_work(tmp_path):
 
 
 def test_ctrl_c_mid_iteration_loses_only_that_iteration(tmp_path):
-    class InterruptingEnv(CharsEnvironment):
+    class InterruptingEnv(LettersEnvironment):
         calls = 0
 
         def shaper(self):
@@ -132,16 +132,16 @@ def test_exception_marks_run_failed_and_propagates(tmp_path):
             raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError, match="disk full"):
-        Trainer(small_config(tmp_path), environment=CharsEnvironment(), on_iteration=explode).run()
+        Trainer(small_config(tmp_path), environment=LettersEnvironment(), on_iteration=explode).run()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and "disk full" in summary["error"]
     assert summary["iterations_completed"] == 2
 
 
 def test_crashing_verifier_scores_crashed_without_losing_the_iteration(tmp_path):
-    class Broken(CharsEnvironment):
+    class Broken(LettersEnvironment):
         def verifier(self):
-            class Boom(CharsVerifier):
+            class Boom(LettersVerifier):
                 async def verify(self, attempts):
                     raise ConnectionError("server went away")
 
@@ -155,9 +155,9 @@ def test_crashing_verifier_scores_crashed_without_losing_the_iteration(tmp_path)
 
 
 def test_hanging_verifier_becomes_timeouts(tmp_path):
-    class Hangs(CharsEnvironment):
+    class Hangs(LettersEnvironment):
         def verifier(self):
-            class Hang(CharsVerifier):
+            class Hang(LettersVerifier):
                 async def verify(self, attempts):
                     await asyncio.sleep(3600)
 
@@ -170,6 +170,6 @@ def test_hanging_verifier_becomes_timeouts(tmp_path):
 
 
 def test_existing_run_directory_is_not_overwritten(tmp_path):
-    Trainer(small_config(tmp_path, iterations=1), environment=CharsEnvironment()).run()
+    Trainer(small_config(tmp_path, iterations=1), environment=LettersEnvironment()).run()
     with pytest.raises(FileExistsError, match="--resume"):
-        Trainer(small_config(tmp_path, iterations=1), environment=CharsEnvironment())
+        Trainer(small_config(tmp_path, iterations=1), environment=LettersEnvironment())

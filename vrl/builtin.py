@@ -8,15 +8,19 @@ from vrl.hookspecs import hookimpl
 @hookimpl
 def register_environments(register):
     from vrl.envs.countdown import CountdownEnvironment
+    from vrl.envs.letters import LettersEnvironment
 
     register("countdown", CountdownEnvironment)
+    register("letters", LettersEnvironment)
 
 
 @hookimpl
 def register_verifiers(register):
     from vrl.envs.countdown import CountdownVerifier
+    from vrl.envs.letters import LettersVerifier
 
     register("countdown", CountdownVerifier)
+    register("letters", LettersVerifier)
 
 
 @hookimpl

@@ -298,16 +298,16 @@ def plugins(as_json: bool) -> None:
         return
     table = Table(title="vrl plugins")
     for col in ("plugin", "distribution", "version", "environments", "verifiers", "shapers", "status"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # a narrow terminal wraps names; it never cuts them
     for info in infos:
         status = f"[red]failed: {info.error}" if info.error else "[green]ok"
         table.add_row(
             info.name,
             info.distribution or "",
             info.version or "",
-            ", ".join(info.registered["environments"]),
-            ", ".join(info.registered["verifiers"]),
-            ", ".join(info.registered["shapers"]),
+            "\n".join(info.registered["environments"]),
+            "\n".join(info.registered["verifiers"]),
+            "\n".join(info.registered["shapers"]),
             status,
         )
     Console().print(table)
