@@ -330,6 +330,30 @@ def test_bf16_gradients_accumulate_in_fp32(monkeypatch):
     assert float((one - many).norm() / many.norm()) < 0.02  # bf16 forward noise, not a missing micro-batch
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_bf16_gradients_leave_the_model_during_backward(monkeypatch, checkpointing):
+    """Post-accumulate hooks move each bf16 gradient into its fp32 master as backward produces it:
+    when backward returns no parameter holds a gradient (the memory the whole model's bf16
+    gradients would take), and the masters hold every micro-batch's sum."""
+    seen = []
+    original = GRPO._move_grads_to_master
+
+    def after_backward(self):
+        seen.append(sum(p.grad is not None for p in self.params))
+        original(self)
+
+    monkeypatch.setattr(GRPO, "_move_grads_to_master", after_backward)
+    grads = capture_grads(monkeypatch)
+    gen = make_generator(dtype=torch.bfloat16)
+    make_grpo(gen, micro_batch_size=4, gradient_checkpointing=checkpointing).tell(sample_results(gen))
+    assert len(seen) > 1 and set(seen) == {0}
+    assert all(g is not None and g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads[0])
+    # A second GRPO on the same model takes over the hooks: its masters get the gradients.
+    second = make_grpo(gen, micro_batch_size=4, gradient_checkpointing=checkpointing)
+    second.tell(sample_results(gen, seed=5))
+    assert len(grads) == 2 and all(g.abs().sum() > 0 for g in grads[1])
+
+
 def test_setup_errors():
     gen = make_generator()
     gen.sampling = SamplingConfig(temperature=0.0)

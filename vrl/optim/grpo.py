@@ -250,6 +250,15 @@ class GRPO(Optimizer):
             if all(p.dtype == torch.float32 for p in self.params)
             else [p.detach().float().clone().requires_grad_(True) for p in self.params]
         )
+        if self.master is not self.params:
+            # Each bf16 gradient moves into its fp32 master the moment backward has accumulated it,
+            # so a micro-batch never holds the whole model's bf16 gradients (≈ 2 bytes per parameter).
+            # A later GRPO on the same model replaces the hook (else the old one would take the gradient).
+            for p, m in zip(self.params, self.master):
+                old = getattr(p, "_vrl_grad_hook", None)
+                if old is not None:
+                    old.remove()
+                p._vrl_grad_hook = p.register_post_accumulate_grad_hook(_into_master(m))
         self.optim = torch.optim.AdamW(
             self.master,
             lr=cfg.learning_rate,
@@ -438,13 +447,12 @@ class GRPO(Optimizer):
         return float(total_loss), {key: float(value) for key, value in stats_sum.items()}
 
     def _move_grads_to_master(self) -> None:
+        """Gradients the hooks did not move (none, normally: a safety net for exotic autograd paths)."""
         if self.master is self.params:
             return
         for p, m in zip(self.params, self.master):
             if p.grad is not None:
-                g = p.grad.float()
-                m.grad = g if m.grad is None else m.grad.add_(g)
-                p.grad = None
+                _into_master(m)(p)
 
     def _apply_step(self) -> float:
         """Clip, step AdamW and the schedule, write fp32 masters back to the model; returns the gradient norm."""
@@ -573,3 +581,19 @@ def _quiet_transformers() -> Iterator[None]:
     finally:
         if enabled:
             hf_logging.enable_progress_bar()
+
+
+def _into_master(master: torch.Tensor):
+    """A post-accumulate-grad hook: add the parameter's gradient into `master.grad` (fp32), free it."""
+
+    def hook(param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        if master.grad is None:
+            master.grad = grad.float()
+        else:
+            master.grad.add_(grad)  # computed in fp32, as add_(grad.float()), without the temporary
+        param.grad = None
+
+    return hook
