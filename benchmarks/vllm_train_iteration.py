@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--path", default="/tmp/vrl-bench-model")
+    ap.add_argument("--only", nargs="*", help="run only these jobs (es, grpo_colocated_sleep, grpo_colocated_sleep_045)")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from vllm_generation import build_model
@@ -38,7 +39,12 @@ def main() -> None:
         "es": ["--optimizer", "es", "--set", "es.population_size=30"],
         "grpo_colocated_sleep": ["--optimizer", "grpo", "--set", "grpo.num_generations=8",
                                  "--set", "generator.sleep=true", "--set", "grpo.gradient_checkpointing=true"],
+        "grpo_colocated_sleep_045": ["--optimizer", "grpo", "--set", "grpo.num_generations=8",
+                                     "--set", "generator.sleep=true", "--set", "grpo.gradient_checkpointing=true",
+                                     "--set", "generator.gpu_memory_utilization=0.45"],
     }
+    if args.only:
+        jobs = {k: v for k, v in jobs.items() if k in args.only}
     result: dict = {"new_tokens": args.new_tokens, "tasks_per_iteration": 8}
     for name, extra in jobs.items():
         t0 = time.perf_counter()

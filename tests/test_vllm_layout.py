@@ -415,3 +415,25 @@ def test_lora_weights_reach_the_engine_merged_and_the_base_stays_untouched(dtype
     with lora.disable_adapter():  # adapters off (the GRPO reference policy): the plain base weights
         off = dict(weights_for_engine(model))
     assert torch.equal(off[q], base_before[q.replace("q_proj.", "q_proj.base_layer.")])
+
+
+def test_an_engine_that_cannot_wake_after_training_says_what_to_change():
+    """vLLM's wake-up OOM (what a colocated GRPO run hit on an H100 with 0.6 of the GPU for the
+    engine) becomes an error naming the settings that free memory; other failures pass through."""
+    from vrl.generate.vllm import VLLMGenerator
+
+    class Sleepy:
+        def __init__(self, message):
+            self.message = message
+
+        def wake_up(self, tags=None):
+            raise Exception(self.message)
+
+    gen = VLLMGenerator(Sleepy("Call to wake_up method failed: CUDA Error: out of memory at cumem_allocator.cpp:163"),
+                        None, build({}).sampling, sleep=True)
+    gen._asleep = 2
+    with pytest.raises(RuntimeError, match="Lower generator.gpu_memory_utilization.*gradient_checkpointing"):
+        gen._wake()
+    gen.llm = Sleepy("engine core died")
+    with pytest.raises(Exception, match="engine core died"):
+        gen._wake()

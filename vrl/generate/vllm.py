@@ -284,9 +284,25 @@ class VLLMGenerator(Generator):
         self.llm.sleep(level=level)
         self._asleep = level
 
+    def _wake_up(self, tags: list[str] | None) -> None:
+        """Give the engine its memory back; training's cached blocks are released first."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # freed activations and gradients still sit in torch's cache
+        try:
+            self.llm.wake_up(tags)
+        except Exception as exc:
+            if "out of memory" not in str(exc).lower():
+                raise
+            raise RuntimeError(
+                "the vLLM engine could not take its GPU memory back after the training step: training keeps "
+                "about 16 bytes per trained parameter (fp32 masters, their gradients, AdamW state) plus the "
+                "activations of a micro-batch. Lower generator.gpu_memory_utilization, or shrink training with "
+                "grpo.gradient_checkpointing=true, a smaller grpo.micro_batch_size or grpo.use_peft=true."
+            ) from exc
+
     def _wake(self, tags: list[str] | None = None) -> None:
         if self._asleep:
-            self.llm.wake_up(tags)
+            self._wake_up(tags)
             if tags is None or "kv_cache" in tags:
                 self._asleep = False
             self.weights_changed()
@@ -302,7 +318,7 @@ class VLLMGenerator(Generator):
             return
         t0 = time.perf_counter()
         if self._asleep:
-            self.llm.wake_up(["weights"])
+            self._wake_up(["weights"])
         weights = weights_for_engine(model)
         payload = _share(weights)
         self.rpc("vrl_load_weights", payload)
@@ -310,7 +326,7 @@ class VLLMGenerator(Generator):
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
         if self._asleep:
-            self.llm.wake_up(["kv_cache"])
+            self._wake_up(["kv_cache"])
             self._asleep = False
         self.weights_changed()
         self._pushed, self._since_push = True, 0
