@@ -173,3 +173,21 @@ def test_existing_run_directory_is_not_overwritten(tmp_path):
     Trainer(small_config(tmp_path, iterations=1), environment=LettersEnvironment()).run()
     with pytest.raises(FileExistsError, match="--resume"):
         Trainer(small_config(tmp_path, iterations=1), environment=LettersEnvironment())
+
+
+def test_checkpoint_time_is_reported_apart_from_the_loop(tmp_path, monkeypatch):
+    """`save_s` is the time spent writing the optimizer's state (a GRPO checkpoint of a 1.5B model
+    takes tens of seconds), measured outside `loop_s`."""
+    from vrl.optim.es import ES
+
+    original = ES.save
+
+    def slow_save(self, run_dir):
+        time.sleep(1.0)
+        original(self, run_dir)
+
+    monkeypatch.setattr(ES, "save", slow_save)
+    Trainer(small_config(tmp_path, iterations=2), environment=LettersEnvironment()).run()
+    rows = RunDir.open(tmp_path / "run").metrics()
+    assert all(r["save_s"] >= 1.0 for r in rows)
+    assert all(r["loop_s"] < r["save_s"] for r in rows)  # the tiny loop is faster than the slow save

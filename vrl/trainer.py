@@ -201,7 +201,9 @@ class Trainer:
         metrics.update({f"status/{s.value}": statuses.get(s.value, 0) for s in Status})
         metrics["reasons"] = _reasons(results)
         metrics.update(stats.optimizer_metrics)
+        start = time.perf_counter()
         optimizer.save(self.run_dir.path)
+        metrics["save_s"] = time.perf_counter() - start  # ES: a few hundred bytes; GRPO: a full checkpoint
         self.run_dir.append("metrics.jsonl", [metrics])
         self.run_dir.append("samples.jsonl", _samples(iteration, results, self.config.logging.samples_per_iteration))
         self.run_dir.finish_iteration(iteration)
