@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import math
 import statistics
 
@@ -409,6 +410,39 @@ def _final_weights(run: RunDir, iteration: int, file: str) -> dict[str, torch.Te
     return load_file(str(run.path / "grpo" / f"iter-{iteration:06d}" / "policy" / file))
 
 
+def test_save_every_checkpoints_less_and_resume_redoes_the_iterations_since(tmp_path):
+    """grpo.save_every=2 over 5 iterations: checkpoints after 2, 4 and the last (5). Ctrl-C after
+    iteration 3 leaves the one after 2, so a resume rewinds the run to 2 and redoes 3: same metrics
+    and same final weights as the uninterrupted run."""
+    file = "model.safetensors"
+    straight = Trainer(_toy_config(tmp_path, "straight", 5, save_every=2), environment=LettersEnvironment(),
+                       console=_quiet())
+    assert straight.run()["status"] == "finished"
+    assert sorted(p.name for p in (straight.run_dir.path / "grpo").iterdir()) == ["iter-000004", "iter-000005"]
+    assert all(r["save_s"] >= 0 for r in straight.run_dir.metrics())
+
+    def interrupt(metrics):
+        if metrics["iteration"] == 2:
+            raise KeyboardInterrupt
+
+    cfg = _toy_config(tmp_path, "resumed", 5, save_every=2)
+    first = Trainer(cfg, environment=LettersEnvironment(), console=_quiet(), on_iteration=interrupt)
+    assert first.run()["status"] == "interrupted" and first.run_dir.completed_iterations() == 3
+    assert sorted(p.name for p in (first.run_dir.path / "grpo").iterdir()) == ["iter-000002"]
+    out = io.StringIO()
+    second = Trainer(cfg, run_dir=RunDir.open(first.run_dir.path), environment=LettersEnvironment(),
+                     console=Console(file=out, width=200))
+    assert second.run()["status"] == "finished" and second.start_iteration == 2
+    assert "redoing iterations 3..3" in out.getvalue()
+    rows_a, rows_b = straight.run_dir.metrics(), second.run_dir.metrics()
+    assert [r["iteration"] for r in rows_b] == [0, 1, 2, 3, 4]
+    assert [r["reward_mean"] for r in rows_a] == [r["reward_mean"] for r in rows_b]
+    samples = [json.loads(line)["iteration"] for line in (second.run_dir.path / "samples.jsonl").read_text().splitlines()]
+    assert samples == sorted(samples) and samples.count(2) == samples.count(0)  # iteration 2's samples once
+    a, b = _final_weights(straight.run_dir, 5, file), _final_weights(second.run_dir, 5, file)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_resume_matches_uninterrupted_run(tmp_path, lora):
     """Ctrl-C after iteration 2, then a new Trainer on the same run directory: same final weights."""
@@ -453,7 +487,7 @@ def test_checkpoint_policy_loads_with_transformers(tmp_path):
     for k, v in gen.model.state_dict().items():
         assert torch.equal(model.state_dict()[k], v)
     assert tok("abc")["input_ids"] == gen.tokenizer("abc")["input_ids"]
-    with pytest.raises(FileNotFoundError, match="no GRPO checkpoint for iteration 0"):
+    with pytest.raises(FileNotFoundError, match="no GRPO checkpoint at or before iteration 0"):
         make_grpo(make_generator()).load(tmp_path / "elsewhere")
 
 

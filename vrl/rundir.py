@@ -93,6 +93,17 @@ class RunDir:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         os.replace(tmp, self.path / "metrics.jsonl")
 
+    def rewind(self, iterations: int) -> None:
+        """Forget every iteration from `iterations` on (the optimizer resumed from an older checkpoint)."""
+        self.truncate_metrics(iterations)
+        samples = self.path / "samples.jsonl"
+        if samples.exists():
+            rows = [r for r in read_jsonl(samples) if r.get("iteration", 0) < iterations]
+            tmp = samples.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            os.replace(tmp, samples)
+        write_json(self.path / "state.json", {"iteration": iterations})
+
     def append(self, filename: str, rows: list[dict[str, Any]]) -> None:
         with open(self.path / filename, "a") as f:
             for row in rows:

@@ -112,6 +112,12 @@ class Trainer:
             optimizer.setup(generator)
             if self.start_iteration:
                 optimizer.load(self.run_dir.path)
+                resumed_at = getattr(optimizer, "iteration", self.start_iteration)
+                if resumed_at < self.start_iteration:  # its newest checkpoint is older (grpo.save_every)
+                    self.console.log(f"the optimizer's newest checkpoint is after iteration {resumed_at}: "
+                                     f"redoing iterations {resumed_at + 1}..{self.start_iteration}")
+                    self.run_dir.rewind(resumed_at)
+                    self.start_iteration = resumed_at
                 self.run_dir.truncate_metrics(self.start_iteration)
                 self.console.log(f"resuming {self.run_dir.path} after iteration {self.start_iteration}")
             pool = self.runtime.verification(self.env.verifier(), cfg)

@@ -88,6 +88,11 @@ class GRPOConfig(BaseModel):
     logprob_chunk_size: int = Field(
         2048, ge=1, description="Completion tokens per output-head chunk when computing log-probs (bounds memory)."
     )
+    save_every: int = Field(
+        1, ge=1,
+        description="Write a checkpoint every k iterations and after the last one (a full 1.5B checkpoint is "
+        "~21 GB and takes tens of seconds); a resume redoes the iterations since the last checkpoint.",
+    )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward: less memory, about a third more compute."
     )
@@ -478,6 +483,9 @@ class GRPO(Optimizer):
         Written to a temporary directory and renamed, and the previous checkpoint is kept, so a crash
         at any point leaves the checkpoint that matches the run's last finished iteration.
         """
+        k = self.config.save_every
+        if self.iteration % k and self.iteration != self.total_iterations:
+            return  # `load` falls back to the last checkpoint and the trainer redoes the rest
         final = self._checkpoint_dir(run_dir, self.iteration)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -505,18 +513,23 @@ class GRPO(Optimizer):
             shutil.rmtree(old, ignore_errors=True)
 
     def load(self, run_dir: Path) -> None:
-        """Resume from the checkpoint of the run's last finished iteration."""
+        """Resume from the newest checkpoint at or before the run's last finished iteration.
+
+        With `save_every` > 1 that may be older than the run: `self.iteration` then says where the
+        weights are, and the trainer redoes the iterations after it.
+        """
         import json
 
         state_file = Path(run_dir) / "state.json"
         finished = json.loads(state_file.read_text())["iteration"] if state_file.exists() else 0
-        ckpt = self._checkpoint_dir(run_dir, finished)
-        if not ckpt.is_dir():
-            found = sorted(p.name for p in (Path(run_dir) / "grpo").glob("iter-*"))
+        found = sorted(p.name for p in (Path(run_dir) / "grpo").glob("iter-*") if not p.name.endswith(".tmp"))
+        usable = [n for n in found if int(n.removeprefix("iter-")) <= finished]
+        if not usable:
             raise FileNotFoundError(
-                f"no GRPO checkpoint for iteration {finished} in {ckpt.parent} (found: {found or 'none'}); "
-                "the run directory is incomplete, start a new run"
+                f"no GRPO checkpoint at or before iteration {finished} in {Path(run_dir) / 'grpo'} "
+                f"(found: {found or 'none'}); the run directory is incomplete, start a new run"
             )
+        ckpt = Path(run_dir) / "grpo" / usable[-1]
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
         saved = state["config"]
         for key in ("use_peft",) + _LORA_FIELDS:
