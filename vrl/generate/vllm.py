@@ -197,7 +197,6 @@ class VLLMGenerator(Generator):
             self._es.flush()
         tok = self.tokenizer
         prompts = [tok(render_prompt(tok, t.prompt), add_special_tokens=False)["input_ids"] for t in tasks]
-        # Seed of prompt i's sample j is seed + i·n + j (vLLM adds j): distinct across prompts and samples.
         limit = getattr(getattr(self.llm, "model_config", None), "max_model_len", None)
         too_long = [(t.id, len(p)) for t, p in zip(tasks, prompts) if limit and len(p) >= limit]
         if too_long:  # vLLM would reject the whole batch with an error about one request
@@ -207,6 +206,7 @@ class VLLMGenerator(Generator):
                 f"{limit} (task {task_id!r}: {length} prompt tokens); raise generator.max_model_len (up to the "
                 "model's context length) or shorten the prompts"
             )
+        # Seed of prompt i's sample j is seed + i·n + j (vLLM adds j): distinct across prompts and samples.
         params = [self._params(n, None if seed is None else seed + i * n, vllm) for i in range(len(tasks))]
         salt = f"vrl-weights-{self._weights_version}"
         internal = self.llm.enqueue([{"prompt_token_ids": p, "cache_salt": salt} for p in prompts], params, use_tqdm=False)
@@ -275,7 +275,7 @@ class VLLMGenerator(Generator):
     def weights_changed(self) -> None:
         """Cached prompt KV was computed with the old weights: later prompts carry a new cache salt, so
         prefix caching never reuses it (stale blocks are evicted as space is needed). Free, where
-        `reset_prefix_cache` walks every KV block of the engine (about 6 ms per call at 1.5B)."""
+        `reset_prefix_cache` walks every KV block of the engine (4–7 ms per call at 1.5B)."""
         self._weights_version += 1
 
     def _sleep(self) -> None:
