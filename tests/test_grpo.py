@@ -410,10 +410,11 @@ def _final_weights(run: RunDir, iteration: int, file: str) -> dict[str, torch.Te
     return load_file(str(run.path / "grpo" / f"iter-{iteration:06d}" / "policy" / file))
 
 
-def test_save_every_checkpoints_less_and_resume_redoes_the_iterations_since(tmp_path):
-    """grpo.save_every=2 over 5 iterations: checkpoints after 2, 4 and the last (5). Ctrl-C after
-    iteration 3 leaves the one after 2, so a resume rewinds the run to 2 and redoes 3: same metrics
-    and same final weights as the uninterrupted run."""
+def test_save_every_checkpoints_less_and_resume_redoes_the_iterations_since(tmp_path, monkeypatch):
+    """grpo.save_every=2 over 5 iterations: checkpoints after 2, 4 and the last (5). A stop inside
+    iteration 4's update (nothing can be saved then) leaves the one after 2 while 3 iterations are
+    finished, so a resume rewinds the run to 2 and redoes 3: same metrics and same final weights as
+    the uninterrupted run."""
     file = "model.safetensors"
     straight = Trainer(_toy_config(tmp_path, "straight", 5, save_every=2), environment=LettersEnvironment(),
                        console=_quiet())
@@ -421,12 +422,17 @@ def test_save_every_checkpoints_less_and_resume_redoes_the_iterations_since(tmp_
     assert sorted(p.name for p in (straight.run_dir.path / "grpo").iterdir()) == ["iter-000004", "iter-000005"]
     assert all(r["save_s"] >= 0 for r in straight.run_dir.metrics())
 
-    def interrupt(metrics):
-        if metrics["iteration"] == 2:
-            raise KeyboardInterrupt
+    tell, calls = GRPO.tell, []
 
+    def stop_in_fourth_update(self, results):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return tell(self, results)
+
+    monkeypatch.setattr(GRPO, "tell", stop_in_fourth_update)
     cfg = _toy_config(tmp_path, "resumed", 5, save_every=2)
-    first = Trainer(cfg, environment=LettersEnvironment(), console=_quiet(), on_iteration=interrupt)
+    first = Trainer(cfg, environment=LettersEnvironment(), console=_quiet())
     assert first.run()["status"] == "interrupted" and first.run_dir.completed_iterations() == 3
     assert sorted(p.name for p in (first.run_dir.path / "grpo").iterdir()) == ["iter-000002"]
     out = io.StringIO()
@@ -441,6 +447,43 @@ def test_save_every_checkpoints_less_and_resume_redoes_the_iterations_since(tmp_
     assert samples == sorted(samples) and samples.count(2) == samples.count(0)  # iteration 2's samples once
     a, b = _final_weights(straight.run_dir, 5, file), _final_weights(second.run_dir, 5, file)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_stop_between_updates_writes_the_checkpoint_save_every_skipped(tmp_path, monkeypatch):
+    """grpo.save_every=3, Ctrl-C during iteration 3's generation: the trainer has GRPO write the
+    checkpoint of iteration 2 on the way out, so the resume redoes nothing. A stop inside the update
+    (state half-written) writes nothing and falls back to the last regular checkpoint."""
+    cfg = _toy_config(tmp_path, "stop", 5, save_every=3)
+    trainer = Trainer(cfg, environment=LettersEnvironment(), console=_quiet())
+    stream = trainer.runtime.generator  # interrupt the third iteration's first generation pass
+
+    def generator(config):
+        gen = stream(config)
+        original, calls = gen.stream, []
+
+        def interrupted(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            yield from original(*args, **kwargs)
+
+        gen.stream = interrupted
+        return gen
+
+    monkeypatch.setattr(trainer.runtime, "generator", generator)
+    assert trainer.run()["status"] == "interrupted" and trainer.run_dir.completed_iterations() == 2
+    assert sorted(p.name for p in (trainer.run_dir.path / "grpo").iterdir()) == ["iter-000002"]
+    again = Trainer(cfg, run_dir=RunDir.open(trainer.run_dir.path), environment=LettersEnvironment(), console=_quiet())
+    assert again.run()["status"] == "finished" and again.start_iteration == 2
+
+    def failing_tell(self, results):
+        raise KeyboardInterrupt  # as if Ctrl-C arrived in the middle of the update
+
+    cfg2 = _toy_config(tmp_path, "mid-update", 5, save_every=3)
+    first = Trainer(cfg2, environment=LettersEnvironment(), console=_quiet(),
+                    on_iteration=lambda m: m["iteration"] == 1 and monkeypatch.setattr(GRPO, "tell", failing_tell))
+    assert first.run()["status"] == "interrupted" and first.run_dir.completed_iterations() == 2
+    assert not (first.run_dir.path / "grpo").exists()  # nothing written: no regular checkpoint was due yet
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -182,9 +182,9 @@ def test_checkpoint_time_is_reported_apart_from_the_loop(tmp_path, monkeypatch):
 
     original = ES.save
 
-    def slow_save(self, run_dir):
+    def slow_save(self, run_dir, final=False):
         time.sleep(1.0)
-        original(self, run_dir)
+        original(self, run_dir, final)
 
     monkeypatch.setattr(ES, "save", slow_save)
     Trainer(small_config(tmp_path, iterations=2), environment=LettersEnvironment()).run()

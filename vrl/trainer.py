@@ -68,6 +68,7 @@ class Trainer:
         self.run_dir = run_dir or RunDir.create(config)
         self.start_iteration = self.run_dir.completed_iterations()
         self._last_stats = "first iteration"  # the live line: last iteration's numbers + current queue
+        self._updating = False
 
     # -- task schedule -----------------------------------------------------------------------------
     def _task_pool(self) -> list[Task]:
@@ -134,10 +135,12 @@ class Trainer:
             summary["status"] = "finished"
         except KeyboardInterrupt:
             summary["status"] = "interrupted"
+            self._save_on_stop(optimizer)
             self.console.log("[yellow]interrupted: finished iterations are saved; continue with "
                              f"`vrl train --resume {self.run_dir.path}`")
         except BaseException as exc:
             summary.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+            self._save_on_stop(optimizer)
             raise
         finally:
             if pool is not None:
@@ -150,6 +153,18 @@ class Trainer:
             self.run_dir.write_summary(summary)
         self._print_summary(summary)
         return summary
+
+    def _save_on_stop(self, optimizer: Optimizer | None) -> None:
+        """The run stops between two updates: have the optimizer write its state for the last finished
+        iteration even if it only checkpoints every k (grpo.save_every), so a resume loses nothing."""
+        if optimizer is None or self._updating:
+            return
+        try:
+            finished = self.run_dir.completed_iterations()
+            if finished and getattr(optimizer, "iteration", None) == finished:  # state matches the run
+                optimizer.save(self.run_dir.path, final=True)
+        except Exception as exc:  # the run is failing already; its last regular checkpoint still stands
+            self.console.log(f"[yellow]could not save the optimizer's state on stopping: {type(exc).__name__}: {exc}")
 
     def _iteration(self, iteration, tasks, optimizer: Optimizer, generator, pool, shaper, progress, bar) -> IterationStats:
         stats = IterationStats()
@@ -179,7 +194,9 @@ class Trainer:
         stats.wait_s = time.perf_counter() - t_wait
         stats.verification_s = pool.busy_s - busy_before
         t_update = time.perf_counter()
+        self._updating = True  # a stop inside tell leaves the optimizer half-updated: nothing to save then
         stats.optimizer_metrics = optimizer.tell(stats.results)
+        self._updating = False
         stats.update_s = time.perf_counter() - t_update
         stats.loop_s = time.perf_counter() - start
         return stats

@@ -58,8 +58,12 @@ class Optimizer(ABC):
     def tell(self, results: list[Result]) -> dict[str, float]:
         """Update from this iteration's rewarded results; return metrics to log."""
 
-    def save(self, run_dir: Path) -> None:
-        """Persist what `load` needs to continue exactly (called after every iteration)."""
+    def save(self, run_dir: Path, final: bool = False) -> None:
+        """Persist what `load` needs to continue exactly (called after every iteration).
+
+        `final`: the run stops here (Ctrl-C or an error between two updates): write even what is
+        otherwise written only every k iterations.
+        """
 
     def load(self, run_dir: Path) -> None:
         """Restore the state saved by `save` (resume)."""

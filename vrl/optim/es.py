@@ -485,7 +485,7 @@ class ES(Optimizer):
         }
 
     # -- persistence ----------------------------------------------------------------------------------
-    def save(self, run_dir: Path) -> None:
+    def save(self, run_dir: Path, final: bool = False) -> None:
         """Write es_history.json (atomically), and a snapshot every `snapshot_every` iterations."""
         _, history = self._require_setup()
         run_dir = Path(run_dir)

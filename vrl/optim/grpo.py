@@ -477,14 +477,14 @@ class GRPO(Optimizer):
     def _checkpoint_dir(self, run_dir: Path, iteration: int) -> Path:
         return Path(run_dir) / "grpo" / f"iter-{iteration:06d}"
 
-    def save(self, run_dir: Path) -> None:
+    def save(self, run_dir: Path, final: bool = False) -> None:
         """Write grpo/iter-NNNNNN/: the policy (save_pretrained + tokenizer) and optimizer/schedule/RNG state.
 
         Written to a temporary directory and renamed, and the previous checkpoint is kept, so a crash
         at any point leaves the checkpoint that matches the run's last finished iteration.
         """
         k = self.config.save_every
-        if self.iteration % k and self.iteration != self.total_iterations:
+        if self.iteration % k and self.iteration != self.total_iterations and not final:
             return  # `load` falls back to the last checkpoint and the trainer redoes the rest
         final = self._checkpoint_dir(run_dir, self.iteration)
         tmp = final.with_name(final.name + ".tmp")
