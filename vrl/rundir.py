@@ -88,20 +88,20 @@ class RunDir:
 
     def truncate_metrics(self, iterations: int) -> None:
         """Drop metric lines past the last finished iteration (a crash between two writes)."""
-        rows = [r for r in self.metrics() if r["iteration"] < iterations]
-        tmp = self.path / "metrics.jsonl.tmp"
+        self._truncate("metrics.jsonl", iterations)
+
+    def _truncate(self, filename: str, iterations: int) -> None:
+        """Keep the rows of `filename` from iterations before `iterations` (written atomically)."""
+        path = self.path / filename
+        rows = [r for r in read_jsonl(path) if r["iteration"] < iterations]
+        tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.replace(tmp, self.path / "metrics.jsonl")
+        os.replace(tmp, path)
 
     def rewind(self, iterations: int) -> None:
         """Forget every iteration from `iterations` on (the optimizer resumed from an older checkpoint)."""
-        self.truncate_metrics(iterations)
-        samples = self.path / "samples.jsonl"
-        if samples.exists():
-            rows = [r for r in read_jsonl(samples) if r.get("iteration", 0) < iterations]
-            tmp = samples.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            os.replace(tmp, samples)
+        self._truncate("metrics.jsonl", iterations)
+        self._truncate("samples.jsonl", iterations)
         write_json(self.path / "state.json", {"iteration": iterations})
 
     def append(self, filename: str, rows: list[dict[str, Any]]) -> None:
