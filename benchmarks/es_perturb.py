@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from vrl.generate.hf import HFGenerator
 from vrl.optim.es import ES, ESConfig, IterationRecord, update_terms
 
 log = logging.getLogger("benchmarks.es_perturb")
@@ -82,11 +83,6 @@ class PaperES:
 
     def restore(self, seed: int) -> None:
         self._apply(seed, -1.0)
-
-
-class _Holder:
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
 
 
 def main() -> None:
@@ -149,16 +145,17 @@ def main() -> None:
     before = [p.detach().clone() for p in params]
     es = ES(ESConfig(population_size=args.population, sigma=args.sigma), seed=0, base={"model": "qwen2.5-1.5b-shaped"})
     t0 = time.perf_counter()
-    es.setup(_Holder(model))
+    host = HFGenerator(model, None, None)  # the hf backend's host: its weights move in place
+    es.setup(host)
     out["setup_s"] = time.perf_counter() - t0
-    out["fused_kernel"] = es.params.use_triton
-    flat = es.params
+    flat = host._params
+    out["fused_kernel"] = flat.use_triton
     variants = iter(es.ask() * (4 * reps + 10))
     out["ours_perturb_ms"] = timed(lambda: flat.perturb(next(variants).seed, 1, args.sigma), dev, reps)
     out["ours_restore_ms"] = timed(flat.restore, dev, reps)
 
     def ours_round_trip() -> None:
-        with es.activate(next(variants)):
+        with host.applied(next(variants)):
             pass
 
     out["ours_perturb_restore_ms"] = timed(ours_round_trip, dev, reps)

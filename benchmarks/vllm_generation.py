@@ -237,11 +237,10 @@ def main() -> None:
 
     # GRPO weight sync from an HF copy in this process (CUDA IPC + load_weights).
     hf, tok = load_model_and_tokenizer(args.path, "cuda", "bfloat16")
-    gen.model = hf
     syncs = []
     for _ in range(5):
         gen._pushed = False
-        gen.sync_weights()
+        gen.publish(hf)
         syncs.append(gen.last_sync_s)
     res["weight_sync_s"] = statistics.median(syncs[1:])
     res["weight_sync_gb"] = sum(p.numel() * p.element_size() for p in hf.parameters()) / 1e9

@@ -31,7 +31,12 @@ def _es(dtype: torch.dtype = torch.float32, seed: int = 0, **config) -> ES:
 
 
 def _weights(es: ES) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in es.generator.model.named_parameters()}
+    return {n: p.detach().clone() for n, p in es.host.model.named_parameters()}
+
+
+def _finished(run_dir: Path) -> int:
+    """The run's finished iterations, as the trainer passes them to `load` (state.json)."""
+    return json.loads((run_dir / "state.json").read_text())["iteration"]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -89,7 +94,7 @@ def test_selection_that_matches_nothing_names_the_parameters() -> None:
         _es(include=["nothing.*"])
 
 
-# -- ask / activate -------------------------------------------------------------------------------------
+# -- ask / sampling a member -------------------------------------------------------------------------------------
 
 
 def test_ask_gives_population_size_members_with_reproducible_seeds() -> None:
@@ -109,12 +114,12 @@ def test_antithetic_members_come_in_pairs() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_activate_perturbs_by_sigma_noise_and_restores_bit_exactly(dtype: torch.dtype) -> None:
+def test_a_member_is_sampled_from_sigma_noise_and_restored_bit_exactly_by_sigma_noise_and_restores_bit_exactly(dtype: torch.dtype) -> None:
     sigma = 0.01
     es = _es(dtype, population_size=4, sigma=sigma)
     before = _weights(es)
     v = es.ask()[1]
-    with es.activate(v):
+    with es.host.applied(v):
         inside = _weights(es)
     assert _same_bits(_weights(es), before)
     assert not _same_bits(inside, before)
@@ -128,13 +133,13 @@ def test_activate_perturbs_by_sigma_noise_and_restores_bit_exactly(dtype: torch.
         assert abs(delta.std().item() / sigma - 1) < 0.02
 
 
-def test_activate_restores_after_an_exception_and_negative_sign() -> None:
+def test_a_member_restores_after_an_exception_and_negative_sign() -> None:
     es = _es(population_size=2, antithetic=True, sigma=0.05)
     before = _weights(es)
     plus, minus = es.ask()
-    with es.activate(plus):
+    with es.host.applied(plus):
         w_plus = _weights(es)
-    with pytest.raises(RuntimeError, match="boom"), es.activate(minus):
+    with pytest.raises(RuntimeError, match="boom"), es.host.applied(minus):
         w_minus = _weights(es)
         raise RuntimeError("boom")
     assert _same_bits(_weights(es), before)
@@ -145,10 +150,10 @@ def test_activate_restores_after_an_exception_and_negative_sign() -> None:
 def test_generation_sees_the_perturbed_weights() -> None:
     es = _es(population_size=2, sigma=0.5)
     tasks = [Task(id="a", prompt="hello ")]
-    base = es.generator.generate(tasks, seed=1)[0].text
-    with es.activate(es.ask()[0]):
-        perturbed = es.generator.generate(tasks, seed=1)[0].text
-    assert es.generator.generate(tasks, seed=1)[0].text == base
+    base = es.host.generate(tasks, seed=1)[0].text
+    with es.host.applied(es.ask()[0]):
+        perturbed = es.host.generate(tasks, seed=1)[0].text
+    assert es.host.generate(tasks, seed=1)[0].text == base
     assert perturbed != base
 
 
@@ -197,10 +202,10 @@ def test_equal_rewards_leave_the_weights_alone() -> None:
 def test_bf16_model_accumulates_small_steps_in_the_fp32_master() -> None:
     es = _es(torch.bfloat16, population_size=2, sigma=1e-3, alpha=1e-5)
     before = _weights(es)
-    master0 = es.params.state()
+    master0 = es.host.state()
     for _ in range(3):
         _step(es, [0.0, 1.0])
-    master = es.params.state()
+    master = es.host.state()
     total = sum(w.numel() for w in before.values())
     moved = sum(int((master[n] != master0[n]).sum()) for n in master)
     changed_bf16 = sum(int((_weights(es)[n] != before[n]).sum()) for n in before)
@@ -260,11 +265,11 @@ def test_tell_refuses_incomplete_or_foreign_results() -> None:
 
 def test_include_and_exclude_select_the_trained_parameters() -> None:
     es = _es(population_size=2, sigma=0.05, include=["model.layers.*", "lm_head.*"], exclude=["*norm*"])
-    selected = set(es.params.names)
+    selected = set(es.info.names)
     assert "lm_head.weight" in selected and "model.embed_tokens.weight" not in selected
     assert not any("norm" in n for n in selected)
     before = _weights(es)
-    with es.activate(es.ask()[0]):
+    with es.host.applied(es.ask()[0]):
         inside = _weights(es)
     es.tell(_results([0.0, 1.0]))
     after = _weights(es)
@@ -305,9 +310,9 @@ def test_replay_reproduces_the_trained_weights_bit_for_bit(tmp_path: Path, dtype
     _run(trained, 3, tmp_path)
     assert not _same_bits(_weights(trained), _weights(_es(dtype)))
     fresh = _es(dtype, population_size=4, sigma=0.02, antithetic=True)
-    fresh.load(tmp_path)
+    fresh.load(tmp_path, _finished(tmp_path))
     assert _same_bits(_weights(fresh), _weights(trained))
-    assert _same_bits(fresh.params.state(), trained.params.state())  # the fp32 master too
+    assert _same_bits(fresh.host.state(), trained.host.state())  # the fp32 master too
     assert fresh.iteration == 3 and fresh.ask()[0].seed == trained.ask()[0].seed
 
 
@@ -318,7 +323,7 @@ def test_load_ignores_an_update_saved_after_the_last_finished_iteration(tmp_path
     _run(es, 1)
     es.save(tmp_path)  # crash between es.save and state.json: the history is one iteration ahead
     fresh = _es(population_size=3)
-    fresh.load(tmp_path)
+    fresh.load(tmp_path, _finished(tmp_path))
     assert fresh.iteration == 2 and _same_bits(_weights(fresh), expected)
 
 
@@ -329,7 +334,7 @@ def test_snapshots_bound_the_replay(tmp_path: Path, caplog: pytest.LogCaptureFix
     assert snaps == ["iter-000002.safetensors", "iter-000004.safetensors"]
     fresh = _es(population_size=3, snapshot_every=2)
     with caplog.at_level(logging.INFO, logger="vrl.optim.es"):
-        fresh.load(tmp_path)
+        fresh.load(tmp_path, _finished(tmp_path))
     assert "snapshot 4, replayed 1" in caplog.text
     assert _same_bits(_weights(fresh), _weights(es))
     _run(es, 2, tmp_path)  # iteration 6 writes a snapshot and keeps the two newest
@@ -344,7 +349,7 @@ def test_snapshot_from_another_history_is_not_used(tmp_path: Path, caplog: pytes
     other._save_snapshot(tmp_path)
     fresh = _es(population_size=3, snapshot_every=2)
     with caplog.at_level(logging.INFO, logger="vrl.optim.es"):
-        fresh.load(tmp_path)
+        fresh.load(tmp_path, _finished(tmp_path))
     assert "snapshot 0, replayed 3" in caplog.text and _same_bits(_weights(fresh), _weights(es))
 
 
@@ -355,20 +360,20 @@ def test_snapshot_from_another_history_is_not_used(tmp_path: Path, caplog: pytes
 def test_load_refuses_a_history_from_other_settings(tmp_path: Path, change: dict, message: str) -> None:
     _run(_es(population_size=2, sigma=0.01), 1, tmp_path)
     with pytest.raises(ValueError, match=f"cannot resume: .*{message}"):
-        _es(population_size=2, **{"sigma": 0.01, **change}).load(tmp_path)
+        _es(population_size=2, **{"sigma": 0.01, **change}).load(tmp_path, _finished(tmp_path))
 
 
 def test_load_refuses_other_base_models_and_noise_versions(tmp_path: Path) -> None:
     _run(_es(population_size=2), 1, tmp_path)
     with pytest.raises(ValueError, match="base="):
-        _es(torch.bfloat16, population_size=2).load(tmp_path)
+        _es(torch.bfloat16, population_size=2).load(tmp_path, _finished(tmp_path))
     data = json.loads((tmp_path / "es_history.json").read_text())
     data["noise"] = "vrl-hash32-v0"
     (tmp_path / "es_history.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="noise scheme 'vrl-hash32-v0'"):
-        _es(population_size=2).load(tmp_path)
+        _es(population_size=2).load(tmp_path, _finished(tmp_path))
     (tmp_path / "state.json").write_text(json.dumps({"iteration": 5}))
     data["noise"] = "vrl-hash32-v1"
     (tmp_path / "es_history.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="has 1 iterations but the run finished 5"):
-        _es(population_size=2).load(tmp_path)
+        _es(population_size=2).load(tmp_path, _finished(tmp_path))

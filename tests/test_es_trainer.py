@@ -1,5 +1,5 @@
-"""ES inside the real training loop: interrupted + resumed == uninterrupted, per-member evaluation
-reproduces the loop's completions from the history alone, and ES learns a toy task."""
+"""ES inside the real training loop: interrupted + resumed == uninterrupted, a worker that knows only
+the update list reproduces the loop's member completions, and ES learns a toy task."""
 
 from __future__ import annotations
 
@@ -16,17 +16,19 @@ from rich.console import Console
 from vrl.config import SamplingConfig, TrainConfig
 from vrl.envs.letters import LettersEnvironment
 from vrl.generate.hf import HFGenerator, load_model_and_tokenizer
-from vrl.optim.es import ES, ESConfig, ESHistory, evaluate_member
+from vrl.optim.es import ES, ESConfig, ESHistory, update_terms
+from vrl.policy import PerturbationSpec
 from vrl.rundir import RunDir
 from vrl.runtime.local import LocalRuntime
+from vrl.runtime.modal import workers
 from vrl.trainer import Trainer
 
 
 class RecordingRuntime(LocalRuntime):
-    """The local runtime, keeping the generator it builds so the test can read the final weights."""
+    """The local runtime, keeping the host it builds so the test can read the final weights."""
 
-    def generator(self, config: Any) -> HFGenerator:
-        self.built = super().generator(config)
+    def policy(self, config: Any, moves=None) -> HFGenerator:
+        self.built = super().policy(config, moves)
         return self.built
 
 
@@ -85,7 +87,10 @@ def tiny_state() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_evaluate_member_reproduces_the_loops_completions_from_the_history(tmp_path: Path) -> None:
+def test_worker_body_reproduces_the_loops_members_from_the_update_list(tmp_path: Path) -> None:
+    """The Modal worker's `sample` body, given only the updates (seeds, coefficients) of the first two
+    iterations, samples member i of iteration 2 exactly as the loop did; a warm worker replays only
+    the updates it has not applied, and gets what a cold one gets."""
     config = _config(tmp_path, "run", 3)
     _train(config)
     path = tmp_path / "run"
@@ -93,25 +98,33 @@ def test_evaluate_member_reproduces_the_loops_completions_from_the_history(tmp_p
     samples = [json.loads(line) for line in (path / "samples.jsonl").read_text().splitlines()]
     trainer = Trainer(config, run_dir=RunDir.open(path), environment=LettersEnvironment(), console=Console(file=io.StringIO()))
     iteration = 2
-    tasks = trainer.tasks_for(LettersEnvironment().tasks(), iteration)
+    tasks = workers.tasks_to_wire(trainer.tasks_for(LettersEnvironment().tasks(), iteration))
     sample_seed = random.Random(f"{config.seed}-sampling-{iteration}").randrange(2**31)  # the trainer's rule
-    prefix = history.model_copy(update={"iterations": history.iterations[:iteration]})
+    updates = [update_terms(r, history.antithetic, history.alpha) for r in history.iterations]
+    es = config.es
+    spec = workers.spec_to_wire(PerturbationSpec(tuple(es.include), tuple(es.exclude), es.sigma))
+    engine = {k: v for k, v in config.model_dump(mode="json").items() if k in ("model", "seed", "generator", "sampling")}
     record = history.iterations[iteration]
-    for index in (0, 3):
-        got = evaluate_member(prefix.model_dump(), record.seed + index, 1, tasks, config.sampling,
-                              index=index, sample_seed=sample_seed, device="cpu")
-        logged = {s["task_id"]: s["completion"] for s in samples if s["iteration"] == iteration and s["variant"] == index}
-        assert len(logged) == len(tasks) and {c.task_id: c.text for c in got} == logged
-        assert all(c.variant == index for c in got)
-    # A worker holding θ_2 is brought forward by replaying only the new iteration; same answer as a cold start.
-    warm = evaluate_member(history, record.seed, -1, tasks, config.sampling, sample_seed=1, device="cpu")
-    import vrl.optim.es as es_module
 
-    es_module._REPLICA = None
-    cold = evaluate_member(path / "es_history.json", record.seed, -1, tasks, config.sampling, sample_seed=1, device="cpu")
-    assert [c.text for c in warm] == [c.text for c in cold]
-    with pytest.raises(ValueError, match="sign must be"):
-        evaluate_member(history, 1, 0, tasks, config.sampling, device="cpu")
+    def member(index: int, sign: int, upto: int, seed: int = sample_seed) -> list[dict]:
+        variant = {"index": index, "samples_per_task": 1, "seed": record.seed + index, "sign": sign}
+        return workers.sample(variant, 0, len(tasks), config=engine, tasks=tasks, seed=seed, spec=spec,
+                              updates=updates[:upto])
+
+    for index in (0, 3):
+        got = member(index, 1, iteration)
+        logged = {s["task_id"]: s["completion"] for s in samples if s["iteration"] == iteration and s["variant"] == index}
+        assert len(logged) == len(tasks) and {c["task_id"]: c["text"] for c in got} == logged
+        assert all(c["variant"] == index for c in got)
+    # The warm worker holds θ_2; asked for θ_3 it replays one update. A cold worker replays all three.
+    warm = member(0, -1, 3, seed=1)
+    assert len(workers._WARM.applied) == 3
+    workers._WARM.key = None  # forget the warm host
+    cold = member(0, -1, 3, seed=1)
+    assert [c["text"] for c in warm] == [c["text"] for c in cold]
+    # A history that does not extend the warm one (another run) starts over from the base model.
+    member(0, -1, 1, seed=1)
+    assert len(workers._WARM.applied) == 1
 
 
 def _reward(generator: HFGenerator, env: LettersEnvironment) -> float:
@@ -147,7 +160,7 @@ def test_es_raises_the_reward_on_the_toy_task(tmp_path: Path) -> None:
     trained = HFGenerator(*load_model_and_tokenizer("tiny", "cpu", "float32"), SamplingConfig(max_new_tokens=16))
     es = ES(ESConfig(**config.es.model_dump()), seed=config.seed, base={"model": "tiny", "revision": None})
     es.setup(trained)
-    es.load(tmp_path / "learn")  # the weights the run reached, rebuilt from its history
+    es.load(tmp_path / "learn", 8)  # the weights the run reached, rebuilt from its history
     after = _reward(trained, env)
     assert before < 0.12, before
     assert after > 0.5, after

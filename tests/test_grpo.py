@@ -32,11 +32,12 @@ MAX_NEW = 8
 
 
 class CountingGenerator(HFGenerator):
-    """The real hf generator, counting weight syncs."""
+    """The real hf generator, counting published weights."""
 
     syncs = 0
 
-    def sync_weights(self) -> None:
+    def publish(self, model) -> None:
+        assert model is self.model  # GRPO trained this host's own module in place
         self.syncs += 1
 
 
@@ -363,7 +364,7 @@ def test_setup_errors():
     with pytest.raises(ValueError, match="total_iterations"):
         GRPO(GRPOConfig(lr_scheduler_type="linear")).setup(make_generator())
     opt = make_grpo(make_generator())
-    results = sample_results(opt.generator)
+    results = sample_results(opt.host)
     results[0].completion.token_ids = None
     with pytest.raises(ValueError, match="token ids"):
         opt.tell(results)
@@ -455,10 +456,10 @@ def test_a_stop_between_updates_writes_the_checkpoint_save_every_skipped(tmp_pat
     (state half-written) writes nothing and falls back to the last regular checkpoint."""
     cfg = _toy_config(tmp_path, "stop", 5, save_every=3)
     trainer = Trainer(cfg, environment=LettersEnvironment(), console=_quiet())
-    stream = trainer.runtime.generator  # interrupt the third iteration's first generation pass
+    stream = trainer.runtime.policy  # interrupt the third iteration's first generation pass
 
-    def generator(config):
-        gen = stream(config)
+    def generator(config, moves=None):
+        gen = stream(config, moves)
         original, calls = gen.stream, []
 
         def interrupted(*args, **kwargs):
@@ -470,7 +471,7 @@ def test_a_stop_between_updates_writes_the_checkpoint_save_every_skipped(tmp_pat
         gen.stream = interrupted
         return gen
 
-    monkeypatch.setattr(trainer.runtime, "generator", generator)
+    monkeypatch.setattr(trainer.runtime, "policy", generator)
     assert trainer.run()["status"] == "interrupted" and trainer.run_dir.completed_iterations() == 2
     assert sorted(p.name for p in (trainer.run_dir.path / "grpo").iterdir()) == ["iter-000002"]
     again = Trainer(cfg, run_dir=RunDir.open(trainer.run_dir.path), environment=LettersEnvironment(), console=_quiet())
@@ -531,7 +532,7 @@ def test_checkpoint_policy_loads_with_transformers(tmp_path):
         assert torch.equal(model.state_dict()[k], v)
     assert tok("abc")["input_ids"] == gen.tokenizer("abc")["input_ids"]
     with pytest.raises(FileNotFoundError, match="no GRPO checkpoint at or before iteration 0"):
-        make_grpo(make_generator()).load(tmp_path / "elsewhere")
+        make_grpo(make_generator()).load(tmp_path / "elsewhere", 0)
 
 
 def test_grpo_raises_reward_on_the_toy_environment(tmp_path):

@@ -8,8 +8,6 @@ Modal are checked to fail with a clear message.
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import pytest
 
 from vrl.config import ConfigError, build, dump
@@ -64,7 +62,7 @@ def test_gpu_worker_is_declared_with_the_configured_resources(built):
     assert same(app.images["gpu"], spec.image) and not same(app.images["orchestrator"], spec.image)
     assert app.options["gpu"] == {"gpu": "A100-80GB", "cpu": 8.0, "memory": 131072, "timeout": 1234, "retries": 3,
                                   "max_containers": 12, "scaledown_window": 77}
-    assert set(app.GPUWorker._get_method_names()) >= {"es_member", "generate_shard"}
+    assert set(app.GPUWorker._get_method_names()) >= {"sample"}
 
 
 def test_prepare_and_orchestrator_get_the_secrets_and_the_volume(built):
@@ -129,7 +127,8 @@ def test_sandboxes_get_the_configured_limits_and_no_network():
 def test_pool_is_sized_from_the_iteration_when_not_fixed():
     cfg = build({"runtime": {"kind": "modal"}, "tasks_per_iteration": 4, "es": {"population_size": 30},
                  "verifier": {"batch_size": 64, "concurrency": 16}})
-    assert ModalRuntime(cfg, app=build_app(cfg)).sandboxes(cfg).size == 2  # 120 attempts / 64 per batch
+    # The trainer passes the iteration's attempts: tasks × samples per task (ES: the population).
+    assert ModalRuntime(cfg, app=build_app(cfg)).sandboxes(cfg, 4 * 30).size == 2  # 120 attempts / 64 per batch
 
 
 def test_verify_in_local_keeps_the_verifier_in_the_orchestrator(tmp_path):
@@ -172,30 +171,28 @@ def test_secrets_are_names_only_in_the_recorded_config(monkeypatch):
 
 
 class FakeMappable:
-    """Stands in for a Modal method's `.map` (the Modal service is what is mocked here)."""
+    """Stands in for a Modal method's `.map` (the Modal service is what is mocked here): outputs come
+    in the order the calls finish, here the reverse of the inputs."""
 
     def __init__(self, fail_at: int | None = None):
         self.fail_at, self.calls = fail_at, []
 
     def map(self, *columns, kwargs, order_outputs, return_exceptions):
-        assert order_outputs and return_exceptions
+        assert not order_outputs and return_exceptions  # results stream as they finish
         self.calls.append((columns, kwargs))
-        for i, args in enumerate(zip(*columns)):
+        for i, args in reversed(list(enumerate(zip(*columns)))):
             yield ValueError(f"member {i} failed") if i == self.fail_at else (sum(args), kwargs["k"])
 
 
-def test_modal_caller_turns_map_outputs_into_ordered_futures():
+def test_modal_caller_streams_results_as_calls_finish_and_raises_a_failed_call():
     caller = ModalCaller()
-    try:
-        fake = FakeMappable(fail_at=1)
-        futures = caller.map(fake, [(1, 2), (3, 4), (5, 6)], {"k": "shared"})
-        concurrent.futures.wait(futures, timeout=10)
-        assert futures[0].result() == (3, "shared") and futures[2].result() == (11, "shared")
-        with pytest.raises(ValueError, match="member 1"):
-            futures[1].result()
-        assert fake.calls == [(([1, 3, 5], [2, 4, 6]), {"k": "shared"})]  # one .map for all calls
-    finally:
-        caller.close()
+    fake = FakeMappable()
+    assert list(caller.imap(fake, [(1, 2), (3, 4), (5, 6)], {"k": "shared"})) == [(11, "shared"), (7, "shared"), (3, "shared")]
+    assert fake.calls == [(([1, 3, 5], [2, 4, 6]), {"k": "shared"})]  # one .map for all calls
+    failing = caller.imap(FakeMappable(fail_at=1), [(1, 2), (3, 4), (5, 6)], {"k": "shared"})
+    assert next(failing) == (11, "shared")
+    with pytest.raises(ValueError, match="member 1"):
+        next(failing)
 
 
 def test_without_credentials_the_runtime_and_commands_say_how_to_set_up(monkeypatch, tmp_path):

@@ -16,12 +16,12 @@ import torch
 from vrl.config import build
 from vrl.envs.letters import LettersEnvironment
 from vrl.generate.hf import HFGenerator
-from vrl.optim.base import Variant
-from vrl.optim.es import ES, ESHistory
+from vrl.optim.es import ES, ESHistory, update_terms
+from vrl.policy import PerturbationSpec, Unsupported, Variant
 from vrl.runtime.local import LocalRuntime
 from vrl.runtime.modal import workers
 from vrl.runtime.modal.app import build_app
-from vrl.runtime.modal.runtime import ModalRuntime, RemoteES
+from vrl.runtime.modal.runtime import ModalRuntime
 from vrl.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -72,80 +72,103 @@ def test_es_run_on_modal_bodies_matches_the_local_runtime(tmp_path):
             assert a[key] == b[key], key
 
 
-def test_es_member_body_equals_local_perturbed_generation(tmp_path):
-    """Each member's completions from GPUWorker.es_member equal ES.activate + generate locally."""
+def _worker_call(worker, variant, tasks, cfg, seed, spec=None, updates=None, weights=None, start=0, stop=None):
+    engine = {k: v for k, v in cfg.model_dump(mode="json").items() if k in ("model", "seed", "generator", "sampling")}
+    out = worker.sample.local(workers.variant_to_wire(variant), start, len(tasks) if stop is None else stop,
+                              config=engine, tasks=workers.tasks_to_wire(tasks), seed=seed,
+                              spec=workers.spec_to_wire(spec), updates=updates, weights=weights)
+    return [workers.completion_from_wire(c) for c in out]
+
+
+def _key(cs):
+    return [(c.task_id, c.sample, c.variant, c.text, c.token_ids) for c in cs]
+
+
+def test_worker_sample_body_equals_the_local_host_for_each_member(tmp_path):
+    """GPUWorker.sample (the Modal method's body, run with .local()) given the run's updates gives each
+    member's completions exactly as the local host does after ES.load."""
     local, _, _ = run_pair(tmp_path, {"iterations": 2})
     history = ESHistory.read(local / "es_history.json")
     cfg = build(BASE, {"runtime": {"kind": "modal"}})
-    app = build_app(cfg)
-    worker = app.worker(str(tmp_path / "volume"))
+    worker = build_app(cfg).worker(str(tmp_path / "volume"))
 
-    gen = HFGenerator.from_config(cfg)
+    host = HFGenerator.from_config(cfg)
     es = ES(cfg.es, seed=cfg.seed, base={"model": "tiny", "revision": None})
-    es.setup(gen)
-    es.load(local)  # θ_2, replayed from the history
+    es.setup(host)
+    es.load(local, 2)  # θ_2, replayed from the history
+    spec = PerturbationSpec(tuple(cfg.es.include), tuple(cfg.es.exclude), cfg.es.sigma)
+    updates = [update_terms(r, history.antithetic, history.alpha) for r in history.iterations]
     tasks = LettersEnvironment().tasks("train")[:3]
     for index, (seed, sign) in enumerate([(11, 1), (12, 1), (11, -1)]):
-        with es.activate(Variant(index=index, seed=seed, sign=sign)):
-            expected = gen.generate(tasks, n=2, variant=index, seed=5)
-        got = worker.es_member.local(
-            seed, sign, index, history=history.model_dump(mode="json"), tasks=workers.tasks_to_wire(tasks),
-            sampling=cfg.sampling.model_dump(mode="json"), sample_seed=5, n=2,
-        )
-        got = [workers.completion_from_wire(c) for c in got]
-        assert [(c.task_id, c.sample, c.variant, c.text, c.token_ids) for c in got] == [
-            (c.task_id, c.sample, c.variant, c.text, c.token_ids) for c in expected
-        ]
+        v = Variant(index=index, samples_per_task=2, seed=seed, sign=sign)
+        expected = [c for batch in host.sample(tasks, [v], seed=5) for c in batch]
+        got = _worker_call(worker, v, tasks, cfg, 5, spec, updates)
+        assert _key(got) == _key(expected) and {c.variant for c in got} == {index}
 
 
-def test_warm_worker_replays_only_the_new_iteration(tmp_path):
-    """A second call with a history one iteration longer reuses the replica and applies one update."""
-    import vrl.optim.es as es_module
-
+def test_warm_worker_replays_only_the_new_update(tmp_path):
+    """A second call with one more update reuses the warm host and applies just that update."""
     local, _, _ = run_pair(tmp_path)
-    full = ESHistory.read(local / "es_history.json")
-    first = full.model_copy(update={"iterations": full.iterations[:1]})
+    history = ESHistory.read(local / "es_history.json")
+    updates = [update_terms(r, history.antithetic, history.alpha) for r in history.iterations]
     cfg = build(BASE, {"runtime": {"kind": "modal"}})
     worker = build_app(cfg).worker(str(tmp_path / "volume"))
-    kwargs = {"tasks": workers.tasks_to_wire(LettersEnvironment().tasks("train")[:1]),
-              "sampling": cfg.sampling.model_dump(mode="json"), "sample_seed": 1}
-    worker.es_member.local(7, 1, 0, history=first.model_dump(mode="json"), **kwargs)
-    replica = es_module._REPLICA
-    assert replica is not None and len(replica.es.history.iterations) == 1
-    updates = []
-    original = replica.es.params.update
-    replica.es.params.update = lambda terms: (updates.append(terms), original(terms))[1]
+    spec = PerturbationSpec(tuple(cfg.es.include), tuple(cfg.es.exclude), cfg.es.sigma)
+    tasks = LettersEnvironment().tasks("train")[:1]
+    member = Variant(index=0, seed=7)
+    _worker_call(worker, member, tasks, cfg, 1, spec, updates[:1])
+    host = workers._WARM.host
+    applied: list = []
+    original = host.update
+    host.update = lambda terms: (applied.append(terms), original(terms))[1]
     try:
-        worker.es_member.local(7, 1, 0, history=full.model_dump(mode="json"), **kwargs)
+        _worker_call(worker, member, tasks, cfg, 1, spec, updates)
     finally:
-        replica.es.params.update = original
-    assert es_module._REPLICA is replica  # the warm model was kept
-    assert len(updates) == 1 and len(replica.es.history.iterations) == 2
+        host.update = original
+    assert workers._WARM.host is host  # the warm model was kept
+    assert applied == [updates[1]] and len(workers._WARM.applied) == 2
 
 
-def test_es_members_are_launched_once_per_iteration(tmp_path):
-    """The first request of an iteration launches every member; the others read their results."""
+def test_es_members_are_one_call_each_and_stream_as_they_finish(tmp_path):
+    """One sample() of the Modal policy makes one worker call per member; each member's completions
+    arrive as its own batch (as soon as that call returns), tagged with the member's index."""
     from vrl.types import Result, Verdict
 
     cfg = build(BASE, {"runtime": {"kind": "modal"}})
     runtime = modal_local(cfg, tmp_path)
-    gen = runtime.generator(cfg)
-    es = runtime.optimizer(cfg)
-    es.setup(gen)
+    policy = runtime.policy(cfg, "perturbations")
+    es = ES(cfg.es, seed=cfg.seed, base={"model": "tiny", "revision": None})
+    es.setup(policy)
     tasks = LettersEnvironment().tasks("train")[:2]
     for iteration in range(2):
-        results = []
-        for variant in es.ask():
-            (batch,) = list(gen.stream(tasks, n=1, variant=variant.index, seed=iteration))
-            assert {c.variant for c in batch} == {variant.index} and len(batch) == 2
-            results += [Result(task=tasks[i], completion=c, verdict=Verdict.ok(), reward=float(variant.index))
-                        for i, c in enumerate(batch)]
-        assert gen.inner.launches == iteration + 1
-        es.tell(results)
-    gen.close()
-    with pytest.raises(ValueError, match="snapshot_every"):
-        snap = build(BASE, {"runtime": {"kind": "modal"}, "es": {"snapshot_every": 2}})
-        modal_local(snap, tmp_path).optimizer(snap)
+        variants = es.ask()
+        batches = list(policy.sample(tasks, variants, seed=iteration))
+        assert [{c.variant for c in b} for b in batches] == [{v.index} for v in variants]
+        assert all(len(b) == 2 for b in batches)
+        assert policy.calls == (iteration + 1) * len(variants)
+        es.tell([Result(task=tasks[i % 2], completion=c, verdict=Verdict.ok(), reward=float(c.variant))
+                 for b in batches for i, c in enumerate(b)])
+    assert len(policy.updates) == 2 and all(policy.updates)
+    runtime.close()
+
+
+def test_the_modal_policy_keeps_no_weights_and_refuses_snapshots(tmp_path):
+    cfg = build(BASE, {"runtime": {"kind": "modal"}})
+    runtime = ModalRuntime(cfg, app=build_app(cfg), execute="local")
+    policy = runtime.policy(cfg, "perturbations")
+    with pytest.raises(RuntimeError, match="perturbations"):
+        next(policy.sample(LettersEnvironment().tasks("train")[:1], [Variant(index=0, seed=1)]))
+    es = ES(cfg.es, seed=cfg.seed, base={"model": "tiny", "revision": None})
+    es.setup(policy)
+    assert es.history.base.dtype == "float32" and policy._trainable is None
+    with pytest.raises(Unsupported, match="keeps the weights on its workers"):
+        policy.state()
+    snap = build(BASE, {"runtime": {"kind": "modal"}, "es": {"snapshot_every": 2}})
+    with pytest.raises(ValueError, match="es.snapshot_every=0"):
+        ES(snap.es, base={"model": "tiny"}).setup(runtime.policy(snap, "perturbations"))
+    with pytest.raises(ValueError, match="each worker container is an engine"):
+        runtime.policy(build(BASE, {"runtime": {"kind": "modal"}, "generator": {"engines": 2}}))
+    runtime.close()
 
 
 def test_remote_es_resume_continues_the_history_exactly(tmp_path):
@@ -161,24 +184,12 @@ def test_remote_es_resume_continues_the_history_exactly(tmp_path):
     assert ESHistory.read(tmp_path / "r" / "es_history.json").iterations == ESHistory.read(local / "es_history.json").iterations
 
 
-def test_remote_es_keeps_no_weights(tmp_path):
-    cfg = build(BASE, {"runtime": {"kind": "modal"}})
-    runtime = ModalRuntime(cfg, app=build_app(cfg), execute="local")
-    opt = runtime.optimizer(cfg)
-    assert isinstance(opt, RemoteES)
-    gen = runtime.generator(cfg)
-    opt.setup(gen)
-    assert opt.history.base.dtype == "float32" and not hasattr(gen.inner, "model")
-    with pytest.raises(RuntimeError, match="asked"):
-        next(gen.stream(LettersEnvironment().tasks("train")[:1]))
-    gen.close()
-
-
-def test_grpo_shards_match_local_generation_before_and_after_a_weight_sync(tmp_path):
+def test_grpo_shards_match_local_generation_before_and_after_publishing(tmp_path):
     cfg = build(BASE, {"optimizer": "grpo", "logging": {"name": "g"}, "runtime": {"kind": "modal"},
                        "sampling": {"batch_size": 2, "max_new_tokens": 10}})
     runtime = modal_local(cfg, tmp_path)
-    gen = runtime.generator(cfg)
+    policy = runtime.policy(cfg, "trained")
+    trained = policy.trainable().model
     local = HFGenerator.from_config(cfg)
     tasks = LettersEnvironment().tasks("train")[:5]
 
@@ -187,21 +198,24 @@ def test_grpo_shards_match_local_generation_before_and_after_a_weight_sync(tmp_p
             (c.task_id, c.sample, c.text, c.token_ids, c.prompt_token_ids) for c in b
         ]
 
-    assert len(list(gen.stream(tasks, n=2, seed=3))) == 3  # 5 tasks in shards of 2
-    assert same(gen.generate(tasks, n=2, seed=3), local.generate(tasks, n=2, seed=3))
+    def sampled(seed, n):
+        return [c for b in policy.sample(tasks, [Variant(index=0, samples_per_task=n)], seed=seed) for c in b]
+
+    assert len(list(policy.sample(tasks, [Variant(index=0, samples_per_task=2)], seed=3))) == 3  # shards of 2
+    assert same(sampled(3, 2), local.generate(tasks, n=2, seed=3))
     with torch.no_grad():  # an "update": both copies move the same way
-        for p_remote, p_local in zip(gen.model.parameters(), local.model.parameters()):
+        for p_remote, p_local in zip(trained.parameters(), local.model.parameters()):
             delta = torch.randn(p_remote.shape, generator=torch.Generator().manual_seed(p_remote.numel())) * 0.5
             p_remote.add_(delta)
             p_local.add_(delta)
-    before = gen.generate(tasks, n=1, seed=9)
-    gen.sync_weights()
-    after = gen.generate(tasks, n=1, seed=9)
+    before = sampled(9, 1)
+    policy.publish(trained)
+    after = sampled(9, 1)
     weights = sorted((tmp_path / "volume" / "runs" / "g" / "weights").glob("*.safetensors"))
     assert [w.name for w in weights] == ["v000001.safetensors"]
     assert same(after, local.generate(tasks, n=1, seed=9))
-    assert not same(before, after)  # the shard worker really reloaded the new weights
-    gen.close()
+    assert not same(before, after)  # the shard worker really loaded the new weights
+    runtime.close()
 
 
 def test_offline_volume_cache_serves_a_model_by_id(tmp_path, monkeypatch):
@@ -220,17 +234,30 @@ def test_offline_volume_cache_serves_a_model_by_id(tmp_path, monkeypatch):
 
 
 def test_detached_orchestrator_body_writes_to_the_volume_and_resumes(tmp_path):
-    """`orchestrate` (the detached loop's body) keeps the run on the Volume and continues it exactly."""
+    """`orchestrate` (the detached loop's body) keeps the run on the Volume and continues it exactly;
+    `vrl modal resume` reads the recorded config back from the Volume (read here from the directory
+    that stands in for it: no Modal account exists here)."""
     from vrl.config import dump
+    from vrl.runtime.modal.detached import orchestrate
+    from vrl.runtime.modal.launch import recorded_config
 
     volume = tmp_path / "volume"
     layers = [BASE, {"logging": {"name": "d"}, "runtime": {"kind": "modal", "verify_in": "local"}}]
     first = build(*layers, {"iterations": 1})
+    worker = build_app(first).worker(str(volume))
     commits: list = []
-    summary = workers.orchestrate(dump(first), volume, modal_local(first, tmp_path), on_iteration=commits.append)
+    summary = orchestrate(dump(first), volume, worker, on_iteration=commits.append, execute="local")
     assert summary["status"] == "finished" and len(commits) == 1
-    more = build(*layers, {"iterations": 2})
-    summary = workers.orchestrate(dump(more), volume, modal_local(more, tmp_path), resume=True)
+
+    def read(name, path):
+        assert name == "vrl"
+        return (volume / path).read_bytes()
+
+    resumed = recorded_config("d", "vrl", 2, read=read)
+    assert resumed.iterations == 2 and resumed.runtime.detach and resumed.es == first.es
+    with pytest.raises(ValueError, match="recorded runtime.volume='vrl'"):
+        recorded_config("d", "other", 2, read=lambda _v, p: (volume / p).read_bytes())
+    summary = orchestrate(dump(resumed), volume, worker, resume=True, execute="local")
     run = volume / "runs" / "d"
     assert summary["iterations_completed"] == 2
     assert len(ESHistory.read(run / "es_history.json").iterations) == 2

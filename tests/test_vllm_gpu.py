@@ -69,11 +69,18 @@ def same(a, b) -> bool:
 
 
 # -- float32 engine with a trainable HF copy (GRPO) ------------------------------------------------------
-@pytest.fixture(scope="module")
-def grpo_gen(model_dir):
+def trained_engine(cfg):
+    """An engine whose weights GRPO trains: the HF copy (`trainable`) is loaded at once."""
     from vrl.generate import make_generator
 
-    gen = make_generator(config(model_dir, dtype="float32"))
+    gen = make_generator(cfg, "trained")
+    gen.trainable()
+    return gen
+
+
+@pytest.fixture(scope="module")
+def grpo_gen(model_dir):
+    gen = trained_engine(config(model_dir, dtype="float32"))
     yield gen
     gen.close()
 
@@ -149,7 +156,7 @@ def test_weight_sync_makes_vllm_follow_the_trained_model(grpo_gen):
     grpo_gen.sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, batch_size=4)
     opt = GRPO(GRPOConfig(num_generations=4, learning_rate=3e-3, lr_scheduler_type="constant"))
     opt.setup(grpo_gen)
-    metrics = opt.tell(rewarded(by_id, grpo_gen, seed=1))  # trains the HF copy, then sync_weights
+    metrics = opt.tell(rewarded(by_id, grpo_gen, seed=1))  # trains the HF copy, then publishes it to the engine
     assert grpo_gen.last_sync_s is not None
     grpo_gen.sampling = greedy()
     after = grpo_gen.generate(tasks())
@@ -182,7 +189,7 @@ def es_gen(model_dir, grpo_gen):
     from vrl.generate import make_generator
 
     grpo_gen.close()  # one engine at a time
-    gen = make_generator(config(model_dir, optimizer="es", dtype="bfloat16"))
+    gen = make_generator(config(model_dir, optimizer="es", dtype="bfloat16"), "perturbations")
     yield gen
     gen.close()
 
@@ -191,12 +198,12 @@ def test_es_perturb_and_restore_in_the_engine_is_exact(es_gen):
     es_gen.sampling = greedy()
     es = ES(ESConfig(population_size=4, sigma=0.05), seed=1)
     es.setup(es_gen)
-    assert es.params.numel > 0 and es.params.dtype == "bfloat16"
+    assert es.info.numel > 0 and es.info.dtype == "bfloat16"
     base = es_gen.generate(tasks())
     variants = es.ask()
     changed = 0
     for v in variants:
-        with es.activate(v):
+        with es_gen.applied(v):
             changed += not same(es_gen.generate(tasks()), base)
         assert same(es_gen.generate(tasks()), base)  # restored bit for bit: the same greedy tokens
     assert changed == len(variants)
@@ -213,39 +220,38 @@ def test_es_member_in_the_engine_equals_the_member_in_hf(es_gen, model_dir):
     names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
              "model.layers.1.self_attn.v_proj.bias", "model.layers.1.mlp.gate_proj.weight",
              "model.layers.1.mlp.up_proj.weight", "model.embed_tokens.weight", "lm_head.weight"]
-    theta0 = es.params.state()
-    start = es.params.engine_weights(names)
+    theta0 = es_gen._params.state()
+    start = es_gen._params.engine_weights(names)
     assert all(torch.equal(theta0[n].to(start[n].dtype), start[n]) for n in names)  # state() is θ₀
     for seed, sign in ((987654321, 1), (5, -1)):
-        es.params.perturb(seed, sign, 0.01)
+        es_gen._params.perturb(seed, sign, 0.01)
         flat.perturb(seed, sign, 0.01)
-        engine = es.params.engine_weights(names)
+        engine = es_gen._params.engine_weights(names)
         for n in names:
             assert torch.equal(engine[n], hf_params[n].detach().cpu()), n
-        es.params.restore()
+        es_gen._params.restore()
         flat.restore()
     # An update, then replay of the history from θ₀ after a (simulated) restart: the same weights.
     record = IterationRecord(seed=41, z=[1.0, -1.0, 0.5, -0.5])
     terms = update_terms(record, False, es.history.alpha)  # the α that replay uses
-    es.params.update(terms)
+    es_gen._params.update(terms)
     flat.update(terms)
-    updated = es.params.engine_weights(names)
+    updated = es_gen._params.engine_weights(names)
     assert all(torch.equal(updated[n], hf_params[n].detach().cpu()) for n in names)
-    es.params.load_state(theta0)
-    assert not torch.equal(es.params.engine_weights(names[:1])[names[0]], updated[names[0]])
+    es_gen._params.load_state(theta0)
+    assert not torch.equal(es_gen._params.engine_weights(names[:1])[names[0]], updated[names[0]])
     es.history.iterations.append(record)
-    replay(es.history, es.params)
-    again = es.params.engine_weights(names)
+    replay(es.history, es_gen._params)
+    again = es_gen._params.engine_weights(names)
     assert all(torch.equal(again[n], updated[n]) for n in names)
 
 
 # -- colocated GRPO: the engine sleeps while the model trains -------------------------------------------
 def test_sleep_mode_frees_memory_and_sync_wakes_the_engine(model_dir, es_gen):
-    from vrl.generate import make_generator
     from vrl.optim.grpo import GRPO, GRPOConfig
 
     es_gen.close()
-    gen = make_generator(config(model_dir, dtype="float32", sleep=True, gpu_memory_utilization=0.3))
+    gen = trained_engine(config(model_dir, dtype="float32", sleep=True, gpu_memory_utilization=0.3))
     try:
         by_id = {t.id: t for t in tasks()}
         free_awake = torch.cuda.mem_get_info()[0]
@@ -256,7 +262,7 @@ def test_sleep_mode_frees_memory_and_sync_wakes_the_engine(model_dir, es_gen):
         assert gen._asleep and free_asleep - free_awake > 2**30
         opt = GRPO(GRPOConfig(num_generations=4, learning_rate=3e-3, lr_scheduler_type="constant"))
         opt.setup(gen)
-        opt.tell(results)  # trains, then sync_weights wakes the engine and pushes
+        opt.tell(results)  # trains, then publish wakes the engine and pushes
         assert not gen._asleep
         gen.sampling = greedy()
         assert same(gen.generate(tasks()), hf_side(gen, greedy()).generate(tasks()))
@@ -268,12 +274,11 @@ def test_sleep_mode_frees_memory_and_sync_wakes_the_engine(model_dir, es_gen):
 def test_lora_training_pushes_merged_weights(model_dir, es_gen):
     """grpo.use_peft: after a step the engine holds W + ΔW (out-of-place merge), bit for bit."""
     pytest.importorskip("peft", reason="LoRA needs peft")
-    from vrl.generate import make_generator
     from vrl.generate.vllm import weights_for_engine
     from vrl.optim.grpo import GRPO, GRPOConfig
 
     es_gen.close()
-    gen = make_generator(config(model_dir, dtype="float32"))
+    gen = trained_engine(config(model_dir, dtype="float32"))
     try:
         gen.sampling = greedy()
         before = gen.generate(tasks())
@@ -339,16 +344,15 @@ def _one_grpo_step(gen, seed: int = 1) -> None:
     gen.sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, batch_size=4)
     opt = GRPO(GRPOConfig(num_generations=4, learning_rate=3e-3, lr_scheduler_type="constant"))
     opt.setup(gen)
-    opt.tell(rewarded(by_id, gen, seed=seed))  # trains the HF copy, then sync_weights
+    opt.tell(rewarded(by_id, gen, seed=seed))  # trains the HF copy, then publishes it to the engine
 
 
 @two_gpus
 def test_separate_gpu_mode_syncs_across_devices(model_dir, es_gen):
     """generator.device=cuda:1: training on GPU 1, the engine on GPU 0; the push crosses devices."""
-    from vrl.generate import make_generator
 
     es_gen.close()  # one engine at a time
-    gen = make_generator(config(model_dir, dtype="float32", device="cuda:1"))
+    gen = trained_engine(config(model_dir, dtype="float32", device="cuda:1"))
     try:
         assert next(gen.model.parameters()).device == torch.device("cuda:1")
         gen.sampling = greedy()
@@ -367,10 +371,9 @@ def test_separate_gpu_mode_syncs_across_devices(model_dir, es_gen):
 @two_gpus
 def test_tensor_parallel_engine_follows_the_trained_model(model_dir, es_gen):
     """tensor_parallel_size=2: each worker loads its shard of the pushed weights (same IPC handles)."""
-    from vrl.generate import make_generator
 
     es_gen.close()
-    gen = make_generator(config(model_dir, dtype="float32", tensor_parallel_size=2))
+    gen = trained_engine(config(model_dir, dtype="float32", tensor_parallel_size=2))
     try:
         gen.sampling = greedy()
         before = gen.generate(tasks())
@@ -384,3 +387,110 @@ def test_tensor_parallel_engine_follows_the_trained_model(model_dir, es_gen):
         print(f"\ntensor-parallel weight sync: {gen.last_sync_s * 1e3:.1f} ms; greedy agreement {agree:.3f}")
     finally:
         gen.close()
+
+
+# -- several engines: a pool on one GPU, and the Modal worker body on vllm ---------------------------------
+def _members(n: int = 4):
+    from vrl.policy import Variant
+
+    return [Variant(index=i, seed=500 + i // 2, sign=1 if i % 2 == 0 else -1) for i in range(n)]
+
+
+def _by_member(batches):
+    return sorted((c.variant, c.task_id, c.sample, tuple(c.token_ids)) for b in batches for c in b)
+
+
+def test_two_engines_on_one_gpu_sample_what_one_engine_samples(model_dir, es_gen):
+    """generator.engines=2 on one GPU (memory split): ES members dealt over both engines, each
+    perturbed in its own engine, give the completions one engine gives for the same seeds (greedy and
+    seeded sampling); an update reaches both engines; GRPO shards the tasks and publishes to both."""
+    from vrl.generate import make_generator
+    from vrl.policy import PerturbationSpec, Variant
+    from vrl.runtime.local import LocalRuntime
+    from vrl.runtime.pool import HostPool
+
+    es_gen.close()
+    spec = PerturbationSpec(("*",), ("*norm*",), 0.05)
+    one_cfg = config(model_dir, optimizer="es", dtype="bfloat16", gpu_memory_utilization=0.15)
+    pool_cfg = config(model_dir, optimizer="es", dtype="bfloat16", gpu_memory_utilization=0.3, engines=2)
+    one = make_generator(one_cfg, "perturbations")
+    pool = LocalRuntime().policy(pool_cfg, "perturbations")
+    try:
+        assert isinstance(pool, HostPool) and len(pool.hosts) == 2
+        for h in (one, pool):
+            h.perturbations(spec)
+        for sampling, seed in ((greedy(), None), (SamplingConfig(temperature=1.0, max_new_tokens=24, batch_size=3), 11)):
+            for h in [one, *pool.hosts]:
+                h.sampling = sampling
+            a = _by_member(one.sample(tasks(), _members(), seed=seed))
+            b = _by_member(pool.sample(tasks(), _members(), seed=seed))
+            assert a == b and len({x[0] for x in a}) == 4
+        terms = [(500, 0.02), (501, -0.01)]
+        one.update(terms)
+        pool.update(terms)
+        names = ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight"]
+        w = [h._params.engine_weights(names) for h in (one, *pool.hosts)]
+        assert all(torch.equal(w[0][n], x[n]) for x in w[1:] for n in names)
+        for h in [one, *pool.hosts]:
+            h.sampling = greedy()
+        assert _by_member(one.sample(tasks(), _members(), seed=None)) == _by_member(pool.sample(tasks(), _members()))
+    finally:
+        one.close()
+        pool.close()
+
+    from vrl.optim.grpo import GRPO, GRPOConfig
+
+    grpo_pool = LocalRuntime().policy(config(model_dir, dtype="float32", gpu_memory_utilization=0.3, engines=2), "trained")
+    try:
+        for h in grpo_pool.hosts:
+            h.sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, batch_size=4)
+        opt = GRPO(GRPOConfig(num_generations=4, learning_rate=3e-3, lr_scheduler_type="constant"))
+        opt.setup(grpo_pool)
+        by_id = {t.id: t for t in tasks()}
+        sampled = [c for b in grpo_pool.sample(tasks(4), [Variant(index=0, samples_per_task=4)], seed=1) for c in b]
+        assert len(sampled) == 16
+        opt.tell([Result(task=by_id[c.task_id], completion=c, verdict=Verdict.ok(),
+                         reward=sum(ch.islower() for ch in c.text) / max(1, len(c.text))) for c in sampled])
+        model = grpo_pool.hosts[0].model
+        assert all(_engine_equals(h, model) for h in grpo_pool.hosts)  # both engines got the trained weights
+    finally:
+        grpo_pool.close()
+
+
+def _engine_equals(gen, model) -> bool:
+    hf = {n: p.detach().cpu() for n, p in model.named_parameters()}
+    engine = gen.rpc("vrl_hf_weights", {n: list(p.shape) for n, p in hf.items()}, list(hf))[0]
+    return all(torch.equal(engine[n], hf[n]) for n in hf)
+
+
+def test_modal_worker_body_on_vllm_equals_the_local_vllm_host(model_dir, es_gen):
+    """The Modal GPU worker's `sample` body (no Modal account here: called directly) builds a vllm
+    host from the run's config, replays the update list and perturbs in-engine: each member's
+    completions equal the local vllm backend's for the same seeds and updates."""
+    from vrl.generate import make_generator
+    from vrl.policy import PerturbationSpec
+    from vrl.runtime.modal import workers
+
+    es_gen.close()
+    cfg = config(model_dir, optimizer="es", dtype="bfloat16", gpu_memory_utilization=0.15)
+    spec = PerturbationSpec(("*",), ("*norm*",), 0.05)
+    updates = [[(41, 0.003), (42, -0.002)], [(43, 0.001)]]
+    local = make_generator(cfg, "perturbations")
+    try:
+        local.perturbations(spec)
+        for terms in updates:
+            local.update(terms)
+        local.sampling = cfg.sampling
+        engine_cfg = {k: v for k, v in cfg.model_dump(mode="json").items() if k in ("model", "seed", "generator", "sampling")}
+        for v in _members(3):
+            got = workers.sample(workers.variant_to_wire(v), 0, len(tasks()), config=engine_cfg,
+                                 tasks=workers.tasks_to_wire(tasks()), seed=9, spec=workers.spec_to_wire(spec),
+                                 updates=updates)
+            expected = _by_member(local.sample(tasks(), [v], seed=9))
+            assert sorted((c["variant"], c["task_id"], c["sample"], tuple(c["token_ids"])) for c in got) == expected
+        assert workers._WARM.host.name == "vllm" and len(workers._WARM.applied) == 2
+    finally:
+        local.close()
+        if workers._WARM.host is not None:
+            workers._WARM.host.close()
+            workers._WARM.host = workers._WARM.key = None

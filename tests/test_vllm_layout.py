@@ -18,10 +18,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from vrl.config import build
 from vrl.generate import make_generator
-from vrl.generate.base import cut_at_stop
+from vrl.generate.base import Generator, cut_at_stop
 from vrl.generate.vllm import WORKER_EXTENSION, engine_kwargs, sampled_logprobs
 from vrl.generate.vllm_worker import EngineES, engine_layout, slot_views
 from vrl.optim.es import ES, ESConfig, FlatParams, IterationRecord, select_parameters, update_terms
+from vrl.runtime.local import LocalRuntime
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB, PADDED_VOCAB, LAYERS = 4, 2, 8, 32, 48, 257, 320, 2
@@ -153,26 +154,32 @@ def test_engine_es_state_round_trip_replays_exactly():
         assert torch.equal(engine[k], after[k]), k
 
 
-class _FakeEngineGenerator:
-    """Stands in for VLLMGenerator.es_params (vLLM needs a GPU): ES must use it instead of `.model`."""
+class _FakeEngineGenerator(Generator):
+    """A host whose weights are engine tensors (vLLM needs a GPU): `perturbations` must go through
+    its `_perturbable`, as VLLMGenerator's does, and ES must read the info it returns."""
+
+    name = "fake-engine"
 
     def __init__(self, es: EngineES):
         self.es, self.calls = es, []
 
-    def es_params(self, include, exclude):
-        self.calls.append((list(include), list(exclude)))
+    def stream(self, tasks, n=1, variant=0, seed=None):
+        yield []
+
+    def _perturbable(self, spec):
+        self.calls.append((list(spec.include), list(spec.exclude), spec.sigma))
         return self.es.flat
 
 
-def test_es_setup_takes_engine_params_from_the_generator():
+def test_es_setup_goes_through_the_hosts_perturbable_weights():
     model = hf_model()
     engine = fuse(model)
     es_state = EngineES(slot_views(engine, engine_layout(shapes(dict(model.named_parameters())), shapes(engine), PACKED)))
     gen = _FakeEngineGenerator(es_state)
     opt = ES(ESConfig(population_size=2, include=["model.*"], exclude=["*norm*"]))
     opt.setup(gen)
-    assert gen.calls == [(["model.*"], ["*norm*"])]
-    assert opt.params is es_state.flat
+    assert gen.calls == [(["model.*"], ["*norm*"], 1e-3)]
+    assert gen._params is es_state.flat and opt.info.numel == es_state.flat.numel
 
 
 def test_engine_kwargs_read_every_vllm_field():
@@ -206,13 +213,15 @@ def test_config_rejects_bad_vllm_values():
 def test_sleep_needs_grpo():
     cfg = build({"generator": {"backend": "vllm", "sleep": True}, "optimizer": "es"})
     with pytest.raises(ValueError, match="generator.sleep .* only helps optimizer=grpo"):
-        make_generator(cfg)
+        make_generator(cfg, "perturbations")  # raised before vLLM is imported: no engine, no GPU needed
+    with pytest.raises(ValueError, match="generator.sleep .* only helps optimizer=grpo"):
+        LocalRuntime().policy(build(cfg.model_dump(), {"generator": {"engines": 2}}), "perturbations")
 
 
 def test_in_engine_es_refuses_tensor_parallel_before_starting_an_engine():
     cfg = build({"generator": {"backend": "vllm", "tensor_parallel_size": 2}, "optimizer": "es"})
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        make_generator(cfg)  # raised before vLLM is imported: no engine, no GPU needed
+        make_generator(cfg, "perturbations")  # raised before vLLM is imported: no engine, no GPU needed
 
 
 def test_missing_vllm_or_gpu_is_a_clear_error():
@@ -346,12 +355,12 @@ def test_engine_es_defers_restores_until_the_engine_is_read(tmp_path, monkeypatc
     hf = dict(reference.named_parameters())
 
     def engine_equals_hf() -> bool:
-        got = llm.worker.vrl_hf_weights(opt.params.hf_shapes, names)
+        got = llm.worker.vrl_hf_weights(gen._params.hf_shapes, names)
         return all(torch.equal(got[n], hf[n].detach()) for n in names)
 
     variants = opt.ask()
     for v in variants:
-        with opt.activate(v):
+        with gen.applied(v):
             flat.perturb(v.seed, v.sign, 0.05)
             assert engine_equals_hf()  # the member, over whatever the last member left behind
         flat.restore()
@@ -364,7 +373,7 @@ def test_engine_es_defers_restores_until_the_engine_is_read(tmp_path, monkeypatc
     assert llm.calls.count("vrl_es_restore") == 1  # nothing was due the second time
     # Prefix caching: same weights, same salt (prompt KV reused); new weights, new salt (never reused).
     assert len(llm.salts[-1]) == 1 and llm.salts[-1] == llm.salts[-2]
-    with opt.activate(variants[2]):
+    with gen.applied(variants[2]):
         gen.generate([Task(id="t", prompt="ab")])
     assert llm.salts[-1] != llm.salts[-2]
     gen.generate([Task(id="t", prompt="ab")])  # restored: a third salt, not the member's
@@ -375,15 +384,15 @@ def test_engine_es_defers_restores_until_the_engine_is_read(tmp_path, monkeypatc
         gen.generate([Task(id="ok", prompt="ab"), Task(id="long", prompt="x" * 70)])
     assert len(llm.at_enqueue) == 4  # refused before anything reached the engine
 
-    with opt.activate(variants[0]):
+    with gen.applied(variants[0]):
         pass
     results_terms = update_terms(IterationRecord(seed=variants[0].seed, z=[1.0, -1.0, 0.5, -0.5]), True, 0.01)
-    opt.params.update(results_terms)  # writes cast(θ') over the member the engine still held
+    gen._params.update(results_terms)  # writes cast(θ') over the member the engine still held
     flat.update(results_terms)
     assert llm.calls.count("vrl_es_restore") == 2 and engine_equals_hf()
-    with opt.activate(variants[1]):
+    with gen.applied(variants[1]):
         pass
-    assert opt.params.engine_weights(names)  # reading the weights flushes the due restore
+    assert gen._params.engine_weights(names)  # reading the weights flushes the due restore
     assert llm.calls.count("vrl_es_restore") == 3 and engine_equals_hf()
 
 

@@ -107,6 +107,7 @@ def train(plugin, optimizer, model, config_file, iterations, name, resume, overr
     """
     from vrl.plugins import UnknownNameError
     from vrl.rundir import RunDir
+    from vrl.runtime import make_runtime
     from vrl.trainer import Trainer
 
     flags = {"plugin": plugin, "optimizer": optimizer, "model": model, "iterations": iterations, "logging.name": name,
@@ -129,7 +130,7 @@ def train(plugin, optimizer, model, config_file, iterations, name, resume, overr
             console.print(f"detached run {cfg.logging.name!r} started on Modal (call {call}); its run directory is "
                           f"runs/{cfg.logging.name} on the Volume {cfg.runtime.volume!r}")
             return
-        trainer = Trainer(cfg, run_dir=run_dir, console=console)
+        trainer = Trainer(cfg, run_dir=run_dir, console=console, runtime=make_runtime(cfg))
     except (ConfigError, UnknownNameError, FileExistsError, FileNotFoundError, ValueError, RuntimeError) as exc:
         _fail(str(exc))
     summary = trainer.run()
@@ -283,6 +284,22 @@ def prepare(model, revision, secrets, overrides) -> None:
         _fail(str(exc))
     console.print(f"{model}: {len(info['files'])} files, {info['bytes'] / 1e9:.2f} GB on Volume "
                   f"{cfg.runtime.volume!r} ({'downloaded' if info['downloaded'] else 'already there'})")
+
+
+@modal.command(name="resume")
+@click.argument("name")
+@click.option("--iterations", "-n", type=int, help="Train up to this many iterations (default: the recorded number).")
+@click.option("--volume", default="vrl", show_default=True, help="The Modal Volume the run lives on.")
+def modal_resume(name, iterations, volume) -> None:
+    """Continue a detached run on Modal from its run directory on the Volume (runs/NAME)."""
+    from vrl.runtime.modal.launch import resume_detached
+
+    try:
+        call, cfg = resume_detached(name, volume=volume, iterations=iterations)
+    except (ConfigError, RuntimeError, ValueError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    console.print(f"detached run {name!r} resumed on Modal up to iteration {cfg.iterations} (call {call}); "
+                  f"its run directory is runs/{name} on the Volume {volume!r}")
 
 
 @main.command()

@@ -77,6 +77,17 @@ class GeneratorConfig(_Section):
         "throughput at 1.5B (docs/benchmarks.md); false: the ratio uses the trainer's own log-probs.",
     )
 
+    engines: int = Field(
+        1, ge=1,
+        description="Sampling engines, each with its own copy of the weights: ES deals its members over them, "
+        "GRPO shards the tasks and publishes trained weights to all. Local runtime only.",
+    )
+    gpus: list[int] | None = Field(
+        None,
+        description="GPU indices the engines are dealt over (round-robin); engines sharing a GPU split "
+        "gpu_memory_utilization evenly. None: one GPU (vllm) or generator.device (hf).",
+    )
+
     @model_validator(mode="after")
     def _check_logprobs(self) -> GeneratorConfig:
         if self.sync_every > 1 and not self.sampling_logprobs:

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from vrl.config import TrainConfig
+from vrl.policy import Variant
 from vrl.types import Attempt
 
 
@@ -29,16 +30,17 @@ def evaluate(config: TrainConfig, split: str = "test", k: int = 1, limit: int | 
     if not tasks:
         raise ValueError(f"environment {env.name!r} has no tasks in split {split!r}")
     runtime = make_runtime(config)
-    generator = runtime.generator(config)
-    pool = runtime.verification(env.verifier(), config)
+    policy = pool = None
     by_id = {t.id: t for t in tasks}
     passes: dict[str, int] = defaultdict(int)
     statuses: Counter[str] = Counter()
     pending = []
     try:
+        policy = runtime.policy(config)
+        pool = runtime.verification(env.verifier(), config, len(tasks) * k)
         with Progress(console=console or Console(stderr=True), transient=True) as progress:
             bar = progress.add_task(f"eval {env.name}/{split}", total=len(tasks) * k)
-            for batch in generator.stream(tasks, n=k, seed=config.seed):
+            for batch in policy.sample(tasks, [Variant(index=0, samples_per_task=k)], seed=config.seed):
                 attempts = [Attempt(task=by_id[c.task_id], completion=c) for c in batch]
                 pending += pool.submit(attempts)
                 progress.advance(bar, len(batch))
@@ -47,8 +49,13 @@ def evaluate(config: TrainConfig, split: str = "test", k: int = 1, limit: int | 
                     passes[attempt.task.id] += int(verdict.passed)
                     statuses[verdict.status.value] += 1
     finally:
-        pool.close()
-        generator.close()
+        try:
+            if pool is not None:
+                pool.close()
+            if policy is not None:
+                policy.close()
+        finally:
+            runtime.close()
     ks = sorted({1, k} | {2**i for i in range(k.bit_length()) if 2**i <= k})
     return {
         "tasks": len(tasks),

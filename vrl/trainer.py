@@ -23,9 +23,10 @@ from rich.table import Table
 
 from vrl.config import TrainConfig
 from vrl.environment import Environment
-from vrl.optim import Optimizer
+from vrl.optim import Optimizer, make_optimizer
+from vrl.policy import PolicyHost
 from vrl.rundir import RunDir
-from vrl.runtime import Runtime, make_runtime
+from vrl.runtime.base import Runtime, VerificationPool
 from vrl.sinks import Sinks
 from vrl.types import Attempt, Result, Status, Task, Verdict
 
@@ -63,7 +64,14 @@ class Trainer:
 
             environment = registry().environment(config.plugin, **config.env_options)
         self.env = environment
-        self.runtime = runtime or make_runtime(config)
+        if runtime is None:
+            if config.runtime.kind != "local":
+                raise ValueError(f"runtime.kind={config.runtime.kind!r}: pass its runtime, e.g. "
+                                 "Trainer(config, runtime=vrl.runtime.make_runtime(config))")
+            from vrl.runtime.local import LocalRuntime
+
+            runtime = LocalRuntime()
+        self.runtime = runtime
         self.sinks = Sinks.from_config(config.logging)  # before the run directory: a missing package fails first
         self.run_dir = run_dir or RunDir.create(config)
         self.start_iteration = self.run_dir.completed_iterations()
@@ -104,16 +112,16 @@ class Trainer:
             "started_at": time.time(),
         }
         self.run_dir.write_summary(summary)
-        generator = optimizer = pool = None
+        policy = optimizer = pool = None
         sinks = self.sinks
         sinks.start(self.run_dir.path, self.run_dir.config())
         try:
-            generator = self.runtime.generator(cfg)
-            optimizer = self.runtime.optimizer(cfg)
-            optimizer.setup(generator)
+            optimizer = make_optimizer(cfg)
+            policy = self.runtime.policy(cfg, optimizer.moves)
+            optimizer.setup(policy)
             if self.start_iteration:
-                optimizer.load(self.run_dir.path)
-                resumed_at = getattr(optimizer, "iteration", self.start_iteration)
+                optimizer.load(self.run_dir.path, self.start_iteration)
+                resumed_at = optimizer.iteration
                 if resumed_at < self.start_iteration:  # its newest checkpoint is older (grpo.save_every)
                     self.console.log(f"the optimizer's newest checkpoint is after iteration {resumed_at}: "
                                      f"redoing iterations {resumed_at + 1}..{self.start_iteration}")
@@ -121,12 +129,13 @@ class Trainer:
                     self.start_iteration = resumed_at
                 self.run_dir.truncate_metrics(self.start_iteration)
                 self.console.log(f"resuming {self.run_dir.path} after iteration {self.start_iteration}")
-            pool = self.runtime.verification(self.env.verifier(), cfg)
+            attempts = cfg.tasks_per_iteration * optimizer.samples_per_task()
+            pool = self.runtime.verification(self.env.verifier(), cfg, attempts)
             with self._progress() as progress:
                 bar = progress.add_task("training", total=cfg.iterations, completed=self.start_iteration, stats="")
                 for iteration in range(self.start_iteration, cfg.iterations):
                     tasks = self.tasks_for(pool_tasks, iteration)
-                    stats = self._iteration(iteration, tasks, optimizer, generator, pool, shaper, progress, bar)
+                    stats = self._iteration(iteration, tasks, optimizer, policy, pool, shaper, progress, bar)
                     metrics = self._finish_iteration(iteration, stats, optimizer)
                     sinks.log(metrics, step=iteration)
                     self._last_stats = _short(metrics)
@@ -145,8 +154,11 @@ class Trainer:
         finally:
             if pool is not None:
                 pool.close()
-            if generator is not None:
-                generator.close()
+            try:
+                if policy is not None:
+                    policy.close()
+            finally:
+                self.runtime.close()
             sinks.finish(summary["status"])
             summary.update(_totals(self.run_dir.metrics()), finished_at=time.time(),
                            iterations_completed=self.run_dir.completed_iterations())
@@ -161,12 +173,13 @@ class Trainer:
             return
         try:
             finished = self.run_dir.completed_iterations()
-            if finished and getattr(optimizer, "iteration", None) == finished:  # state matches the run
+            if finished and optimizer.iteration == finished:  # state matches the run
                 optimizer.save(self.run_dir.path, final=True)
         except Exception as exc:  # the run is failing already; its last regular checkpoint still stands
             self.console.log(f"[yellow]could not save the optimizer's state on stopping: {type(exc).__name__}: {exc}")
 
-    def _iteration(self, iteration, tasks, optimizer: Optimizer, generator, pool, shaper, progress, bar) -> IterationStats:
+    def _iteration(self, iteration: int, tasks: list[Task], optimizer: Optimizer, policy: PolicyHost,
+                   pool: VerificationPool, shaper, progress: Progress, bar) -> IterationStats:
         stats = IterationStats()
         start = time.perf_counter()
         by_id = {t.id: t for t in tasks}
@@ -174,23 +187,32 @@ class Trainer:
         sample_seed = random.Random(f"{self.config.seed}-sampling-{iteration}").randrange(2**31)
         busy_before = pool.busy_s
         variants = optimizer.ask()
-        for variant in variants:
-            with optimizer.activate(variant):
-                t0 = time.perf_counter()
-                for batch in generator.stream(tasks, n=variant.samples_per_task, variant=variant.index, seed=sample_seed):
-                    stats.generation_s += time.perf_counter() - t0
-                    attempts = [Attempt(task=by_id[c.task_id], completion=c) for c in batch]
-                    pending += pool.submit(attempts)
-                    progress.update(bar, stats=f"{self._last_stats} · variant {variant.index + 1}/{len(variants)} · "
-                                               f"verifier queue {pool.queue_depth}")
-                    t0 = time.perf_counter()
+        expected = len(tasks) * sum(v.samples_per_task for v in variants)
+        sampled = 0
+        # One call samples every variant (on one engine or many); batches stream in as they finish.
+        stream = policy.sample(tasks, variants, seed=sample_seed)
+        try:
+            t0 = time.perf_counter()
+            for batch in stream:
                 stats.generation_s += time.perf_counter() - t0
+                attempts = [Attempt(task=by_id[c.task_id], completion=c) for c in batch]
+                pending += pool.submit(attempts)
+                sampled += len(batch)
+                progress.update(bar, stats=f"{self._last_stats} · sampled {sampled}/{expected} · "
+                                           f"verifier queue {pool.queue_depth}")
+                t0 = time.perf_counter()
+            stats.generation_s += time.perf_counter() - t0
+        finally:
+            stream.close()
         t_wait = time.perf_counter()
         for chunk, fut in pending:
             verdicts = fut.result()
             for attempt, verdict in zip(chunk, verdicts):
                 reward = float(shaper(attempt.task, attempt.completion, verdict))
                 stats.results.append(Result(task=attempt.task, completion=attempt.completion, verdict=verdict, reward=reward))
+        # Engines finish in any order; the update and the logs see one order, whichever engine ran what.
+        position = {t.id: i for i, t in reversed(list(enumerate(tasks)))}
+        stats.results.sort(key=lambda r: (r.completion.variant, position[r.task.id], r.completion.sample))
         stats.wait_s = time.perf_counter() - t_wait
         stats.verification_s = pool.busy_s - busy_before
         t_update = time.perf_counter()

@@ -1,23 +1,38 @@
-"""The Generator interface."""
+"""The Generator: one sampling engine and its weights, as a `PolicyHost`."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+import contextlib
+from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
+
+from vrl.policy import PerturbationSpec, PolicyHost, Unsupported, Variant, WeightsInfo
 from vrl.types import Completion, Task
 
 
-class Generator(ABC):
-    """Samples completions. `stream` yields one list per generation batch so the trainer can hand
-    finished batches to the verifier while the next batch is being generated."""
+class Generator(PolicyHost):
+    """One sampler and the weights it reads: the `PolicyHost` of a single engine.
+
+    Backends implement `stream` (sample the weights as they are now) and `_perturbable` (the
+    object that perturbs, restores and updates their weights: `FlatParams` for an in-process
+    module, `EngineParams` inside a vLLM engine); `sample` runs each variant in turn on them.
+    """
+
+    name = "generator"
+    _params: Any = None  # set by `perturbations`
 
     @abstractmethod
     def stream(
         self, tasks: Sequence[Task], n: int = 1, variant: int = 0, seed: int | None = None
     ) -> Iterator[list[Completion]]:
-        """Yield completions (n per task, tagged with `variant`) one generation batch at a time."""
+        """Yield completions (n per task, tagged with `variant`) one generation batch at a time.
+
+        Task `i`'s samples are seeded from `seed + i·n` on, so a shard `tasks[s:]` sampled with
+        `seed + s·n` gives what the whole list gives (`shard_seed`).
+        """
 
     def generate(
         self, tasks: Sequence[Task], n: int = 1, variant: int = 0, seed: int | None = None
@@ -25,15 +40,61 @@ class Generator(ABC):
         """All completions for `tasks`, in task order, n per task."""
         return [c for batch in self.stream(tasks, n=n, variant=variant, seed=seed) for c in batch]
 
-    def sync_weights(self) -> None:
-        """Make sampling use the trainer's current weights (called after each update).
+    def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
+               ) -> Iterator[list[Completion]]:
+        """Each variant in turn: perturb (seeded variants), stream, restore (bit-exact)."""
+        for v in variants:
+            with self.applied(v):
+                yield from self.stream(tasks, n=v.samples_per_task, variant=v.index, seed=seed)
 
-        In-process backends (`hf`) sample from the very module the optimizer updates: nothing to do.
-        Backends with their own copy of the weights (vllm, remote workers) reload them here.
-        """
+    @contextlib.contextmanager
+    def applied(self, variant: Variant) -> Iterator[None]:
+        """The weights are `variant`'s inside the block and θ again after it (also on errors)."""
+        if variant.seed is None:
+            yield
+            return
+        params, spec = self._perturbation_state()
+        if variant.sign not in (1, -1):
+            raise ValueError(f"variant {variant.index} has sign {variant.sign}; use +1 or -1")
+        try:
+            with torch.no_grad():
+                params.perturb(variant.seed, variant.sign, spec.sigma)
+            yield
+        finally:
+            params.restore()
 
-    def close(self) -> None:
-        """Free engines and memory."""
+    # -- seeded perturbations ---------------------------------------------------------------------
+    def perturbations(self, spec: PerturbationSpec) -> WeightsInfo:
+        if spec.noise != "full":
+            raise Unsupported(f"{self.name} applies full-rank perturbations only (es.noise={spec.noise!r})")
+        self._params, self._spec = self._perturbable(spec), spec
+        return WeightsInfo(tuple(self._params.names), int(self._params.numel), self._params.dtype)
+
+    def _perturbable(self, spec: PerturbationSpec) -> Any:
+        """The backend's perturbable weights for `spec` (`FlatParams` or an equivalent)."""
+        raise Unsupported(f"{self.name} cannot apply seeded perturbations")
+
+    def _perturbation_state(self) -> tuple[Any, PerturbationSpec]:
+        if self._params is None:
+            raise RuntimeError(f"{self.name}: call perturbations(spec) before sampling seeded variants")
+        return self._params, self._spec
+
+    def update(self, terms: Sequence[tuple[int, float]]) -> None:
+        params, _ = self._perturbation_state()
+        with torch.no_grad():
+            params.update(terms)
+
+    def state(self) -> dict[str, Any]:
+        return self._perturbation_state()[0].state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            self._perturbation_state()[0].load_state(state)
+
+
+def shard_seed(seed: int | None, start: int, n: int) -> int | None:
+    """The seed that makes `stream(tasks[start:], n, seed=...)` sample what `stream(tasks, n, seed)` does."""
+    return None if seed is None else seed + start * n
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:

@@ -7,15 +7,19 @@ was sampled.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from vrl.generate.base import Generator, cut_at_stop, tokens_covering
+from vrl.generate.base import Generator, cut_at_stop, shard_seed, tokens_covering
+from vrl.optim.params import FlatParams, select_parameters
+from vrl.policy import PerturbationSpec, Trainable
 from vrl.types import Completion, Prompt, Task
 
 TINY = "tiny"
+_GLOBAL_RNG = threading.Lock()
 
 
 def resolve_device(device: str) -> torch.device:
@@ -70,28 +74,56 @@ def render_prompt(tokenizer: Any, prompt: Prompt) -> str:
 
 
 class HFGenerator(Generator):
-    """Sampling with `model.generate`. The model is shared in-process with the optimizer."""
+    """Sampling with `model.generate`. The model is the one optimizers train or perturb, in place."""
+
+    name = "hf"
 
     def __init__(self, model: Any, tokenizer: Any, sampling: Any):
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
 
     @classmethod
-    def from_config(cls, config: Any) -> HFGenerator:
+    def from_config(cls, config: Any, device: str | None = None) -> HFGenerator:
+        """The run's model on `device` (default generator.device)."""
         g = config.generator
-        model, tokenizer = load_model_and_tokenizer(config.model, g.device, g.dtype, g.revision)
+        model, tokenizer = load_model_and_tokenizer(config.model, device or g.device, g.dtype, g.revision)
         return cls(model, tokenizer, config.sampling)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    # -- how optimizers move the weights ------------------------------------------------------------
+    def _perturbable(self, spec: PerturbationSpec) -> FlatParams:
+        return FlatParams(select_parameters(self.model, spec.include, spec.exclude))
+
+    def trainable(self) -> Trainable:
+        return Trainable(self.model, self.tokenizer, self.sampling)
+
+    def publish(self, model: Any) -> None:
+        """Sampling reads `self.model`; weights trained elsewhere (another host's model, or tensors by
+        checkpoint name, LoRA merged) are copied in."""
+        if model is self.model:
+            return
+        if isinstance(model, Mapping):
+            weights = dict(model)
+        else:
+            from vrl.generate.weights import weights_for_engine  # checkpoint names, LoRA merged
+
+            weights = dict(weights_for_engine(model))
+        own = dict(self.model.named_parameters())
+        unknown = sorted(set(weights) - set(own))
+        if unknown:
+            raise ValueError(f"published weights do not match the model: unknown {unknown[:3]}")
+        with torch.no_grad():
+            for name, t in weights.items():
+                own[name].copy_(t)
+
     def stream(
         self, tasks: Sequence[Task], n: int = 1, variant: int = 0, seed: int | None = None
     ) -> Iterator[list[Completion]]:
         size = self.sampling.batch_size
         for start in range(0, len(tasks), size):
-            batch_seed = None if seed is None else seed + start
-            yield self._generate_batch(tasks[start : start + size], n, variant, batch_seed)
+            yield self._generate_batch(tasks[start : start + size], n, variant, shard_seed(seed, start, n))
 
     @torch.inference_mode()
     def _generate_batch(self, tasks: Sequence[Task], n: int, variant: int, seed: int | None) -> list[Completion]:
@@ -111,7 +143,8 @@ class HFGenerator(Generator):
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if s.stop:
             kwargs.update(stop_strings=list(s.stop), tokenizer=tok)
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        # transformers samples from torch's global RNG: hf engines of one process (a pool) take turns.
+        with _GLOBAL_RNG, torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             if seed is not None:
                 torch.manual_seed(seed)
             out = self.model.generate(**rows, **kwargs)

@@ -18,19 +18,22 @@ vLLM is imported lazily: `pip install vrl[vllm]`, on a machine with a CUDA GPU.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from vrl.generate.base import Generator, cut_at_stop, tokens_covering
 from vrl.generate.hf import TINY, load_model_and_tokenizer, render_prompt
+from vrl.generate.weights import weights_for_engine
+from vrl.policy import Moves, PerturbationSpec, Trainable, Unsupported
 from vrl.types import Completion, Task
 
 log = logging.getLogger(__name__)
@@ -100,25 +103,32 @@ def sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> list[float]:
 class VLLMGenerator(Generator):
     """Sampling with a vLLM engine; ES perturbs and GRPO syncs the engine's weights in place."""
 
+    name = "vllm"
+
     def __init__(
         self,
         llm: Any,
         tokenizer: Any,
         sampling: Any,
         *,
-        model: torch.nn.Module | None = None,
         model_path: str | None = None,
         revision: str | None = None,
-        logprobs: bool = False,
+        train_device: str = "cuda",
+        dtype: str = "bfloat16",
+        sampling_logprobs: bool = True,
         sync_every: int = 1,
         sleep: bool = False,
+        tensor_parallel_size: int = 1,
         cleanup: str | None = None,
+        device_order: list[str] | None = None,
     ):
         self.llm, self.tokenizer, self.sampling = llm, tokenizer, sampling
-        if model is not None:
-            self.model = model  # GRPO trains this copy; sync_weights pushes it into the engine
+        self.device_order = device_order  # the engine's GPU numbering (physical ids), when not this process's
+        self.model: torch.nn.Module | None = None  # GRPO's trainable HF copy (`trainable`), pushed by `publish`
         self.model_path, self.revision = model_path, revision
-        self.logprobs, self.sync_every, self.sleep = logprobs, sync_every, sleep
+        self.train_device, self.dtype = train_device, dtype
+        self.sampling_logprobs, self.logprobs = sampling_logprobs, False
+        self.sync_every, self.sleep, self.tensor_parallel_size = sync_every, sleep, tensor_parallel_size
         self._cleanup = cleanup
         self._asleep = False
         self._pushed = False
@@ -127,48 +137,77 @@ class VLLMGenerator(Generator):
         self._es: EngineParams | None = None  # in-engine ES state, flushed before each generation pass
         self._weights_version = 0  # salts the prefix cache: KV computed with other weights is never reused
 
-    @classmethod
-    def from_config(cls, config: Any) -> VLLMGenerator:
-        """Start an engine for the run's model; GRPO also gets a trainable HF copy on `generator.device`."""
+    @staticmethod
+    def check(config: Any, moves: Moves | None) -> None:
+        """Refuse settings that cannot work with how the update rule moves weights, before an engine starts."""
         g = config.generator
-        grpo = config.optimizer == "grpo"
-        if g.sleep and not grpo:
-            raise ValueError(
-                "generator.sleep frees the engine's memory for training between generation passes; it only "
-                "helps optimizer=grpo (ES perturbs the engine itself). Set generator.sleep=false."
-            )
-        if config.optimizer == "es" and g.tensor_parallel_size > 1:
-            raise ValueError(
-                "ES perturbs the engine's weights in place, which needs the whole model in one worker: set "
-                "generator.tensor_parallel_size=1 (ES runs members on separate GPUs, not one member on several)"
-            )
+        problem = _perturbation_problem(g.sleep, g.tensor_parallel_size) if moves == "perturbations" else None
+        if problem:
+            raise ValueError(problem)
+
+    @classmethod
+    def from_config(cls, config: Any, moves: Moves | None = None, *, gpu: str | None = None,
+                    memory_fraction: float | None = None, model_path: str | None = None) -> VLLMGenerator:
+        """Start an engine for the run's model.
+
+        `gpu`: the CUDA device index the engine runs on (default: the process's first visible GPU);
+        `memory_fraction`: its share of that GPU (default generator.gpu_memory_utilization), so that
+        several engines can share one GPU; `model_path`: a directory already holding the model
+        (a pool writes the tiny model once for all its engines).
+        """
+        g = config.generator
+        cls.check(config, moves)
         vllm = import_vllm()
         cleanup = None
-        path = config.model
-        if config.model == TINY:
+        path = model_path or config.model
+        if path == TINY:
             cleanup = path = save_tiny(tempfile.mkdtemp(prefix="vrl-tiny-"))
         kwargs = engine_kwargs(config, path)
+        if memory_fraction is not None:
+            kwargs["gpu_memory_utilization"] = memory_fraction
         # The driver sends CUDA IPC handles and ES terms through collective_rpc, which vLLM only
         # pickles when allowed; the engine is private to this process (no server is exposed).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         # A forked engine process cannot use CUDA once this process has touched it (an HF copy, a test).
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         t0 = time.perf_counter()
-        llm = vllm.LLM(**kwargs)
-        log.info("vLLM engine ready in %.1f s", time.perf_counter() - t0)
-        model = None
-        if grpo:
-            device = "cuda" if g.device == "auto" else g.device
-            model, tokenizer = load_model_and_tokenizer(path, device, kwargs["dtype"], kwargs["revision"])
-        else:
-            tokenizer = _load_tokenizer(path, kwargs["revision"])
-        gen = cls(llm, tokenizer, config.sampling, model=model, model_path=path, revision=kwargs["revision"],
-                  logprobs=grpo and g.sampling_logprobs, sync_every=g.sync_every, sleep=g.sleep, cleanup=cleanup)
-        # No initial push: engine and copy loaded the same checkpoint in the same dtype.
-        return gen
+        with _visible_gpu(gpu) as order:
+            llm = vllm.LLM(**kwargs)
+        log.info("vLLM engine ready in %.1f s%s", time.perf_counter() - t0, f" on GPU {gpu}" if gpu is not None else "")
+        device = "cuda" if g.device == "auto" else g.device
+        return cls(llm, _load_tokenizer(path, kwargs["revision"]), config.sampling, model_path=path,
+                   revision=kwargs["revision"], train_device=device, dtype=kwargs["dtype"],
+                   sampling_logprobs=g.sampling_logprobs, sync_every=g.sync_every, sleep=g.sleep,
+                   tensor_parallel_size=g.tensor_parallel_size, cleanup=cleanup, device_order=order)
+
+    def adopt(self, directory: str) -> None:
+        """Remove `directory` (a model written for this engine) when the engine closes."""
+        self._cleanup = directory
+
+    # -- how optimizers move the weights ------------------------------------------------------------
+    def trainable(self) -> Trainable:
+        """An HF copy of the model on `generator.device` (loaded once): GRPO trains it, `publish` pushes it.
+
+        From now on the engine also returns sampling log-probs (`generator.sampling_logprobs`).
+        """
+        if self._es is not None:
+            raise Unsupported("this engine's weights are perturbed in place (ES); a trained copy cannot be pushed too")
+        if self.model is None:
+            # No initial push: engine and copy load the same checkpoint in the same dtype.
+            self.model, _ = load_model_and_tokenizer(self.model_path, self.train_device, self.dtype, self.revision)
+            self.logprobs = self.sampling_logprobs
+        return Trainable(self.model, self.tokenizer, self.sampling)
+
+    def _perturbable(self, spec: PerturbationSpec) -> EngineParams:
+        problem = _perturbation_problem(self.sleep, self.tensor_parallel_size)
+        if problem:
+            raise Unsupported(problem)
+        if self.model is not None:
+            raise Unsupported("this engine samples a trained copy (GRPO); ES perturbs the engine itself")
+        return self.es_params(spec.include, spec.exclude)
 
     # -- sampling ------------------------------------------------------------------------------------
-    def _params(self, n: int, seed: int | None, vllm: Any) -> Any:
+    def _sampling_params(self, n: int, seed: int | None, vllm: Any) -> Any:
         s = self.sampling
         greedy = s.temperature <= 0
         return vllm.SamplingParams(
@@ -207,7 +246,7 @@ class VLLMGenerator(Generator):
                 "model's context length) or shorten the prompts"
             )
         # Seed of prompt i's sample j is seed + i·n + j (vLLM adds j): distinct across prompts and samples.
-        params = [self._params(n, None if seed is None else seed + i * n, vllm) for i in range(len(tasks))]
+        params = [self._sampling_params(n, None if seed is None else seed + i * n, vllm) for i in range(len(tasks))]
         salt = f"vrl-weights-{self._weights_version}"
         internal = self.llm.enqueue([{"prompt_token_ids": p, "cache_salt": salt} for p in prompts], params, use_tqdm=False)
         # enqueue returns the engine's internal ids ("<id>-<random suffix>"); outputs carry "<id>".
@@ -280,7 +319,7 @@ class VLLMGenerator(Generator):
 
     def _sleep(self) -> None:
         # Level 2 drops the weights too: fine when every wake-up is followed by a full weight push.
-        level = 2 if self.sync_every == 1 and hasattr(self, "model") else 1
+        level = 2 if self.sync_every == 1 and self.model is not None else 1
         self.llm.sleep(level=level)
         self._asleep = level
 
@@ -308,19 +347,17 @@ class VLLMGenerator(Generator):
             self.weights_changed()
 
     # -- GRPO: weight sync ---------------------------------------------------------------------------
-    def sync_weights(self) -> None:
-        """Push the trainable model into the engine: on the first call, then every `sync_every` calls."""
-        model = getattr(self, "model", None)
-        if model is None:
-            return  # ES moves the engine's weights itself; there is no separate copy to push
+    def publish(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+        """Push `model` (the trained copy, or tensors by checkpoint name) into the engine: on the first
+        call, then every `sync_every` calls."""
         self._since_push += 1
         if self._pushed and self._since_push < self.sync_every:
             return
         t0 = time.perf_counter()
         if self._asleep:
             self._wake_up(["weights"])
-        weights = weights_for_engine(model)
-        payload = _share(weights)
+        weights = list(model.items()) if isinstance(model, Mapping) else weights_for_engine(model)
+        payload = _share(weights, self.device_order)
         self.rpc("vrl_load_weights", payload)
         del payload, weights
         if torch.cuda.is_available():
@@ -338,8 +375,6 @@ class VLLMGenerator(Generator):
         """The ES optimizer's view of the engine's weights (see `vrl.optim.es.ES.setup`)."""
         from vrl.optim.es import select_parameters
 
-        if hasattr(self, "model"):
-            raise ValueError("this generator trains an HF copy (GRPO); ES perturbs the engine, build it with optimizer=es")
         chosen = select_parameters(hf_meta_model(self.model_path, self.revision), include, exclude)
         self._es = EngineParams(self, {n: list(p.shape) for n, p in chosen})
         return self._es
@@ -430,60 +465,80 @@ class EngineParams:
         return self.generator.rpc("vrl_hf_weights", self.hf_shapes, list(names))[0]
 
 
-def weights_for_engine(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The model's weights under the checkpoint's (HF) names, as the engine loads them.
-
-    LoRA (peft injects `base_layer` + `lora_A/B` into the model): each adapted layer is sent as one
-    merged weight W + ΔW computed out of place (peft's own `get_delta_weight`), so the engine serves
-    the adapted policy while the trainable base stays untouched (merging in place and unmerging
-    again would not give back W's bits in bf16). Without adapters the parameters go as they are.
-    """
-    lora = {
-        name: m for name, m in model.named_modules() if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")
-    }
-    if not lora:
-        return [(n, p.detach()) for n, p in model.named_parameters()]
-    out: list[tuple[str, torch.Tensor]] = []
-    with torch.no_grad():
-        for name, m in lora.items():
-            base = m.base_layer
-            weight = base.weight.detach()
-            if not (m.merged or m.disable_adapters):  # merged: W already holds ΔW
-                for adapter in m.active_adapters:
-                    if adapter in m.lora_A:
-                        # As peft's merge: the sum in fp32 (adapters are often fp32), rounded once.
-                        weight = (weight.float() + m.get_delta_weight(adapter).float()).to(weight.dtype)
-            out.append((f"{name}.weight", weight))
-            if getattr(base, "bias", None) is not None:
-                out.append((f"{name}.bias", base.bias.detach()))
-        inside = tuple(f"{name}." for name in lora)
-        for n, p in model.named_parameters():
-            if n.startswith(inside):
-                continue
-            if "modules_to_save" in n or "original_module" in n:
-                raise ValueError(f"cannot sync peft modules_to_save ({n}) into the engine; adapt those layers with LoRA")
-            out.append((n, p.detach()))
-    return out
-
-
-def _share(weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, Any]]:
+def _share(weights: list[tuple[str, torch.Tensor]], engine_order: list[str] | None = None) -> list[tuple[str, Any]]:
     """(name, what the worker needs to see the tensor) per weight; keep `weights` alive until it loaded.
 
     A CUDA tensor crosses to the engine process as an IPC handle (no copy); an engine running in
     this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) gets the tensor itself; CPU tensors go as bytes.
+    A handle names the device by this process's ordinal; an engine that numbers the GPUs otherwise
+    (`engine_order`, see `_visible_gpu`) gets the ordinal of the same physical GPU in its numbering.
     """
     from torch.multiprocessing.reductions import reduce_tensor
 
     from vrl.generate.vllm_worker import pack_tensor
 
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    mine = _visible_ids() if engine_order is not None else None
     out: list[tuple[str, Any]] = []
     for name, t in weights:
         if in_process:
             out.append((name, t))
+        elif not t.is_cuda:
+            out.append((name, pack_tensor(t)))
         else:
-            out.append((name, reduce_tensor(t) if t.is_cuda else pack_tensor(t)))
+            rebuild, args = reduce_tensor(t)
+            if mine is not None:
+                args = list(args)
+                args[_STORAGE_DEVICE] = engine_order.index(mine[args[_STORAGE_DEVICE]])
+                args = tuple(args)
+            out.append((name, (rebuild, args)))
     return out
+
+
+_STORAGE_DEVICE = 6  # position of the device ordinal in torch's rebuild_cuda_tensor arguments
+
+
+def _perturbation_problem(sleep: bool, tensor_parallel_size: int) -> str | None:
+    """Why an engine with these settings cannot be perturbed in place (ES), or None."""
+    if sleep:
+        return ("generator.sleep frees the engine's memory for training between generation passes; it only "
+                "helps optimizer=grpo (ES perturbs the engine itself). Set generator.sleep=false.")
+    if tensor_parallel_size > 1:
+        return ("ES perturbs the engine's weights in place, which needs the whole model in one worker: set "
+                "generator.tensor_parallel_size=1 (ES runs members on separate engines, not one member on several)")
+    return None
+
+
+def _visible_ids() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+
+
+@contextlib.contextmanager
+def _visible_gpu(gpu: str | None) -> Iterator[list[str] | None]:
+    """Start an engine on GPU `gpu` (an index among this process's visible GPUs).
+
+    The engine's processes, spawned inside this block, see every GPU with `gpu` first, so the engine
+    runs there and can still open CUDA IPC handles of tensors on the others (GRPO's weight push;
+    `_share` translates device ordinals). Yields the engine's order of physical ids (None: unchanged).
+    """
+    if gpu is None:
+        yield None
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = _visible_ids()
+    index = int(gpu)
+    if not 0 <= index < len(ids):
+        raise ValueError(f"generator.gpus names GPU {gpu}, but this process sees {len(ids)} GPU(s): {ids}")
+    order = [ids[index]] + [i for i in ids if i != ids[index]]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(order)
+    try:
+        yield order
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
 
 def _load_tokenizer(path: str, revision: str | None) -> Any:

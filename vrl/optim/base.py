@@ -2,61 +2,55 @@
 
 One iteration of the loop::
 
-    variants = optimizer.ask()                   # which policies to sample
-    for v in variants:
-        with optimizer.activate(v):              # the generator now holds v's weights
-            completions += generator.generate(tasks, n=v.samples_per_task, variant=v.index)
-    ... verify, shape ...
-    metrics = optimizer.tell(results)            # update the policy from rewarded results
+    variants = optimizer.ask()                          # which policies to sample
+    for batch in host.sample(tasks, variants, seed):    # the runtime's hosts sample them all
+        ... verify, shape ...
+    metrics = optimizer.tell(results)                   # update the policy from rewarded results
 
 ES asks for N seeded perturbations with one sample each; GRPO asks for the current policy with G
-samples per task. Everything else in the loop is shared.
+samples per task. An optimizer changes weights only through its `PolicyHost` (`vrl.policy`): ES
+with seeded perturbations and updates, GRPO by training `host.trainable()` and publishing it.
 """
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vrl.generate.base import Generator
+from vrl.policy import Moves, PolicyHost, Variant
 from vrl.types import Result
 
-
-@dataclass(frozen=True)
-class Variant:
-    """One policy to sample this iteration."""
-
-    index: int
-    samples_per_task: int = 1
-    seed: int | None = None  # ES: the member's noise seed
-    sign: int = 1  # ES: +1 or -1 for antithetic pairs
+__all__ = ["Optimizer", "Variant"]
 
 
 class Optimizer(ABC):
     """An update rule. Subclasses keep their own state and persist it under the run directory."""
 
     name: str = "optimizer"
+    moves: Moves = "perturbations"  # how this rule changes weights (see `vrl.policy.Moves`)
+    host: PolicyHost | None = None
 
-    def setup(self, generator: Generator) -> None:
-        """Attach to the generator whose weights this optimizer moves. Called once before `ask`."""
-        self.generator = generator
+    def setup(self, host: PolicyHost) -> None:
+        """Attach to the host whose weights this optimizer moves. Called once before `ask`."""
+        self.host = host
+
+    @property
+    @abstractmethod
+    def iteration(self) -> int:
+        """Updates applied so far (after `load`: the iteration its checkpoint holds)."""
 
     @abstractmethod
     def ask(self) -> list[Variant]:
         """The policy variants to sample in this iteration."""
 
-    @contextlib.contextmanager
-    def activate(self, variant: Variant) -> Iterator[None]:
-        """Make `variant` the generator's current policy for the duration of the block."""
-        yield
-
     @abstractmethod
     def tell(self, results: list[Result]) -> dict[str, float]:
         """Update from this iteration's rewarded results; return metrics to log."""
+
+    @abstractmethod
+    def samples_per_task(self) -> int:
+        """Attempts per task in one iteration (all variants together): sizes verification."""
 
     def save(self, run_dir: Path, final: bool = False) -> None:
         """Persist what `load` needs to continue exactly (called after every iteration).
@@ -65,8 +59,8 @@ class Optimizer(ABC):
         otherwise written only every k iterations.
         """
 
-    def load(self, run_dir: Path) -> None:
-        """Restore the state saved by `save` (resume)."""
+    def load(self, run_dir: Path, completed: int) -> None:
+        """Restore the state saved by `save` for a run that finished `completed` iterations (resume)."""
 
     def describe(self) -> dict[str, Any]:
         """Short description for logs and summaries."""

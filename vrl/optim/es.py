@@ -3,30 +3,29 @@
 One iteration, read top to bottom in `ES`:
 
 1. `ask`: N members, each a seed (antithetic: N/2 seeds, each used with sign +1 and -1).
-2. `activate`: weights ← cast(θ + σ·sign·ε(seed)); the block generates; weights ← cast(θ) (bit-exact).
+2. sampling (not here: the `PolicyHost` that holds the weights): member i is sampled from
+   cast(θ + σ·signᵢ·ε(seedᵢ)), and the weights are cast(θ) again afterwards (bit-exact).
 3. `tell`: member reward Rᵢ = mean shaped reward of its results; zᵢ = normalise(R) (z-score, rank or
    per-task group), rounded to 4 decimals; θ ← θ + α·(1/N)·Σᵢ zᵢ·signᵢ·ε(seedᵢ) (the paper's
    convention: 1/σ folded into α; default α = σ/2).
 
-θ is an fp32 master copy of the selected parameters; the model's weights (any dtype) are always
-cast(θ) outside `activate`. Noise is never stored: ε is a pure function of (seed, parameter name,
+θ is an fp32 master copy of the selected parameters, kept by the host (`PolicyHost.perturbations`)
+next to the weights it samples from, on every copy; ES only sends it seeds and coefficients. Noise is never stored: ε is a pure function of (seed, parameter name,
 element index) (`vrl.optim.noise`), identical on CPU and GPU. The whole training state is therefore
 the base model reference plus the list of (seed, z) per iteration: `es_history.json` in the run
 directory. `replay` rebuilds θ_t from θ₀ bit for bit; optional snapshots every K iterations bound the
-replay. `evaluate_member` is the per-member evaluation as a pure function, for fan-out to workers.
+replay.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fnmatch
 import hashlib
 import json
 import logging
 import math
 import os
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,8 +33,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vrl.optim import noise as nz
-from vrl.optim.base import Optimizer, Variant
-from vrl.types import Completion, Result, Task
+from vrl.optim.base import Optimizer
+from vrl.optim.params import FlatParams, select_parameters  # noqa: F401 - re-exported
+from vrl.policy import PerturbationSpec, PolicyHost, Variant
+from vrl.types import Result
 
 log = logging.getLogger(__name__)
 
@@ -205,177 +206,12 @@ def normalize(rewards: Sequence[float], method: str, per_task: Sequence[Sequence
     raise ValueError(f"unknown ES normalization {method!r}; choose zscore, rank or group")
 
 
-# -- the parameters ES moves ------------------------------------------------------------------------
-
-
-class FlatParams:
-    """The selected parameters' fp32 master θ in one flat padded buffer per dtype, and where the weights live.
-
-    `FlatParams(named)` (hf backend) also moves the weights into one flat buffer per dtype, each
-    parameter becoming a view of it. `FlatParams.over(views)` (vLLM engine) leaves the weights where
-    they are, e.g. rows of an engine's fused tensors, and writes them there. Either way a
-    perturbation of the whole model is one kernel launch on GPU that reads θ and writes each weight
-    once. Each tensor's master starts at a multiple of `GRANULE` elements (padding is never
-    written to a weight). Outside `perturb` the weights are always exactly cast(master).
-    """
-
-    GRANULE = 8192
-
-    def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]], *, move: bool = True):
-        if not named:
-            raise ValueError("no parameters selected for ES")
-        devices = {p.device for _, p in named}
-        if len(devices) > 1:
-            raise ValueError(f"ES needs the selected parameters on one device; found {sorted(map(str, devices))}")
-        self.device = devices.pop()
-        self.names = [n for n, _ in named]
-        by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = defaultdict(list)
-        for name, p in named:
-            if p.numel() >= nz.MAX_NUMEL:
-                raise ValueError(f"parameter {name} has {p.numel()} elements; the noise scheme indexes < 2**32")
-            by_dtype[p.dtype].append((name, p))
-        self.groups = [_Group(items, self.GRANULE, self.device, move) for items in by_dtype.values()]
-        self.numel = sum(p.numel() for _, p in named)
-        self.use_triton = self.device.type == "cuda" and _triton_available()
-
-    @classmethod
-    def over(cls, views: dict[str, torch.Tensor]) -> FlatParams:
-        """θ for tensors that stay where they are (contiguous views, e.g. rows of a fused engine tensor)."""
-        bad = [n for n, v in views.items() if not v.is_contiguous()]
-        if bad:
-            raise ValueError(f"ES writes weights in place and needs contiguous tensors; {bad[0]} is not")
-        return cls(list(views.items()), move=False)
-
-    @property
-    def dtype(self) -> str:
-        """The weights' dtype name (the groups' joined when they differ)."""
-        return "+".join(str(g.dtype).removeprefix("torch.") for g in self.groups)
-
-    def perturb(self, seed: int, sign: int, sigma: float) -> None:
-        """weights ← cast(θ + sign·σ·ε(seed))."""
-        scale = sign * nz.noise_scale(sigma)
-        for g in self.groups:
-            if self.use_triton:
-                from vrl.optim import es_triton
-
-                es_triton.perturb(g.master, g.targets(), g.granule_tensor, g.starts, g.words_t, seed, scale, self.GRANULE)
-            else:
-                nz.perturb_reference(g.master_views, g.weight_views, g.words, seed, scale)
-
-    def restore(self) -> None:
-        """weights ← cast(θ): bit-exact, whatever happened to the weights since."""
-        with torch.no_grad():
-            for g in self.groups:
-                if g.weights is not None:
-                    g.weights.copy_(g.master)
-                elif self.use_triton:
-                    from vrl.optim import es_triton
-
-                    es_triton.cast(g.master, g.targets(), g.granule_tensor, g.starts, self.GRANULE)
-                else:
-                    for w, m in zip(g.weight_views, g.master_views):
-                        w.copy_(m)
-
-    def update(self, terms: Sequence[tuple[int, float]]) -> None:
-        """θ ← θ + Σⱼ cⱼ·s(seedⱼ) (fp32, in term order); weights ← cast(θ)."""
-        if not terms:
-            return
-        for g in self.groups:
-            if self.use_triton:
-                from vrl.optim import es_triton
-
-                es_triton.update(g.master, g.targets(), g.granule_tensor, g.starts, g.words_t, list(terms), self.GRANULE)
-            else:
-                nz.update_reference(g.master_views, g.weight_views, g.words, terms)
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """θ per parameter name (fp32, CPU copies)."""
-        return {n: v.detach().to("cpu", copy=True) for g in self.groups for n, v in zip(g.names, g.master_views)}
-
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Set θ (and the weights) from `state`; names and shapes must match."""
-        for g in self.groups:
-            for name, view in zip(g.names, g.master_views):
-                if name not in state or state[name].shape != view.shape:
-                    raise ValueError(f"snapshot does not match the model at parameter {name}")
-                view.copy_(state[name])
-        self.restore()
-
-
-class _Group:
-    """The tensors of one dtype: their fp32 master in one flat buffer, and their weights.
-
-    `move=True`: the weights move into a flat buffer of their own (`weights`) and each parameter's
-    `.data` becomes a view of it. `move=False`: the weights stay where they are (`weights` is None).
-    """
-
-    def __init__(self, items: Sequence[tuple[str, torch.Tensor]], granule: int, device: torch.device, move: bool):
-        self.names = [n for n, _ in items]
-        self.words = [nz.name_words(n) for n in self.names]
-        self.dtype = items[0][1].dtype
-        starts, position = [], 0
-        for _, p in items:
-            starts.append(position)
-            position += -(-p.numel() // granule) * granule
-        self.weights = torch.zeros(position, dtype=self.dtype, device=device) if move else None
-        self.master = torch.zeros(position, dtype=torch.float32, device=device)
-        self.weight_views, self.master_views = [], []
-        with torch.no_grad():
-            for (_, p), start in zip(items, starts):
-                if self.weights is not None:
-                    w = self.weights[start : start + p.numel()].view(p.shape)
-                    w.copy_(p.detach())
-                    p.data = w  # the model now reads its weights from the flat buffer
-                else:
-                    w = p.detach()
-                m = self.master[start : start + p.numel()].view(p.shape)
-                m.copy_(w)
-                self.weight_views.append(w)
-                self.master_views.append(m)
-        counts = [-(-p.numel() // granule) for _, p in items]
-        self.granule_tensor = torch.repeat_interleave(torch.arange(len(items), dtype=torch.int32), torch.tensor(counts)).to(device)
-        self.starts = torch.tensor(starts, dtype=torch.int64, device=device)
-        self.words_t = torch.tensor(self.words, dtype=torch.int64, device=device)
-        self._targets = None
-
-    def targets(self):
-        """The kernels' address table of the weights (built on first use: GPU only)."""
-        if self._targets is None:
-            from vrl.optim import es_triton
-
-            self._targets = es_triton.Targets(self.weight_views)
-        return self._targets
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        log.warning("triton is not installed: ES uses the pure-torch noise kernels on GPU (exact, but slower)")
-        return False
-    return True
-
-
-def select_parameters(model: torch.nn.Module, include: Sequence[str], exclude: Sequence[str]) -> list[tuple[str, torch.nn.Parameter]]:
-    """Parameters whose names match an `include` pattern and no `exclude` pattern (tied weights once)."""
-    named = list(model.named_parameters())
-    chosen = [
-        (n, p)
-        for n, p in named
-        if any(fnmatch.fnmatchcase(n, pat) for pat in include) and not any(fnmatch.fnmatchcase(n, pat) for pat in exclude)
-    ]
-    if not chosen:
-        sample = ", ".join(n for n, _ in named[:6])
-        raise ValueError(
-            f"es.include={list(include)} / es.exclude={list(exclude)} select no parameter; names look like: {sample}, ..."
-        )
-    return chosen
-
-
-def replay(history: ESHistory, params: FlatParams, start: int = 0, stop: int | None = None) -> None:
-    """Apply the updates of iterations [start, stop) of `history` to `params` (θ_start → θ_stop)."""
-    for record in history.iterations[start:stop]:
-        params.update(update_terms(record, history.antithetic, history.alpha))
+def replay(history: ESHistory, target: PolicyHost | FlatParams, start: int = 0, stop: int | None = None) -> None:
+    """Apply the updates of iterations [start, stop) of `history` to `target` (θ_start → θ_stop):
+    a host (every copy of its weights) or one `FlatParams`."""
+    with torch.no_grad():
+        for record in history.iterations[start:stop]:
+            target.update(update_terms(record, history.antithetic, history.alpha))
 
 
 # -- the optimizer ------------------------------------------------------------------------------------
@@ -385,25 +221,28 @@ class ES(Optimizer):
     """Evolution Strategies behind the ask/tell contract; state = `ESHistory`."""
 
     name = "es"
+    moves = "perturbations"
 
     def __init__(self, config: ESConfig, seed: int = 0, base: dict[str, Any] | None = None):
         self.config, self.seed = config, seed
         self.base = dict(base or {"model": "unknown"})
-        self.params: FlatParams | None = None
+        self.host: PolicyHost | None = None
         self.history: ESHistory | None = None
         self._variants: list[Variant] | None = None
 
-    def setup(self, generator: Any) -> None:
-        """Take over the generator model's selected weights (flat buffers + fp32 master θ₀)."""
-        super().setup(generator)
+    def setup(self, host: PolicyHost) -> None:
+        """Have the host select the parameters and keep θ₀ (an fp32 master) of them; start the history."""
+        super().setup(host)
         c = self.config
-        engine_params = getattr(generator, "es_params", None)  # a backend that perturbs its own engine (vllm)
-        if engine_params is not None:
-            self.params = engine_params(c.include, c.exclude)
-        else:
-            self.params = FlatParams(select_parameters(generator.model, c.include, c.exclude))
+        info = host.perturbations(PerturbationSpec(tuple(c.include), tuple(c.exclude), c.sigma))
+        if c.snapshot_every and not info.exportable:
+            raise ValueError(
+                f"es.snapshot_every needs the weights in this process, but {host.name} keeps them on its workers "
+                "(which rebuild θ from the history and stay warm across iterations). Set es.snapshot_every=0."
+            )
+        self.info = info
         self.history = ESHistory(
-            base=BaseModelRef(**{**self.base, "dtype": self.params.dtype}),
+            base=BaseModelRef(**{**self.base, "dtype": info.dtype}),
             sigma=c.sigma,
             alpha=c.step_size,
             population_size=c.population_size,
@@ -412,17 +251,20 @@ class ES(Optimizer):
             include=list(c.include),
             exclude=list(c.exclude),
         )
-        log.info("ES: %d tensors, %d parameters selected", len(self.params.names), self.params.numel)
+        log.info("ES: %d tensors, %d parameters selected", len(info.names), info.numel)
 
-    def _require_setup(self) -> tuple[FlatParams, ESHistory]:
-        if self.params is None or self.history is None:
-            raise RuntimeError("call ES.setup(generator) before ask/activate/tell")
-        return self.params, self.history
+    def _require_setup(self) -> tuple[PolicyHost, ESHistory]:
+        if self.host is None or self.history is None:
+            raise RuntimeError("call ES.setup(host) before ask/tell")
+        return self.host, self.history
 
     @property
     def iteration(self) -> int:
         """Completed iterations."""
         return len(self._require_setup()[1].iterations)
+
+    def samples_per_task(self) -> int:
+        return self.config.population_size
 
     def iteration_seed(self, iteration: int) -> int:
         """Base member seed of an iteration: a pure function of the run seed, so resume asks the same."""
@@ -438,22 +280,9 @@ class ES(Optimizer):
         ]
         return self._variants
 
-    @contextlib.contextmanager
-    def activate(self, variant: Variant) -> Iterator[None]:
-        """The generator holds cast(θ + σ·sign·ε(seed)) inside the block; cast(θ) again after it."""
-        params, _ = self._require_setup()
-        if variant.seed is None:
-            raise ValueError(f"ES variant {variant.index} has no seed; use the variants returned by ES.ask()")
-        try:
-            with torch.no_grad():
-                params.perturb(variant.seed, variant.sign, self.config.sigma)
-            yield
-        finally:
-            params.restore()
-
     def tell(self, results: list[Result]) -> dict[str, float]:
         """Normalise member rewards, update θ, append the iteration to the history."""
-        params, history = self._require_setup()
+        host, history = self._require_setup()
         if self._variants is None:
             raise RuntimeError("ES.tell() called without a preceding ask()")
         n = len(self._variants)
@@ -472,8 +301,7 @@ class ES(Optimizer):
             per_task = [_task_means(rs, task_ids) for rs in by_member]
         z = [round(v, Z_DECIMALS) + 0.0 for v in normalize(rewards, self.config.normalization, per_task)]
         record = IterationRecord(seed=self._variants[0].seed, z=z)
-        with torch.no_grad():
-            params.update(update_terms(record, self.config.antithetic, history.alpha))
+        host.update(update_terms(record, self.config.antithetic, history.alpha))
         history.iterations.append(record)
         self._variants = None
         mean = sum(rewards) / n
@@ -494,13 +322,12 @@ class ES(Optimizer):
         if k and self.iteration % k == 0 and self.iteration:
             self._save_snapshot(run_dir)
 
-    def load(self, run_dir: Path) -> None:
-        """Rebuild θ_t for the run's t completed iterations: latest valid snapshot, then replay."""
-        params, history = self._require_setup()
+    def load(self, run_dir: Path, completed: int) -> None:
+        """Rebuild θ_t for the run's t = `completed` iterations: latest valid snapshot, then replay."""
+        host, history = self._require_setup()
         run_dir = Path(run_dir)
         saved = ESHistory.read(run_dir / HISTORY_FILE)
         self._check_compatible(saved, history)
-        completed = _completed_iterations(run_dir)
         if len(saved.iterations) < completed:
             raise ValueError(
                 f"{run_dir / HISTORY_FILE} has {len(saved.iterations)} iterations but the run finished {completed}; "
@@ -508,8 +335,7 @@ class ES(Optimizer):
             )
         saved.iterations = saved.iterations[:completed]  # an update saved after the last finished iteration
         start = self._load_snapshot(run_dir, saved, completed)
-        with torch.no_grad():
-            replay(saved, params, start)
+        replay(saved, host, start)
         self.history = saved
         self._variants = None
         log.info("ES: resumed at iteration %d (snapshot %d, replayed %d)", completed, start, completed - start)
@@ -526,13 +352,13 @@ class ES(Optimizer):
     def _save_snapshot(self, run_dir: Path) -> None:
         from safetensors.torch import save_file
 
-        params, history = self._require_setup()
+        host, history = self._require_setup()
         folder = run_dir / SNAPSHOT_DIR
         folder.mkdir(exist_ok=True)
         t = self.iteration
         path = folder / f"iter-{t:06d}.safetensors"
         meta = {"iteration": str(t), "noise": nz.NOISE_VERSION, "digest": history.digest(t)}
-        save_file(params.state(), str(path) + ".tmp", metadata=meta)
+        save_file(host.state(), str(path) + ".tmp", metadata=meta)
         os.replace(str(path) + ".tmp", path)
         # Keep two: the newest may be ahead of state.json if the run stops between the two writes.
         for old in sorted(folder.glob("iter-*.safetensors"))[:-2]:
@@ -542,14 +368,13 @@ class ES(Optimizer):
         from safetensors import safe_open
         from safetensors.torch import load_file
 
-        params, _ = self._require_setup()
+        host, _ = self._require_setup()
         for path in sorted((run_dir / SNAPSHOT_DIR).glob("iter-*.safetensors"), reverse=True):
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
             t = int(meta.get("iteration", -1))
             if 0 < t <= completed and meta.get("noise") == nz.NOISE_VERSION and meta.get("digest") == history.digest(t):
-                with torch.no_grad():
-                    params.load_state(load_file(str(path)))
+                host.load_state(load_file(str(path)))
                 return t
         return 0
 
@@ -571,89 +396,7 @@ def _task_means(results: Sequence[Result], task_ids: Sequence[str]) -> list[floa
     return [sums[t] / counts[t] for t in task_ids]
 
 
-def _completed_iterations(run_dir: Path) -> int:
-    from vrl.rundir import RunDir  # late: vrl.rundir imports vrl.config, which imports this module
-
-    return RunDir(run_dir).completed_iterations()
-
-
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-# -- per-member evaluation as a pure function ----------------------------------------------------------
-
-
-class _Replica:
-    """A generator holding θ_t of some history; kept warm so the next call only replays new iterations."""
-
-    def __init__(self, history: ESHistory, device: str):
-        from vrl.generate.hf import HFGenerator, load_model_and_tokenizer
-
-        b = history.base
-        dtype = b.dtype if b.dtype in ("float32", "bfloat16", "float16") else "auto"
-        model, tokenizer = load_model_and_tokenizer(b.model, device, dtype, b.revision)
-        self.generator = HFGenerator(model, tokenizer, None)
-        self.es = ES(
-            ESConfig(population_size=history.population_size, sigma=history.sigma, alpha=history.alpha,
-                     normalization=history.normalization, antithetic=history.antithetic,  # type: ignore[arg-type]
-                     include=history.include, exclude=history.exclude),
-            base=b.model_dump(exclude={"dtype"}),
-        )
-        self.es.setup(self.generator)
-        self.es._check_compatible(history, self.es._require_setup()[1])
-        self.key = (history.model_dump_json(exclude={"iterations"}), device)
-
-    def sync(self, history: ESHistory) -> bool:
-        """Bring θ to the end of `history` if it extends what this replica holds; False if it does not."""
-        _, mine = self.es._require_setup()
-        t = len(mine.iterations)
-        if len(history.iterations) < t or history.digest(t) != mine.digest(t):
-            return False
-        with torch.no_grad():
-            replay(history, self.es.params, t)  # type: ignore[arg-type]
-        mine.iterations = list(history.iterations)
-        return True
-
-
-_REPLICA: _Replica | None = None
-
-
-def evaluate_member(
-    history: ESHistory | dict[str, Any] | str | Path,
-    seed: int,
-    sign: int,
-    tasks: Sequence[Task],
-    sampling: Any,
-    *,
-    index: int = 0,
-    samples_per_task: int = 1,
-    sample_seed: int | None = None,
-    device: str = "auto",
-) -> list[Completion]:
-    """Completions of one ES member: θ_t from `history` (replayed from the base model), perturbed by
-    sign·σ·ε(seed), sampled on `tasks` with `sampling` (a `SamplingConfig`) and `sample_seed`.
-
-    A pure function of its arguments (the result does not depend on the worker or on earlier calls);
-    a warm worker keeps its replica and replays only iterations it has not seen. `index` tags the
-    completions with the member's variant index; `samples_per_task` completions are drawn per task.
-    """
-    global _REPLICA
-    if isinstance(history, (str, Path)):
-        history = ESHistory.read(Path(history))
-    elif isinstance(history, dict):
-        history = ESHistory.model_validate(history)
-    if sign not in (1, -1):
-        raise ValueError(f"sign must be +1 or -1, got {sign}")
-    key = (history.model_dump_json(exclude={"iterations"}), device)
-    if _REPLICA is None or _REPLICA.key != key or not _REPLICA.sync(history):
-        _REPLICA = None  # free the old model before loading a new one
-        _REPLICA = _Replica(history, device)
-        _REPLICA.sync(history)
-    generator = _REPLICA.generator
-    generator.sampling = sampling
-    variant = Variant(index=index, samples_per_task=samples_per_task, seed=seed, sign=sign)
-    with _REPLICA.es.activate(variant):
-        return generator.generate(tasks, n=samples_per_task, variant=index, seed=sample_seed)

@@ -29,8 +29,9 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vrl.optim.base import Optimizer, Variant
+from vrl.optim.base import Optimizer
 from vrl.optim.logprobs import Packed, completion_logprobs, pack
+from vrl.policy import PolicyHost, Variant
 from vrl.types import Result
 
 log = logging.getLogger(__name__)
@@ -200,26 +201,30 @@ def grpo_loss(
 
 # -- the optimizer ----------------------------------------------------------------------------------
 class GRPO(Optimizer):
-    """GRPO on the generator's in-process model (the `hf` backend)."""
+    """GRPO on the host's trainable in-process model; trained weights are published to the host."""
 
     name = "grpo"
+    moves = "trained"
 
     def __init__(self, config: GRPOConfig, seed: int = 0, total_iterations: int | None = None):
         self.config, self.seed, self.total_iterations = config, seed, total_iterations
-        self.iteration = 0  # finished tell() calls
+        self._iteration = 0  # finished tell() calls
         self.step = 0  # optimizer steps taken
 
+    @property
+    def iteration(self) -> int:
+        return self._iteration
+
+    def samples_per_task(self) -> int:
+        return self.config.num_generations
+
     # setup ---------------------------------------------------------------------------------------
-    def setup(self, generator) -> None:
-        """Attach to the generator's model: LoRA, checkpointing, reference model, AdamW, schedule."""
-        super().setup(generator)
+    def setup(self, host: PolicyHost) -> None:
+        """Take the host's trainable model: LoRA, checkpointing, reference model, AdamW, schedule."""
+        super().setup(host)
         cfg = self.config
-        model, tokenizer, sampling = (getattr(generator, a, None) for a in ("model", "tokenizer", "sampling"))
-        if model is None or tokenizer is None or sampling is None:
-            raise TypeError(
-                f"GRPO trains the generator's in-process model, but {type(generator).__name__} exposes no "
-                "model/tokenizer/sampling; use generator.backend=hf"
-            )
+        trainable = host.trainable()
+        model, tokenizer, sampling = trainable.model, trainable.tokenizer, trainable.sampling
         if sampling.temperature <= 0:
             raise ValueError("GRPO needs sampling.temperature > 0: greedy decoding gives G identical samples per task")
         if cfg.lr_scheduler_type != "constant" and self.total_iterations is None:
@@ -348,8 +353,8 @@ class GRPO(Optimizer):
             totals["grad_norm"] += self._apply_step() / cfg.num_iterations
             for key in ("kl_sum", "clip_low_sum", "clip_high_sum", "tokens"):
                 totals[key] += stats.get(key, 0.0)
-        self.iteration += 1
-        self.generator.sync_weights()
+        self._iteration += 1
+        self.host.publish(self.model)
 
         rewards = torch.tensor([r.reward for r in results])
         tokens = max(totals["tokens"], 1.0)
@@ -512,16 +517,13 @@ class GRPO(Optimizer):
         for old in kept[:-_KEEP_CHECKPOINTS]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, run_dir: Path) -> None:
-        """Resume from the newest checkpoint at or before the run's last finished iteration.
+    def load(self, run_dir: Path, completed: int) -> None:
+        """Resume from the newest checkpoint at or before the run's last finished iteration (`completed`).
 
         With `save_every` > 1 that may be older than the run: `self.iteration` then says where the
         weights are, and the trainer redoes the iterations after it.
         """
-        import json
-
-        state_file = Path(run_dir) / "state.json"
-        finished = json.loads(state_file.read_text())["iteration"] if state_file.exists() else 0
+        finished = completed
         found = sorted(p.name for p in (Path(run_dir) / "grpo").glob("iter-*") if not p.name.endswith(".tmp"))
         usable = [n for n in found if int(n.removeprefix("iter-")) <= finished]
         if not usable:
@@ -548,8 +550,8 @@ class GRPO(Optimizer):
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng_cuda"])
-        self.iteration, self.step = state["iteration"], state["step"]
-        self.generator.sync_weights()
+        self._iteration, self.step = state["iteration"], state["step"]
+        self.host.publish(self.model)
 
     def _load_policy(self, path: Path) -> None:
         from safetensors.torch import load_file

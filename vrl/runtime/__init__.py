@@ -11,7 +11,10 @@ def make_runtime(config) -> Runtime:
 
         return LocalRuntime()
     if config.runtime.kind == "modal":
-        from vrl.runtime.modal import ModalRuntime
+        from vrl.runtime.modal.app import build_app
+        from vrl.runtime.modal.credentials import require_credentials
+        from vrl.runtime.modal.runtime import ModalRuntime
 
-        return ModalRuntime(config)
+        require_credentials()  # before building anything
+        return ModalRuntime(config, app=build_app(config))
     raise ValueError(f"unknown runtime {config.runtime.kind!r}; choose local or modal")

@@ -9,28 +9,29 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from vrl.generate.base import Generator
-from vrl.optim.base import Optimizer
+from vrl.policy import Moves, PolicyHost
 from vrl.types import Attempt, Verdict
 from vrl.verifier import Verifier, verify_safely
 
 
 class Runtime(ABC):
-    """Builds the generator and the verification pool for a run."""
+    """Places the policy's hosts (engines) and the verification pool for a run; never the update rule."""
 
     name: str = "runtime"
 
     @abstractmethod
-    def generator(self, config) -> Generator: ...
+    def policy(self, config, moves: Moves | None = None) -> PolicyHost:
+        """The host (or pool of hosts) that holds the weights and samples whole iterations.
+
+        `moves`: how the update rule will change the weights (None: sampling only, e.g. eval).
+        """
 
     @abstractmethod
-    def verification(self, verifier: Verifier, config) -> VerificationPool: ...
+    def verification(self, verifier: Verifier, config, attempts_per_iteration: int | None = None) -> VerificationPool:
+        """The pool that judges attempts; `attempts_per_iteration` lets a remote runtime size its sandboxes."""
 
-    def optimizer(self, config) -> Optimizer:
-        """The update rule for this runtime (a remote runtime may keep the weights elsewhere)."""
-        from vrl.optim import make_optimizer
-
-        return make_optimizer(config)
+    def close(self) -> None:
+        """Release what the runtime started (called last)."""
 
 
 class VerificationPool:

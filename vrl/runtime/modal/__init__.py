@@ -5,7 +5,7 @@ worker, `prepare_model`, the detached orchestrator); `SandboxPool` keeps warm ve
 Importing this package does not import `modal`; building the app does.
 """
 
-from vrl.runtime.modal.runtime import ModalRuntime, RemoteES
+from vrl.runtime.modal.runtime import ModalPolicy, ModalRuntime
 from vrl.runtime.modal.sandbox import ProcessSandbox, SandboxHandle, SandboxPool, SandboxSpec
 
-__all__ = ["ModalRuntime", "ProcessSandbox", "RemoteES", "SandboxHandle", "SandboxPool", "SandboxSpec"]
+__all__ = ["ModalPolicy", "ModalRuntime", "ProcessSandbox", "SandboxHandle", "SandboxPool", "SandboxSpec"]

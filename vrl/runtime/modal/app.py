@@ -5,8 +5,9 @@ functions are declared when the app is built, with `serialized=True`). Each role
 image, in the spirit of modal-labs' examples::
 
     GPUWorker          gpu image, gpu=runtime.gpu, Volume at /vrl, no secrets
-      .es_member       (a) one ES member: history + seed + tasks + sampling -> completions
-      .generate_shard  (b) GRPO / eval: a shard of tasks with given weights -> completions
+      .sample          one variant on a shard of tasks, on the host the local runtime would build
+                       (vllm or hf): an ES member (seed + the run's updates, replayed warm) or the
+                       current weights (GRPO, eval; trained weights from the Volume) -> completions
     prepare_model      gpu image, CPU only, Volume, secrets: base weights + tokenizer onto the Volume
     orchestrate        orchestrator image (+ optional GPU for GRPO), Volume, secrets: the detached loop
     verifier sandboxes verifier image per plugin, block_network, no secrets (created by the runtime)
@@ -88,17 +89,13 @@ def build_app(config: Any) -> ModalApp:
             workers.warm_up()
 
         @modal.method()
-        def es_member(self, seed: int, sign: int, index: int, *, history: dict, tasks: list, sampling: dict,
-                      sample_seed: int | None, n: int = 1) -> list[dict]:
-            return workers.es_member(history, seed, sign, index, tasks, sampling, sample_seed, n=n)
-
-        @modal.method()
-        def generate_shard(self, tasks: list, seed: int | None, *, model: dict, n: int, variant: int,
-                           sampling: dict) -> list[dict]:
-            if model.get("weights"):
+        def sample(self, variant: dict, start: int, stop: int, *, config: dict, tasks: list, seed: int | None,
+                   spec: dict | None = None, updates: list | None = None, weights: str | None = None) -> list[dict]:
+            if weights:
                 # New GRPO weights were committed after this container mounted the Volume.
                 _reload(self.root)
-            return workers.generate_shard(model, tasks, n, variant, sampling, seed)
+            return workers.sample(variant, start, stop, config=config, tasks=tasks, seed=seed, spec=spec,
+                                  updates=updates, weights=weights)
 
     volume_name = rt.volume
 
@@ -118,12 +115,9 @@ def build_app(config: Any) -> ModalApp:
                   env=workers.volume_env(root, offline=False),  # datasets may still come from the Hub
                   name="orchestrate", **opts["orchestrator"])
     def orchestrate(config_data: dict, resume: bool = False, worker: Any = None) -> dict:
-        from vrl.config import TrainConfig
-        from vrl.runtime.modal.runtime import ModalRuntime
+        from vrl.runtime.modal.detached import orchestrate as run_loop
 
-        cfg = TrainConfig.model_validate(config_data)
-        runtime = ModalRuntime(cfg, app=None, worker=worker, volume_root=root, in_container=True)
         vol = modal.Volume.from_name(volume_name)
-        return workers.orchestrate(config_data, root, runtime, resume=resume, on_iteration=lambda _m: vol.commit())
+        return run_loop(config_data, root, worker, resume=resume, on_iteration=lambda _m: vol.commit())
 
     return ModalApp(app, recipes, images, volume, secrets, GPUWorker, prepare_model, orchestrate, opts)

@@ -10,22 +10,9 @@ import logging
 from typing import Any
 
 from vrl.config import dump
+from vrl.runtime.modal.credentials import NO_ACCOUNT, require_credentials
 
 log = logging.getLogger(__name__)
-
-NO_ACCOUNT = (
-    "no Modal credentials: {error}\n"
-    "Set up once with `pip install modal` and `modal setup` (or set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET)."
-)
-
-
-def require_credentials() -> None:
-    """Fail early, with the fix, when no Modal token is configured (before any work starts)."""
-    from modal.config import config
-
-    if not (config.get("token_id") and config.get("token_secret")):
-        raise RuntimeError(NO_ACCOUNT.format(error="no token configured"))
-
 
 def _modal_errors():
     import modal.exception
@@ -43,6 +30,45 @@ def prepare(config: Any, model: str, revision: str | None = None) -> dict[str, A
             return app.prepare_model.remote(model, revision)
     except _modal_errors() as exc:
         raise RuntimeError(NO_ACCOUNT.format(error=exc)) from None
+
+
+def read_volume_file(volume: str, path: str) -> bytes:
+    """A file of a Modal Volume (needs an account)."""
+    import modal
+
+    try:
+        return b"".join(modal.Volume.from_name(volume).read_file(path))
+    except _modal_errors() as exc:
+        raise RuntimeError(NO_ACCOUNT.format(error=exc)) from None
+    except Exception as exc:  # noqa: BLE001 - modal raises NotFoundError / grpc errors for a missing file
+        raise FileNotFoundError(f"cannot read {path} on the Modal Volume {volume!r}: {exc}") from None
+
+
+def recorded_config(name: str, volume: str, iterations: int | None, read: Any = read_volume_file) -> Any:
+    """The config a detached run `name` recorded on the Volume, with `iterations` raised if given.
+
+    `read(volume, path) -> bytes` reads the Volume (tests pass a reader of a local directory).
+    """
+    import json
+
+    from vrl.config import TrainConfig
+
+    data = json.loads(read(volume, f"runs/{name}/config.json"))
+    cfg = TrainConfig.model_validate(data)
+    if cfg.runtime.volume != volume:
+        raise ValueError(f"run {name!r} on Volume {volume!r} recorded runtime.volume={cfg.runtime.volume!r}")
+    if iterations is not None:
+        if iterations < 1:
+            raise ValueError(f"--iterations must be at least 1, got {iterations}")
+        cfg = cfg.model_copy(update={"iterations": iterations})
+    return cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"detach": True})})
+
+
+def resume_detached(name: str, volume: str = "vrl", iterations: int | None = None) -> tuple[str, Any]:
+    """Continue the detached run `name` on Modal: its recorded config, only `iterations` changed."""
+    require_credentials()
+    cfg = recorded_config(name, volume, iterations)
+    return launch_detached(cfg, resume=True), cfg
 
 
 def launch_detached(config: Any, resume: bool = False) -> str:

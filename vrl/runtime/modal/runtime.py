@@ -1,10 +1,15 @@
-"""The `modal` runtime: the trainer's loop unchanged, generation fanned out to Modal GPU functions.
+"""The `modal` runtime: the trainer's loop unchanged, sampling fanned out to Modal GPU workers.
 
-- ES: the orchestrator keeps only the history (`RemoteES`, no weights); for each iteration all N
-  members are launched at once with `.map()` over the GPU worker's `es_member`; each member's
-  completions stream into verification as soon as they arrive.
-- GRPO: the orchestrator trains (locally, or on a GPU when detached); generation shards go to
-  `generate_shard`; after each update the weights are written to the Volume and the shards reload.
+`ModalPolicy` is the run's `PolicyHost` in the orchestrator; the weights live on the workers, which
+build the same host the local runtime builds (`generator.backend` vllm or hf) and keep it warm:
+
+- Seeded perturbations (ES): the orchestrator keeps only the list of updates (seeds and
+  coefficients, a few hundred bytes per iteration); each member is one call of the worker's
+  `sample` with that list, and the worker replays the updates it has not seen yet, perturbs its
+  engine for the member and samples it. Calls run concurrently on as many containers as Modal
+  gives; each member's completions stream into verification the moment its call returns.
+- Trained weights (GRPO): the orchestrator trains an in-process copy (`trainable`); `publish`
+  writes it to the Volume and the next shard calls load it.
 - Verification: a `SandboxPool` of warm verifier sandboxes (or the orchestrator, `verify_in: local`).
 
 `execute="local"` runs the very same function bodies in this process through Modal's `.local()`
@@ -21,11 +26,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from vrl.generate.base import Generator
-from vrl.optim.base import Optimizer, Variant
-from vrl.optim.es import ES, BaseModelRef, ESHistory
+from vrl.config import dump
+from vrl.policy import Moves, PerturbationSpec, PolicyHost, Trainable, Unsupported, Variant, WeightsInfo
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.runtime.modal import workers
+from vrl.runtime.modal.credentials import require_credentials
 from vrl.runtime.modal.sandbox import ModalSandbox, ProcessSandbox, SandboxPool, pool_size, spec_for
 from vrl.types import Completion, Task
 from vrl.verifier import Verifier
@@ -37,9 +42,9 @@ log = logging.getLogger(__name__)
 
 
 class Caller:
-    """Fans calls of one remote method out; returns a future per call, in input order."""
+    """Fans calls of one remote method out and yields their results as they finish (any order)."""
 
-    def map(self, method: Any, argsets: Sequence[tuple], kwargs: dict[str, Any]) -> list[concurrent.futures.Future]:
+    def imap(self, method: Any, argsets: Sequence[tuple], kwargs: dict[str, Any]) -> Iterator[Any]:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -47,112 +52,42 @@ class Caller:
 
 
 class ModalCaller(Caller):
-    """`method.map(...)` on Modal, drained by a background thread into futures (outputs in order)."""
+    """`method.map(..., order_outputs=False)` on Modal: each result as soon as its container returns it."""
 
-    def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="vrl-modal-map")
-
-    def map(self, method: Any, argsets: Sequence[tuple], kwargs: dict[str, Any]) -> list[concurrent.futures.Future]:
-        futures = [concurrent.futures.Future() for _ in argsets]
-        columns = [list(col) for col in zip(*argsets)] if argsets else []
-
-        def drain() -> None:
-            i = 0
-            try:
-                for i, out in enumerate(method.map(*columns, kwargs=kwargs, order_outputs=True, return_exceptions=True)):
-                    if isinstance(out, BaseException):
-                        futures[i].set_exception(out)
-                    else:
-                        futures[i].set_result(out)
-            except Exception as exc:  # noqa: BLE001 - the map itself failed: every unfinished call fails with it
-                for f in futures:
-                    if not f.done():
-                        f.set_exception(exc)
-
-        self._pool.submit(drain)
-        return futures
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def imap(self, method: Any, argsets: Sequence[tuple], kwargs: dict[str, Any]) -> Iterator[Any]:
+        if not argsets:
+            return
+        columns = [list(col) for col in zip(*argsets)]
+        for out in method.map(*columns, kwargs=kwargs, order_outputs=False, return_exceptions=True):
+            if isinstance(out, BaseException):
+                raise out
+            yield out
 
 
 class LocalCaller(Caller):
     """Runs each call's body in this process with Modal's `.local()`, one at a time, in order.
 
-    One thread, because the warm state (the ES replica) is per process, as in one container.
+    One worker thread, because the warm state (the host and its replayed updates) is per process,
+    as in one container.
     """
 
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vrl-modal-local")
 
-    def map(self, method: Any, argsets: Sequence[tuple], kwargs: dict[str, Any]) -> list[concurrent.futures.Future]:
-        return [self._pool.submit(method.local, *args, **kwargs) for args in argsets]
+    def imap(self, method: Any, argsets: Sequence[tuple], kwargs: dict[str, Any]) -> Iterator[Any]:
+        futures = [self._pool.submit(method.local, *args, **kwargs) for args in argsets]
+        try:
+            for f in futures:
+                yield f.result()
+        finally:
+            for f in futures:
+                f.cancel()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
 
-# -- ES with the weights on the workers -------------------------------------------------------------------
-
-
-class _NoWeights:
-    """Stands in for ES's flat parameters in the orchestrator: updates happen by replay on the workers."""
-
-    names: tuple[str, ...] = ()
-    numel = 0
-
-    def __init__(self, dtype: str):
-        self.dtype = dtype
-
-    def perturb(self, seed: int, sign: int, sigma: float) -> None:
-        pass
-
-    def restore(self) -> None:
-        pass
-
-    def update(self, terms: Any) -> None:
-        pass
-
-    def state(self) -> dict:
-        raise RuntimeError("the Modal runtime keeps no ES weights in the orchestrator; es.snapshot_every must be 0")
-
-
-class RemoteES(ES):
-    """ES whose state is only its history: tell/save/load/resume as in `ES`, weights on the GPU workers."""
-
-    def __init__(self, config: Any, seed: int, base: dict[str, Any], dtype: str):
-        if config.snapshot_every:
-            raise ValueError(
-                "es.snapshot_every needs the weights in the orchestrator; on Modal the workers rebuild θ from the "
-                "history (and stay warm across iterations). Set es.snapshot_every=0."
-            )
-        super().__init__(config, seed=seed, base=base)
-        self.dtype = dtype
-
-    def setup(self, generator: Any) -> None:
-        self.generator = generator
-        c = self.config
-        self.params = _NoWeights(self.dtype)  # type: ignore[assignment]
-        self.history = ESHistory(
-            base=BaseModelRef(**{**self.base, "dtype": self.dtype}), sigma=c.sigma, alpha=c.step_size,
-            population_size=c.population_size, antithetic=c.antithetic, normalization=c.normalization,
-            include=list(c.include), exclude=list(c.exclude),
-        )
-        if hasattr(generator, "bind"):
-            generator.bind(self)
-
-    @contextlib.contextmanager
-    def activate(self, variant: Variant) -> Iterator[None]:
-        # The member's perturbation is applied on its worker; nothing changes here.
-        yield
-
-    @property
-    def members(self) -> list[Variant] | None:
-        """The variants of the iteration in progress (between ask and tell)."""
-        return self._variants
-
-
-def _worker_dtype(config: Any) -> str:
+def worker_dtype(config: Any) -> str:
     """The dtype workers load the base model in (recorded in the ES history)."""
     dtype = config.generator.dtype
     if dtype != "auto":
@@ -160,71 +95,86 @@ def _worker_dtype(config: Any) -> str:
     return "bfloat16" if config.generator.device != "cpu" else "float32"
 
 
-class ESMemberGenerator(Generator):
-    """Generation for `RemoteES`: on the first request of an iteration, every member is launched."""
-
-    def __init__(self, caller: Caller, method: Any, sampling: Any):
-        self.caller, self.method, self.sampling = caller, method, sampling
-        self.es: RemoteES | None = None
-        self._key: tuple | None = None
-        self._futures: list[concurrent.futures.Future] = []
-        self.launches = 0
-
-    def bind(self, es: RemoteES) -> None:
-        self.es = es
-
-    def stream(self, tasks: Sequence[Task], n: int = 1, variant: int = 0, seed: int | None = None) -> Iterator[list[Completion]]:
-        if self.es is None or self.es.members is None or self.es.history is None:
-            raise RuntimeError("ESMemberGenerator needs a RemoteES that has asked for this iteration's members")
-        members, history = self.es.members, self.es.history
-        key = (len(history.iterations), tuple(t.id for t in tasks), n, seed, tuple((m.seed, m.sign) for m in members))
-        if key != self._key:
-            shared = {
-                "history": history.model_dump(mode="json"),
-                "tasks": workers.tasks_to_wire(tasks),
-                "sampling": self.sampling.model_dump(mode="json"),
-                "sample_seed": seed,
-                "n": n,
-            }
-            argsets = [(m.seed, m.sign, m.index) for m in members]
-            self._futures, self._key = self.caller.map(self.method, argsets, shared), key
-            self.launches += 1
-        yield [workers.completion_from_wire(c) for c in self._futures[variant].result()]
+# -- the policy host of a Modal run -------------------------------------------------------------------
 
 
-class ShardGenerator(Generator):
-    """GRPO / eval generation: shards of tasks to `generate_shard`; weights reach workers via the Volume.
+class ModalPolicy(PolicyHost):
+    """The weights on Modal GPU workers; see the module docstring."""
 
-    The orchestrator keeps a local model (`model`, `tokenizer`: GRPO trains it); `sync_weights`
-    writes it to `weights_dir` and the next shards load that file.
-    """
+    name = "modal"
 
-    def __init__(self, caller: Caller, method: Any, config: Any, weights_dir: Path, commit: Any = None):
-        from vrl.generate.hf import HFGenerator
+    def __init__(self, caller: Caller, worker: Any, config: Any, weights_dir: Path, commit: Any = None):
+        self.caller, self.worker, self.config = caller, worker, config
+        self.weights_dir, self._commit = Path(weights_dir), commit
+        self.spec: PerturbationSpec | None = None
+        self.updates: list[list[tuple[int, float]]] = []  # every seeded update so far, replayed by workers
+        self.weights: str | None = None  # the Volume file of the last published weights
+        self.version = 0
+        self._trainable: Trainable | None = None
+        self.calls = 0  # worker calls made (tests check the fan-out)
 
-        self.caller, self.method, self.sampling = caller, method, config.sampling
-        local = HFGenerator.from_config(config)
-        self.model, self.tokenizer = local.model, local.tokenizer
-        self.ref = {"model": config.model, "revision": config.generator.revision,
-                    "dtype": _worker_dtype(config), "weights": None}
-        self.weights_dir, self.version, self._commit = Path(weights_dir), 0, commit
+    # -- sampling ------------------------------------------------------------------------------------
+    def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
+               ) -> Iterator[list[Completion]]:
+        if not tasks or not variants:
+            return
+        if any(v.seed is not None for v in variants) and self.spec is None:
+            raise RuntimeError("seeded variants need perturbations(spec) first")
+        shared = {
+            "config": self._engine_config(),
+            "tasks": workers.tasks_to_wire(tasks),
+            "seed": seed,
+            "spec": workers.spec_to_wire(self.spec),
+            "updates": self.updates,
+            "weights": self.weights,
+        }
+        size = self.config.sampling.batch_size
+        argsets: list[tuple] = []
+        for v in variants:
+            if v.seed is not None:  # one member per call: members run on as many containers as Modal gives
+                argsets.append((workers.variant_to_wire(v), 0, len(tasks)))
+            else:  # the current weights: shards of tasks
+                argsets += [(workers.variant_to_wire(v), s, min(s + size, len(tasks))) for s in range(0, len(tasks), size)]
+        self.calls += len(argsets)
+        for out in self.caller.imap(self.worker.sample, argsets, shared):
+            yield [workers.completion_from_wire(c) for c in out]
 
-    def stream(self, tasks: Sequence[Task], n: int = 1, variant: int = 0, seed: int | None = None) -> Iterator[list[Completion]]:
-        size = self.sampling.batch_size
-        argsets = [
-            (workers.tasks_to_wire(tasks[start : start + size]), None if seed is None else seed + start)
-            for start in range(0, len(tasks), size)
-        ]
-        kwargs = {"model": dict(self.ref), "n": n, "variant": variant, "sampling": self.sampling.model_dump(mode="json")}
-        for future in self.caller.map(self.method, argsets, kwargs):
-            yield [workers.completion_from_wire(c) for c in future.result()]
+    def _engine_config(self) -> dict[str, Any]:
+        # What the worker builds its host from; runtime and logging do not concern it.
+        data = dump(self.config)
+        return {k: data[k] for k in ("model", "seed", "generator", "sampling")}
 
-    def sync_weights(self) -> None:
+    # -- seeded perturbations: the workers replay the update list ----------------------------------
+    def perturbations(self, spec: PerturbationSpec) -> WeightsInfo:
+        self.spec = spec
+        return WeightsInfo(names=(), numel=0, dtype=worker_dtype(self.config), exportable=False)
+
+    def update(self, terms: Sequence[tuple[int, float]]) -> None:
+        if self.spec is None:
+            raise RuntimeError("update before perturbations(spec)")
+        self.updates.append([(int(s), float(c)) for s, c in terms])
+
+    def state(self) -> dict[str, Any]:
+        raise Unsupported("the Modal runtime keeps the weights on its workers")
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        raise Unsupported("the Modal runtime keeps the weights on its workers")
+
+    # -- trained weights: through the Volume -------------------------------------------------------
+    def trainable(self) -> Trainable:
+        if self._trainable is None:
+            from vrl.generate.hf import HFGenerator
+
+            local = HFGenerator.from_config(self.config)
+            self._trainable = Trainable(local.model, local.tokenizer, self.config.sampling)
+        return self._trainable
+
+    def publish(self, model: Any) -> None:
         self.version += 1
-        path = workers.save_weights(self.model, self.weights_dir / f"v{self.version:06d}.safetensors")
+        path = workers.save_weights(model, self.weights_dir / f"v{self.version:06d}.safetensors")
         if self._commit is not None:
             self._commit()
-        self.ref["weights"] = str(path)
+        self.weights = str(path)
         for old in sorted(self.weights_dir.glob("v*.safetensors"))[:-2]:
             old.unlink()
 
@@ -233,23 +183,17 @@ class ShardGenerator(Generator):
 
 
 class ModalRuntime(Runtime):
-    """Generation on Modal GPU functions, verification in Modal sandboxes; see the module docstring."""
+    """Sampling on Modal GPU workers, verification in Modal sandboxes; see the module docstring."""
 
     name = "modal"
 
-    def __init__(self, config: Any, *, app: Any = None, worker: Any = None, execute: str = "modal",
+    def __init__(self, config: Any, *, app: Any, execute: str = "modal", worker: Any = None,
                  volume_root: str | Path | None = None, in_container: bool = False):
         if execute not in ("modal", "local"):
             raise ValueError(f"execute={execute!r}; choose modal or local")
         self.config, self.execute, self.in_container = config, execute, in_container
         if execute == "modal" and not in_container:
-            from vrl.runtime.modal.launch import require_credentials
-
             require_credentials()
-        if app is None and worker is None:
-            from vrl.runtime.modal.app import build_app
-
-            app = build_app(config)
         self.app = app
         self.volume_root = Path(volume_root or workers.VOLUME_ROOT)
         self.worker = worker or app.worker(str(self.volume_root) if execute == "local" else workers.VOLUME_ROOT)
@@ -267,47 +211,38 @@ class ModalRuntime(Runtime):
             self._stack.enter_context(self.app.app.run())
             self._running = True
 
-    def optimizer(self, config: Any) -> Optimizer:
-        if config.optimizer == "es":
-            base = {"model": config.model, "revision": config.generator.revision}
-            return RemoteES(config.es, seed=config.seed, base=base, dtype=_worker_dtype(config))
-        return super().optimizer(config)
-
-    def generator(self, config: Any) -> Generator:
+    def policy(self, config: Any, moves: Moves | None = None) -> PolicyHost:
         self._ensure_running()
-        if config.generator.backend != "hf":
-            raise ValueError("the Modal workers generate with the hf backend for now; set generator.backend=hf")
-        if config.optimizer == "es":
-            gen: Generator = ESMemberGenerator(self.caller, self.worker.es_member, config.sampling)
-        else:
-            run = config.logging.name or "run"
-            weights_dir = self.volume_root / workers.RUNS_DIR / run / "weights"
-            gen = ShardGenerator(self.caller, self.worker.generate_shard, config, weights_dir, self._commit_volume())
-        return _Closing(gen, self)
+        if config.generator.engines != 1 or config.generator.gpus:
+            raise ValueError("generator.engines / generator.gpus place local engines; on Modal each worker "
+                             "container is an engine (runtime.max_containers bounds them)")
+        run = config.logging.name or "run"
+        weights_dir = self.volume_root / workers.RUNS_DIR / run / "weights"
+        return ModalPolicy(self.caller, self.worker, config, weights_dir, self._commit_volume())
 
     def _commit_volume(self) -> Any:
         if self.execute == "local" or self.app is None:
             return None
         return self.app.volume.commit
 
-    def verification(self, verifier: Verifier, config: Any) -> VerificationPool:
+    def verification(self, verifier: Verifier, config: Any, attempts_per_iteration: int | None = None) -> VerificationPool:
         v, rt = config.verifier, config.runtime
         if rt.verify_in == "local":
             return VerificationPool(verifier, batch_size=v.batch_size, concurrency=v.concurrency, timeout_s=v.timeout_s)
         # The sandboxes run their own copy of the plugin's verifier; the local one is not needed.
         _close_quietly(verifier)
-        self.sandbox_pool = self.sandboxes(config)
+        self.sandbox_pool = self.sandboxes(config, attempts_per_iteration)
         # The first batch also waits for the pool to start (a Lean server imports Mathlib).
         outer = v.timeout_s + rt.sandbox_start_timeout_s
         return VerificationPool(self.sandbox_pool, batch_size=v.batch_size, concurrency=v.concurrency, timeout_s=outer)
 
-    def sandboxes(self, config: Any) -> SandboxPool:
+    def sandboxes(self, config: Any, attempts_per_iteration: int | None = None) -> SandboxPool:
         """The verifier sandbox pool for this run, sized from the iteration's attempts."""
         from vrl.plugins import registry
 
         rt, v = config.runtime, config.verifier
-        per_task = config.es.population_size if config.optimizer == "es" else config.grpo.num_generations
-        size = pool_size(config.tasks_per_iteration * per_task, v.batch_size, v.concurrency, rt.sandboxes)
+        attempts = attempts_per_iteration or config.tasks_per_iteration
+        size = pool_size(attempts, v.batch_size, v.concurrency, rt.sandboxes)
         env = registry().environment(config.plugin, **config.env_options)
         spec = spec_for(env, config.plugin, config.env_options)
         if self.execute == "local":
@@ -332,28 +267,6 @@ class ModalRuntime(Runtime):
         self.caller.close()
         self._stack.close()
         self._running = False
-
-
-class _Closing(Generator):
-    """Forwards to a generator and shuts the runtime down when the trainer closes it (last)."""
-
-    def __init__(self, inner: Generator, runtime: ModalRuntime):
-        self.inner, self.runtime = inner, runtime
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def stream(self, tasks, n=1, variant=0, seed=None):
-        return self.inner.stream(tasks, n=n, variant=variant, seed=seed)
-
-    def sync_weights(self) -> None:
-        self.inner.sync_weights()
-
-    def close(self) -> None:
-        try:
-            self.inner.close()
-        finally:
-            self.runtime.close()
 
 
 def _close_quietly(verifier: Verifier) -> None:

@@ -17,10 +17,11 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from vrl.config import SamplingConfig
+from vrl.policy import PerturbationSpec, Variant
 from vrl.types import Completion, Task
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,7 @@ def warm_up() -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    import vrl.generate.hf
-    import vrl.optim.es  # noqa: F401
+    import vrl.generate.hf  # noqa: F401
 
 
 # -- wire formats --------------------------------------------------------------------------------
@@ -72,105 +72,111 @@ def tasks_from_wire(rows: Sequence[dict[str, Any]]) -> list[Task]:
     return [Task.model_validate(r) for r in rows]
 
 
-# -- (a) ES member evaluation ------------------------------------------------------------------------
+def variant_to_wire(v: Variant) -> dict[str, Any]:
+    return {"index": v.index, "samples_per_task": v.samples_per_task, "seed": v.seed, "sign": v.sign}
 
 
-def es_member(
-    history: dict[str, Any],
-    seed: int,
-    sign: int,
-    index: int,
+def spec_to_wire(spec: PerturbationSpec | None) -> dict[str, Any] | None:
+    return None if spec is None else {**asdict(spec), "include": list(spec.include), "exclude": list(spec.exclude)}
+
+
+def spec_from_wire(data: dict[str, Any] | None) -> PerturbationSpec | None:
+    if data is None:
+        return None
+    return PerturbationSpec(**{**data, "include": tuple(data["include"]), "exclude": tuple(data["exclude"])})
+
+
+# -- the GPU worker's one method: sample variants of the weights ---------------------------------
+
+
+class _Warm:
+    """The container's host, kept between calls: what it was built from and which updates it holds."""
+
+    key: str | None = None
+    host: Any = None
+    spec: PerturbationSpec | None = None
+    applied: list[list[tuple[int, float]]] = []
+    weights: str | None = None
+
+
+_WARM = _Warm()
+
+
+def sample(
+    variant: dict[str, Any],
+    start: int,
+    stop: int,
+    *,
+    config: dict[str, Any],
     tasks: list[dict[str, Any]],
-    sampling: dict[str, Any],
-    sample_seed: int | None,
-    n: int = 1,
-    device: str = "auto",
-) -> list[dict[str, Any]]:
-    """Completions of one ES member: θ_t replayed from `history`, perturbed by (seed, sign), sampled.
-
-    The replica (base weights + replayed θ) stays warm in the container between calls, so a call for
-    the next iteration replays only the iterations the container has not seen (`vrl.optim.es`).
-    """
-    from vrl.optim.es import evaluate_member
-
-    completions = evaluate_member(
-        history, seed, sign, tasks_from_wire(tasks), SamplingConfig(**sampling),
-        index=index, samples_per_task=n, sample_seed=sample_seed, device=device,
-    )
-    return [completion_to_wire(c) for c in completions]
-
-
-# -- (b) GRPO / eval generation shards ------------------------------------------------------------
-
-
-class _ShardModel:
-    """A warm generator for one weights reference (base model + optional weights file)."""
-
-    key: tuple | None = None
-    generator: Any = None
-
-
-_SHARD = _ShardModel()
-
-
-def generate_shard(
-    model: dict[str, Any],
-    tasks: list[dict[str, Any]],
-    n: int,
-    variant: int,
-    sampling: dict[str, Any],
     seed: int | None,
-    device: str = "auto",
+    spec: dict[str, Any] | None = None,
+    updates: list[list[tuple[int, float]]] | None = None,
+    weights: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Completions for one shard of tasks with the weights `model` names.
+    """Completions of one variant on tasks[start:stop], from the host the local runtime would build.
 
-    `model`: {"model": id, "revision": ..., "dtype": ..., "weights": path of a safetensors file with
-    the trained weights (GRPO after an update) or None}. The container keeps the loaded model and
-    reloads only when the reference changes.
+    `config`: the run's model, seed, generator and sampling sections (`generator.backend` picks
+    vllm or hf, as locally). Seeded variants (ES members) need `spec` and the run's `updates` so far:
+    the warm host replays only the updates it has not applied yet, then samples the member with
+    in-engine perturbation. `weights`: a Volume file of trained weights (GRPO) to sample instead of
+    the base model. Sampling seeds follow the task's position in the whole list, so shards give
+    what one call over every task gives.
     """
-    from vrl.generate.hf import HFGenerator, load_model_and_tokenizer
+    from vrl.config import SamplingConfig, TrainConfig
+    from vrl.generate import make_generator
+    from vrl.generate.base import shard_seed
 
-    key = (model["model"], model.get("revision"), model.get("dtype", "auto"), model.get("weights"), device)
-    if _SHARD.key != key:
-        _SHARD.generator = _SHARD.key = None  # free the old weights first
-        base_key = key[:3] + (device,)
-        cached = getattr(_SHARD, "base", None)
-        if cached is not None and cached[0] == base_key and model.get("weights"):
-            net, tok = cached[1], cached[2]
-        else:
-            net, tok = load_model_and_tokenizer(model["model"], device, model.get("dtype", "auto"), model.get("revision"))
-            _SHARD.base = (base_key, net, tok)
-        if model.get("weights"):
-            load_weights(net, model["weights"])
-        _SHARD.generator, _SHARD.key = HFGenerator(net, tok, None), key
-    generator = _SHARD.generator
-    generator.sampling = SamplingConfig(**sampling)
-    out = generator.generate(tasks_from_wire(tasks), n=n, variant=variant, seed=seed)
-    return [completion_to_wire(c) for c in out]
+    cfg = TrainConfig.model_validate(config)
+    wanted = spec_from_wire(spec)
+    updates = [[(int(s), float(c)) for s, c in u] for u in (updates or [])]
+    key = json.dumps({k: config[k] for k in ("model", "generator")}, sort_keys=True)
+    # Start from the base model for another run, or for history that does not extend what we hold.
+    stale = (_WARM.key != key or _WARM.spec != wanted or updates[: len(_WARM.applied)] != _WARM.applied
+             or (weights is None and _WARM.weights is not None))
+    if stale:
+        if _WARM.host is not None:
+            _WARM.host.close()
+        _WARM.host = _WARM.key = None
+        host = make_generator(cfg, "perturbations" if wanted is not None else None)
+        if wanted is not None:
+            host.perturbations(wanted)
+        _WARM.key, _WARM.host, _WARM.spec, _WARM.applied, _WARM.weights = key, host, wanted, [], None
+    if weights and weights != _WARM.weights:  # newly published trained weights: load them into the warm host
+        _WARM.host.publish(load_weights_file(weights))
+        _WARM.weights = weights
+    host = _WARM.host
+    for terms in updates[len(_WARM.applied):]:
+        host.update(terms)
+        _WARM.applied.append(terms)
+    host.sampling = SamplingConfig(**config["sampling"])
+    v = Variant(**variant)
+    out = host.sample(tasks_from_wire(tasks[start:stop]), [v], shard_seed(seed, start, v.samples_per_task))
+    return [completion_to_wire(c) for batch in out for c in batch]
 
 
 def save_weights(model: Any, path: Path) -> Path:
-    """Write the model's weights (safetensors, atomically) for shard workers to load."""
+    """Write the model's weights (safetensors, atomically) for workers to load: checkpoint names,
+    LoRA adapters merged (as pushed into a vLLM engine), tied weights once."""
     from safetensors.torch import save_file
 
+    from vrl.generate.weights import weights_for_engine
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu").contiguous() for k, v in weights_for_engine(model)}
     tmp = path.with_name(path.name + ".tmp")
     save_file(state, str(tmp))
     os.replace(tmp, path)
     return path
 
 
-def load_weights(model: Any, path: str | os.PathLike) -> None:
-    """Load a `save_weights` file into `model` (names and shapes must match)."""
+def load_weights_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The tensors of a `save_weights` file, by name, on the GPU when there is one (a vLLM engine
+    then loads them through CUDA IPC handles instead of serialised bytes)."""
+    import torch
     from safetensors.torch import load_file
 
-    state = load_file(str(path))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [m for m in missing if m not in state]:
-        missing = [m for m in missing if m not in state]
-        if missing or unexpected:
-            raise ValueError(f"weights {path} do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return load_file(str(path), device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 # -- `vrl modal prepare` ------------------------------------------------------------------------------
@@ -216,30 +222,3 @@ def check_offline_load(model: str, revision: str | None, root: str | os.PathLike
     cache = str(Path(root) / HF_DIR)
     AutoConfig.from_pretrained(model, revision=revision, cache_dir=cache, local_files_only=True)
     AutoTokenizer.from_pretrained(model, revision=revision, cache_dir=cache, local_files_only=True)
-
-
-# -- the detached orchestrator ----------------------------------------------------------------------
-
-
-def orchestrate(config: dict[str, Any], root: str | os.PathLike, runtime: Any, resume: bool = False,
-                on_iteration: Any = None) -> dict[str, Any]:
-    """Run the whole training loop here (a Modal container), the run directory on the Volume.
-
-    `runtime` is the `ModalRuntime` bound to the app's live functions; `on_iteration` commits the
-    Volume after each iteration so metrics and the ES history survive a lost container, and
-    `resume=True` continues the run directory found on the Volume.
-    """
-    from vrl.config import TrainConfig
-    from vrl.rundir import RunDir
-    from vrl.trainer import Trainer
-
-    run_dir = None
-    if resume:
-        # Continue with the recorded config; only the number of iterations may grow.
-        run_dir = RunDir.open(Path(root) / RUNS_DIR / str(config["logging"]["name"]))
-        config = {**run_dir.config(), "iterations": config["iterations"]}
-    cfg = TrainConfig.model_validate(config)
-    cfg = cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"runs_dir": Path(root) / RUNS_DIR})})
-    trainer = Trainer(cfg, run_dir=run_dir, runtime=runtime, on_iteration=on_iteration)
-    summary = trainer.run()
-    return json.loads(json.dumps(summary, default=str))

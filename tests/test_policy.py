@@ -1,0 +1,160 @@
+"""The sampling contract: a host samples all of an iteration's variants in one call; a pool of
+hosts deals them over engines and returns exactly what one host returns (hf engines on the CPU here;
+the same pool over vLLM engines is tested on a GPU in tests/test_vllm_gpu.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from vrl.config import build
+from vrl.envs.letters import LettersEnvironment
+from vrl.generate.hf import HFGenerator
+from vrl.optim.es import ES, ESHistory
+from vrl.optim.grpo import GRPO
+from vrl.policy import PerturbationSpec, Unsupported, Variant
+from vrl.runtime.local import LocalRuntime
+from vrl.runtime.pool import HostPool
+from vrl.trainer import Trainer
+from vrl.types import Result, Verdict
+
+BASE = {"plugin": "letters", "seed": 3, "tasks_per_iteration": 5,
+        "sampling": {"max_new_tokens": 6, "temperature": 1.0, "batch_size": 2},
+        "generator": {"device": "cpu", "dtype": "float32"},
+        "es": {"population_size": 5, "sigma": 0.05, "alpha": 0.05}}
+
+
+def _key(batches):
+    return sorted((c.variant, c.task_id, c.sample, c.text, tuple(c.token_ids)) for b in batches for c in b)
+
+
+def _hosts(cfg, k):
+    return [HFGenerator.from_config(cfg) for _ in range(k)]
+
+
+def test_one_host_samples_every_variant_perturbed_and_restores():
+    cfg = build(BASE)
+    host = HFGenerator.from_config(cfg)
+    tasks = LettersEnvironment().tasks()[:3]
+    before = {n: p.detach().clone() for n, p in host.model.named_parameters()}
+    with pytest.raises(RuntimeError, match="perturbations"):
+        list(host.sample(tasks, [Variant(index=0, seed=1)]))
+    host.perturbations(PerturbationSpec(("*",), (), 0.5))
+    variants = [Variant(index=0), Variant(index=1, seed=7), Variant(index=2, seed=7, sign=-1), Variant(index=3, samples_per_task=2)]
+    got = [c for b in host.sample(tasks, variants, seed=4) for c in b]
+    assert [sum(c.variant == v.index for c in got) for v in variants] == [3, 3, 3, 6]
+    texts = {v.index: [c.token_ids for c in got if c.variant == v.index] for v in variants}
+    assert texts[1] != texts[0] and texts[2] != texts[1]  # the members really were perturbed, each its own way
+    for v in variants:  # ... and each equals sampling that variant alone
+        with host.applied(v):
+            alone = host.generate(tasks, n=v.samples_per_task, variant=v.index, seed=4)
+        assert [c.token_ids for c in alone] == texts[v.index]
+    assert all(torch.equal(p, before[n]) for n, p in host.model.named_parameters())  # θ bit for bit
+    with pytest.raises(ValueError, match="sign"):
+        list(host.sample(tasks, [Variant(index=0, seed=1, sign=0)]))
+
+
+def test_a_pool_deals_members_and_returns_what_one_host_returns():
+    cfg = build(BASE)
+    tasks = LettersEnvironment().tasks()[:5]
+    spec = PerturbationSpec(("*",), (), 0.3)
+    one, pool = _hosts(cfg, 1)[0], HostPool(_hosts(cfg, 2), granule=2)
+    for h in (one, pool):
+        info = h.perturbations(spec)
+    assert info.numel > 0
+    members = [Variant(index=i, seed=100 + i // 2, sign=1 if i % 2 == 0 else -1) for i in range(5)]
+    work = pool.plan(tasks, members, 9)
+    assert [[vs[0].index for _, vs, _ in calls] for calls in work] == [[0, 2, 4], [1, 3]]  # dealt round-robin
+    assert _key(pool.sample(tasks, members, seed=9)) == _key(one.sample(tasks, members, seed=9))
+    # An update reaches every copy: the pool's engines stay identical to the single host.
+    terms = [(100, 0.01), (101, -0.02)]
+    one.update(terms)
+    pool.update(terms)
+    a, b = one.state(), pool.hosts[1].state()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert _key(pool.sample(tasks, members, seed=9)) == _key(one.sample(tasks, members, seed=9))
+
+
+def test_a_pool_shards_one_variant_over_engines_with_the_single_engine_seeds():
+    cfg = build(BASE)
+    tasks = LettersEnvironment().tasks()[:7]
+    one, pool = _hosts(cfg, 1)[0], HostPool(_hosts(cfg, 2), granule=2)
+    v = Variant(index=0, samples_per_task=3)
+    work = pool.plan(tasks, [v], 5)
+    assert [[(len(shard), seed) for shard, _, seed in calls] for calls in work] == [[(4, 5)], [(3, 5 + 4 * 3)]]
+    assert _key(pool.sample(tasks, [v], seed=5)) == _key(one.sample(tasks, [v], seed=5))
+
+
+def test_publish_reaches_every_engine_of_the_pool():
+    cfg = build(BASE)
+    tasks = LettersEnvironment().tasks()[:4]
+    pool = HostPool(_hosts(cfg, 2), granule=2)
+    model = pool.trainable().model
+    assert model is pool.hosts[0].model
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    pool.publish(model)
+    second = dict(pool.hosts[1].model.named_parameters())
+    assert all(torch.equal(p, second[n]) for n, p in model.named_parameters())
+    v = Variant(index=0, samples_per_task=2)
+    assert _key(pool.sample(tasks, [v], seed=1)) == _key(HostPool(pool.hosts[:1]).sample(tasks, [v], seed=1))
+
+
+def test_an_error_on_one_engine_stops_the_iteration_with_that_error():
+    cfg = build(BASE)
+    hosts = _hosts(cfg, 2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("engine 1 lost its GPU")
+        yield  # pragma: no cover
+
+    hosts[1].sample = broken
+    with pytest.raises(RuntimeError, match="engine 1 lost its GPU"):
+        list(HostPool(hosts).sample(LettersEnvironment().tasks()[:2], [Variant(index=i) for i in range(4)]))
+
+
+@pytest.mark.parametrize("optimizer", ["es", "grpo"])
+def test_vrl_train_with_two_engines_matches_one_engine(tmp_path: Path, optimizer: str):
+    """The whole loop with generator.engines=2 (two hf engines on this CPU) writes the same samples,
+    metrics and ES history as with one engine: where a member or a shard ran does not matter."""
+    rows = {}
+    for engines in (1, 2):
+        cfg = build(BASE, {"optimizer": optimizer, "iterations": 2, "generator": {"engines": engines},
+                           "grpo": {"num_generations": 3, "learning_rate": 1e-2, "lr_scheduler_type": "constant"},
+                           "logging": {"runs_dir": str(tmp_path), "name": f"{optimizer}-{engines}"}})
+        Trainer(cfg, environment=LettersEnvironment(), runtime=LocalRuntime(), console=Console(file=io.StringIO())).run()
+        run = tmp_path / f"{optimizer}-{engines}"
+        metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        rows[engines] = [{k: r[k] for k in ("reward_mean", "tokens", "completions")} for r in metrics]
+        samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+        rows[engines].append([{**r, "verdict": {**r["verdict"], "elapsed_s": None}} for r in samples])
+        if optimizer == "es":
+            rows[engines].append(ESHistory.read(run / "es_history.json").iterations)
+    assert rows[1] == rows[2]
+
+
+def test_optimizers_only_use_the_contract():
+    """An optimizer works with any PolicyHost: a host that cannot train refuses GRPO with a reason."""
+    cfg = build(BASE)
+
+    class SampleOnly(HFGenerator):
+        def trainable(self):
+            raise Unsupported("sample-only host")
+
+    host = SampleOnly.from_config(cfg)
+    with pytest.raises(Unsupported, match="sample-only host"):
+        GRPO(cfg.grpo, total_iterations=1).setup(host)
+    es = ES(cfg.es, base={"model": "tiny"})
+    es.setup(host)
+    variants = es.ask()
+    tasks = LettersEnvironment().tasks()[:2]
+    results = [Result(task=next(t for t in tasks if t.id == c.task_id), completion=c, verdict=Verdict.ok(),
+                      reward=float(c.variant)) for b in host.sample(tasks, variants, seed=1) for c in b]
+    metrics = es.tell(results)
+    assert metrics["es/member_reward_max"] == len(variants) - 1 and es.iteration == 1

@@ -1,0 +1,41 @@
+"""A model's weights under its checkpoint's names, as another copy (an engine, a file) loads them."""
+
+from __future__ import annotations
+
+import torch
+
+
+def weights_for_engine(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's weights under the checkpoint's (HF) names, as the engine loads them.
+
+    LoRA (peft injects `base_layer` + `lora_A/B` into the model): each adapted layer is sent as one
+    merged weight W + ΔW computed out of place (peft's own `get_delta_weight`), so the engine serves
+    the adapted policy while the trainable base stays untouched (merging in place and unmerging
+    again would not give back W's bits in bf16). Without adapters the parameters go as they are.
+    """
+    lora = {
+        name: m for name, m in model.named_modules() if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")
+    }
+    if not lora:
+        return [(n, p.detach()) for n, p in model.named_parameters()]
+    out: list[tuple[str, torch.Tensor]] = []
+    with torch.no_grad():
+        for name, m in lora.items():
+            base = m.base_layer
+            weight = base.weight.detach()
+            if not (m.merged or m.disable_adapters):  # merged: W already holds ΔW
+                for adapter in m.active_adapters:
+                    if adapter in m.lora_A:
+                        # As peft's merge: the sum in fp32 (adapters are often fp32), rounded once.
+                        weight = (weight.float() + m.get_delta_weight(adapter).float()).to(weight.dtype)
+            out.append((f"{name}.weight", weight))
+            if getattr(base, "bias", None) is not None:
+                out.append((f"{name}.bias", base.bias.detach()))
+        inside = tuple(f"{name}." for name in lora)
+        for n, p in model.named_parameters():
+            if n.startswith(inside):
+                continue
+            if "modules_to_save" in n or "original_module" in n:
+                raise ValueError(f"cannot sync peft modules_to_save ({n}) into the engine; adapt those layers with LoRA")
+            out.append((n, p.detach()))
+    return out

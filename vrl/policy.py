@@ -1,0 +1,126 @@
+"""The contract between update rules and the places policies run.
+
+An optimizer never drives an engine. It asks for `Variant`s (data: which policy to sample) and
+changes the weights only through a `PolicyHost`, whatever holds copies of them: an in-process
+transformers module, a vLLM engine, K engines on several GPUs, or Modal GPU workers. One iteration::
+
+    variants = optimizer.ask()                          # ES: N seeded members; GRPO: θ with G samples
+    for batch in host.sample(tasks, variants, seed):    # every variant, on every engine, streamed
+        ... verify, shape ...
+    optimizer.tell(results)                             # ES: host.update(terms); GRPO: train, host.publish(model)
+
+A host offers two ways to move weights, one per family of update rules:
+
+- **Seeded perturbations** (ES): `perturbations(spec)` selects the parameters and the noise; a
+  variant with a `seed` is sampled from θ + sign·σ·ε(seed) and θ is restored exactly afterwards;
+  `update(terms)` adds Σⱼ cⱼ·ε(seedⱼ) to θ on every copy. The state is replayable from seeds.
+- **Trained weights** (GRPO): `trainable()` is the in-process model a gradient step changes;
+  `publish(model)` makes every sampling copy use that model's weights.
+
+A new update rule uses one of these (or both) and needs no change here; a new runtime implements
+`PolicyHost` (or deals variants over hosts that do, as `vrl.runtime.pool.HostPool` does).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from vrl.types import Completion, Task
+
+Moves = Literal["perturbations", "trained"]
+"""How an update rule moves the weights: seeded perturbations (ES) or trained weights (GRPO). A
+runtime gets it before placing hosts, so settings that cannot work are refused before an engine starts."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One policy to sample this iteration."""
+
+    index: int
+    samples_per_task: int = 1
+    seed: int | None = None  # a seeded perturbation of θ (an ES member); None: θ itself
+    sign: int = 1  # +1 or -1 (antithetic pairs share a seed)
+
+
+@dataclass(frozen=True)
+class PerturbationSpec:
+    """Which parameters seeded variants perturb and how (declared once by the optimizer)."""
+
+    include: tuple[str, ...]
+    exclude: tuple[str, ...]
+    sigma: float
+    noise: Literal["full", "lowrank"] = "full"
+    rank: int = 0  # lowrank only
+
+
+@dataclass(frozen=True)
+class WeightsInfo:
+    """What a host's perturbable weights are: the selected parameter names, their size and dtype."""
+
+    names: tuple[str, ...]
+    numel: int
+    dtype: str
+    exportable: bool = True  # `state()` works here (False: the weights live on remote workers)
+
+
+@dataclass
+class Trainable:
+    """The in-process model a gradient-based optimizer trains, with its tokenizer and sampling settings."""
+
+    model: Any
+    tokenizer: Any
+    sampling: Any
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Unsupported(RuntimeError):
+    """A host cannot move its weights the way an optimizer asks (says which setting to change)."""
+
+
+class PolicyHost(ABC):
+    """Holds copies of the policy's weights and samples from variants of them."""
+
+    name: str = "host"
+
+    # -- sampling (the trainer, through the runtime) ----------------------------------------------
+    @abstractmethod
+    def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
+               ) -> Iterator[list[Completion]]:
+        """Completions of every variant (`samples_per_task` per task, tagged with the variant's index),
+        yielded in batches as they finish, so verification starts while sampling goes on.
+
+        Sampling seeds depend only on (seed, variant, task position, sample), never on which engine
+        ran the variant: a pool of hosts returns what one host returns.
+        """
+
+    # -- seeded perturbations (ES) -----------------------------------------------------------------
+    def perturbations(self, spec: PerturbationSpec) -> WeightsInfo:
+        """Select the parameters seeded variants perturb and keep an fp32 master θ of them."""
+        raise Unsupported(f"{self.name} cannot apply seeded perturbations")
+
+    def update(self, terms: Sequence[tuple[int, float]]) -> None:
+        """θ ← θ + Σⱼ cⱼ·s(seedⱼ) on every copy (`s`: the integer noise of `vrl.optim.noise`)."""
+        raise Unsupported(f"{self.name} cannot apply seeded updates")
+
+    def state(self) -> dict[str, Any]:
+        """θ of the perturbable parameters (fp32 CPU tensors by name), for snapshots."""
+        raise Unsupported(f"{self.name} cannot export its weights")
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Set θ of the perturbable parameters (from `state`) on every copy."""
+        raise Unsupported(f"{self.name} cannot load weights")
+
+    # -- trained weights (GRPO) --------------------------------------------------------------------
+    def trainable(self) -> Trainable:
+        """The in-process model to train; built on first call (a vLLM host loads an HF copy then)."""
+        raise Unsupported(f"{self.name} has no trainable in-process model")
+
+    def publish(self, model: Any) -> None:
+        """Make sampling use `model`'s weights from the next `sample` on (after each update)."""
+        raise Unsupported(f"{self.name} cannot load trained weights")
+
+    def close(self) -> None:
+        """Free engines and memory."""

@@ -1,0 +1,135 @@
+"""A pool of hosts with identical weights, sampled as one host.
+
+`HostPool.sample` deals an iteration's variants over the hosts (ES: members round-robin, each host
+running its members in turn on its own copy of the weights) or, when there are fewer variants than
+hosts (GRPO's one variant), shards the tasks; every host runs in its own thread and completion
+batches stream back as each host finishes them. Weight changes go to every host, so the copies stay
+identical: the same seeded updates, or the same trained weights published to each.
+
+Sampling seeds depend on the task's position in the iteration, not on the host (`shard_seed`), so a
+pool returns what a single host returns.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from vrl.generate.base import shard_seed
+from vrl.policy import PerturbationSpec, PolicyHost, Trainable, Variant, WeightsInfo
+from vrl.types import Completion, Task
+
+_DONE = object()
+
+
+class HostPool(PolicyHost):
+    """K hosts holding the same weights; see the module docstring."""
+
+    name = "pool"
+
+    def __init__(self, hosts: Sequence[PolicyHost], granule: int = 1):
+        if not hosts:
+            raise ValueError("a host pool needs at least one host")
+        self.hosts = list(hosts)
+        self.granule = max(1, granule)  # task shards start at multiples of this (the hosts' batch size)
+
+    # -- sampling ------------------------------------------------------------------------------------
+    def plan(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None
+             ) -> list[list[tuple[Sequence[Task], list[Variant], int | None]]]:
+        """Per host, the (tasks, variants, seed) calls it makes this iteration."""
+        k = len(self.hosts)
+        work: list[list[tuple[Sequence[Task], list[Variant], int | None]]] = [[] for _ in range(k)]
+        if len(variants) >= k or len(tasks) < 2:
+            for i, v in enumerate(variants):
+                work[i % k].append((tasks, [v], seed))
+            return work
+        # Fewer variants than hosts: each variant's tasks are split into contiguous shards.
+        per_host = -(-len(tasks) // k)
+        size = -(-per_host // self.granule) * self.granule
+        h = 0
+        for v in variants:
+            for start in range(0, len(tasks), size):
+                work[h % k].append((tasks[start : start + size], [v], shard_seed(seed, start, v.samples_per_task)))
+                h += 1
+        return work
+
+    def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
+               ) -> Iterator[list[Completion]]:
+        if len(self.hosts) == 1:
+            yield from self.hosts[0].sample(tasks, variants, seed)
+            return
+        work = self.plan(tasks, variants, seed)
+        out: queue.Queue[Any] = queue.Queue()
+        stop = threading.Event()
+
+        def run(host: PolicyHost, calls: list[tuple[Sequence[Task], list[Variant], int | None]]) -> None:
+            try:
+                for shard, vs, s in calls:
+                    stream = host.sample(shard, vs, s)
+                    try:
+                        for batch in stream:
+                            out.put(batch)
+                            if stop.is_set():
+                                return
+                    finally:
+                        stream.close()  # an engine aborts what it still has running
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer's thread
+                out.put(exc)
+            finally:
+                out.put(_DONE)
+
+        threads = [threading.Thread(target=run, args=(host, calls), name=f"vrl-host-{i}", daemon=True)
+                   for i, (host, calls) in enumerate(zip(self.hosts, work)) if calls]
+        for t in threads:
+            t.start()
+        running = len(threads)
+        try:
+            while running:
+                item = out.get()
+                if item is _DONE:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+
+    # -- weights: every copy changes the same way ---------------------------------------------------
+    def perturbations(self, spec: PerturbationSpec) -> WeightsInfo:
+        infos = [h.perturbations(spec) for h in self.hosts]
+        if any(i != infos[0] for i in infos[1:]):
+            raise RuntimeError(f"the pool's hosts select different parameters: {[(i.numel, i.dtype) for i in infos]}")
+        return infos[0]
+
+    def update(self, terms: Sequence[tuple[int, float]]) -> None:
+        for h in self.hosts:
+            h.update(terms)
+
+    def state(self) -> dict[str, Any]:
+        return self.hosts[0].state()  # the copies are identical
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        for h in self.hosts:
+            h.load_state(state)
+
+    def trainable(self) -> Trainable:
+        return self.hosts[0].trainable()
+
+    def publish(self, model: Any) -> None:
+        for h in self.hosts:
+            h.publish(model)
+
+    def close(self) -> None:
+        errors = []
+        for h in self.hosts:
+            try:
+                h.close()
+            except Exception as exc:  # noqa: BLE001 - close every host, then report
+                errors.append(exc)
+        if errors:
+            raise errors[0]
