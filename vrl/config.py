@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from vrl.optim.es import ESConfig
-from vrl.optim.grpo import GRPOConfig
+from vrl.optim import OPTIMIZERS, optimizer_class
 
 
 class _Section(BaseModel):
@@ -111,8 +110,9 @@ class VerifierConfig(_Section):
 class RuntimeConfig(_Section):
     """Where generation and verification run. The fields after `kind` apply to `kind: modal` (docs/modal.md)."""
 
-    kind: Literal["local", "modal"] = Field(
-        "local", description="'local': this machine; 'modal': GPU functions and verifier sandboxes on Modal."
+    kind: str = Field(
+        "local", description="'local': this machine; 'modal': GPU functions and verifier sandboxes on Modal "
+        "(the list: vrl.runtime.RUNTIMES)."
     )
     app_name: str = Field("vrl", min_length=1, description="Modal app name (shown in the Modal dashboard).")
     gpu: str = Field("H100", min_length=1, description="GPU type of the generation functions, e.g. 'H100', 'A100-80GB', 'L40S'.")
@@ -136,6 +136,15 @@ class RuntimeConfig(_Section):
     orchestrator_gpu: str | None = Field(
         None, description="GPU for the detached orchestrator (GRPO trains there); None: CPU only (ES needs none)."
     )
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, value: str) -> str:
+        from vrl.runtime import RUNTIMES
+
+        if value not in RUNTIMES:
+            raise ValueError(f"Input should be {' or '.join(map(repr, RUNTIMES))}")
+        return value
+
     verify_in: Literal["sandbox", "local"] = Field(
         "sandbox", description="'sandbox': verifiers run in Modal Sandboxes; 'local': in the orchestrator process."
     )
@@ -166,7 +175,7 @@ class LoggingConfig(_Section):
     wandb_project: str = Field("vrl", description="W&B project name.")
 
 
-class TrainConfig(_Section):
+class _RunConfig(_Section):
     """Everything a training run needs. `vrl train --help` lists the flags that set these."""
 
     plugin: str = Field("countdown", description="Environment name, as listed by `vrl plugins`.")
@@ -174,7 +183,7 @@ class TrainConfig(_Section):
         default_factory=dict, description="Keyword options passed to the environment (e.g. a server URL)."
     )
     model: str = Field("tiny", description="Hugging Face model id or local path; 'tiny' builds a small local model.")
-    optimizer: Literal["es", "grpo"] = Field("es", description="Update rule: 'es' or 'grpo'.")
+    optimizer: str = Field("es", description="Update rule: 'es' or 'grpo' (the list: vrl.optim.OPTIMIZERS).")
     iterations: int = Field(10, ge=1, description="Training iterations.")
     tasks_per_iteration: int = Field(8, ge=1, description="Tasks drawn per iteration.")
     split: str = Field("train", description="Environment split to train on.")
@@ -184,14 +193,33 @@ class TrainConfig(_Section):
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    es: ESConfig = Field(default_factory=ESConfig)
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+
+    @field_validator("optimizer")
+    @classmethod
+    def _known_optimizer(cls, value: str) -> str:
+        if value not in OPTIMIZERS:
+            raise ValueError(f"Input should be {' or '.join(map(repr, OPTIMIZERS))}")
+        return value
 
     @model_validator(mode="after")
-    def _check_plugin(self) -> TrainConfig:
+    def _check_plugin(self) -> _RunConfig:
         if not self.plugin.strip():
             raise ValueError("plugin must be a non-empty environment name")
         return self
+
+
+def _optimizer_sections() -> dict[str, Any]:
+    """One section per registered update rule, named after it (`es`, `grpo`), holding its settings."""
+    out: dict[str, Any] = {}
+    for name in OPTIMIZERS:
+        section = optimizer_class(name).Config
+        out[name] = (section, Field(default_factory=section, description=(section.__doc__ or "").strip()))
+    return out
+
+
+# The run's settings plus one section per update rule: a new rule needs no edit here.
+TrainConfig = create_model("TrainConfig", __base__=_RunConfig, __module__=__name__, **_optimizer_sections())
+TrainConfig.__doc__ = _RunConfig.__doc__
 
 
 class ConfigError(ValueError):

@@ -18,6 +18,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from vrl.policy import Moves, PolicyHost, Variant
 from vrl.types import Result
 
@@ -28,8 +30,14 @@ class Optimizer(ABC):
     """An update rule. Subclasses keep their own state and persist it under the run directory."""
 
     name: str = "optimizer"
+    Config: type[BaseModel]  # its settings: the config section named after the rule (`config.<name>`)
     moves: Moves = "perturbations"  # how this rule changes weights (see `vrl.policy.Moves`)
     host: PolicyHost | None = None
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: Any) -> Optimizer:
+        """The rule configured for a run (a `TrainConfig`: its own section, the seed, the run length)."""
 
     def setup(self, host: PolicyHost) -> None:
         """Attach to the host whose weights this optimizer moves. Called once before `ask`."""

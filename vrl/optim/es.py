@@ -221,6 +221,7 @@ class ES(Optimizer):
     """Evolution Strategies behind the ask/tell contract; state = `ESHistory`."""
 
     name = "es"
+    Config = ESConfig
     moves = "perturbations"
 
     def __init__(self, config: ESConfig, seed: int = 0, base: dict[str, Any] | None = None):
@@ -229,6 +230,10 @@ class ES(Optimizer):
         self.host: PolicyHost | None = None
         self.history: ESHistory | None = None
         self._variants: list[Variant] | None = None
+
+    @classmethod
+    def from_config(cls, config: Any) -> ES:
+        return cls(config.es, seed=config.seed, base={"model": config.model, "revision": config.generator.revision})
 
     def setup(self, host: PolicyHost) -> None:
         """Have the host select the parameters and keep θ₀ (an fp32 master) of them; start the history."""

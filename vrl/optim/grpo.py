@@ -204,12 +204,17 @@ class GRPO(Optimizer):
     """GRPO on the host's trainable in-process model; trained weights are published to the host."""
 
     name = "grpo"
+    Config = GRPOConfig
     moves = "trained"
 
     def __init__(self, config: GRPOConfig, seed: int = 0, total_iterations: int | None = None):
         self.config, self.seed, self.total_iterations = config, seed, total_iterations
         self._iteration = 0  # finished tell() calls
         self.step = 0  # optimizer steps taken
+
+    @classmethod
+    def from_config(cls, config: Any) -> GRPO:
+        return cls(config.grpo, seed=config.seed, total_iterations=config.iterations)
 
     @property
     def iteration(self) -> int:

@@ -21,6 +21,9 @@ from vrl.verifier import Verifier
 class LocalRuntime(Runtime):
     name = "local"
 
+    def __init__(self, config: Any = None):
+        """Nothing to start until `policy`: engines follow the config they are given there."""
+
     def policy(self, config: Any, moves: Moves | None = None) -> PolicyHost:
         g = config.generator
         if g.engines == 1 and not g.gpus:

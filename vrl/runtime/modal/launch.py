@@ -32,6 +32,15 @@ def prepare(config: Any, model: str, revision: str | None = None) -> dict[str, A
         raise RuntimeError(NO_ACCOUNT.format(error=exc)) from None
 
 
+def modal_runtime(config: Any) -> Any:
+    """The `modal` runtime of `vrl.runtime.RUNTIMES`: credentials first, then the run's app."""
+    from vrl.runtime.modal.app import build_app
+    from vrl.runtime.modal.runtime import ModalRuntime
+
+    require_credentials()  # before building anything
+    return ModalRuntime(config, app=build_app(config))
+
+
 def read_volume_file(volume: str, path: str) -> bytes:
     """A file of a Modal Volume (needs an account)."""
     import modal
