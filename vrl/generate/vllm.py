@@ -5,11 +5,11 @@
   tokens' log-probs under the temperature-scaled distribution (vLLM's `processed_logprobs`). All
   prompts go into the engine at once; completions stream out in batches as requests finish, so
   the verifier starts while the engine is still generating.
-- ES: `es_params` hands the ES optimizer an `EngineParams`, which perturbs, restores and updates
+- ES: `perturbations` (the `PolicyHost` contract) builds an `EngineParams`, which perturbs, restores and updates
   the engine's own (fused) weight tensors through `vrl.generate.vllm_worker.VRLWorkerExtension`,
   with the noise of the `hf` backend (same seeds, same HF parameter names, same values).
-- GRPO: the trainable Hugging Face model lives in this process (`.model`, on `generator.device`);
-  `sync_weights` pushes it into the engine in place (CUDA IPC handles + the model's own
+- GRPO: the trainable Hugging Face model lives in this process (`trainable()` loads it on
+  `generator.device`); `publish` pushes it into the engine in place (CUDA IPC handles + the model's own
   `load_weights`), every `generator.sync_every` updates. With `generator.sleep` the engine frees
   its GPU memory between generation passes so training can use it (colocated mode).
 
@@ -372,8 +372,8 @@ class VLLMGenerator(Generator):
 
     # -- ES inside the engine ------------------------------------------------------------------------
     def es_params(self, include: Sequence[str], exclude: Sequence[str]) -> EngineParams:
-        """The ES optimizer's view of the engine's weights (see `vrl.optim.es.ES.setup`)."""
-        from vrl.optim.es import select_parameters
+        """The engine's selected weights as seeded perturbations move them (an fp32 θ in the worker)."""
+        from vrl.optim.params import select_parameters
 
         chosen = select_parameters(hf_meta_model(self.model_path, self.revision), include, exclude)
         self._es = EngineParams(self, {n: list(p.shape) for n, p in chosen})
