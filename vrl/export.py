@@ -83,8 +83,16 @@ def _save(model, tokenizer, folder: Path) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.clone()
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no per-shard bar on the console
+    try:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 # -- ES -----------------------------------------------------------------------------------------------
