@@ -80,7 +80,8 @@ class MLflowSink(Sink):
     def start(self, run_dir: Path, config: dict[str, Any], ids: dict[str, str]) -> str | None:
         if self.uri.startswith("sqlite:///"):
             Path(self.uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        self.client = self.client_class(tracking_uri=self.uri, registry_uri=self.uri)
+        # The registry is never used; naming it keeps MLflow from resolving (and warning about) its own default.
+        self.client = self.client_class(tracking_uri=self.uri, registry_uri=os.environ.get("MLFLOW_REGISTRY_URI") or self.uri)
         if ids.get(self.name):  # resume: the same MLflow run
             self.run_id = ids[self.name]
             self.client.update_run(self.run_id, status="RUNNING")
