@@ -94,6 +94,7 @@ def from_folder_of(model, tokenizer) -> list[str]:
     return greedy(HFGenerator(model.eval(), tokenizer, GREEDY))
 
 
+@pytest.mark.slow  # subprocesses / training runs: tens of seconds on a loaded 2-core machine
 @pytest.mark.parametrize("snapshot_every", [0, 2])
 def test_es_export_reproduces_the_trained_model(tmp_path, monkeypatch, snapshot_every):
     run_dir, live = train(tmp_path, monkeypatch, "es", es={"snapshot_every": snapshot_every})
@@ -102,6 +103,7 @@ def test_es_export_reproduces_the_trained_model(tmp_path, monkeypatch, snapshot_
     assert info["replayed_from"] == (2 if snapshot_every else 0)  # the snapshot at 2, then one replayed iteration
 
 
+@pytest.mark.slow  # subprocesses / training runs: tens of seconds on a loaded 2-core machine
 @pytest.mark.parametrize("lora", [False, True])
 def test_grpo_export_reproduces_the_trained_model(tmp_path, monkeypatch, lora):
     grpo = {"num_generations": 4, "save_every": 2}

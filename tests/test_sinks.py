@@ -47,6 +47,7 @@ def cli(tmp_path, *args, env=None):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # subprocesses / training runs: tens of seconds on a loaded 2-core machine
 def test_mlflow_works_with_no_environment_variables(tmp_path):
     """The real CLI with no MLFLOW_* variable logs to <runs_dir>/.mlflow/mlflow.db; read back with MLflow's client."""
     pytest.importorskip("mlflow")
@@ -86,6 +87,7 @@ def test_mlflow_resume_continues_the_run_and_respects_the_tracking_uri(tmp_path,
     assert "status/failed" in run.data.metrics
 
 
+@pytest.mark.slow  # subprocesses / training runs: tens of seconds on a loaded 2-core machine
 def test_a_sink_that_cannot_start_stops_the_run_before_iteration_0(tmp_path):
     """An unusable tracking URI: one error line, exit 2, no run directory; best effort trains without it."""
     pytest.importorskip("mlflow")
