@@ -213,6 +213,21 @@ def test_reference_model_gets_no_gradient(monkeypatch):
     assert any(not torch.equal(v, initial[k]) for k, v in gen.model.state_dict().items())
 
 
+def test_bias_correction_kl_setting_reaches_the_update(monkeypatch):
+    """grpo.use_bias_correction_kl changes the KL gradient once the policy has left the reference."""
+    grads = {}
+    for corrected in (True, False):
+        gen = make_generator()
+        seen = capture_grads(monkeypatch)
+        opt = make_grpo(gen, beta=0.5, learning_rate=1e-2, use_bias_correction_kl=corrected)
+        opt.tell(sample_results(gen, seed=1))
+        opt.tell(sample_results(gen, seed=2))
+        grads[corrected] = list(seen[:2])
+    # Step 1: π_θ = π_ref, the KL gradient is 0 either way; step 2: β·ρ·(lp − ref) vs β·(1 − e^(ref−lp)).
+    assert all(torch.equal(a, b) for a, b in zip(grads[True][0], grads[False][0]))
+    assert any(not torch.allclose(a, b) for a, b in zip(grads[True][1], grads[False][1]))
+
+
 def test_num_iterations_uses_stored_old_logprobs(monkeypatch):
     gen = make_generator()
     results = sample_results(gen)

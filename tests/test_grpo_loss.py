@@ -116,6 +116,71 @@ def test_kl_gradient_is_the_k3_derivative():
             assert float(logps.grad[i, t]) == pytest.approx(want, abs=1e-7)
 
 
+def corrected_token_loss(lp: float, old: float, ref: float, adv: float, eps: float, beta: float) -> float:
+    """use_bias_correction_kl: ℓ = −min(ρA, clip(ρ, 1−ε, 1+ε)·A) + β·ρ·(e^(ref−lp) − (ref−lp) − 1)."""
+    rho = math.exp(lp - old)
+    d = ref - lp
+    return -min(rho * adv, min(max(rho, 1 - eps), 1 + eps) * adv) + beta * rho * (math.exp(d) - d - 1)
+
+
+def corrected_token_grad(lp: float, old: float, ref: float, adv: float, eps: float, beta: float) -> float:
+    """dℓ/dlp written out: surrogate −ρA (0 where clipped) plus β·d(ρ·k3)/dlp = β·ρ·(lp − ref)."""
+    rho = math.exp(lp - old)
+    clipped = (adv > 0 and rho > 1 + eps) or (adv < 0 and rho < 1 - eps)
+    return (0.0 if clipped else -rho * adv) + beta * rho * (lp - ref)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_bias_corrected_kl_matches_the_written_out_formula(loss_type):
+    """Value and gradient of the loss with the KL term weighted by ρ = π_θ/π_old, off-policy (old ≠ logp)."""
+    logps, old, ref, mask, adv = tensors()
+    beta, eps = 1.0, 0.2
+    loss, stats = grpo_loss(logps, old, adv, mask, loss_type=loss_type, epsilon=eps, beta=beta, ref_logps=ref,
+                            use_bias_correction_kl=True, max_completion_length=6)
+    loss.backward()
+    n_tokens = sum(map(sum, MASK))
+    cells = [(i, t) for i in range(3) for t in range(4)]
+    args = {c: (LOGPS[c[0]][c[1]], OLD[c[0]][c[1]], REF[c[0]][c[1]], ADV[c[0]], eps, beta) for c in cells}
+
+    def norm(i: int) -> float:  # what each token's loss is divided by
+        return {"grpo": sum(MASK[i]) * 3, "dapo": n_tokens, "dr_grpo": 3 * 6}[loss_type]
+
+    want = sum(corrected_token_loss(*args[(i, t)]) / norm(i) for i, t in cells if MASK[i][t])
+    assert float(loss.detach()) == pytest.approx(want, rel=1e-5)
+    for i, t in cells:
+        g = corrected_token_grad(*args[(i, t)]) / norm(i) if MASK[i][t] else 0.0
+        assert float(logps.grad[i, t]) == pytest.approx(g, abs=1e-6), (i, t)
+    kl = sum(math.exp(LOGPS[i][t] - OLD[i][t]) * (math.exp(REF[i][t] - LOGPS[i][t]) - (REF[i][t] - LOGPS[i][t]) - 1)
+             for i, t in cells if MASK[i][t])
+    assert float(stats["kl_sum"]) == pytest.approx(kl, rel=1e-5)  # the KL that enters the loss (as TRL logs it)
+    # The correction changes this batch's loss: the test could not pass with the flag ignored.
+    plain, _ = grpo_loss(logps, old, adv, mask, loss_type=loss_type, epsilon=eps, beta=beta, ref_logps=ref,
+                         max_completion_length=6)
+    assert abs(float(plain.detach()) - want) > 1e-3
+
+
+def test_bias_corrected_kl_on_policy_same_value_other_gradient():
+    """On-policy (π_old = π_θ, ρ ≡ 1 in value) the loss value is the same, but the KL gradient changes from
+    β(1 − e^(ref−lp)) (plain k3) to β(lp − ref): the exact gradient of KL(π_θ ‖ π_ref) for the sampled token."""
+    grads, values = {}, {}
+    for corrected in (False, True):
+        logps, _, ref, mask, _ = tensors()
+        loss, _ = grpo_loss(logps, logps.detach(), torch.zeros(3), mask, loss_type="dapo", epsilon=0.2, beta=0.5,
+                            ref_logps=ref, use_bias_correction_kl=corrected)
+        loss.backward()
+        values[corrected], grads[corrected] = float(loss.detach()), logps.grad.clone()
+    assert values[True] == pytest.approx(values[False], rel=1e-6)
+    n_tokens = sum(map(sum, MASK))
+    for i in range(3):
+        for t in range(4):
+            lp, r = LOGPS[i][t], REF[i][t]
+            plain = 0.5 * (1 - math.exp(r - lp)) / n_tokens if MASK[i][t] else 0.0
+            exact = 0.5 * (lp - r) / n_tokens if MASK[i][t] else 0.0
+            assert float(grads[False][i, t]) == pytest.approx(plain, abs=1e-7)
+            assert float(grads[True][i, t]) == pytest.approx(exact, abs=1e-7)
+    assert not torch.allclose(grads[True], grads[False])
+
+
 def test_padding_and_masked_rows_do_not_contribute():
     logps, old, _ref, mask, adv = tensors()
     garbage = logps.detach().clone()
@@ -181,3 +246,4 @@ def test_config_errors_name_the_field():
     # A recorded config (every field written out, as in a run directory) loads back for resume.
     assert build(build({"optimizer": "grpo"}).model_dump(mode="json")).grpo == GRPOConfig()
     assert GRPOConfig().loss_type == "dapo" and GRPOConfig().beta == 0.0  # TRL's current defaults
+    assert GRPOConfig().use_bias_correction_kl is True  # TRL 1.16's default (docs/grpo.md says why)

@@ -1,4 +1,4 @@
-"""The `vrl` command line: train, eval, verify, plugins."""
+"""The `vrl` command line: train, eval, export, verify, config, report, plugins, modal."""
 
 from __future__ import annotations
 
@@ -139,8 +139,8 @@ def train(plugin, optimizer, model, config_file, iterations, name, resume, overr
 
 
 @main.command(name="eval")
-@click.option("--plugin", "-p", help="Environment (see `vrl plugins`). Default: countdown.")
-@click.option("--model", "-m", help="Hugging Face id or local path; 'tiny' builds a small local model.")
+@click.option("--plugin", "-p", help="Environment (see `vrl plugins`). Default: countdown, or the run's with a run directory.")
+@click.option("--model", "-m", help="Hugging Face id, local path, a run directory (its trained model), or 'tiny'.")
 @click.option("--split", default="test", show_default=True, help="Environment split to evaluate on.")
 @click.option("--k", "k", type=int, default=1, show_default=True, help="Samples per task; reports pass@1..k.")
 @click.option("--limit", type=int, default=50, show_default=True, help="Tasks to evaluate (0: all).")
@@ -149,17 +149,32 @@ def train(plugin, optimizer, model, config_file, iterations, name, resume, overr
 @click.option("-o", "--option", "env_options", multiple=True, metavar="KEY=VALUE", help=_opt_help)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def eval_(plugin, model, split, k, limit, config_file, overrides, env_options, as_json) -> None:
-    """Measure pass@k of a model on an environment split."""
+    """Measure pass@k of a model on an environment split.
+
+    --model may name a run directory: its trained model is exported to a temporary folder first
+    (as `vrl export` does) and the run's plugin is the default.
+    """
+    import tempfile
+
     from vrl.evaluate import evaluate
+    from vrl.export import export_run, is_run_dir
     from vrl.plugins import UnknownNameError
 
     if k < 1:
         _fail("--k must be at least 1")
-    try:
-        cfg = _resolve_config(config_file, {"plugin": plugin, "model": model}, overrides, env_options)
-        report = evaluate(cfg, split=split, k=k, limit=limit or None, console=console)
-    except (ConfigError, UnknownNameError, ValueError) as exc:
-        _fail(str(exc))
+    with tempfile.TemporaryDirectory(prefix="vrl-eval-") as tmp:
+        try:
+            shown = model
+            if model and is_run_dir(model):
+                plugin = plugin or json.loads((Path(model) / "config.json").read_text())["plugin"]
+                info = export_run(model, Path(tmp) / "model")
+                console.print(f"evaluating {model} (iteration {info['iteration']}, {info['optimizer']})")
+                model = info["out"]
+            cfg = _resolve_config(config_file, {"plugin": plugin, "model": model}, overrides, env_options)
+            report = evaluate(cfg, split=split, k=k, limit=limit or None, console=console)
+        except (ConfigError, UnknownNameError, ValueError, RuntimeError) as exc:
+            _fail(str(exc))
+        cfg.model = shown or cfg.model
     if as_json:
         click.echo(json.dumps(report))
         return
@@ -171,6 +186,30 @@ def eval_(plugin, model, split, k, limit, config_file, overrides, env_options, a
     for status, count in report["statuses"].items():
         table.add_row(f"verdicts {status}", str(count))
     Console().print(table)
+
+
+@main.command()
+@click.argument("run", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="New (or empty) directory for the model.")
+@click.option("--device", default="auto", show_default=True, help="Where to rebuild the weights: auto (a GPU if any), cpu, cuda.")
+def export(run, out, device) -> None:
+    """Write a run's trained model as a Hugging Face model folder (weights, config, tokenizer).
+
+    \b
+      vrl export runs/countdown-es-20250101-120000 --out models/countdown-es
+      vrl eval --model models/countdown-es          # or AutoModelForCausalLM.from_pretrained(...)
+
+    ES replays the run's history onto its base model; GRPO takes its newest checkpoint, with a LoRA
+    adapter merged into the base weights. See docs/cli.md.
+    """
+    from vrl.export import export_run
+
+    try:
+        info = export_run(run, out, device=device)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    console.print(f"wrote {info['out']}: {info['optimizer']} after iteration {info['iteration']} of {run} "
+                  f"(base {info['base_model']}{', LoRA merged' if info.get('lora') else ''})")
 
 
 @main.command()

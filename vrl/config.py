@@ -169,10 +169,19 @@ class LoggingConfig(_Section):
     samples_per_iteration: int = Field(
         8, ge=0, description="Completions (with verdicts) written to samples.jsonl per iteration."
     )
-    mlflow: bool = Field(False, description="Also log metrics to MLflow (MLFLOW_TRACKING_URI, default ./mlruns).")
+    mlflow: bool = Field(
+        False,
+        description="Also log metrics to MLflow: to MLFLOW_TRACKING_URI if set, else to a SQLite store "
+        "<runs_dir>/.mlflow/mlflow.db.",
+    )
     mlflow_experiment: str = Field("vrl", description="MLflow experiment name.")
     wandb: bool = Field(False, description="Also log metrics to Weights & Biases (WANDB_MODE=offline works without network).")
     wandb_project: str = Field("vrl", description="W&B project name.")
+    sinks_best_effort: bool = Field(
+        False,
+        description="A metric sink (MLflow, W&B) that cannot start is skipped with a warning instead of stopping "
+        "the run before its first iteration.",
+    )
 
 
 class _RunConfig(_Section):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -74,6 +75,12 @@ class Trainer:
         self.runtime = runtime
         self.sinks = Sinks.from_config(config.logging)  # before the run directory: a missing package fails first
         self.run_dir = run_dir or RunDir.create(config)
+        try:  # a sink that cannot start stops the run here, before iteration 0
+            self.sinks.start(self.run_dir.path, self.run_dir.config())
+        except BaseException:
+            if run_dir is None:  # the directory was made just now and holds only config and versions
+                shutil.rmtree(self.run_dir.path, ignore_errors=True)
+            raise
         self.start_iteration = self.run_dir.completed_iterations()
         self._last_stats = "first iteration"  # the live line: last iteration's numbers + current queue
         self._updating = False
@@ -114,7 +121,6 @@ class Trainer:
         self.run_dir.write_summary(summary)
         policy = optimizer = pool = None
         sinks = self.sinks
-        sinks.start(self.run_dir.path, self.run_dir.config())
         try:
             optimizer = make_optimizer(cfg)
             policy = self.runtime.policy(cfg, optimizer.moves)

@@ -7,7 +7,8 @@ follow TRL's `GRPOConfig`; docs/grpo.md writes each formula out and maps every f
 
     A_i      = (r_i − mean(r_group)) / (std(r_group) + 1e-4)        scale_rewards='group'
     ρ_i,t    = exp(log π_θ(o_i,t) − log π_old(o_i,t))
-    ℓ_i,t    = −min(ρ A_i, clip(ρ, 1 − ε, 1 + ε_high) A_i) + β (e^{ref − logπ} − (ref − logπ) − 1)
+    ℓ_i,t    = −min(ρ A_i, clip(ρ, 1 − ε, 1 + ε_high) A_i) + β w (e^{ref − logπ} − (ref − logπ) − 1)
+               w = ρ with use_bias_correction_kl (the default, as in TRL 1.16), else 1
     loss     = grpo: mean_i (Σ_t m ℓ / Σ_t m) · dapo: Σ m ℓ / Σ m · dr_grpo: Σ m ℓ / (N · max_new_tokens)
 
 Every normaliser is taken over the whole batch of the iteration, so the gradient does not depend
@@ -64,6 +65,12 @@ class GRPOConfig(BaseModel):
     )
     beta: float = Field(
         0.0, ge=0.0, description="KL coefficient to the frozen initial policy (k3 estimator); 0 loads no reference."
+    )
+    use_bias_correction_kl: bool = Field(
+        True,
+        description="With beta > 0, weight each token's k3 KL by the importance ratio π_θ/π_old (differentiable), "
+        "so its gradient is exactly that of KL(π_θ ‖ π_ref), on- or off-policy (DeepSeek-V3.2; the default "
+        "in TRL 1.16). False: the plain k3 term, whose on-policy gradient is that of KL(π_ref ‖ π_θ).",
     )
     num_iterations: int = Field(
         1, ge=1, description="Optimizer steps per batch (μ); steps after the first use importance ratios."
@@ -155,6 +162,7 @@ def grpo_loss(
     epsilon_high: float | None = None,
     beta: float = 0.0,
     ref_logps: torch.Tensor | None = None,
+    use_bias_correction_kl: bool = False,
     num_sequences: int | None = None,
     num_tokens: float | None = None,
     max_completion_length: int | None = None,
@@ -164,6 +172,8 @@ def grpo_loss(
     `logps`, `old_logps`, `ref_logps`, `mask` are [B, T]; `advantages` is [B]. `num_sequences` and
     `num_tokens` are the counts of the *whole* batch when this is one micro-batch of it, so that
     summing micro-batch losses gives the batch loss; they default to this batch's own counts.
+    `use_bias_correction_kl` multiplies the KL term by ρ (not detached); this function's default is
+    the plain k3 term, the optimizer passes `GRPOConfig.use_bias_correction_kl` (default on).
     """
     eps_high = epsilon if epsilon_high is None else epsilon_high
     adv = advantages.unsqueeze(1)
@@ -176,6 +186,10 @@ def grpo_loss(
             raise ValueError("beta > 0 needs ref_logps")
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1  # k3: unbiased, non-negative estimate of KL(π_θ ‖ π_ref)
+        if use_bias_correction_kl:
+            # Tokens were sampled from π_old: the ratio makes the estimate (and its gradient, through ρ)
+            # that of KL(π_θ ‖ π_ref) under π_θ. Its value is 1 on-policy, its gradient is not.
+            kl = kl * ratio
         per_token = per_token + beta * kl
         stats["kl_sum"] = torch.where(mask.bool(), kl, 0.0).sum().detach()
     # where, not multiply: a non-finite value under the mask (inf · 0 = nan) must not leak in.
@@ -448,7 +462,8 @@ class GRPO(Optimizer):
                     loss, stats = grpo_loss(
                         logps, old, b["advantages"], b["mask"],
                         loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                        beta=cfg.beta, ref_logps=b["ref"], num_sequences=num_sequences, num_tokens=num_tokens,
+                        beta=cfg.beta, ref_logps=b["ref"], use_bias_correction_kl=cfg.use_bias_correction_kl,
+                        num_sequences=num_sequences, num_tokens=num_tokens,
                         max_completion_length=self.max_completion_length,
                     )
                     loss.backward()
@@ -539,7 +554,10 @@ class GRPO(Optimizer):
         ckpt = Path(run_dir) / "grpo" / usable[-1]
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
         saved = state["config"]
-        for key in ("use_peft",) + _LORA_FIELDS:
+        # Checkpoints from before grpo.use_bias_correction_kl existed trained with the plain k3 term.
+        saved.setdefault("use_bias_correction_kl", False)
+        keys = ("use_peft",) + _LORA_FIELDS + (("use_bias_correction_kl",) if self.config.beta > 0 else ())
+        for key in keys:
             if saved.get(key) != getattr(self.config, key):
                 raise ValueError(f"checkpoint {ckpt} was trained with grpo.{key}={saved.get(key)!r}, "
                                  f"the config says {getattr(self.config, key)!r}; resume with the recorded config")
