@@ -154,6 +154,10 @@ def check_bwrap(python: str) -> None:
         raise SandboxUnavailable(
             "bubblewrap (`bwrap`) is not installed: install the Debian/Ubuntu package `bubblewrap` "
             f"(apt-get install bubblewrap; Fedora: dnf install bubblewrap), or {_OPT_OUT}")
+    if _inside(python, ["/tmp", "/dev", "/proc"]):
+        raise SandboxUnavailable(
+            f"python={python} lies under a directory the sandbox replaces with its own (/tmp, /dev, /proc); "
+            "use an interpreter installed elsewhere")
     fd = seccomp_fd()
     argv = bwrap_argv(python, tmpfs_mb=1, seccomp_fd=fd) + [python, "-I", "-S", "-c", "pass"]
     try:
@@ -196,9 +200,11 @@ def bwrap_argv(python: str, tmpfs_mb: int, seccomp_fd: int | None = None) -> lis
     for path in _SYSTEM_DIRS:
         if os.path.islink(path):
             argv += ["--symlink", os.readlink(path), path]
-    binds, masks = visible_paths(python)
+    binds, links, masks = visible_paths(python)
     for path in binds:
         argv += ["--ro-bind", path, path]
+    for target, path in links:
+        argv += ["--symlink", target, path]
     for path in masks:
         # An empty read-only tmpfs over the directory: its files (other packages, this plugin's task
         # data with hidden tests and reference solutions) do not exist inside.
@@ -219,35 +225,44 @@ def bwrap_argv(python: str, tmpfs_mb: int, seccomp_fd: int | None = None) -> lis
 _USR_PARTS = ("/usr/bin", "/usr/sbin", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32", "/usr/share/zoneinfo")
 
 
-def visible_paths(python: str) -> tuple[list[str], list[str]]:
-    """(host paths bound read-only into the sandbox, directories masked by an empty tmpfs inside them).
+def visible_paths(python: str) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """What of the host the sandbox sees: (paths bound read-only, (target, path) symlinks, masked dirs).
 
     Bound: the parts of /usr above, the system dirs that are not symlinks into /usr, and for an
     interpreter outside /usr its binary, its `lib`/`lib64` and `pyvenv.cfg` (not its whole prefix).
-    Masked: every `site-packages`/`dist-packages` directory of a bound Python installation, and this
-    plugin's own package directory wherever it is installed, so hidden tests are never inside.
+    Masked (an empty read-only tmpfs on top): every `site-packages`/`dist-packages` directory of a
+    bound Python installation, and this plugin's own package directory wherever it is installed, so
+    neither other packages nor the bundled hidden tests are inside.
     """
-    binds = [p for p in _USR_PARTS if os.path.isdir(p)]
-    binds += [p for p in _SYSTEM_DIRS if os.path.isdir(p) and not os.path.islink(p)]
+    candidates = [p for p in _USR_PARTS if os.path.isdir(p)]
+    candidates += [p for p in _SYSTEM_DIRS if os.path.isdir(p) and not os.path.islink(p)]
     prefix = _prefix_of(python)
-    if not _inside(python, binds):
-        binds.append(python)
-        binds += [os.path.join(prefix, d) for d in ("lib", "lib64") if os.path.isdir(os.path.join(prefix, d))]
+    if not _inside(python, candidates):
+        candidates.append(os.path.realpath(python))
+        candidates += [os.path.join(prefix, d) for d in ("lib", "lib64") if os.path.isdir(os.path.join(prefix, d))]
         if os.path.isfile(os.path.join(prefix, "pyvenv.cfg")):
-            binds.append(os.path.join(prefix, "pyvenv.cfg"))
+            candidates.append(os.path.join(prefix, "pyvenv.cfg"))
+    binds: list[str] = []
+    links: list[tuple[str, str]] = []
+    for path in candidates:
+        # A symlink (a venv's lib64 -> lib) stays one: bound twice, a directory would need two masks.
+        if os.path.islink(path) and _inside(path, [b for b in candidates if not os.path.islink(b)]):
+            links.append((os.readlink(path), path))
+        else:
+            binds.append(os.path.realpath(path))
     masks: set[str] = set()
     for root in binds:
         if not os.path.isdir(root):
             continue
         for pattern in ("python*/site-packages", "python*/dist-packages", "*/python*/site-packages",
-                        "*/python*/dist-packages", "lib*/python*/site-packages", "lib*/python*/dist-packages"):
-            masks.update(p for p in glob.glob(os.path.join(root, pattern)) if os.path.isdir(p) and not os.path.islink(p))
+                        "*/python*/dist-packages"):
+            masks.update(os.path.realpath(p) for p in glob.glob(os.path.join(root, pattern)) if os.path.isdir(p))
     package = os.path.realpath(os.path.dirname(__file__))
-    if _inside(package, binds) and not _inside(package, sorted(masks)):
-        masks.add(package)
-    # Mounting over a directory inside another masked one fails (it does not exist there): outermost only.
+    masks.add(package)
+    # Only what the sandbox can see, and only the outermost (inside a masked one, a path does not exist).
+    masks = {m for m in masks if _inside(m, binds)}
     outer = [m for m in sorted(masks) if not _inside(m, [o for o in masks if o != m])]
-    return binds, outer
+    return binds, links, outer
 
 
 def _inside(path: str, roots: list[str]) -> bool:
