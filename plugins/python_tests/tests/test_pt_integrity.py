@@ -37,7 +37,7 @@ def solo():
     """One sandbox, so each probe lands in the container the attack before it used."""
     if BWRAP_PROBLEM is not None:
         pytest.skip(BWRAP_PROBLEM)
-    v = PythonTestsVerifier(workers=1, test_timeout_s=5.0, attempt_timeout_s=10.0, memory_mb=256, max_processes=8)
+    v = PythonTestsVerifier(workers=1, test_timeout_s=20.0, attempt_timeout_s=40.0, memory_mb=256, max_processes=8)
     yield v
     v.close()
 
