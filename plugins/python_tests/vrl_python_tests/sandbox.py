@@ -248,8 +248,11 @@ def visible_paths(python: str) -> tuple[list[str], list[tuple[str, str]], list[s
         # A symlink (a venv's lib64 -> lib) stays one: bound twice, a directory would need two masks.
         if os.path.islink(path) and _inside(path, [b for b in candidates if not os.path.islink(b)]):
             links.append((os.readlink(path), path))
-        else:
-            binds.append(os.path.realpath(path))
+            continue
+        real = os.path.realpath(path)
+        binds.append(real)  # bound where it really is, so masks (real paths too) land on it
+        if real != path:
+            links.append((real, path))
     masks: set[str] = set()
     for root in binds:
         if not os.path.isdir(root):
