@@ -334,8 +334,8 @@ def test_is_true_false_none_are_identity_checks(judge, expected, returned, passe
         assert "identity check" in report.verdict.detail
 
 
-def test_the_prefix_is_not_bound_whole():
-    """An interpreter outside /usr brings its binary and lib dirs, not the rest of its prefix."""
+def test_usr_is_not_bound_whole_and_only_package_dirs_are_masked():
+    """Only the parts of /usr an interpreter needs are bound; masks cover package directories only."""
     binds, _, masks = visible_paths(pick_python(None, "bwrap"))
     assert "/usr" not in binds and "/usr/local" not in binds and "/usr/share" not in binds
     for m in masks:
