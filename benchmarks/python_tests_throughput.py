@@ -6,7 +6,8 @@ Measures, on this machine:
   * bare `python3 -c pass` (the floor for any design that starts an interpreter per attempt),
   * a cold bubblewrap sandbox per attempt (`bwrap ... python3 -c pass`, same flags as the verifier),
   * one warm sandbox judging attempts one after another (latency per attempt, all tests included),
-  * the verifier's `verify()` over batches with one warm sandbox per core (attempts per second).
+  * the verifier's `verify()` over batches with one warm sandbox per core (attempts per second),
+    and the CPU (host + sandboxes) each attempt cost there, which a loaded machine distorts far less.
 The attempts are the canonical solutions of the bundled tasks (5 tests each on average), cycled.
 Prints a Markdown table; results are recorded in docs/benchmarks.md.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import platform
 import statistics
 import subprocess
@@ -36,6 +38,12 @@ def time_process(argv: list[str], runs: int, **kwargs) -> float:
         subprocess.run(argv, check=True, capture_output=True, cwd="/", **kwargs)
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and its reaped children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def attempts(count: int) -> list[Attempt]:
@@ -74,8 +82,10 @@ def main() -> None:
         serial.close()
 
     pooled = PythonTestsVerifier(workers=args.workers)
+    cpu_start = _cpu_seconds()
+    warm = batch[: args.workers * 2]
     try:
-        asyncio.run(pooled.verify(batch[: args.workers * 2]))  # warm every sandbox
+        asyncio.run(pooled.verify(warm))  # warm every sandbox
 
         async def run_all():
             results = []
@@ -89,6 +99,9 @@ def main() -> None:
         assert all(v.passed for v in verdicts), "a canonical solution failed: the benchmark is invalid"
     finally:
         pooled.close()
+    # Host and sandbox CPU together (the sandboxes' processes are reaped children by now), sandbox
+    # starts included: unlike the wall clock, it hardly depends on what else the machine runs.
+    cpu = (_cpu_seconds() - cpu_start) / (len(batch) + len(warm))
 
     console.print(f"machine: {platform.machine()}, {default_workers()} usable cores, Python {platform.python_version()} "
                   f"(sandbox: {python}); {len(batch)} attempts, {tests_per_attempt:.1f} tests each, "
@@ -100,6 +113,8 @@ def main() -> None:
          f"{1 / latency:.0f} /s per core"),
         (f"verify(), batches of 64, {args.workers} warm sandboxes", f"{elapsed / len(batch) * 1e3:.2f} ms",
          f"**{len(batch) / elapsed:.0f} attempts/s**"),
+        ("CPU per attempt in that run (host + sandboxes, starts included)", f"{cpu * 1e3:.2f} ms CPU",
+         "compare runs on a busy machine with this"),
     ]
     console.print("| what | time per attempt | rate |\n|---|---|---|")
     for row in rows:

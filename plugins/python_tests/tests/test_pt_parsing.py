@@ -93,8 +93,8 @@ def test_plain_equality_both_ways():
 @pytest.mark.parametrize("source, compare, expected", [
     ("assert f(1)", "truthy", None),
     ("assert not f(1)", "falsy", None),
-    ("assert f(1) is None", "eq", None),
-    ("assert f(1) is True", "eq", True),
+    ("assert f(1) is None", "is", None),
+    ("assert f(1) is True", "is", True),
     ("assert set(f(1)) == set([3, 2])", "set", {2, 3}),
     ("assert sorted(f(1)) == [1, 2]", "sorted", [1, 2]),
     ("assert f(-1) == float('inf')", "eq", math.inf),

@@ -139,8 +139,10 @@ def assert_node(node: ast.Assert, entry_point: str, source: str, hidden: bool, a
                 if value_unwrapped is not None:
                     raise UnsupportedTest(f"the entry point is called on both sides: {source}")
                 expected = literal(value_side)
-                if isinstance(op, ast.Is) and expected not in (True, False, None):
-                    raise UnsupportedTest(f"`is` with something other than True/False/None: {source}")
+                if isinstance(op, ast.Is):
+                    if not any(expected is s for s in (True, False, None)) or compare != "eq":
+                        raise UnsupportedTest(f"`is` other than F(...) is True/False/None: {source}")
+                    compare = "is"  # identity, as the assert means it: returning 1 is not `True`
                 return _case(call, compare, expected, source, hidden)
     raise UnsupportedTest(f"unsupported assert shape: {source[:120]}")
 

@@ -29,6 +29,10 @@ import signal
 import sys
 
 MAX_NODES = 200_000  # values with more nodes than this are not worth comparing
+MAX_DEPTH = 100  # nesting levels of a decoded value
+MAX_INT_DIGITS = 4300  # Python's default int/str conversion limit, enforced here whatever the interpreter's
+_MAX_INT_BITS = int(MAX_INT_DIGITS * 3.3219280948873626) + 1
+MAX_SAME_HASH = 32  # elements of one set or dict that may share a hash value
 _SCALARS = (type(None), bool, int, str)
 
 
@@ -67,32 +71,85 @@ def encode(value, _budget=None):
                       "list, tuple, set, frozenset and dict cross the sandbox")
 
 
-def decode(data):
-    """Inverse of `encode`; raises ValueError on anything `encode` cannot have produced."""
+class DecodeError(ValueError):
+    """Data that `encode` cannot have produced, or that is too costly to rebuild."""
+
+
+def decode(data, _budget=None, _depth=0):
+    """Inverse of `encode`; raises DecodeError on anything `encode` cannot have produced.
+
+    The host decodes what an attempt sent, holding the GIL and outside every timeout, so the work is
+    bounded: at most MAX_NODES parts, MAX_DEPTH levels, ints of MAX_INT_DIGITS digits, floats in
+    complex numbers, and no more than MAX_SAME_HASH elements of one set or dict sharing a hash value
+    (forged collisions would make building it quadratic).
+    """
+    budget = _budget if _budget is not None else [MAX_NODES]
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise DecodeError(f"value has more than {MAX_NODES} parts")
+    if _depth > MAX_DEPTH:
+        raise DecodeError(f"value is nested deeper than {MAX_DEPTH} levels")
     kind = type(data)
-    if kind in _SCALARS:
-        return data
-    if kind is float:
+    if kind is int and data.bit_length() > _MAX_INT_BITS:
+        raise DecodeError(f"int with more than {MAX_INT_DIGITS} digits")
+    if kind in _SCALARS or kind is float:
         return data
     if kind is dict and len(data) == 1:
         (tag, body), = data.items()
+        depth = _depth + 1
         if tag in ("list", "tuple", "set", "frozenset") and type(body) is list:
-            items = [decode(v) for v in body]
+            items = [decode(v, budget, depth) for v in body]
+            if tag in ("set", "frozenset"):
+                check_hashes(items)
             return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
         if tag == "dict" and type(body) is list:
-            out = {}
+            pairs = []
             for pair in body:
                 if type(pair) is not list or len(pair) != 2:
-                    raise ValueError("dict entries must be [key, value] pairs")
-                out[decode(pair[0])] = decode(pair[1])
-            return out
+                    raise DecodeError("dict entries must be [key, value] pairs")
+                pairs.append((decode(pair[0], budget, depth), decode(pair[1], budget, depth)))
+            check_hashes([k for k, _ in pairs])
+            return dict(pairs)
         if tag == "bytes" and type(body) is str:
-            return base64.b64decode(body.encode("ascii"), validate=True)
+            try:
+                return base64.b64decode(body.encode("ascii"), validate=True)
+            except (ValueError, UnicodeEncodeError) as exc:
+                raise DecodeError(f"bytes that are not base64 ({exc})") from None
         if tag == "float" and body in ("nan", "inf", "-inf"):
             return float(body)
         if tag == "complex" and type(body) is list and len(body) == 2:
-            return complex(decode(body[0]), decode(body[1]))
-    raise ValueError(f"not an encoded value: {str(data)[:80]}")
+            parts = [decode(v, budget, depth) for v in body]
+            # complex(int, int) raises OverflowError above 1e308: only what encode sends is accepted.
+            if all(type(p) is float for p in parts):
+                return complex(*parts)
+            raise DecodeError("complex parts must be floats")
+    raise DecodeError(f"not an encoded value: {str(data)[:80]}")
+
+
+def check_hashes(items):
+    """Raise DecodeError when more than MAX_SAME_HASH of `items` share a hash (or one is unhashable).
+
+    Python's sets and dicts slow down to quadratic time when many keys have one hash value, and ints
+    (value mod 2**61 - 1), floats and tuples of them are easy to forge that way.
+    """
+    counts = {}
+    for item in items:
+        try:
+            h = hash(item)
+        except TypeError as exc:
+            raise DecodeError(f"unhashable element in a set or dict ({exc})") from None
+        n = counts.get(h, 0) + 1
+        if n > MAX_SAME_HASH:
+            raise DecodeError(f"more than {MAX_SAME_HASH} elements of a set or dict share one hash value")
+        counts[h] = n
+
+
+def parse_int(text):
+    """`json.loads(..., parse_int=parse_int)`: ints of at most MAX_INT_DIGITS digits, whatever the
+    interpreter's own limit (converting a long decimal string is quadratic)."""
+    if len(text) > MAX_INT_DIGITS + 1:
+        raise DecodeError(f"int with more than {MAX_INT_DIGITS} digits")
+    return int(text)
 
 
 # --------------------------------------------------------------------------------------------------

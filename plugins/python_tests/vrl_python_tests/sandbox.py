@@ -11,15 +11,19 @@ reads the attempt's typed results from a pipe and never trusts anything else the
 
 from __future__ import annotations
 
+import errno
 import functools
+import glob
 import json
 import logging
 import os
+import platform
 import queue
 import select
 import selectors
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -150,12 +154,19 @@ def check_bwrap(python: str) -> None:
         raise SandboxUnavailable(
             "bubblewrap (`bwrap`) is not installed: install the Debian/Ubuntu package `bubblewrap` "
             f"(apt-get install bubblewrap; Fedora: dnf install bubblewrap), or {_OPT_OUT}")
-    argv = bwrap_argv(python, tmpfs_mb=1) + [python, "-I", "-S", "-c", "pass"]
+    if _inside(python, ["/tmp", "/dev", "/proc"]):
+        raise SandboxUnavailable(
+            f"python={python} lies under a directory the sandbox replaces with its own (/tmp, /dev, /proc); "
+            "use an interpreter installed elsewhere")
+    fd = seccomp_fd()
+    argv = bwrap_argv(python, tmpfs_mb=1, seccomp_fd=fd) + [python, "-I", "-S", "-c", "pass"]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=_START_TIMEOUT_S, cwd="/",
-                              check=False, **spawn_user(0))
+                              check=False, pass_fds=(fd,), **spawn_user(0))
     except subprocess.TimeoutExpired:
         raise SandboxUnavailable("bubblewrap did not start a sandbox within 30 s") from None
+    finally:
+        os.close(fd)
     if proc.returncode != 0:
         raise SandboxUnavailable(
             f"bubblewrap could not create a sandbox: {proc.stderr.strip() or f'exit code {proc.returncode}'}. "
@@ -174,27 +185,146 @@ def spawn_user(slot: int) -> dict[str, Any]:
     return {"user": uid, "group": uid, "extra_groups": []}
 
 
-def bwrap_argv(python: str, tmpfs_mb: int) -> list[str]:
-    """The bubblewrap command line (without the command to run)."""
+def bwrap_argv(python: str, tmpfs_mb: int, seccomp_fd: int | None = None) -> list[str]:
+    """The bubblewrap command line (without the command to run).
+
+    The root and `/dev` are read-only; `/tmp` and `/dev/shm` are the only writable places, each a
+    tmpfs of `tmpfs_mb` MiB that the server wipes after every attempt. Of the host, only what the
+    interpreter needs is visible (see `visible_paths`), with every Python package directory masked.
+    `seccomp_fd` (see `seccomp_filter`) is read by bwrap and closes the IPC and keyring syscalls.
+    """
     # The host resolves bwrap on its PATH: the sandbox's own uid may not be able to search every entry.
     argv = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
             "--new-session", "--as-pid-1", "--clearenv", "--cap-drop", "ALL",
-            "--uid", str(_UID_INSIDE), "--gid", str(_UID_INSIDE), "--hostname", "sandbox",
-            "--ro-bind", "/usr", "/usr"]
+            "--uid", str(_UID_INSIDE), "--gid", str(_UID_INSIDE), "--hostname", "sandbox"]
     for path in _SYSTEM_DIRS:
         if os.path.islink(path):
             argv += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            argv += ["--ro-bind", path, path]
-    prefix = _prefix_of(python)
-    if not (prefix == "/usr" or prefix.startswith("/usr/")):
-        argv += ["--ro-bind", prefix, prefix]
+    binds, links, masks = visible_paths(python)
+    for path in binds:
+        argv += ["--ro-bind", path, path]
+    for target, path in links:
+        argv += ["--symlink", target, path]
+    for path in masks:
+        # An empty read-only tmpfs over the directory: its files (other packages, this plugin's task
+        # data with hidden tests and reference solutions) do not exist inside.
+        argv += ["--size", "4096", "--perms", "0555", "--tmpfs", path, "--remount-ro", path]
     size = str(tmpfs_mb << 20)
     argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp", "--size", size,
-             "--tmpfs", "/dev/shm", "--chdir", "/tmp",
+             "--tmpfs", "/dev/shm", "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp",
              "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
              "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONHASHSEED", "0"]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
     return argv
+
+
+# Parts of /usr an interpreter and its extension modules need: programs, shared libraries (with the
+# standard library under lib/pythonX.Y) and time zones. Not /usr/share, /usr/local, /usr/src...: data
+# a deployment keeps there (task files included) stays outside.
+_USR_PARTS = ("/usr/bin", "/usr/sbin", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32", "/usr/share/zoneinfo")
+
+
+def visible_paths(python: str) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """What of the host the sandbox sees: (paths bound read-only, (target, path) symlinks, masked dirs).
+
+    Bound: the parts of /usr above, the system dirs that are not symlinks into /usr, and for an
+    interpreter outside /usr its binary, its `lib`/`lib64` and `pyvenv.cfg` (not its whole prefix).
+    Masked (an empty read-only tmpfs on top): every `site-packages`/`dist-packages` directory of a
+    bound Python installation, and this plugin's own package directory wherever it is installed, so
+    neither other packages nor the bundled hidden tests are inside.
+    """
+    candidates = [p for p in _USR_PARTS if os.path.isdir(p)]
+    candidates += [p for p in _SYSTEM_DIRS if os.path.isdir(p) and not os.path.islink(p)]
+    prefix = _prefix_of(python)
+    if not _inside(python, candidates):
+        candidates.append(os.path.realpath(python))
+        candidates += [os.path.join(prefix, d) for d in ("lib", "lib64") if os.path.isdir(os.path.join(prefix, d))]
+        if os.path.isfile(os.path.join(prefix, "pyvenv.cfg")):
+            candidates.append(os.path.join(prefix, "pyvenv.cfg"))
+    binds: list[str] = []
+    links: list[tuple[str, str]] = []
+    for path in candidates:
+        # A symlink (a venv's lib64 -> lib) stays one: bound twice, a directory would need two masks.
+        if os.path.islink(path) and _inside(path, [b for b in candidates if not os.path.islink(b)]):
+            links.append((os.readlink(path), path))
+            continue
+        real = os.path.realpath(path)
+        binds.append(real)  # bound where it really is, so masks (real paths too) land on it
+        if real != path:
+            links.append((real, path))
+    masks: set[str] = set()
+    for root in binds:
+        if not os.path.isdir(root):
+            continue
+        for pattern in ("python*/site-packages", "python*/dist-packages", "*/python*/site-packages",
+                        "*/python*/dist-packages"):
+            masks.update(os.path.realpath(p) for p in glob.glob(os.path.join(root, pattern)) if os.path.isdir(p))
+    package = os.path.realpath(os.path.dirname(__file__))
+    masks.add(package)
+    # Only what the sandbox can see, and only the outermost (inside a masked one, a path does not exist).
+    masks = {m for m in masks if _inside(m, binds)}
+    outer = [m for m in sorted(masks) if not _inside(m, [o for o in masks if o != m])]
+    return binds, links, outer
+
+
+def _inside(path: str, roots: list[str]) -> bool:
+    """True when `path` is one of `roots` or below one, compared without symlinks."""
+    real = os.path.realpath(path)
+    for root in roots:
+        base = os.path.realpath(root)
+        if real == base or real.startswith(base.rstrip("/") + "/"):
+            return True
+    return False
+
+
+# seccomp: SysV IPC, POSIX message queues and keyrings are refused (EPERM). The sandbox's IPC
+# namespace then stays empty for its whole life, as a fresh one per attempt would (no object an
+# attempt could leave for the next one, no shared memory outside RLIMIT_AS), and keyrings, which no
+# namespace but the user namespace separates, cannot carry anything either. Python's standard
+# library uses none of them (multiprocessing's locks and shared_memory live in /dev/shm files).
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7, "riscv64": 0xC00000F3}
+_DENIED_SYSCALLS = {
+    # shmget, semget, msgget, mq_open, add_key, request_key, keyctl
+    "x86_64": (29, 64, 68, 240, 248, 249, 250),
+    "aarch64": (194, 190, 186, 180, 217, 218, 219),  # the generic table, shared with riscv64
+    "riscv64": (194, 190, 186, 180, 217, 218, 219),
+}
+
+
+def seccomp_filter(machine: str | None = None) -> bytes:
+    """A classic-BPF seccomp program (the format `bwrap --seccomp` reads) for this machine."""
+    machine = machine or platform.machine()
+    if machine not in _AUDIT_ARCH:
+        raise SandboxUnavailable(
+            f"the sandbox's seccomp filter does not know this architecture ({machine}; known: "
+            f"{', '.join(_AUDIT_ARCH)}); {_OPT_OUT}")
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, deny = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+    denied = _DENIED_SYSCALLS[machine]
+    # Every jump goes forward to the last instruction (deny); `jf` = 0 falls through.
+    checks: list[tuple[int, int]] = []
+    if machine == "x86_64":
+        checks.append((jge, 0x40000000))  # x32 numbers: no Python here uses that ABI
+    checks += [(jeq, nr) for nr in denied]
+    program = [(ld, 0, 0, 4)]  # seccomp_data.arch
+    # A foreign calling convention (i386 `int 0x80` on x86_64) has other numbers: refuse it outright.
+    program.append((jeq, 1, 0, _AUDIT_ARCH[machine]))
+    program.append((ret, 0, 0, deny))
+    program.append((ld, 0, 0, 0))  # seccomp_data.nr
+    for index, (op, k) in enumerate(checks):
+        program.append((op, len(checks) - index, 0, k))
+    program.append((ret, 0, 0, allow))
+    program.append((ret, 0, 0, deny))
+    return b"".join(struct.pack("=HBBI", code, jt, jf, k) for code, jt, jf, k in program)
+
+
+def seccomp_fd() -> int:
+    """A file descriptor holding `seccomp_filter()`, positioned at its start, for `bwrap --seccomp`."""
+    fd = os.memfd_create("vrl-seccomp", os.MFD_CLOEXEC)
+    _write_all(fd, seccomp_filter())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 # -- one sandbox -----------------------------------------------------------------------------------
@@ -222,6 +352,7 @@ class Sandbox:
         results_r, results_w = os.pipe()
         output_r, output_w = os.pipe()
         payload_r, payload_w = os.pipe()
+        passed = [results_w, output_w, payload_r]  # the sandbox's ends, closed here once it started
         limits = {
             "RLIMIT_AS": cfg.memory_mb << 20,
             "RLIMIT_FSIZE": cfg.max_file_mb << 20,
@@ -232,8 +363,9 @@ class Sandbox:
             check_bwrap(self.python)
             # Counted per uid inside the sandbox's user namespace, where the server is the only other.
             limits["RLIMIT_NPROC"] = cfg.max_processes + 1
-            scratch, workdir = ["/tmp", "/dev/shm"], "/tmp"
-            argv = bwrap_argv(self.python, cfg.max_file_mb)
+            scratch, workdir = ["/tmp", "/dev/shm"], "/tmp"  # the only writable places (the root is read-only)
+            passed.append(seccomp_fd())
+            argv = bwrap_argv(self.python, cfg.max_file_mb, seccomp_fd=passed[-1])
             env = None
         else:
             self._workdir = tempfile.TemporaryDirectory(prefix="vrl-unsafe-")
@@ -249,11 +381,11 @@ class Sandbox:
         try:
             self.proc = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd="/",
-                close_fds=True, pass_fds=(results_w, output_w, payload_r),
+                close_fds=True, pass_fds=tuple(passed),
                 **(spawn_user(self.slot) if cfg.mode == "bwrap" else {}),
             )
         finally:
-            for fd in (results_w, output_w, payload_r):
+            for fd in passed:
                 os.close(fd)
         self._stderr = stderr
         self._results, self._output, self._payload = results_r, output_r, payload_w
@@ -441,10 +573,10 @@ class Sandbox:
                 return {"oversize": True}
             if line is not None:
                 try:
-                    msg = json.loads(line, parse_constant=_reject_constant)
-                except (ValueError, RecursionError):
-                    return {"garbled": True}
-                return msg if isinstance(msg, dict) else {"garbled": True}
+                    msg = json.loads(line, parse_constant=_reject_constant, parse_int=harness.parse_int)
+                except (ValueError, RecursionError) as exc:
+                    return {"garbled": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                return msg if isinstance(msg, dict) else {"garbled": "not a JSON object"}
             while b"\n" in self._bufs[control]:
                 text, self._bufs[control] = self._bufs[control].split(b"\n", 1)
                 reply = json.loads(text)
@@ -516,6 +648,9 @@ class Sandbox:
             if msg.get("oversize"):
                 result.tests.append({"error": f"return value larger than {self.config.max_result_bytes} bytes",
                                      "elapsed_s": elapsed})
+                return "crashed"
+            if msg.get("garbled"):
+                result.tests.append({"crashed": f"unreadable result line ({msg['garbled']})", "elapsed_s": elapsed})
                 return "crashed"
             if msg.get("i") != index or not ("value" in msg or "error" in msg):
                 result.tests.append({"crashed": "the attempt wrote out of turn on its result channel",

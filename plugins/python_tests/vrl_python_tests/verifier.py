@@ -105,6 +105,15 @@ class PythonTestsVerifier(Verifier):
         """Judge one attempt. Never raises for a bad attempt; a broken sandbox setup does raise."""
         start = time.perf_counter()
         try:
+            return self._judge(attempt, start)
+        except SandboxUnavailable:
+            raise  # a setup problem, not the attempt's fault: the run must stop and say what is missing
+        except Exception as exc:  # noqa: BLE001 - a verifier bug or a hostile value costs one verdict, not the batch
+            return Report(Verdict.fail(Status.CRASHED, f"verifier error: {type(exc).__name__}: {str(exc)[:300]}",
+                                       elapsed_s=time.perf_counter() - start))
+
+    def _judge(self, attempt: Attempt, start: float) -> Report:
+        try:
             entry, tests, prefix = task_tests(attempt.task)
         except (KeyError, TypeError, ValueError) as exc:
             verdict = Verdict.fail(Status.REJECTED, f"task {attempt.task.id!r} has no usable tests: {exc}")
@@ -116,14 +125,7 @@ class PythonTestsVerifier(Verifier):
         if len(code) > MAX_CODE_CHARS:
             return Report(Verdict.fail(Status.REJECTED, f"code longer than {MAX_CODE_CHARS} characters",
                                        elapsed_s=time.perf_counter() - start), code=code)
-        try:
-            run = self.pool.run(code, entry, [t.inputs() for t in tests], self.test_timeout_s, self.attempt_timeout_s)
-        except SandboxUnavailable:
-            raise  # a setup problem, not the attempt's fault: the run must stop and say what is missing
-        except Exception as exc:  # noqa: BLE001 - a verifier bug must cost one verdict, not the batch
-            verdict = Verdict.fail(Status.CRASHED, f"verifier error: {type(exc).__name__}: {exc}",
-                                   elapsed_s=time.perf_counter() - start)
-            return Report(verdict, code=code)
+        run = self.pool.run(code, entry, [t.inputs() for t in tests], self.test_timeout_s, self.attempt_timeout_s)
         elapsed = time.perf_counter() - start
         if run.import_status != "ok":
             status = {"syntax": Status.REJECTED, "timeout": Status.TIMEOUT, "error": Status.FAILED}.get(
