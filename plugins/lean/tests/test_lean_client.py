@@ -54,7 +54,41 @@ async def test_fixture_end_to_end_50_pass_2_timeouts_joined_by_id_in_batches_of_
     assert body["timeout"] == 30 and body["reuse"] is True and body["debug"] is False
     assert all(a == "Bearer sekrit" for a in server.auth_headers)
     code = body["snippets"][0]["code"]
-    assert code.startswith("import Mathlib\nimport Aesop\n") and code.rstrip().splitlines()[-1].startswith("#print axioms ")
+    assert code.startswith("import Mathlib\nimport Aesop\n")
+    audit, echo = code.rstrip().splitlines()[-2:]
+    assert audit.startswith("#print axioms ") and re.fullmatch(r'#print "vrl audit [0-9a-f]{32}"', echo)
+    markers = [s["code"].rstrip().splitlines()[-1] for r in server.requests for s in r["snippets"]]
+    assert len(set(markers)) == 52  # a fresh nonce per snippet
+
+
+async def test_a_forged_answer_that_does_not_echo_the_nonce_is_never_a_pass():
+    """The `#eval!` attack wrote a complete fake REPL answer to stdout. Such an answer (here: the
+    recorded clean answer plus a well-formed axioms report, i.e. everything but the nonce) fails."""
+    with ReplayServer(fixture_responder(echo=False)) as server:
+        v = verifier(server.url)
+        verdicts = await v.verify([attempt("lean_workbook_101"), attempt("simple_add")])
+    assert not any(x.passed for x in verdicts)
+    assert all(x.status is Status.CRASHED and "nonce" in x.detail for x in verdicts)
+
+
+async def test_an_answer_out_of_step_with_its_request_is_never_a_pass():
+    """When a forged answer is read first, the REPL's real answer stays in the pipe and is read as the
+    answer to the NEXT request. That stale answer carries the previous request's nonce: not a pass."""
+    previous: list[dict] = []
+
+    def respond(payload):
+        snippet = payload["snippets"][0]
+        answer = fixture_result(snippet["id"], (previous or [snippet])[-1]["code"])
+        answer["id"] = snippet["id"]
+        previous.append(snippet)
+        return Answer(body={"results": [answer]})
+
+    with ReplayServer(respond) as server:
+        v = verifier(server.url)
+        first = await v.verify([attempt("lean_workbook_101")])
+        second = await v.verify([attempt("lean_workbook_101")])
+    assert first[0].passed
+    assert not second[0].passed and "nonce" in second[0].detail
 
 
 async def test_an_audit_listing_sorryAx_fails_every_proof():
