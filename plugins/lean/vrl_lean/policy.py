@@ -451,6 +451,7 @@ class _Rebuild:
                     raise Rejected(f"`import {module.text}` on line {self.line(first)} comes after other commands: imports must come first")
                 self.edits.append((first.start, module.end, ""))
                 self.top_level(start + 2, end, header)
+                seen_other = start + 2 < end
                 continue
             seen_other = True
             k, modifiers = start, []
