@@ -52,6 +52,11 @@ def is_id_rest(c: str) -> bool:
     return is_id_first(c) or ("0" <= c <= "9") or c in "'!?" or (c > "\x7f" and is_subscript(c))
 
 
+_LETTER_LIKE = "\u03b1-\u03ba\u03bc-\u03c9\u0391-\u039f\u03a1\u03a2\u03a4-\u03a9\u03ca-\u03fb\u1f00-\u1ffe\u2100-\u214f\U0001d49c-\U0001d59f"
+_ID_REST = re.compile(f"[A-Za-z_0-9'!?{_LETTER_LIKE}\u2080-\u2089\u2090-\u209c\u1d62-\u1d6a]*")
+_SPACE = re.compile(r"[ \t\r\n]+")
+_DIGITS = re.compile(r"[0-9]*")
+_PLAIN = re.compile(r"[^\s\"'#@:«`/\-A-Za-z_0-9r" + _LETTER_LIKE + "]")
 _OPEN, _CLOSE = "([{⟨⦃", ")]}⟩⦄"
 _QUOTABLE = "\\\"'rnt"
 _HEX = "0123456789abcdefABCDEF"
@@ -108,11 +113,15 @@ class _Lexer:
     def run(self) -> Lexed:
         s, n = self.s, self.n
         i = 0
+        space, plain = _SPACE.match, _PLAIN.match
         while i < n:
             c = s[i]
             if c in " \t\r\n":
+                i = space(s, i).end()
+            elif plain(s, i):  # an operator or bracket character that starts nothing else
+                self.tokens.append(Token("symbol", c, i, i + 1))
                 i += 1
-            elif s.startswith("--", i) or s.startswith("/-", i):
+            elif (c == "-" and s.startswith("--", i)) or (c == "/" and s.startswith("/-", i)):
                 if self.glued_to_operator(i):
                     # Lean reads the longest operator token first (`<-` in `<--`, `//` in `//-`):
                     # whether this starts a comment depends on Lean's token table.
@@ -130,9 +139,7 @@ class _Lexer:
             elif c == "«" or is_id_first(c):
                 i = self.word(i)
             elif c == "#" and i + 1 < n and (is_id_first(s[i + 1]) or s[i + 1] == "«"):
-                j = i + 1
-                while j < n and is_id_rest(s[j]):
-                    j += 1
+                j = _ID_REST.match(s, i + 1).end()
                 self.tokens.append(Token("hash", s[i:j], i, j))
                 i = j
             elif s.startswith(":=", i) or s.startswith("@[", i):
@@ -151,13 +158,16 @@ class _Lexer:
             self.comments.append((i, end))
             return end
         start, depth, i = i, 1, i + 2
-        while i < n and depth:
-            if s.startswith("/-", i):
-                depth, i = depth + 1, i + 2
-            elif s.startswith("-/", i):
-                depth, i = depth - 1, i + 2
+        while depth:
+            close = s.find("-/", i)
+            if close < 0:
+                depth = -1
+                break
+            nested = s.find("/-", i, close)
+            if nested < 0:
+                depth, i = depth - 1, close + 2
             else:
-                i += 1
+                depth, i = depth + 1, nested + 2
         if depth:
             line = s.count("\n", 0, start) + 1
             raise LexError(f"unterminated block comment `/-` starting on line {line}")
@@ -265,19 +275,15 @@ class _Lexer:
                 self.fail(i, f"`{s[i:j + 1]}` without digits (Lean rejects it)")
             j = k
         else:
-            while j < n and s[j].isascii() and s[j].isdigit():
-                j += 1
+            j = _DIGITS.match(s, j).end()
             # As Lean's decimal reader: `2.` and `2e` belong to the number even without digits after.
             if j < n and s[j] == ".":
-                j += 1
-                while j < n and s[j].isascii() and s[j].isdigit():
-                    j += 1
+                j = _DIGITS.match(s, j + 1).end()
             if j < n and s[j] in "eE":
                 j += 1
                 if j < n and s[j] in "+-":
                     j += 1
-                while j < n and s[j].isascii() and s[j].isdigit():
-                    j += 1
+                j = _DIGITS.match(s, j).end()
         self.tokens.append(Token("number", s[i:j], i, j))
         return j
 
@@ -317,9 +323,7 @@ class _Lexer:
                 parts.append(s[j + 1 : end])
                 escaped, j = True, end + 1
             else:
-                k = j + 1
-                while k < n and is_id_rest(s[k]):
-                    k += 1
+                k = _ID_REST.match(s, j + 1).end()
                 parts.append(s[j:k])
                 j = k
             if j + 1 < n and s[j] == "." and (s[j + 1] == "«" or is_id_first(s[j + 1])):

@@ -15,6 +15,7 @@ the three standard axioms. Every refusal carries a reason a researcher can read.
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 import unicodedata
@@ -51,13 +52,31 @@ class Theorem:
         """Imports first (the server splits them off by position), then a finite heartbeat limit, then the rest."""
         if max_heartbeats < 1:
             raise ValueError("max_heartbeats must be a positive number: 0 would mean no limit")
-        lines = [ln.strip() for ln in strip_comments(self.header).splitlines() if ln.strip()]
-        imports = [ln for ln in lines if ln.startswith("import ")]
-        rest = [ln for ln in lines if not ln.startswith("import ") and not _HEARTBEATS_LINE.match(ln)]
-        return "\n".join([*imports, "", f"set_option maxHeartbeats {max_heartbeats}", "", *rest]).strip() + "\n"
+        return _trusted_header(self.header, max_heartbeats)
 
     def imports(self) -> set[str]:
-        return {ln.strip() for ln in strip_comments(self.header).splitlines() if ln.strip().startswith("import ")}
+        return set(_header_lines(self.header)[0])
+
+
+@functools.lru_cache(maxsize=4096)
+def _header_lines(header: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(import lines, other lines) of a trusted header, comments removed (cached: every prepare needs it)."""
+    lines = [ln.strip() for ln in strip_comments(header).splitlines() if ln.strip()]
+    return tuple(ln for ln in lines if ln.startswith("import ")), tuple(ln for ln in lines if not ln.startswith("import "))
+
+
+@functools.lru_cache(maxsize=4096)
+def _trusted_header(header: str, max_heartbeats: int) -> str:
+    imports, rest = _header_lines(header)
+    rest = tuple(ln for ln in rest if not _HEARTBEATS_LINE.match(ln))
+    return "\n".join([*imports, "", f"set_option maxHeartbeats {max_heartbeats}", "", *rest]).strip() + "\n"
+
+
+@functools.lru_cache(maxsize=4096)
+def _statement_tail(statement: str, name: str) -> tuple[str, str]:
+    """(the statement without comments, its text after `theorem NAME`)."""
+    expected = strip_comments(statement).strip()
+    return expected, expected[declaration_re(name).match(expected).end():]
 
 
 _HEARTBEATS_LINE = re.compile(r"set_option\s+maxHeartbeats\s+\d+\s*$")
@@ -160,6 +179,9 @@ _BOUNDED_OPTIONS = {  # option -> (upper bound, or None for the verifier's heart
     "synthInstance.maxSize": MAX_REC_DEPTH,
 }
 
+_UNICODE_SPACE = re.compile("[\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]")  # Unicode category Zs, less the ASCII space
+_NOT_PLAIN = re.compile(r"[^\x20-\x7e\n\t\r]")
+
 # Characters that render as nothing or reorder text: they make what a reviewer reads differ from what Lean reads.
 _INVISIBLE = {0x115F, 0x1160, 0x3164, 0xFFA0, 0x2800, 0x034F, 0x180E}
 
@@ -170,19 +192,13 @@ def normalize(text: str) -> str:
     Lean reads only ASCII spaces as whitespace; a pasted no-break space would be an error there,
     and is harmless to replace (inside a string literal too).
     """
-    text = text.replace("\r\n", "\n")
-    if text.isascii():
-        return text
-    return "".join(" " if unicodedata.category(ch) == "Zs" else ch for ch in text)
+    return _UNICODE_SPACE.sub(" ", text.replace("\r\n", "\n"))
 
 
 def check_unicode(text: str) -> None:
     """Refuse control, format (bidi, zero-width), private-use, unassigned and invisible characters."""
-    if text.isascii() and not any(ch < " " and ch not in "\n\t\r" for ch in text):
-        return
-    for offset, ch in enumerate(text):
-        if ch in "\n\t\r" or " " <= ch <= "~":
-            continue
+    for match in _NOT_PLAIN.finditer(text):
+        offset, ch = match.start(), match.group()
         cat = unicodedata.category(ch)
         code = ord(ch)
         if cat in ("Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp") or code in _INVISIBLE or 0xFE00 <= code <= 0xFE0F or 0xE0100 <= code <= 0xE01EF:
@@ -203,7 +219,9 @@ def _keyword(token: Token) -> str | None:
 def _scan(tokens: list[Token], text: str, how: str = "") -> None:
     """Refuse `#` commands, banned names, `eval%` and native evaluation anywhere in the code."""
     for k, t in enumerate(tokens):
-        where = f"{how} on line {_line(text, t.start)}"
+        if t.kind == "symbol" or t.kind == "number" or t.kind == "char":
+            continue
+        where = f"{how} on line {_line(text, t.start)}" if t.kind == "hash" or t.braces or t.kind == "word" and _suspect(t) else ""
         if t.kind == "hash":
             raise Rejected(f"`{t.text}`{where}: Lean `#` commands are not accepted (`#eval!` runs code that can forge "
                            "Lean's answer; `#print` could forge the axioms report)")
@@ -220,6 +238,10 @@ def _scan(tokens: list[Token], text: str, how: str = "") -> None:
             raise Rejected(f"banned construct `eval%`{where}: it runs arbitrary code while elaborating")
         if t.text == "native" and ((prev is not None and prev.text == "+") or (nxt is not None and nxt.text == ":=")):
             raise Rejected(f"banned construct `decide +native`{where}: it trusts compiled code instead of the kernel")
+
+
+def _suspect(t: Token) -> bool:
+    return t.text in ("eval", "native") or any(p in BANNED_NAMES for p in t.parts)
 
 
 def _scan_interpolation(t: Token, text: str, where: str) -> None:
@@ -490,9 +512,8 @@ class _Rebuild:
         self.options(header)
 
         k, end = mains[0]
-        expected = strip_comments(self.theorem.statement).strip()
-        decl = declaration_re(name)
-        assign = _match_statement(code, tokens[k + 1].end, expected[decl.match(expected).end():])
+        expected, rest = _statement_tail(self.theorem.statement, name)
+        assign = _match_statement(code, tokens[k + 1].end, rest)
         stop = tokens[end].start if end < len(tokens) else len(code)
         if assign > stop or code[assign:stop].strip() in ("", "by"):
             raise Rejected("empty proof after `:=`")
