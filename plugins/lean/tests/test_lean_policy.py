@@ -139,6 +139,17 @@ def test_helper_declarations_are_sent_in_order_and_checked_by_the_same_policy():
     assert after.index("theorem later") > after.index(STATEMENT)
 
 
+def test_opens_that_cannot_reach_the_statement_are_sent():
+    helper = "lemma h (x : ℕ) (hx : x = 2^9 + 1) : x = 513 := by\n  rw [hx]\n"
+    for proof, prelude in [
+        ("  exact h x hx", "open Real Nat\nopen scoped BigOperators\n" + "open Finset in\n" + helper),  # header's own, or scoped to a helper
+        ("  open Finset in\n  rw [hx]", ""),  # inside the proof
+        (PROOF + "\nopen Finset\nlemma later : True := trivial", ""),  # after the theorem
+    ]:
+        code = prepare(block(proof, prelude=prelude), THM).code
+        assert "open Finset" in code or "open Real Nat" in code
+
+
 def test_a_copied_global_heartbeat_setting_is_replaced_by_the_trusted_header():
     code = prepare(block(PROOF, prelude="set_option maxHeartbeats 0\n"), THM).code
     assert "maxHeartbeats 0" not in code and code.count("set_option maxHeartbeats") == 1
@@ -243,6 +254,8 @@ CHEATS = [
     ("helper named like the theorem", block("  exact Nat.lean_workbook_101 x hx", prelude=STATEMENT.replace("theorem ", "theorem Nat.") + " := by\n  rw [hx]\n"), "named like the theorem"),
     ("attribute on the theorem", block(PROOF, statement="@[simp] " + STATEMENT), "may not carry"),
     ("private theorem", block(PROOF, statement="private " + STATEMENT), "may not carry"),
+    ("new namespace opened at the theorem", block(PROOF, prelude="open Polynomial\n"), "could change how the original statement is read"),
+    ("new namespace opened for the theorem", block(PROOF, prelude="open Polynomial in\nset_option maxHeartbeats 1000 in\n"), "`open Polynomial`"),
     ("example beside the theorem", block(PROOF, prelude="example : True := trivial\n"), "`example`"),
     # -- issue 15: tokenise as Lean does
     ("0sorry is a number then sorry", block("  rw [hx]\n  exact 0sorry"), "`sorry`"),

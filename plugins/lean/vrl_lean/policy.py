@@ -66,6 +66,12 @@ def _header_lines(header: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 @functools.lru_cache(maxsize=4096)
+def _header_opens(header: str) -> frozenset[str]:
+    """Namespaces the trusted header opens."""
+    return frozenset(w for ln in _header_lines(header)[1] if ln.startswith("open ") for w in ln.split()[1:] if w != "scoped")
+
+
+@functools.lru_cache(maxsize=4096)
 def _trusted_header(header: str, max_heartbeats: int) -> str:
     imports, rest = _header_lines(header)
     rest = tuple(ln for ln in rest if not _HEARTBEATS_LINE.match(ln))
@@ -443,6 +449,36 @@ class _Rebuild:
                 raise Rejected(f"unexpected `{t.text}` on line {self.line(t)} before the first declaration: only `import`, "
                                "`open`, `set_option` and theorem/lemma/def/abbrev declarations may appear at the top level")
 
+    def opens_before(self, main: int) -> None:
+        """An `open` in force at the theorem would change how its statement is read (scoped notation and
+        instances): only namespaces the trusted header already opens may be opened there."""
+        allowed = _header_opens(self.theorem.header)
+        tokens = self.tokens
+        for k in range(main):
+            if _keyword(tokens[k]) != "open":
+                continue
+            j, names, naming = k + 1, [], True
+            while j < main and _keyword(tokens[j]) not in ("in", "open", "set_option") and not self.is_boundary(j) and (
+                tokens[j].kind == "word" or tokens[j].text in ("(", ")", "→", "-", ">", ",")
+            ):
+                word = tokens[j].text
+                if word in ("hiding", "renaming", "("):
+                    naming = False  # what follows names declarations, not namespaces
+                elif naming and tokens[j].kind == "word" and word != "scoped":
+                    names.append(word)
+                j += 1
+            if j < main and _keyword(tokens[j]) == "in":
+                # `open X in` reaches the next command (through `set_option ... in` chains): the theorem
+                # only if no other declaration starts first.
+                target = next(t for t in range(j + 1, main + 1) if t == main or self.is_boundary(t))
+                if target != main:
+                    continue
+            extra = [n for n in names if n not in allowed]
+            if extra:
+                raise Rejected(f"`open {' '.join(extra)}` on line {self.line(tokens[k])} is in force at `theorem {self.theorem.name}`: "
+                               "it could change how the original statement is read; write `open ... in` before a helper "
+                               "or inside the proof instead")
+
     def body(self) -> str:
         """The checked text to send (without the trusted header and trailer)."""
         tokens, code, name = self.tokens, self.code, self.theorem.name
@@ -518,6 +554,7 @@ class _Rebuild:
         if assign > stop or code[assign:stop].strip() in ("", "by"):
             raise Rejected("empty proof after `:=`")
         self.edits.append((tokens[k].start, assign, f"{expected} :="))
+        self.opens_before(k)
 
         out, last = [], 0
         for s, e, text in sorted(self.edits):
