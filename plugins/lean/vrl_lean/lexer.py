@@ -174,7 +174,7 @@ class _Lexer:
         self.comments.append((start, i))
         return i
 
-    def escape(self, i: int, in_string: bool) -> int:
+    def escape(self, i: int) -> int:
         """Index after the escape sequence whose backslash is at `i`; invalid ones fail like Lean's."""
         s = self.s
         c = s[i + 1] if i + 1 < self.n else ""
@@ -184,11 +184,8 @@ class _Lexer:
             return i + 4
         if c == "u" and all(ch in _HEX for ch in s[i + 2 : i + 6]) and len(s[i + 2 : i + 6]) == 4:
             return i + 6
-        if in_string and c == "\n":  # a string gap: backslash, newline, indentation
-            i += 2
-            while i < self.n and s[i] in " \t":
-                i += 1
-            return i
+        # Anything else, string gaps (backslash-newline) included, is refused: where Lean v4.15 would
+        # stop with an error inside the literal, its recovery would read the rest of it as code.
         self.fail(i, f"invalid escape sequence `\\{c}` (Lean rejects it)")
         return i + 2
 
@@ -197,7 +194,7 @@ class _Lexer:
         start, j, braces = i, i + 1, False
         while j < n:
             if s[j] == "\\":
-                j = self.escape(j, in_string=True)
+                j = self.escape(j)
             elif s[j] == '"':
                 break
             else:
@@ -302,7 +299,7 @@ class _Lexer:
                              "put a space between them")
             self.tokens.append(Token("symbol", "'", i, i + 1))
             return i + 1
-        j = self.escape(i + 1, in_string=False) if nxt == "\\" else i + 2
+        j = self.escape(i + 1) if nxt == "\\" else i + 2
         if j < n and s[j] == "'":
             self.tokens.append(Token("char", s[i : j + 1], i, j + 1))
             return j + 1
