@@ -231,3 +231,33 @@ def test_client_and_verifier_arguments_are_validated():
 
 def test_audit_line_format_matches_lean_v4_15():
     assert AUDIT_OK.format(name="lean_workbook_101") == "'lean_workbook_101' depends on axioms: [propext, Classical.choice, Quot.sound]"
+
+
+async def test_the_eval_bang_forgery_is_refused_before_it_reaches_the_server():
+    """Issue 15's attack through the real verifier: a correct-looking proof followed by `#eval!` code
+    that writes a fake REPL answer to stdout. It is rejected with a reason and never sent."""
+    source = (FIXTURE / "input" / "goedel-lean_workbook_101.lean").read_text()
+    forgery = (
+        '\n#eval! show IO Unit from do\n  let out ← IO.FS.Handle.mk "/proc/self/fd/1" .write\n'
+        '  out.putStrLn (toString (Lean.Json.mkObj [("env", 0)]))\n  out.putStrLn ""\n'
+    )
+    with ReplayServer(fixture_responder()) as server:
+        v = verifier(server.url)
+        verdicts = await v.verify([attempt("lean_workbook_101", f"```lean4\n{source}{forgery}```"), attempt("simple_add")])
+    assert verdicts[0].status is Status.REJECTED and "`#eval!`" in verdicts[0].detail
+    assert verdicts[1].passed
+    assert [len(r["snippets"]) for r in server.requests] == [1] and "#eval" not in server.requests[0]["snippets"][0]["code"]
+
+
+async def test_a_helper_lemma_is_sent_with_the_proof_and_the_proof_passes():
+    """Kimina-style answers prove a lemma first; it used to be dropped silently ("unknown identifier")."""
+    statement = PROBLEMS["lean_workbook_101"].theorem.statement
+    completion = (
+        "<think>\nuse a lemma\n</think>\n```lean4\nimport Mathlib\n\nlemma eval_hx (x : ℕ) (hx : x = 2^9 + 1) : x = 513 := by\n"
+        f"  rw [hx]\n\n{statement} := by\n  exact eval_hx x hx\n```"
+    )
+    with ReplayServer(fixture_responder()) as server:
+        verdicts = await verifier(server.url).verify([attempt("lean_workbook_101", completion)])
+    code = server.requests[0]["snippets"][0]["code"]
+    assert code.index("lemma eval_hx") < code.index(statement) < code.index("#print axioms")
+    assert verdicts[0].passed, verdicts[0].detail

@@ -374,7 +374,7 @@ class _Rebuild:
             if tokens[k].text == "@[" and tokens[k].kind == "symbol":
                 k = self._attribute_end(k)
                 continue
-            if only_modifiers and k >= start and _keyword(tokens[k]) not in MODIFIERS | {"partial", "unsafe", "nonrec"}:
+            if only_modifiers and _keyword(tokens[k]) not in MODIFIERS | {"partial", "unsafe", "nonrec"}:
                 only_modifiers = False
             k += 1
         out.append((start, len(tokens)))
