@@ -2,7 +2,8 @@
 
 The server (lean_replay.ReplayServer, a thread in this process) speaks kimina-lean-server's API; a
 real server needs Docker and Lean + Mathlib, which the test machine lacks. Its answers are the
-recorded ones from the fixture, plus crafted error paths.
+recorded ones from the fixture with the trailer's two messages (axioms report, nonce echo)
+synthesised in Lean's format (see lean_replay), plus crafted error paths and forged answers.
 """
 
 from __future__ import annotations
