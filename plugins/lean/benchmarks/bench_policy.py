@@ -2,7 +2,8 @@
 
     python plugins/lean/benchmarks/bench_policy.py
 
-`prepare` (extract, scan, rebuild) and `judge` run once per completion in training, so they must cost
+`prepare` (extract, tokenise, check the allow-list, rebuild with a fresh nonce) and `judge` (nonce echo,
+errors, sorries, axioms audit) run once per completion in training, so they must cost
 far less than Lean itself (tens of milliseconds to seconds per proof). The client round trip is
 measured against the local replay server (no Lean), i.e. the overhead vrl adds per batch.
 """
@@ -28,7 +29,8 @@ def main() -> None:
     problems = {p.name: p for p in load_local(FIXTURE / "input")}
     sources = {p.name: f for f in (FIXTURE / "input").glob("*.lean") for p in [next(iter(load_local(f)))]}
     completions = {n: f"<think>\nplan\n</think>\n```lean4\n{sources[n].read_text()}\n```" for n in problems}
-    codes = {n: prepare(completions[n], problems[n].theorem) for n in problems}
+    submissions = {n: prepare(completions[n], problems[n].theorem) for n in problems}
+    codes = {n: s.code for n, s in submissions.items()}
     results = {n: fixture_result("1", codes[n]) for n in problems}
 
     def per_proof(fn, rounds: int = 20) -> float:
@@ -41,7 +43,7 @@ def main() -> None:
         return statistics.median(times)
 
     t_prepare = per_proof(lambda n: prepare(completions[n], problems[n].theorem))
-    t_judge = per_proof(lambda n: judge(results[n], n))
+    t_judge = per_proof(lambda n: judge(results[n], submissions[n]))
     mean_chars = statistics.mean(len(c) for c in completions.values())
     print(f"prepare: {t_prepare * 1e6:.0f} us/proof (mean completion {mean_chars:.0f} chars)")
     print(f"judge:   {t_judge * 1e6:.0f} us/proof")

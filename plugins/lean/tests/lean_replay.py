@@ -3,6 +3,14 @@
 Runs in a thread of the test process (`ReplayServer`) or as a child process
 (`python lean_replay.py PORT`, serving the fixture) for the supervisor tests. It stands in for a real
 server, which needs Docker and Lean + Mathlib (several GB) that the test machine does not have.
+
+What is recorded and what is synthesised: each theorem's messages (warnings, positions, timeouts)
+are the ones a real kimina-lean-server (Lean v4.15.0 + Mathlib) returned for the fixture's proof.
+Those runs had no trailer, so the two trailer messages are SYNTHESISED here from the snippet sent,
+in the format Lean v4.15.0 prints them (`Lean/Elab/Print.lean`: `#print axioms` logs
+`'NAME' depends on axioms: [...]` and `#print "text"` logs `text`, both at the `#print` token, column
+0) and at the line kimina-lean-server 2.0.0 reports: counted from the first line after the leading
+import/blank lines it splits off, as in the recorded messages. A real Lean has not run these files.
 """
 
 from __future__ import annotations
@@ -109,8 +117,24 @@ def recorded_results() -> dict[str, dict[str, Any]]:
     return out
 
 
-def fixture_result(sid: str, code: str, audit: str | None = AUDIT_OK) -> dict[str, Any]:
-    """An `/api/check` result for a snippet: the recorded answer for its theorem, plus an axioms line."""
+def trailer_lines(code: str) -> dict[str, int]:
+    """Lines (as kimina-lean-server 2.0.0 numbers them) of the trusted `#print` trailer in a snippet."""
+    lines = code.split("\n")
+    header = 0
+    while header < len(lines) and (not lines[header].strip() or lines[header].strip().startswith("import ")):
+        header += 1
+    found = {}
+    for number, line in enumerate(lines, start=1):
+        if line.startswith("#print axioms "):
+            found["audit"] = number - header
+        elif line.startswith('#print "'):
+            found["echo"] = number - header
+    return found
+
+
+def fixture_result(sid: str, code: str, audit: str | None = AUDIT_OK, echo: bool = True) -> dict[str, Any]:
+    """An `/api/check` result for a snippet: the recorded answer for its theorem, plus the trailer's
+    messages (`audit=None`: no axioms report; `echo=False`: no nonce echo, as in a forged answer)."""
     name = re.search(r"#print axioms (\S+)", code).group(1)
     recorded = recorded_results()[name]
     if recorded["error"]:
@@ -118,19 +142,25 @@ def fixture_result(sid: str, code: str, audit: str | None = AUDIT_OK) -> dict[st
     response = dict(recorded["response"])
     time_s = response.pop("time", 0.0)
     messages = list(response.get("messages") or [])
+    lines = trailer_lines(code)
     if audit is not None:
-        line = code.count("\n")
-        messages.append({"severity": "info", "pos": {"line": line, "column": 0}, "endPos": {"line": line, "column": 14},
-                         "data": audit.format(name=name)})
+        messages.append(_info(lines["audit"], audit.format(name=name)))
+    if echo:
+        marker = re.search(r'^#print "(.*)"$', code, re.MULTILINE).group(1)
+        messages.append(_info(lines["echo"], marker))
     response["messages"] = messages
     return {"id": sid, "time": time_s, "response": response}
 
 
-def fixture_responder(audit: str | None = AUDIT_OK) -> Responder:
+def _info(line: int, data: str) -> dict[str, Any]:
+    return {"severity": "info", "pos": {"line": line, "column": 0}, "endPos": {"line": line, "column": 6}, "data": data}
+
+
+def fixture_responder(audit: str | None = AUDIT_OK, echo: bool = True) -> Responder:
     """Answers every snippet with its theorem's recorded result, results in reverse order (join by id!)."""
 
     def respond(payload: dict[str, Any]) -> Answer:
-        results = [fixture_result(s["id"], s["code"], audit) for s in payload["snippets"]]
+        results = [fixture_result(s["id"], s["code"], audit, echo) for s in payload["snippets"]]
         return Answer(body={"results": results[::-1]})
 
     return respond

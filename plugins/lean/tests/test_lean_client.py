@@ -2,7 +2,8 @@
 
 The server (lean_replay.ReplayServer, a thread in this process) speaks kimina-lean-server's API; a
 real server needs Docker and Lean + Mathlib, which the test machine lacks. Its answers are the
-recorded ones from the fixture, plus crafted error paths.
+recorded ones from the fixture with the trailer's two messages (axioms report, nonce echo)
+synthesised in Lean's format (see lean_replay), plus crafted error paths and forged answers.
 """
 
 from __future__ import annotations
@@ -54,7 +55,41 @@ async def test_fixture_end_to_end_50_pass_2_timeouts_joined_by_id_in_batches_of_
     assert body["timeout"] == 30 and body["reuse"] is True and body["debug"] is False
     assert all(a == "Bearer sekrit" for a in server.auth_headers)
     code = body["snippets"][0]["code"]
-    assert code.startswith("import Mathlib\nimport Aesop\n") and code.rstrip().splitlines()[-1].startswith("#print axioms ")
+    assert code.startswith("import Mathlib\nimport Aesop\n")
+    audit, echo = code.rstrip().splitlines()[-2:]
+    assert audit.startswith("#print axioms ") and re.fullmatch(r'#print "vrl audit [0-9a-f]{32}"', echo)
+    markers = [s["code"].rstrip().splitlines()[-1] for r in server.requests for s in r["snippets"]]
+    assert len(set(markers)) == 52  # a fresh nonce per snippet
+
+
+async def test_a_forged_answer_that_does_not_echo_the_nonce_is_never_a_pass():
+    """The `#eval!` attack wrote a complete fake REPL answer to stdout. Such an answer (here: the
+    recorded clean answer plus a well-formed axioms report, i.e. everything but the nonce) fails."""
+    with ReplayServer(fixture_responder(echo=False)) as server:
+        v = verifier(server.url)
+        verdicts = await v.verify([attempt("lean_workbook_101"), attempt("simple_add")])
+    assert not any(x.passed for x in verdicts)
+    assert all(x.status is Status.CRASHED and "nonce" in x.detail for x in verdicts)
+
+
+async def test_an_answer_out_of_step_with_its_request_is_never_a_pass():
+    """When a forged answer is read first, the REPL's real answer stays in the pipe and is read as the
+    answer to the NEXT request. That stale answer carries the previous request's nonce: not a pass."""
+    previous: list[dict] = []
+
+    def respond(payload):
+        snippet = payload["snippets"][0]
+        answer = fixture_result(snippet["id"], (previous or [snippet])[-1]["code"])
+        answer["id"] = snippet["id"]
+        previous.append(snippet)
+        return Answer(body={"results": [answer]})
+
+    with ReplayServer(respond) as server:
+        v = verifier(server.url)
+        first = await v.verify([attempt("lean_workbook_101")])
+        second = await v.verify([attempt("lean_workbook_101")])
+    assert first[0].passed
+    assert not second[0].passed and "nonce" in second[0].detail
 
 
 async def test_an_audit_listing_sorryAx_fails_every_proof():
@@ -197,3 +232,33 @@ def test_client_and_verifier_arguments_are_validated():
 
 def test_audit_line_format_matches_lean_v4_15():
     assert AUDIT_OK.format(name="lean_workbook_101") == "'lean_workbook_101' depends on axioms: [propext, Classical.choice, Quot.sound]"
+
+
+async def test_the_eval_bang_forgery_is_refused_before_it_reaches_the_server():
+    """Issue 15's attack through the real verifier: a correct-looking proof followed by `#eval!` code
+    that writes a fake REPL answer to stdout. It is rejected with a reason and never sent."""
+    source = (FIXTURE / "input" / "goedel-lean_workbook_101.lean").read_text()
+    forgery = (
+        '\n#eval! show IO Unit from do\n  let out ← IO.FS.Handle.mk "/proc/self/fd/1" .write\n'
+        '  out.putStrLn (toString (Lean.Json.mkObj [("env", 0)]))\n  out.putStrLn ""\n'
+    )
+    with ReplayServer(fixture_responder()) as server:
+        v = verifier(server.url)
+        verdicts = await v.verify([attempt("lean_workbook_101", f"```lean4\n{source}{forgery}```"), attempt("simple_add")])
+    assert verdicts[0].status is Status.REJECTED and "`#eval!`" in verdicts[0].detail
+    assert verdicts[1].passed
+    assert [len(r["snippets"]) for r in server.requests] == [1] and "#eval" not in server.requests[0]["snippets"][0]["code"]
+
+
+async def test_a_helper_lemma_is_sent_with_the_proof_and_the_proof_passes():
+    """Kimina-style answers prove a lemma first; it used to be dropped silently ("unknown identifier")."""
+    statement = PROBLEMS["lean_workbook_101"].theorem.statement
+    completion = (
+        "<think>\nuse a lemma\n</think>\n```lean4\nimport Mathlib\n\nlemma eval_hx (x : ℕ) (hx : x = 2^9 + 1) : x = 513 := by\n"
+        f"  rw [hx]\n\n{statement} := by\n  exact eval_hx x hx\n```"
+    )
+    with ReplayServer(fixture_responder()) as server:
+        verdicts = await verifier(server.url).verify([attempt("lean_workbook_101", completion)])
+    code = server.requests[0]["snippets"][0]["code"]
+    assert code.index("lemma eval_hx") < code.index(statement) < code.index("#print axioms")
+    assert verdicts[0].passed, verdicts[0].detail

@@ -136,7 +136,7 @@ def test_a_model_style_completion_round_trips_through_extraction():
     task = next(t for t in env.tasks() if t.id == "lean_workbook_101")
     completion = "<think>\nrewrite then compute\n</think>\nHere is the proof.\n```lean4\n" + task.data["formal_statement"] + "\n  rw [hx]\n```\n"
     assert extract_code(completion).endswith("  rw [hx]\n")
-    code = prepare(completion, theorem_of(task.data))
+    code = prepare(completion, theorem_of(task.data)).code
     assert "rw [hx]" in code
     inline = env.task_from_data({"formal_statement": "theorem lean_workbook_9 (a : ℕ) : a = a := by"})
     assert inline.id == "lean_workbook_9" and inline.data["statement"] == "theorem lean_workbook_9 (a : ℕ) : a = a"

@@ -1,6 +1,7 @@
 """The validity policy: cheating attempts rejected with reasons, Lean's answers judged strictly.
 
-The recorded answers come from a real kimina-lean-server (Lean v4.15.0 + Mathlib) in the fixture.
+The recorded answers come from a real kimina-lean-server (Lean v4.15.0 + Mathlib) in the fixture;
+answers to files with our trailer are crafted in the format Lean v4.15.0 prints (see lean_replay).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from vrl_lean.policy import Rejected, Theorem, extract_code, judge, prepare
+from vrl_lean.policy import Rejected, Submission, Theorem, extract_code, judge, prepare
 
 from vrl.types import Status
 
@@ -28,6 +29,21 @@ def block(proof: str = PROOF, prelude: str = "", statement: str = STATEMENT) -> 
 AUDIT = "'lean_workbook_101' depends on axioms: [propext, Classical.choice, Quot.sound]"
 
 
+NONCE = "0123456789abcdef" * 2
+
+
+def submission() -> Submission:
+    return prepare(block(), THM, nonce=NONCE)
+
+
+def trailer(sub: Submission | None = None, relative: bool = True) -> list[dict]:
+    """The two messages Lean prints for the trailer, at the lines kimina-lean-server 2.0.0 reports
+    (relative to the body after the import header) or absolute (`relative=False`)."""
+    sub = sub or submission()
+    shift = sub.header_lines if relative else 0
+    return [info(AUDIT, line=sub.audit_line - shift), info(sub.marker, line=sub.nonce_line - shift)]
+
+
 def result(messages=(), sorries=None, error=None) -> dict:
     if error:
         return {"id": "1", "time": 1.0, "error": error}
@@ -37,42 +53,106 @@ def result(messages=(), sorries=None, error=None) -> dict:
     return {"id": "1", "time": 0.5, "response": response}
 
 
-def info(data: str, severity: str = "info") -> dict:
-    return {"severity": severity, "pos": {"line": 12, "column": 0}, "endPos": {"line": 12, "column": 5}, "data": data}
+def info(data: str, severity: str = "info", line: int = 12, column: int = 0) -> dict:
+    return {"severity": severity, "pos": {"line": line, "column": column}, "endPos": {"line": line, "column": 6}, "data": data}
 
 
 # -- accepted shapes --------------------------------------------------------------------------------------
 
 
 def test_a_clean_proof_is_rebuilt_from_the_trusted_header_and_original_statement():
-    code = prepare(block(prelude="/- informal: x = 2^9+1 -/\n"), THM)
+    sub = prepare(block(prelude="/- informal: x = 2^9+1 -/\n"), THM)
+    code = sub.code
     lines = code.splitlines()
     assert lines[0] == "import Mathlib" and lines[1] == "import Aesop"  # imports first, no leading comment
     assert "set_option maxHeartbeats 400000" in lines
     assert f"{STATEMENT} := by" in code
-    assert lines[-1] == "#print axioms lean_workbook_101"
+    assert lines[-2:] == ["#print axioms lean_workbook_101", f'#print "vrl audit {sub.nonce}"']
+    assert (sub.audit_line, sub.nonce_line) == (len(lines) - 1, len(lines)) and sub.header_lines == 3
     assert "informal" not in code  # comments are not sent
+
+
+def test_every_request_draws_a_fresh_nonce():
+    nonces = {prepare(block(), THM).nonce for _ in range(20)}
+    assert len(nonces) == 20 and all(len(n) == 32 for n in nonces)
 
 
 def test_the_proof_text_sent_is_the_scanned_comment_free_text():
     proof = "  -- sorry, this line is a comment\n  rw [hx] /- a /- nested sorry -/ still a comment -/\n  norm_num"
-    code = prepare(block(proof), THM)
+    code = prepare(block(proof), THM).code
     assert "sorry" not in code and "rw [hx]" in code and "norm_num" in code
 
 
 def test_whitespace_in_the_statement_may_differ():
     compact = "theorem lean_workbook_101 (x:ℕ) (hx:x=2^9+1):\n    x=513"
-    assert f"{STATEMENT} := by" in prepare(block(statement=compact), THM)
+    assert f"{STATEMENT} := by" in prepare(block(statement=compact), THM).code
 
 
 def test_the_last_block_after_think_is_used():
     text = "<think>\ntry:\n```lean4\nsorry\n```\n</think>\nfirst try:\n```lean4\nwrong\n```\nfinal:" + block().split("</think>")[1]
-    assert "sorry" not in prepare(text, THM)
+    assert "sorry" not in prepare(text, THM).code
 
 
 def test_a_finite_heartbeat_option_inside_the_proof_is_allowed():
-    code = prepare(block("  set_option maxHeartbeats 200000 in\n  rw [hx]"), THM)
+    code = prepare(block("  set_option maxHeartbeats 200000 in\n  rw [hx]"), THM).code
     assert "set_option maxHeartbeats 200000 in" in code
+
+
+# Issue 15: legitimate proofs that the word-regex policy rejected. Each must now reach Lean unchanged.
+LEGITIMATE = [
+    ("hypothesis named stop", "  have stop : x = 513 := by rw [hx]\n  exact stop", "exact stop"),
+    ("bounded maxRecDepth", "  set_option maxRecDepth 10000 in\n  rw [hx]", "set_option maxRecDepth 10000 in"),
+    ("linter option", "  set_option linter.unusedVariables false in\n  rw [hx]", "linter.unusedVariables false"),
+    ("banned word in a string", '  have h : "sorry, #eval! admit" ≠ "" := by decide\n  rw [hx]', '"sorry, #eval! admit"'),
+    ("char literal '\"' then a comment", "  have : '\"' = '\"' := rfl -- it's a \" quote\n  rw [hx]", "have : '\"' = '\"' := rfl"),
+    ("escaped char literal", "  have : '\\'' ≠ 'a' := by decide\n  rw [hx]", "'\\''"),
+    ("aesop unsafe rule", "  subst hx\n  aesop (add unsafe 50% apply Nat.le_refl)", "(add unsafe 50% apply Nat.le_refl)"),
+    ("identifier with sorry inside", "  have sorry_free : x = 513 := by rw [hx]\n  exact sorry_free", "exact sorry_free"),
+    ("preimage and tsum tokens", "  have : (fun n : ℕ => n) ⁻¹' {1} = {1} := rfl\n  rw [hx]", "⁻¹' {1}"),
+]
+
+
+@pytest.mark.parametrize("proof,sent", [c[1:] for c in LEGITIMATE], ids=[c[0] for c in LEGITIMATE])
+def test_legitimate_proofs_are_sent(proof, sent):
+    assert sent in prepare(block(proof), THM).code
+
+
+def test_unicode_spaces_are_normalised_not_rejected():
+    code = prepare(block("  rw\u00a0[hx]\u2009\n\u3000norm_num"), THM).code
+    assert "  rw [hx] \n norm_num" in code and "\u00a0" not in code
+
+
+def test_helper_declarations_are_sent_in_order_and_checked_by_the_same_policy():
+    helpers = (
+        "open Finset in\n"
+        "/-- a doc comment -/\n@[simp] lemma helper (x : ℕ) (hx : x = 2^9 + 1) : x = 513 := by\n  rw [hx]\n\n"
+        "noncomputable def twice (n : ℕ) : ℕ := 2 * n\n\n"
+        "set_option maxHeartbeats 200000 in\n"
+    )
+    code = prepare(block("  exact helper x hx", prelude=helpers), THM).code
+    body = code.split("open BigOperators Real Nat Topology Rat\n", 1)[1]
+    order = ["open Finset in", "@[simp] lemma helper", "noncomputable def twice", "set_option maxHeartbeats 200000 in", STATEMENT]
+    assert [body.index(x) for x in order] == sorted(body.index(x) for x in order)
+    with pytest.raises(Rejected, match="`sorry`"):
+        prepare(block("  exact helper x hx", prelude="lemma helper (x : ℕ) (hx : x = 2^9 + 1) : x = 513 := by\n  sorry\n"), THM)
+    after = prepare(block(PROOF + "\n\ntheorem later : True := trivial"), THM).code
+    assert after.index("theorem later") > after.index(STATEMENT)
+
+
+def test_opens_that_cannot_reach_the_statement_are_sent():
+    helper = "lemma h (x : ℕ) (hx : x = 2^9 + 1) : x = 513 := by\n  rw [hx]\n"
+    for proof, prelude in [
+        ("  exact h x hx", "open Real Nat\nopen scoped BigOperators\n" + "open Finset in\n" + helper),  # header's own, or scoped to a helper
+        ("  open Finset in\n  rw [hx]", ""),  # inside the proof
+        (PROOF + "\nopen Finset\nlemma later : True := trivial", ""),  # after the theorem
+    ]:
+        code = prepare(block(proof, prelude=prelude), THM).code
+        assert "open Finset" in code or "open Real Nat" in code
+
+
+def test_a_copied_global_heartbeat_setting_is_replaced_by_the_trusted_header():
+    code = prepare(block(PROOF, prelude="set_option maxHeartbeats 0\n"), THM).code
+    assert "maxHeartbeats 0" not in code and code.count("set_option maxHeartbeats") == 1
 
 
 def test_the_trusted_header_replaces_an_unlimited_heartbeat_setting():
@@ -92,7 +172,6 @@ CHEATS = [
     ("admit", block("  admit"), "`admit`"),
     ("sorryAx", block("  exact sorryAx _ false"), "`sorryAx`"),
     ("root-sorryAx", block("  exact _root_.sorryAx _ false"), "`sorryAx`"),
-    ("stop", block("  stop\n  rw [hx]"), "`stop`"),
     ("axiom", block("  exact cheat", prelude="axiom cheat : ∀ x : ℕ, x = 513\n"), "`axiom`"),
     ("#exit", block("  rw [hx]\n#exit"), "`#exit`"),
     ("native_decide", block("  subst hx\n  native_decide"), "native_decide"),
@@ -103,7 +182,9 @@ CHEATS = [
     ("unsafe", block(PROOF, prelude="unsafe def g : Nat := 1\n"), "unsafe"),
     ("opaque", block(PROOF, prelude="opaque g : Nat\n"), "opaque"),
     ("debug option", block("  set_option debug.skipKernelTC true in\n  rw [hx]"), "debug options"),
-    ("other option", block("  set_option maxRecDepth 100000 in\n  rw [hx]"), "only maxHeartbeats"),
+    ("unbounded maxRecDepth", block("  set_option maxRecDepth 1000000 in\n  rw [hx]"), "between 1 and 100000"),
+    ("option changing the statement", block(PROOF, prelude="set_option autoImplicit true in\n"), "may be set"),
+    ("global option between declarations", block(PROOF + "\nset_option maxHeartbeats 0\nlemma h : True := trivial"), "between 1 and"),
     ("unlimited heartbeats", block("  set_option maxHeartbeats 0 in\n  rw [hx]"), "between 1 and 400000"),
     ("huge heartbeats", block("  set_option maxHeartbeats 99999999 in\n  rw [hx]"), "between 1 and 400000"),
     ("elab", block("  trust", prelude='elab "trust" : tactic => pure ()\n'), "`elab`"),
@@ -121,8 +202,6 @@ CHEATS = [
     ("extra import", block(PROOF, prelude="import Mathlib.Tactic.Linarith\n"), "extra `import"),
     ("import in proof", block(PROOF + "\nimport Lean"), "import"),
     ("second declaration", block(PROOF + f"\n\n{STATEMENT} := by\n  sorry_free_but_twice"), "declared 2 times"),
-    ("helper declared in proof", block(PROOF + "\n\nlemma helper : True := trivial"), "`lemma`"),
-    ("def in proof", block(PROOF + "\n\ndef helper : Nat := 1"), "`def`"),
     ("example", block(statement="example (x : ℕ) (hx : x = 2^9 + 1) : x = 513"), "uses `example`"),
     ("renamed theorem", block(statement="theorem my_easy_thm (x : ℕ) (hx : x = 2^9 + 1) : x = 513"), "renamed"),
     ("changed conclusion", block(statement="theorem lean_workbook_101 (x : ℕ) (hx : x = 2^9 + 1) : x = x"), "differs from the original"),
@@ -145,13 +224,50 @@ CHEATS = [
     ("bidi override", block("  rw [hx]\u202e -- ]xh[ wr"), "U+202E"),
     ("zero-width space", block("  sor\u200bry"), "U+200B"),
     ("invisible filler letter", block("  exact \u3164"), "U+3164"),
-    ("no-break space", block("  rw\u00a0[hx]"), "U+00A0"),
     ("sorry after a closed nested comment", block("  /- a /- b -/ c -/ sorry"), "`sorry`"),
     ("unterminated comment hides the audit", block("  rw [hx]\n  norm_num /- never closed"), "unterminated"),
     ("empty proof", block(""), "empty proof"),
     ("unfinished think", "<think>\nlet me try\n```lean4\n" + HEADER + STATEMENT + " := by\n  norm_num\n```", "unfinished <think>"),
     ("cut-off final block", "<think>ok</think>\n```lean4\n" + HEADER + STATEMENT + " := by\n  rw [hx]", "never closed"),
     ("no block after think", "<think>\n```lean4\nproof\n```\n</think>\nI am done.", "no ```lean4"),
+    # -- issue 15: the `#eval!` class (code that runs inside Lean can forge the server's answer)
+    ("#eval! forging the REPL's stdout", block(PROOF + '\n\n#eval! show IO Unit from do\n  let h ← IO.FS.Handle.mk "/proc/self/fd/1" .write\n  h.putStrLn (toString (Lean.Json.mkObj [("env", 0), ("messages", Lean.Json.arr #[])]))\n  h.putStrLn ""'), "`#eval!`"),
+    ("#eval! before the theorem", block(PROOF, prelude="#eval! (1 : Nat)\n"), "`#eval!`"),
+    ("#eval! indented inside the proof", block("  rw [hx]\n  #eval! (1 : Nat)"), "`#eval!`"),
+    ("#eval! glued to a number", block("  rw [hx]\n  norm_num\n2#eval! (1 : Nat)"), "`#eval!`"),
+    ("fullwidth #eval", block(PROOF + "\n＃ｅｖａｌ 1"), "look-alike Unicode"),
+    ("eval% term", block("  exact eval% (1 : ℕ)"), "eval%"),
+    ("run_cmd", block(PROOF + '\nrun_cmd Lean.logInfo "x"'), "`run_cmd`"),
+    ("initialize", block(PROOF, prelude="initialize pure ()\n"), "`initialize`"),
+    ("simproc", block(PROOF, prelude="simproc s (_) := fun _ => pure .continue\n"), "`simproc`"),
+    ("attribute command", block(PROOF, prelude="attribute [simp] Nat.add_comm\n"), "`attribute`"),
+    ("instance", block(PROOF, prelude="instance : OfNat ℕ 513 := ⟨512⟩\n"), "`instance`"),
+    ("sudo set_option", block(PROOF, prelude="sudo set_option debug.skipKernelTC true\n"), "`sudo`"),
+    ("meta attribute", block(PROOF, prelude="@[tactic Lean.Parser.Tactic.decide] def d : Nat := 1\n"), "attribute `tactic`"),
+    ("instance attribute", block(PROOF, prelude="@[instance] def d : Inhabited ℕ := ⟨0⟩\n"), "attribute `instance`"),
+    ("namespace", block(PROOF, prelude="namespace Foo\n"), "`namespace`"),
+    ("stray text before the theorem", block(PROOF, prelude=":= by rfl\n"), "unexpected `:=`"),
+    ("dangling in", block(PROOF + "\nopen Nat in"), "ends with `in`"),
+    ("import after other commands", block(PROOF, prelude="import Mathlib\n"), "imports must come first"),
+    ("unsafe term", block("  exact unsafe (rfl : x = x) ▸ sorry"), "`sorry`"),
+    ("unsafe outside aesop", block("  exact (unsafe_thing : x = 513)", prelude="unsafe def unsafe_thing : Nat := 1\n"), "`unsafe`"),
+    ("helper named like the theorem", block("  exact Nat.lean_workbook_101 x hx", prelude=STATEMENT.replace("theorem ", "theorem Nat.") + " := by\n  rw [hx]\n"), "named like the theorem"),
+    ("attribute on the theorem", block(PROOF, statement="@[simp] " + STATEMENT), "may not carry"),
+    ("private theorem", block(PROOF, statement="private " + STATEMENT), "may not carry"),
+    ("new namespace opened at the theorem", block(PROOF, prelude="open Polynomial\n"), "could change how the original statement is read"),
+    ("new namespace opened for the theorem", block(PROOF, prelude="open Polynomial in\nset_option maxHeartbeats 1000 in\n"), "`open Polynomial`"),
+    ("example beside the theorem", block(PROOF, prelude="example : True := trivial\n"), "`example`"),
+    # -- issue 15: tokenise as Lean does
+    ("0sorry is a number then sorry", block("  rw [hx]\n  exact 0sorry"), "`sorry`"),
+    ("1set_option is a number then set_option", block("  rw [hx]\n  1set_option debug.skipKernelTC true in\n  norm_num"), "debug options"),
+    ("sorry inside an interpolation", block('  have : s!"{sorry}" = "" := rfl\n  rw [hx]'), "inside a string literal"),
+    ("string read two ways", block('  have : s!"{ "}" ++ sorry ++ "{" }" = "" := rfl\n  rw [hx]'), "cannot be told apart"),
+    ("raw string before sorry", block('  exact (r"\\" ++ sorry ++ "a\\"")'), "`sorry`"),
+    ("comment glued to an operator", block("  rw [hx] <-- sorry"), "glued"),
+    ("quote glued to an operator", block("  exact x +'\"' sorry \"'"), "glued"),
+    ("invalid escape (Lean re-reads the string as code)", block('  have : "\\q #eval! x" = "" := rfl\n  rw [hx]'), "invalid escape"),
+    ("unterminated string", block('  have : "abc = "" := rfl'), "unterminated string"),
+    ("escaped keyword is still a sorry", block("  exact «sorry»"), "`«sorry»`"),
 ]
 
 
@@ -179,11 +295,11 @@ def _recorded() -> dict[str, dict]:
 
 
 def test_recorded_server_answers_replay_mode_accepts_the_50_valid_and_times_out_2():
-    """Replay mode: these recorded runs never appended `#print axioms`, so the audit is switched off
-    explicitly here (and only here); the audit is tested separately below."""
+    """Replay mode (`submission=None`): these recorded runs were made without our trailer, so there is
+    no axioms report and no nonce to check; only this test judges them that way."""
     recorded = _recorded()
     assert len(recorded) == 52
-    verdicts = {name: judge(res, name, require_axiom_audit=False) for name, res in recorded.items()}
+    verdicts = {name: judge(res, None) for name, res in recorded.items()}
     passed = [n for n, v in verdicts.items() if v.passed]
     timeouts = sorted(n for n, v in verdicts.items() if v.status is Status.TIMEOUT)
     assert len(passed) == 50
@@ -192,11 +308,12 @@ def test_recorded_server_answers_replay_mode_accepts_the_50_valid_and_times_out_
     assert all("NOT audited" in verdicts[n].detail for n in passed)
 
 
-def test_in_real_runs_a_missing_axioms_audit_line_fails():
+def test_in_real_runs_an_answer_without_the_trailer_fails():
+    """A real, clean answer from Lean that lacks our trailer's echo is not an answer to our file."""
     recorded = _recorded()
-    verdicts = [judge(res, name) for name, res in recorded.items() if not res["error"]]
+    verdicts = [judge(res, submission()) for name, res in recorded.items() if not res["error"]]
     assert len(verdicts) == 50 and not any(v.passed for v in verdicts)
-    assert all("#print axioms" in v.detail for v in verdicts)
+    assert all("nonce" in v.detail for v in verdicts)
 
 
 AUDITS = [
@@ -212,22 +329,64 @@ AUDITS = [
 
 @pytest.mark.parametrize("line,ok,reason", [a[1:] for a in AUDITS], ids=[a[0] for a in AUDITS])
 def test_axioms_audit_on_lean_v4_15_output(line, ok, reason):
-    verdict = judge(result([info("unused variable", "warning"), info(line)]), "lean_workbook_101")
+    sub = submission()
+    audit, echo = trailer(sub)
+    audit["data"] = line
+    verdict = judge(result([info("unused variable", "warning"), audit, echo]), sub)
     assert verdict.passed is ok
     assert reason in verdict.detail
 
 
 def test_a_second_axioms_report_is_treated_as_forged():
-    verdict = judge(result([info("'lean_workbook_101' depends on axioms: [propext]", "info"), info(AUDIT)]), "lean_workbook_101")
+    sub = submission()
+    verdict = judge(result([info("'lean_workbook_101' depends on axioms: [propext]"), *trailer(sub)]), sub)
     assert not verdict.passed and "exactly one" in verdict.detail
+
+
+@pytest.mark.parametrize("relative", [True, False], ids=["kimina 2.0.0 body lines", "absolute lines"])
+def test_judge_accepts_a_clean_answer_and_reports_elapsed_time(relative):
+    sub = submission()
+    verdict = judge(result([info("'rfl' tactic does nothing", "warning"), *trailer(sub, relative)]), sub)
+    assert verdict.passed and verdict.elapsed_s == 0.5 and "1 warnings" in verdict.detail
+
+
+def _forged(sub: Submission) -> list[tuple[str, list[dict]]]:
+    audit, echo = trailer(sub)
+    other = prepare(block(), THM)  # another request: its own nonce
+    return [
+        ("no echo (the #eval! forgery: a clean answer with a plausible axioms report)", [audit]),
+        ("another request's echo (a stale answer read out of step)", [audit, {**echo, "data": other.marker}]),
+        ("echo text around the nonce", [audit, {**echo, "data": f"{sub.marker} ok"}]),
+        ("echo twice", [audit, echo, echo]),
+        ("echo as a warning", [audit, {**echo, "severity": "warning"}]),
+        ("echo on the wrong line", [audit, info(sub.marker, line=sub.nonce_line + 1)]),
+        ("echo in the wrong column", [audit, info(sub.marker, line=echo["pos"]["line"], column=2)]),
+        ("echo without a position", [audit, {"severity": "info", "data": sub.marker}]),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8), ids=[c[0] for c in _forged(prepare(block(), THM, nonce=NONCE))])
+def test_an_answer_that_does_not_echo_the_nonce_where_lean_prints_it_is_not_a_pass(case):
+    sub = submission()
+    _, messages = _forged(sub)[case]
+    verdict = judge(result(messages), sub)
+    assert not verdict.passed and verdict.score == 0.0
+    assert "nonce" in verdict.detail
+
+
+def test_the_axioms_report_must_sit_on_the_trusted_print_line():
+    sub = submission()
+    audit, echo = trailer(sub)
+    verdict = judge(result([{**audit, "pos": {"line": 9, "column": 2}}, echo]), sub)
+    assert not verdict.passed and "not where Lean prints" in verdict.detail
 
 
 @pytest.mark.parametrize(
     "res,status,reason",
     [
-        (result([info("unknown identifier 'foo'", "error"), info(AUDIT)]), Status.FAILED, "line 12"),
-        (result([info(AUDIT)], sorries=[{"pos": {"line": 3, "column": 2}, "goal": "⊢ False"}]), Status.FAILED, "sorry"),
-        (result([info("declaration uses 'sorry'", "warning"), info(AUDIT)]), Status.FAILED, "declaration uses 'sorry'"),
+        (result([info("unknown identifier 'foo'", "error"), *trailer()]), Status.FAILED, "line 12"),
+        (result(trailer(), sorries=[{"pos": {"line": 3, "column": 2}, "goal": "⊢ False"}]), Status.FAILED, "sorry"),
+        (result([info("declaration uses 'sorry'", "warning"), *trailer()]), Status.FAILED, "declaration uses 'sorry'"),
         (result(error="Lean REPL command timed out in 60 seconds"), Status.TIMEOUT, "timed out"),
         (result(error="Lean process timed out"), Status.TIMEOUT, "timed out"),
         ({"id": "1", "time": 0.1, "response": {"message": "Unknown environment."}}, Status.CRASHED, "Unknown environment"),
@@ -237,11 +396,6 @@ def test_a_second_axioms_report_is_treated_as_forged():
     ids=["error", "sorries", "sorry warning", "timeout", "legacy timeout", "repl error", "empty", "server error"],
 )
 def test_judge_failures_carry_status_and_reason(res, status, reason):
-    verdict = judge(res, "lean_workbook_101")
+    verdict = judge(res, submission())
     assert not verdict.passed and verdict.status is status and verdict.score == 0.0
     assert reason in verdict.detail
-
-
-def test_judge_accepts_a_clean_answer_and_reports_elapsed_time():
-    verdict = judge(result([info("'rfl' tactic does nothing", "warning"), info(AUDIT)]), "lean_workbook_101")
-    assert verdict.passed and verdict.elapsed_s == 0.5 and "1 warnings" in verdict.detail

@@ -1,27 +1,35 @@
 """The validity policy: what decides whether a Lean proof earns its reward.
 
 kimina-lean-server only returns Lean's messages; everything else is decided here. Before sending,
-`prepare` extracts the model's proof, refuses every construct that could make Lean accept a false
-statement (after stripping comments, on the raw and the NFKC-normalised text, with suspicious Unicode
-refused outright), and rebuilds the file from the trusted header, the ORIGINAL statement and the
-proof, with `#print axioms NAME` appended. After checking, `judge` accepts only a run with no error,
-no sorry (the `sorries` list and the warning), and an axioms report listing nothing beyond the three
-standard axioms. Every refusal carries a reason a researcher can read.
+`prepare` extracts the model's Lean block, tokenises it as Lean does, and accepts only an allow-list
+at the top level: the theorem under its original statement, helper `theorem`/`lemma`/`def`/`abbrev`
+declarations, `open`, and `set_option` for options that cannot weaken checking (with bounds). Every
+other command (`#eval!`, `axiom`, `elab`, ...) and every banned name inside a proof (`sorry`,
+`native_decide`, ...) is refused with a reason. The file is rebuilt from the trusted header, the
+model's declarations with the ORIGINAL statement, and a trailer that the model cannot write:
+`#print axioms NAME` and `#print "vrl audit NONCE"` with a fresh random nonce per request.
+After checking, `judge` accepts only an answer that echoes that nonce where Lean prints it, has no
+error, no sorry (the `sorries` list and the warning), and an axioms report listing nothing beyond
+the three standard axioms. Every refusal carries a reason a researcher can read.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+import secrets
 import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from vrl.types import Status, Verdict
-from vrl_lean.lexer import LexError, declaration_re, strip_comments, top_level_assign
+from vrl_lean.lexer import LexError, Token, declaration_re, strip_comments, tokenize, top_level_assign
 
 ALLOWED_AXIOMS = frozenset({"propext", "Classical.choice", "Quot.sound"})
 DEFAULT_MAX_HEARTBEATS = 400_000
+MAX_REC_DEPTH = 100_000
+"""Upper bound for `set_option maxRecDepth N` (Lean's default is 512; Mathlib proofs use a few thousand)."""
 
 
 class Rejected(ValueError):
@@ -44,13 +52,37 @@ class Theorem:
         """Imports first (the server splits them off by position), then a finite heartbeat limit, then the rest."""
         if max_heartbeats < 1:
             raise ValueError("max_heartbeats must be a positive number: 0 would mean no limit")
-        lines = [ln.strip() for ln in strip_comments(self.header).splitlines() if ln.strip()]
-        imports = [ln for ln in lines if ln.startswith("import ")]
-        rest = [ln for ln in lines if not ln.startswith("import ") and not _HEARTBEATS_LINE.match(ln)]
-        return "\n".join([*imports, "", f"set_option maxHeartbeats {max_heartbeats}", "", *rest]).strip() + "\n"
+        return _trusted_header(self.header, max_heartbeats)
 
     def imports(self) -> set[str]:
-        return {ln.strip() for ln in strip_comments(self.header).splitlines() if ln.strip().startswith("import ")}
+        return set(_header_lines(self.header)[0])
+
+
+@functools.lru_cache(maxsize=4096)
+def _header_lines(header: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(import lines, other lines) of a trusted header, comments removed (cached: every prepare needs it)."""
+    lines = [ln.strip() for ln in strip_comments(header).splitlines() if ln.strip()]
+    return tuple(ln for ln in lines if ln.startswith("import ")), tuple(ln for ln in lines if not ln.startswith("import "))
+
+
+@functools.lru_cache(maxsize=4096)
+def _header_opens(header: str) -> frozenset[str]:
+    """Namespaces the trusted header opens."""
+    return frozenset(w for ln in _header_lines(header)[1] if ln.startswith("open ") for w in ln.split()[1:] if w != "scoped")
+
+
+@functools.lru_cache(maxsize=4096)
+def _trusted_header(header: str, max_heartbeats: int) -> str:
+    imports, rest = _header_lines(header)
+    rest = tuple(ln for ln in rest if not _HEARTBEATS_LINE.match(ln))
+    return "\n".join([*imports, "", f"set_option maxHeartbeats {max_heartbeats}", "", *rest]).strip() + "\n"
+
+
+@functools.lru_cache(maxsize=4096)
+def _statement_tail(statement: str, name: str) -> tuple[str, str]:
+    """(the statement without comments, its text after `theorem NAME`)."""
+    expected = strip_comments(statement).strip()
+    return expected, expected[declaration_re(name).match(expected).end():]
 
 
 _HEARTBEATS_LINE = re.compile(r"set_option\s+maxHeartbeats\s+\d+\s*$")
@@ -84,153 +116,461 @@ def extract_code(completion: str) -> str:
     return region
 
 
-# -- what may not appear --------------------------------------------------------------------------------
+# -- what may appear ---------------------------------------------------------------------------------
 
-_WORD = r"(?<![\w'!?]){}(?![\w'!?])"  # a whole identifier component, even after a dot (`_root_.sorryAx`)
-_CMD = r"(?<![\w'!?.]){}(?![\w'!?])"  # a command keyword: not after a dot (`Foo.syntax` is a name)
+# Names refused wherever they appear in code (as any part of a dotted name: `_root_.sorryAx`).
+BANNED_NAMES: dict[str, str] = {
+    "sorry": "`sorry` leaves the goal unproved",
+    "admit": "`admit` is `sorry` under another name",
+    "sorryAx": "`sorryAx` is the axiom behind `sorry`",
+    "native_decide": "`native_decide` trusts compiled code instead of the kernel",
+    "ofReduceBool": "`Lean.ofReduceBool` trusts compiled code instead of the kernel",
+    "ofReduceNat": "`Lean.ofReduceNat` trusts compiled code instead of the kernel",
+    "trustCompiler": "`Lean.trustCompiler` trusts compiled code instead of the kernel",
+    "implemented_by": "`implemented_by` swaps a definition for unchecked code",
+    "extern": "`extern` swaps a definition for unchecked code",
+    "run_tac": "`run_tac` runs arbitrary meta code",
+    "by_elab": "`by_elab` runs arbitrary meta code",
+}
 
+# Lean, Batteries, Aesop and Mathlib keywords that start a command. They are reserved words, so a
+# proof cannot use them as names, and Lean starts a new command at each of them (also while
+# recovering from a parse error). Only DECLARATIONS and the modifiers below are accepted.
+COMMAND_REASONS: dict[str, str] = {
+    "axiom": "`axiom` would assume whatever is to be proved",
+    "opaque": "`opaque` declares a constant whose definition is never checked",
+    "unsafe": "`unsafe` code is outside the kernel's checks",
+    "partial": "`partial` definitions are opaque to the kernel",
+    "elab": "`elab` defines new elaborators (arbitrary meta code)",
+    "elab_rules": "`elab_rules` defines new elaborators (arbitrary meta code)",
+    "macro": "`macro` can hide `sorry` or other banned constructs behind new syntax",
+    "macro_rules": "`macro_rules` can hide `sorry` or other banned constructs behind new syntax",
+    "syntax": "`syntax` declares new syntax (used to hide banned constructs)",
+    "notation": "`notation` can hide `sorry` or other banned constructs behind new syntax",
+    "notation3": "`notation3` can hide `sorry` or other banned constructs behind new syntax",
+    "run_cmd": "`run_cmd` runs arbitrary meta code",
+    "run_elab": "`run_elab` runs arbitrary meta code",
+    "run_meta": "`run_meta` runs arbitrary meta code",
+    "initialize": "`initialize` runs arbitrary code",
+    "builtin_initialize": "`builtin_initialize` runs arbitrary code",
+    "simproc": "`simproc` runs meta code inside `simp`",
+    "dsimproc": "`dsimproc` runs meta code inside `simp`",
+    "attribute": "`attribute` changes how existing declarations are used (and can register meta code)",
+    "instance": "`instance` changes how the statement's notation is elaborated",
+    "example": "`example` is not accepted: prove the theorem under its own name",
+    "import": "`import` may only come first, and only the problem's header may import",
+    "sudo": "`sudo set_option` sets options that could skip the kernel's checks",
+}
+COMMAND_REASONS.update({w: f"`{w}` declares new notation (used to hide banned constructs)" for w in ("infix", "infixl", "infixr", "prefix", "postfix")})
+COMMAND_KEYWORDS = frozenset(COMMAND_REASONS) | {
+    "theorem", "lemma", "def", "abbrev", "private", "protected", "noncomputable", "nonrec", "local", "scoped",
+    "structure", "class", "inductive", "coinductive", "mutual", "namespace", "section", "end", "universe", "variable",
+    "omit", "include", "export", "deriving", "alias", "irreducible_def", "proof_wanted", "recall", "seal", "unseal",
+    "simproc_decl", "dsimproc_decl", "builtin_simproc", "builtin_dsimproc", "builtin_simproc_decl", "builtin_dsimproc_decl",
+    "declare_syntax_cat", "declare_simp_like_tactic", "declare_config_elab", "declare_command_config_elab",
+    "declare_aesop_rule_sets", "add_aesop_rules", "erase_aesop_rules", "register_option", "register_builtin_option",
+    "register_simp_attr", "register_label_attr", "binder_predicate", "unif_hint", "grind_pattern", "assert_not_exists",
+    "library_note", "add_decl_doc", "compile_inductive", "compile_def", "gen_injective_theorems", "suppress_compilation",
+    "count_heartbeats", "initialize_simps_projections", "mk_iff_of_inductive_prop",
+}
+DECLARATIONS = frozenset({"theorem", "lemma", "def", "abbrev"})
+MODIFIERS = frozenset({"private", "protected", "noncomputable"})
+ATTRIBUTES = frozenset({"simp", "reducible", "irreducible", "inline", "noinline", "specialize", "local"})
+"""Attributes a helper may carry: none of them runs code or changes what a statement means."""
 
-def _rule(template: str, word: str, reason: str) -> tuple[re.Pattern[str], str]:
-    return re.compile(template.format(re.escape(word))), reason
+_BOUNDED_OPTIONS = {  # option -> (upper bound, or None for the verifier's heartbeat limit)
+    "maxHeartbeats": None,
+    "synthInstance.maxHeartbeats": None,
+    "maxRecDepth": MAX_REC_DEPTH,
+    "synthInstance.maxSize": MAX_REC_DEPTH,
+}
 
-
-BANNED: list[tuple[re.Pattern[str], str]] = [
-    _rule(_WORD, "sorry", "`sorry` leaves the goal unproved"),
-    _rule(_WORD, "admit", "`admit` is `sorry` under another name"),
-    _rule(_WORD, "sorryAx", "`sorryAx` is the axiom behind `sorry`"),
-    _rule(_WORD, "stop", "`stop` turns the rest of the proof into `sorry`"),
-    _rule(_CMD, "axiom", "`axiom` would assume whatever is to be proved"),
-    _rule(_WORD, "native_decide", "`native_decide` trusts compiled code instead of the kernel"),
-    (re.compile(r"\+\s*native(?![\w'!?])|(?<![\w'!?.])native\s*:="), "`decide +native` trusts compiled code instead of the kernel"),
-    _rule(_WORD, "ofReduceBool", "`Lean.ofReduceBool` trusts compiled code instead of the kernel"),
-    _rule(_WORD, "ofReduceNat", "`Lean.ofReduceNat` trusts compiled code instead of the kernel"),
-    _rule(_WORD, "trustCompiler", "`Lean.trustCompiler` trusts compiled code instead of the kernel"),
-    _rule(_WORD, "implemented_by", "`implemented_by` swaps a definition for unchecked code"),
-    _rule(_WORD, "extern", "`extern` swaps a definition for unchecked code"),
-    _rule(_CMD, "unsafe", "`unsafe` code is outside the kernel's checks"),
-    _rule(_CMD, "opaque", "`opaque` declares a constant whose definition is never checked"),
-    _rule(_CMD, "elab", "`elab` defines new elaborators (arbitrary meta code)"),
-    _rule(_CMD, "elab_rules", "`elab_rules` defines new elaborators (arbitrary meta code)"),
-    _rule(_CMD, "macro", "`macro` can hide `sorry` or other banned constructs behind new syntax"),
-    _rule(_CMD, "macro_rules", "`macro_rules` can hide `sorry` or other banned constructs behind new syntax"),
-    _rule(_CMD, "syntax", "`syntax` declares new syntax (used to hide banned constructs)"),
-    _rule(_CMD, "notation", "`notation` can hide `sorry` or other banned constructs behind new syntax"),
-    *[_rule(_CMD, w, f"`{w}` declares new notation (used to hide banned constructs)") for w in ("infix", "infixl", "infixr", "prefix", "postfix")],
-    _rule(_CMD, "run_tac", "`run_tac` runs arbitrary meta code"),
-    _rule(_CMD, "run_cmd", "`run_cmd` runs arbitrary meta code"),
-    _rule(_CMD, "run_elab", "`run_elab` runs arbitrary meta code"),
-    _rule(_CMD, "run_meta", "`run_meta` runs arbitrary meta code"),
-    _rule(_WORD, "by_elab", "`by_elab` runs arbitrary meta code"),
-    (re.compile(r"#exit(?![\w'!?])"), "`#exit` stops Lean before the rest of the file is checked"),
-    (re.compile(r"#eval(?![\w'!?])"), "`#eval` runs arbitrary code"),
-    (
-        re.compile(r"#(print|check|reduce|synth|guard_msgs|guard|help|find|simp|norm_num|conv|where|lint|time|html|widget)(?![\w'!?])"),
-        "Lean commands (`#print`, `#check`, ...) have no place in a proof (they could forge the axioms report)",
-    ),
-]
-
-# A proof (the text after the statement's `:=`) must not start new top-level declarations.
-_DECLARATIONS = re.compile(
-    r"(?<![\w'!?.])(theorem|lemma|def|example|instance|abbrev|structure|class|inductive|namespace|section|mutual|"
-    r"universe|variable|initialize|builtin_initialize|declare_syntax_cat)(?![\w'!?])"
-)
-_SET_OPTION = re.compile(r"(?<![\w'!?.])set_option\s+([^\s]+)(?:\s+([^\s]+))?")
-_IMPORT = re.compile(r"(?<![\w'!?.])import\s+([^\s]+)")
+_UNICODE_SPACE = re.compile("[\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]")  # Unicode category Zs, less the ASCII space
+_NOT_PLAIN = re.compile(r"[^\x20-\x7e\n\t\r]")
 
 # Characters that render as nothing or reorder text: they make what a reviewer reads differ from what Lean reads.
 _INVISIBLE = {0x115F, 0x1160, 0x3164, 0xFFA0, 0x2800, 0x034F, 0x180E}
 
 
+def normalize(text: str) -> str:
+    """CRLF to LF, and every Unicode space (no-break, thin, ideographic...) to an ASCII space.
+
+    Lean reads only ASCII spaces as whitespace; a pasted no-break space would be an error there,
+    and is harmless to replace (inside a string literal too).
+    """
+    return _UNICODE_SPACE.sub(" ", text.replace("\r\n", "\n"))
+
+
 def check_unicode(text: str) -> None:
-    """Refuse control, format (bidi, zero-width), private-use, unassigned and look-alike space characters."""
-    for offset, ch in enumerate(text):
-        if ch in "\n\t\r" or " " <= ch <= "~":
-            continue
+    """Refuse control, format (bidi, zero-width), private-use, unassigned and invisible characters."""
+    for match in _NOT_PLAIN.finditer(text):
+        offset, ch = match.start(), match.group()
         cat = unicodedata.category(ch)
         code = ord(ch)
-        if cat in ("Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp", "Zs") or code in _INVISIBLE or 0xFE00 <= code <= 0xFE0F or 0xE0100 <= code <= 0xE01EF:
+        if cat in ("Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp") or code in _INVISIBLE or 0xFE00 <= code <= 0xFE0F or 0xE0100 <= code <= 0xE01EF:
             line = text.count("\n", 0, offset) + 1
             name = unicodedata.name(ch, "unnamed")
             raise Rejected(f"suspicious Unicode character U+{code:04X} ({name}, category {cat}) on line {line} of the proof block")
 
 
-def check_banned(text: str) -> None:
-    """Refuse the first banned construct, on the text and on its NFKC normal form (look-alike letters)."""
-    normal = unicodedata.normalize("NFKC", text)
-    for candidate, how in ((text, ""), (normal, " (written with look-alike Unicode characters)")):
-        for pattern, reason in BANNED:
-            match = pattern.search(candidate)
-            if match:
-                line = candidate.count("\n", 0, match.start()) + 1
-                raise Rejected(f"banned construct `{match.group(0).strip()}`{how} on line {line}: {reason}")
-        if candidate is normal and normal == text:
-            break
+def _line(text: str, offset: int) -> int:
+    return text.count("\n", 0, offset) + 1
 
 
-def _check_options(text: str, max_heartbeats: int, in_proof: bool) -> None:
-    for match in _SET_OPTION.finditer(text):
-        option, value = match.group(1), match.group(2) or ""
-        if option.startswith("debug."):
-            raise Rejected(f"banned option `set_option {option}`: debug options can skip the kernel's checks")
-        if option != "maxHeartbeats":
-            raise Rejected(f"banned option `set_option {option}`: only maxHeartbeats may be set")
-        if in_proof and not (value.isdigit() and 0 < int(value) <= max_heartbeats):
-            raise Rejected(
-                f"`set_option maxHeartbeats {value}` in the proof: the limit must be between 1 and {max_heartbeats}"
-            )
+def _keyword(token: Token) -> str | None:
+    """The token's text if it is a keyword-shaped word (not `«escaped»`), else None."""
+    return token.text if token.kind == "word" and not token.escaped else None
 
 
-# -- rebuilding the file --------------------------------------------------------------------------------
+def _scan(tokens: list[Token], text: str, how: str = "") -> None:
+    """Refuse `#` commands, banned names, `eval%` and native evaluation anywhere in the code."""
+    for k, t in enumerate(tokens):
+        if t.kind == "symbol" or t.kind == "number" or t.kind == "char":
+            continue
+        where = f"{how} on line {_line(text, t.start)}" if t.kind == "hash" or t.braces or t.kind == "word" and _suspect(t) else ""
+        if t.kind == "hash":
+            raise Rejected(f"`{t.text}`{where}: Lean `#` commands are not accepted (`#eval!` runs code that can forge "
+                           "Lean's answer; `#print` could forge the axioms report)")
+        if t.kind == "string" and t.braces:
+            _scan_interpolation(t, text, where)
+        if t.kind != "word":
+            continue
+        for part in t.parts:
+            if part in BANNED_NAMES:
+                raise Rejected(f"banned construct `{t.text}`{where}: {BANNED_NAMES[part]}")
+        nxt = tokens[k + 1] if k + 1 < len(tokens) else None
+        prev = tokens[k - 1] if k else None
+        if t.text == "eval" and nxt is not None and nxt.text == "%" and nxt.start == t.end:
+            raise Rejected(f"banned construct `eval%`{where}: it runs arbitrary code while elaborating")
+        if t.text == "native" and ((prev is not None and prev.text == "+") or (nxt is not None and nxt.text == ":=")):
+            raise Rejected(f"banned construct `decide +native`{where}: it trusts compiled code instead of the kernel")
 
 
-def prepare(completion: str, theorem: Theorem, max_heartbeats: int = DEFAULT_MAX_HEARTBEATS) -> str:
+def _suspect(t: Token) -> bool:
+    return t.text in ("eval", "native") or any(p in BANNED_NAMES for p in t.parts)
+
+
+def _scan_interpolation(t: Token, text: str, where: str) -> None:
+    """A string with `{` may be `s!"...{code}..."`, and Lean's error recovery re-reads its text as
+    tokens: nothing in it may be a banned name or start a command."""
+    for inner in t.code:
+        word = _keyword(inner)
+        bad = (
+            inner.kind == "hash"
+            or inner.text == "@["
+            or (inner.kind == "word" and any(p in BANNED_NAMES for p in inner.parts))
+            or word in COMMAND_KEYWORDS
+            or word in ("set_option", "open", "eval")
+        )
+        if bad:
+            raise Rejected(f"`{inner.text}` inside a string literal with `{{`{where}: `s!\"{{...}}\"` reads it as code")
+
+
+@dataclass(frozen=True)
+class Submission:
+    """The file sent to Lean for one completion, and what Lean's answer must echo to be believed.
+
+    `audit_line` and `nonce_line` are the 1-based lines of the trusted `#print axioms NAME` and
+    `#print "MARKER"`; `header_lines` is how many leading lines (imports and blanks) the server
+    splits off, since kimina-lean-server 2.0.0 reports positions relative to the rest of the file.
+    """
+
+    name: str
+    code: str
+    nonce: str
+    audit_line: int
+    nonce_line: int
+    header_lines: int
+
+    @property
+    def marker(self) -> str:
+        return f"vrl audit {self.nonce}"
+
+
+def prepare(completion: str, theorem: Theorem, max_heartbeats: int = DEFAULT_MAX_HEARTBEATS, *, nonce: str | None = None) -> Submission:
     """The file to send to Lean for this completion, or `Rejected` with the reason.
 
-    The file is the trusted header, the original statement and the model's proof (comments removed:
-    exactly the text that was scanned), followed by `#print axioms NAME`.
+    The file is the trusted header, then the model's accepted commands in order (comments removed:
+    exactly the text that was scanned; its `import`s and global `set_option maxHeartbeats` replaced
+    by the header), with the theorem's statement replaced by the original, then the trailer.
+    `nonce` is for tests only; by default every call draws a fresh one.
     """
-    code = extract_code(completion)
+    code = normalize(extract_code(completion))
     check_unicode(code)
     try:
-        code = strip_comments(code)
+        code = strip_comments(code, tokenize(code).comments)
+        tokens = tokenize(code).tokens
     except LexError as exc:
         raise Rejected(str(exc)) from None
-    check_banned(code)
+    _scan(tokens, code)
+    normal = unicodedata.normalize("NFKC", code)
+    if normal != code:
+        try:
+            _scan(tokenize(normal, strict=False).tokens, normal, " (written with look-alike Unicode characters)")
+        except LexError:
+            pass  # what Lean reads is `code`, scanned above; the normal form is a second look only
+    body = _Rebuild(code, tokens, theorem, max_heartbeats).body()
 
-    decl = declaration_re(theorem.name)
-    found = list(decl.finditer(code))
-    if not found:
-        raise Rejected(_missing_declaration(code, theorem.name))
-    if len(found) > 1:
-        raise Rejected(f"`{theorem.name}` is declared {len(found)} times; exactly one declaration is allowed")
-    match = found[0]
-
-    prelude = code[: match.start()]
-    for imp in _IMPORT.finditer(prelude):
-        if f"import {imp.group(1)}" not in theorem.imports():
-            raise Rejected(f"extra `import {imp.group(1)}`: only the problem's header may import")
-    _check_options(prelude, max_heartbeats, in_proof=False)
-
-    expected = strip_comments(theorem.statement).strip()
-    end = _match_statement(code, match.end(), expected[decl.match(expected).end():])
-    proof = code[end:]
-    if proof.strip() in ("", "by"):
-        raise Rejected("empty proof after `:=`")
-    for bad in (_IMPORT.search(proof), _DECLARATIONS.search(proof)):
-        if bad:
-            raise Rejected(f"the proof may not contain `{bad.group(0).split()[0]}`: it must be the body of `{theorem.name}` only")
-    _check_options(proof, max_heartbeats, in_proof=True)
-
+    nonce = nonce or secrets.token_hex(16)
     header = theorem.trusted_header(max_heartbeats)
-    return f"{header}\n{expected} :={proof.rstrip()}\n\n#print axioms {theorem.name}\n"
+    head = f"{header}\n{body}\n\n"
+    audit = f"#print axioms {theorem.name}\n"
+    marker = f'#print "vrl audit {nonce}"\n'
+    file = head + audit + marker
+    lines = file.split("\n")
+    header_lines = 0
+    while header_lines < len(lines) and (not lines[header_lines].strip() or lines[header_lines].strip().startswith("import ")):
+        header_lines += 1
+    audit_line = head.count("\n") + 1
+    return Submission(theorem.name, file, nonce, audit_line, audit_line + 1, header_lines)
 
 
-def _missing_declaration(code: str, name: str) -> str:
+class _Rebuild:
+    """Checks the model's commands against the allow-list and rebuilds the text to send."""
+
+    def __init__(self, code: str, tokens: list[Token], theorem: Theorem, max_heartbeats: int):
+        self.code, self.tokens, self.theorem, self.limit = code, tokens, theorem, max_heartbeats
+        self.edits: list[tuple[int, int, str]] = []
+        self.aesop = self._aesop_unsafe()
+
+    def line(self, token: Token) -> int:
+        return _line(self.code, token.start)
+
+    def _aesop_unsafe(self) -> set[int]:
+        """Indices of `unsafe` inside an Aesop clause `(add unsafe ...)`: a rule priority, not Lean's `unsafe`."""
+        stack: list[int] = []
+        found = set()
+        for k, t in enumerate(self.tokens):
+            if t.text in "([{⟨" and t.kind == "symbol":
+                stack.append(k)
+            elif t.text in ")]}⟩" and t.kind == "symbol" and stack:
+                stack.pop()
+            elif t.text == "unsafe" and stack and self.tokens[stack[-1]].text == "(" and _keyword(self.tokens[stack[-1] + 1]) == "add":
+                nxt = self.tokens[k + 1] if k + 1 < len(self.tokens) else None
+                if nxt is None or _keyword(nxt) not in COMMAND_KEYWORDS:
+                    found.add(k)
+        return found
+
+    def is_boundary(self, k: int) -> bool:
+        t = self.tokens[k]
+        if t.text == "@[" and t.kind == "symbol":
+            return True
+        word = _keyword(t)
+        if word not in COMMAND_KEYWORDS:
+            return False
+        if word == "scoped" and k and _keyword(self.tokens[k - 1]) == "open":
+            return False
+        return k not in self.aesop
+
+    def commands(self) -> list[tuple[int, int]]:
+        """Token ranges of the top-level commands; the first one (possibly empty) precedes any keyword."""
+        tokens, out, start, k = self.tokens, [], 0, 0
+        only_modifiers = False  # the current command so far is only attributes and modifiers
+        while k < len(tokens):
+            if self.is_boundary(k) and not only_modifiers:
+                out.append((start, k))
+                start = k
+                only_modifiers = True
+            if tokens[k].text == "@[" and tokens[k].kind == "symbol":
+                k = self._attribute_end(k)
+                continue
+            if only_modifiers and _keyword(tokens[k]) not in MODIFIERS | {"partial", "unsafe", "nonrec"}:
+                only_modifiers = False
+            k += 1
+        out.append((start, len(tokens)))
+        return out
+
+    def _attribute_end(self, k: int) -> int:
+        """Index after the `]` closing the attribute list at `k`; every attribute must be allowed."""
+        depth, j = 1, k + 1
+        while j < len(self.tokens) and depth:
+            t = self.tokens[j]
+            if t.kind == "symbol" and t.text in "[(":
+                depth += 1
+            elif t.kind == "symbol" and t.text in "])":
+                depth -= 1
+            elif depth == 1 and t.text != "," and not (t.kind == "word" and t.text in ATTRIBUTES):
+                raise Rejected(f"attribute `{t.text}` on line {self.line(t)} is not accepted: only "
+                               f"{', '.join(sorted(ATTRIBUTES - {'local'}))} (others can register meta code)")
+            j += 1
+        if depth:
+            raise Rejected(f"unclosed attribute list `@[` on line {self.line(self.tokens[k])}")
+        return j
+
+    def option(self, k: int, header_level: bool) -> int:
+        """Check the `set_option NAME VALUE` at `k`; return the index after it (and after `in`)."""
+        tokens = self.tokens
+        if k + 2 >= len(tokens) or tokens[k + 1].kind != "word":
+            raise Rejected(f"incomplete `set_option` on line {self.line(tokens[k])}")
+        name, value = ".".join(tokens[k + 1].parts), tokens[k + 2].text
+        shown = f"`set_option {name} {value}`"
+        has_in = k + 3 < len(tokens) and _keyword(tokens[k + 3]) == "in"
+        if name.startswith("debug."):
+            raise Rejected(f"banned option {shown} on line {self.line(tokens[k])}: debug options can skip the kernel's checks")
+        if name.startswith("linter."):
+            if value not in ("true", "false"):
+                raise Rejected(f"{shown} on line {self.line(tokens[k])}: a linter option takes true or false")
+        elif name in _BOUNDED_OPTIONS:
+            if name == "maxHeartbeats" and header_level and not has_in:
+                # A copy of the header's global limit: the trusted header sets it instead.
+                self.edits.append((tokens[k].start, tokens[k + 2].end, ""))
+                return k + 3
+            bound = _BOUNDED_OPTIONS[name] or self.limit
+            if not (tokens[k + 2].kind == "number" and value.isdigit() and 0 < int(value) <= bound):
+                raise Rejected(f"{shown} on line {self.line(tokens[k])}: the value must be between 1 and {bound}")
+        else:
+            allowed = ", ".join([*_BOUNDED_OPTIONS, "linter.*"])
+            raise Rejected(f"banned option {shown} on line {self.line(tokens[k])}: only {allowed} may be set "
+                           "(other options can change what the statement means or how it is checked)")
+        return k + 4 if has_in else k + 3
+
+    def options(self, header: set[int]) -> None:
+        for k, t in enumerate(self.tokens):
+            if _keyword(t) == "set_option" and k not in header:
+                self.option(k, header_level=False)
+
+    def top_level(self, start: int, end: int, header: set[int]) -> None:
+        """Between declarations only `open ...` and `set_option ...` (each maybe followed by `in`)."""
+        tokens, k = self.tokens, start
+        while k < end:
+            word = _keyword(tokens[k])
+            if word == "open":
+                k += 1
+                while k < end and _keyword(tokens[k]) not in ("in", "open", "set_option") and (
+                    tokens[k].kind == "word" or tokens[k].text in "()→,-><"
+                ):
+                    k += 1
+                k += k < end and _keyword(tokens[k]) == "in"
+            elif word == "set_option":
+                header.add(k)
+                k = self.option(k, header_level=True)
+            else:
+                t = tokens[k]
+                raise Rejected(f"unexpected `{t.text}` on line {self.line(t)} before the first declaration: only `import`, "
+                               "`open`, `set_option` and theorem/lemma/def/abbrev declarations may appear at the top level")
+
+    def opens_before(self, main: int) -> None:
+        """An `open` in force at the theorem would change how its statement is read (scoped notation and
+        instances): only namespaces the trusted header already opens may be opened there."""
+        allowed = _header_opens(self.theorem.header)
+        tokens = self.tokens
+        for k in range(main):
+            if _keyword(tokens[k]) != "open":
+                continue
+            j, names, naming = k + 1, [], True
+            while j < main and _keyword(tokens[j]) not in ("in", "open", "set_option") and not self.is_boundary(j) and (
+                tokens[j].kind == "word" or tokens[j].text in ("(", ")", "→", "-", ">", ",")
+            ):
+                word = tokens[j].text
+                if word in ("hiding", "renaming", "("):
+                    naming = False  # what follows names declarations, not namespaces
+                elif naming and tokens[j].kind == "word" and word != "scoped":
+                    names.append(word)
+                j += 1
+            if j < main and _keyword(tokens[j]) == "in":
+                # `open X in` reaches the next command (through `set_option ... in` chains): the theorem
+                # only if no other declaration starts first.
+                target = next(t for t in range(j + 1, main + 1) if t == main or self.is_boundary(t))
+                if target != main:
+                    continue
+            extra = [n for n in names if n not in allowed]
+            if extra:
+                raise Rejected(f"`open {' '.join(extra)}` on line {self.line(tokens[k])} is in force at `theorem {self.theorem.name}`: "
+                               "it could change how the original statement is read; write `open ... in` before a helper "
+                               "or inside the proof instead")
+
+    def body(self) -> str:
+        """The checked text to send (without the trusted header and trailer)."""
+        tokens, code, name = self.tokens, self.code, self.theorem.name
+        commands = self.commands()
+        header: set[int] = set()
+        mains: list[tuple[int, int]] = []
+        others: list[str] = []
+        seen_other = False
+        examples: list[Token] = []
+        for start, end in commands:
+            if start == end:
+                continue
+            first = tokens[start]
+            word = _keyword(first)
+            if start == 0 and not self.is_boundary(0):
+                self.top_level(start, end, header)
+                seen_other = True
+                continue
+            if word == "example":
+                examples.append(first)
+                continue
+            if word == "import":
+                module = tokens[start + 1] if start + 1 < end else None
+                if module is None or f"import {module.text}" not in self.theorem.imports():
+                    shown = module.text if module else ""
+                    raise Rejected(f"extra `import {shown}` on line {self.line(first)}: only the problem's header may import")
+                if seen_other:
+                    raise Rejected(f"`import {module.text}` on line {self.line(first)} comes after other commands: imports must come first")
+                self.edits.append((first.start, module.end, ""))
+                self.top_level(start + 2, end, header)
+                seen_other = start + 2 < end
+                continue
+            seen_other = True
+            k, modifiers = start, []
+            while k < end and (tokens[k].text == "@[" or _keyword(tokens[k]) in COMMAND_KEYWORDS - DECLARATIONS):
+                if tokens[k].text == "@[":
+                    j = self._attribute_end(k)
+                    modifiers.append("@[...]")
+                    k = j
+                    continue
+                word = _keyword(tokens[k])
+                if word not in MODIFIERS:
+                    reason = COMMAND_REASONS.get(word, "only theorem/lemma/def/abbrev declarations, `open` and `set_option` are accepted")
+                    raise Rejected(f"`{word}` on line {self.line(tokens[k])} is not accepted: {reason}")
+                modifiers.append(word)
+                k += 1
+            keyword = _keyword(tokens[k]) if k < end else None
+            if keyword not in DECLARATIONS or k + 1 >= end or tokens[k + 1].kind != "word":
+                raise Rejected(f"a declaration on line {self.line(tokens[start])} has no theorem/lemma/def/abbrev and name")
+            decl = tokens[k + 1]
+            if decl.text == name and keyword in ("theorem", "lemma"):
+                if modifiers:
+                    raise Rejected(f"`theorem {name}` may not carry attributes or modifiers ({' '.join(modifiers)})")
+                mains.append((k, end))
+            elif decl.parts[-1] == name:
+                raise Rejected(f"helper `{decl.text}` on line {self.line(decl)} is named like the theorem `{name}`")
+            else:
+                others.append(f"{keyword} {decl.text}")
+        if not mains:
+            raise Rejected(_missing_declaration(code, name, others))
+        if examples:
+            raise Rejected(f"`example` on line {self.line(examples[0])} is not accepted: prove `theorem {name}` and helper lemmas only")
+        if len(mains) > 1:
+            raise Rejected(f"`{name}` is declared {len(mains)} times; exactly one declaration is allowed")
+        if tokens and _keyword(tokens[-1]) == "in":
+            raise Rejected("the Lean block ends with `in`: nothing follows it")
+        self.options(header)
+
+        k, end = mains[0]
+        expected, rest = _statement_tail(self.theorem.statement, name)
+        assign = _match_statement(code, tokens[k + 1].end, rest)
+        stop = tokens[end].start if end < len(tokens) else len(code)
+        if assign > stop or code[assign:stop].strip() in ("", "by"):
+            raise Rejected("empty proof after `:=`")
+        self.edits.append((tokens[k].start, assign, f"{expected} :="))
+        self.opens_before(k)
+
+        out, last = [], 0
+        for s, e, text in sorted(self.edits):
+            out.append(code[last:s])
+            out.append(text)
+            last = e
+        out.append(code[last:])
+        return "".join(out).strip("\n").rstrip()
+
+
+def _missing_declaration(code: str, name: str, others: list[str]) -> str:
     if re.search(r"(?<![\w'!?.])example(?![\w'!?])", code):
         return f"uses `example` instead of `theorem {name}`: the original theorem must be proved under its own name"
-    other = re.search(r"(?<![\w'!?.])(theorem|lemma)\s+([^\s(:{\[]+)", code)
-    if other:
-        return f"declares `{other.group(1)} {other.group(2)}` but no `theorem {name}` (renamed theorem?)"
+    theorems = [o for o in others if o.split()[0] in ("theorem", "lemma")]
+    if theorems:
+        return f"declares `{theorems[0]}` but no `theorem {name}` (renamed theorem?)"
     return f"no `theorem {name}` declaration in the Lean block"
 
 
@@ -263,11 +603,11 @@ _AXIOMS = re.compile(r"^'?(?P<name>.+?)'? depends on axioms: \[(?P<axioms>[^\]]*
 _NO_AXIOMS = re.compile(r"^'?(?P<name>.+?)'? does not depend on any axioms\s*$")
 
 
-def judge(result: Mapping[str, Any], name: str, *, require_axiom_audit: bool = True) -> Verdict:
-    """Turn one server result (`/api/check` or legacy `/verify` shape) into a verdict.
+def judge(result: Mapping[str, Any], submission: Submission | None) -> Verdict:
+    """Turn one server result (`/api/check` or legacy `/verify` shape) for `submission` into a verdict.
 
-    `require_axiom_audit=False` exists only to replay recorded runs that never appended
-    `#print axioms`; every real check requires the audit.
+    `submission=None` exists only to replay recorded runs that were made without our trailer (no
+    axioms audit, no nonce); every real check passes the `Submission` that `prepare` returned.
     """
     elapsed = _elapsed(result)
     error = result.get("error")
@@ -280,6 +620,11 @@ def judge(result: Mapping[str, Any], name: str, *, require_axiom_audit: bool = T
     if "message" in response and "messages" not in response:
         return Verdict.fail(Status.CRASHED, f"Lean REPL error: {response['message']}", elapsed_s=elapsed)
     messages = [m for m in response.get("messages") or [] if isinstance(m, Mapping)]
+    if submission is not None:
+        # First: an answer that is not provably Lean's answer to this file says nothing about it.
+        problem = _echo(messages, submission)
+        if problem:
+            return Verdict.fail(Status.CRASHED, problem, elapsed_s=elapsed)
     errors = [m for m in messages if m.get("severity") == "error"]
     if errors:
         extra = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
@@ -289,30 +634,58 @@ def judge(result: Mapping[str, Any], name: str, *, require_axiom_audit: bool = T
     for m in messages:
         if "declaration uses 'sorry'" in str(m.get("data", "")):
             return Verdict.fail(Status.FAILED, f"Lean warning {_where(m)}: declaration uses 'sorry'", elapsed_s=elapsed)
-    if require_axiom_audit:
-        problem = _audit(messages, name)
+    if submission is not None:
+        problem = _audit(messages, submission)
         if problem:
             return Verdict.fail(Status.FAILED, problem, elapsed_s=elapsed)
     warnings = sum(m.get("severity") == "warning" for m in messages)
-    audited = "axioms audited" if require_axiom_audit else "axioms NOT audited (replay)"
+    audited = "axioms audited" if submission is not None else "axioms NOT audited (replay)"
     return Verdict.ok(f"Lean accepted the proof ({warnings} warnings; {audited})", elapsed_s=elapsed)
 
 
-def _audit(messages: list[Mapping[str, Any]], name: str) -> str | None:
-    """None if exactly one axioms report names `name` and lists only allowed axioms, else the reason."""
+def _lines(submission: Submission, line: int) -> tuple[int, int]:
+    """Where Lean reports `line` of the file: as is, or relative to the body after the import
+    header, as kimina-lean-server 2.0.0 does (later versions shift positions back)."""
+    return line, line - submission.header_lines
+
+
+def _at(message: Mapping[str, Any], line: int) -> bool:
+    pos = message.get("pos")
+    return isinstance(pos, Mapping) and pos.get("line") == line and pos.get("column") == 0
+
+
+def _echo(messages: list[Mapping[str, Any]], submission: Submission) -> str | None:
+    """None if Lean's answer echoes this request's nonce exactly where `#print "MARKER"` prints it."""
+    echoes = [m for m in messages if submission.nonce in str(m.get("data", ""))]
+    if not echoes:
+        return ("Lean's answer does not echo this request's nonce, so it is not Lean's answer to this file "
+                "(forged from inside the attempt, or out of step with the request)")
+    echo = echoes[0]
+    if len(echoes) > 1 or str(echo.get("data", "")).strip() != submission.marker or echo.get("severity") != "info":
+        return "the nonce appears in Lean's answer in a form Lean does not print: the answer is forged"
+    if not any(_at(echo, line) for line in _lines(submission, submission.nonce_line)):
+        return f"the nonce echo is {_where(echo)}, not where Lean prints line {submission.nonce_line}: the answer is forged"
+    return None
+
+
+def _audit(messages: list[Mapping[str, Any]], submission: Submission) -> str | None:
+    """None if exactly one axioms report, at the trusted `#print axioms` line, lists only allowed axioms."""
+    name = submission.name
     reports = []
     for m in messages:
         data = str(m.get("data", "")).strip()
         hit = _AXIOMS.match(data) or _NO_AXIOMS.match(data)
         if hit:
-            reports.append(hit)
+            reports.append((m, hit))
     if not reports:
         return f"no `#print axioms {name}` report in Lean's output: the axioms could not be audited"
     if len(reports) > 1:
         return f"{len(reports)} axioms reports in Lean's output (expected exactly one): the proof printed its own"
-    report = reports[0]
+    message, report = reports[0]
     if report.group("name").strip("«»") != name:
         return f"the axioms report is for `{report.group('name')}`, not `{name}`"
+    if not any(_at(message, line) for line in _lines(submission, submission.audit_line)):
+        return f"the axioms report is {_where(message)}, not where Lean prints line {submission.audit_line}"
     axioms = [a.strip() for a in report.groupdict().get("axioms", "").split(",") if a.strip()] if "axioms" in report.groupdict() else []
     extra = [a for a in axioms if a not in ALLOWED_AXIOMS]
     if extra:

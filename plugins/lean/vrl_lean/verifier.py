@@ -9,7 +9,7 @@ from typing import Any
 from vrl.types import Attempt, Status, Verdict
 from vrl.verifier import Verifier
 from vrl_lean.client import KiminaClient, LeanServerError
-from vrl_lean.policy import DEFAULT_MAX_HEARTBEATS, Rejected, Theorem, judge, prepare
+from vrl_lean.policy import DEFAULT_MAX_HEARTBEATS, Rejected, Submission, Theorem, judge, prepare
 from vrl_lean.server import KIMINA, ServerSupervisor
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,8 @@ def theorem_of(data: Mapping[str, Any]) -> Theorem:
 
 
 class LeanVerifier(Verifier):
-    """Judges Lean proofs: `prepare` (reject or rebuild), check on the server, `judge` Lean's answer."""
+    """Judges Lean proofs: `prepare` (reject or rebuild, with a fresh nonce), check on the server,
+    `judge` Lean's answer against that submission."""
 
     name = "lean"
 
@@ -62,11 +63,11 @@ class LeanVerifier(Verifier):
     async def verify(self, attempts: Sequence[Attempt]) -> list[Verdict]:
         verdicts: list[Verdict | None] = [None] * len(attempts)
         snippets: list[tuple[str, str]] = []
-        names: dict[str, tuple[int, str]] = {}
+        sent: dict[str, tuple[int, Submission]] = {}
         for i, attempt in enumerate(attempts):
             try:
                 theorem = theorem_of(attempt.task.data)
-                code = prepare(attempt.completion.text, theorem, self.max_heartbeats)
+                submission = prepare(attempt.completion.text, theorem, self.max_heartbeats)
             except Rejected as exc:
                 verdicts[i] = Verdict.fail(Status.REJECTED, str(exc))
                 continue
@@ -75,8 +76,8 @@ class LeanVerifier(Verifier):
                 continue
             self._counter += 1
             sid = f"{self._counter}-{attempt.task.id}"  # unique per process, so a result can only match its snippet
-            snippets.append((sid, code))
-            names[sid] = (i, theorem.name)
+            snippets.append((sid, submission.code))
+            sent[sid] = (i, submission)
         if snippets:
             if self.supervisor is not None:
                 await self.supervisor.ensure_healthy()
@@ -84,8 +85,8 @@ class LeanVerifier(Verifier):
                 results = await self.client.check(snippets)
             except LeanServerError as exc:
                 results = {sid: {"error": str(exc)} for sid, _ in snippets}
-            for sid, (i, name) in names.items():
-                verdicts[i] = judge(results[sid], name)
+            for sid, (i, submission) in sent.items():
+                verdicts[i] = judge(results[sid], submission)
             if self.supervisor is not None and any(r.get("transport_failure") for r in results.values()):
                 await self.supervisor.restart("a request to the server timed out or lost its connection")
         return [v for v in verdicts if v is not None]
