@@ -10,7 +10,10 @@ from rich.console import Console
 from rich.progress import Progress
 
 from vrl.config import TrainConfig
+from vrl.errors import UsageError
+from vrl.hub import check_model
 from vrl.types import Attempt
+from vrl.verifier import ensure_ready
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -27,7 +30,12 @@ def evaluate(config: TrainConfig, split: str = "test", k: int = 1, limit: int | 
     env = registry().environment(config.plugin, **config.env_options)
     tasks = env.tasks(split, limit=limit)
     if not tasks:
-        raise ValueError(f"environment {env.name!r} has no tasks in split {split!r}")
+        raise UsageError(f"environment {env.name!r} has no tasks in split {split!r}; choose another --split")
+    # Seconds of checks before minutes of generation: the model loads, the verifier answers.
+    if config.runtime.kind == "local":
+        check_model(config.model, config.generator.revision)
+    if config.runtime.kind == "local" or config.runtime.verify_in == "local":
+        ensure_ready(env.verifier())
     runtime = make_runtime(config)
     generator = runtime.generator(config)
     pool = runtime.verification(env.verifier(), config)
