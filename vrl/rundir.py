@@ -106,6 +106,10 @@ class RunDir:
                     path.rmdir()  # an empty directory may be reused; rmdir refuses any other
                     path.mkdir()
             except OSError:
+                if (path / LOCK_FILE).is_file():  # a live writer is named rather than "exists"
+                    probe = cls(path)
+                    probe.acquire()
+                    probe.release()
                 raise RunDirError(
                     f"run directory {path} already exists; continue it with `vrl train --resume {path}` "
                     "or choose another --name"
