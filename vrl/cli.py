@@ -37,8 +37,16 @@ def _setup_logging(verbose: bool) -> None:
         handlers=[RichHandler(console=console, show_path=False)],
         force=True,
     )
-    for noisy in ("httpx", "urllib3", "transformers", "datasets", "filelock"):
+    for noisy in ("httpx", "urllib3", "transformers", "datasets", "filelock", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # huggingface_hub gives its logger a handler of its own and lets records propagate too, so each
+    # of its warnings (a retry, say) printed twice; ours is the one handler.
+    import huggingface_hub.utils.logging  # noqa: F401  (adds that handler on import: add it now, then drop it)
+
+    hub = logging.getLogger("huggingface_hub")
+    for handler in list(hub.handlers):
+        if type(handler) is logging.StreamHandler:
+            hub.removeHandler(handler)
 
 
 def _fail(message: str, code: int = 2) -> None:
