@@ -213,3 +213,17 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path):
     # The dead writer's lock is stale: a resume takes it over and gets as far as its own checks.
     res = vrl("train", "--resume", str(run), "--iterations", "1", cwd=tmp_path)
     one_line_error(res, "already finished")
+
+
+def test_unexpected_errors_exit_1_with_one_line_and_a_traceback_under_verbose(tmp_path, monkeypatch):
+    def broken(self):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr("vrl.trainer.Trainer.run", broken)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, ["train", "--plugin", "letters", "--name", "a"], catch_exceptions=False)
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert [line for line in res.stderr.splitlines() if line.strip()] == [
+        "error: ZeroDivisionError: a bug (unexpected; `vrl -v ...` shows the traceback)"]
+    res = CliRunner().invoke(main, ["-v", "train", "--plugin", "letters", "--name", "b"], catch_exceptions=False)
+    assert res.exit_code == 1 and "Traceback" in res.output and "ZeroDivisionError: a bug" in res.output

@@ -24,7 +24,7 @@ def offline_hub(monkeypatch, tmp_path):
 
     monkeypatch.setenv("HF_ENDPOINT", NO_HUB)
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "0")  # recorded, so what go_offline sets is undone after the test
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", constants.HF_HUB_OFFLINE)
     hub.hub_unreachable.cache_clear()

@@ -58,13 +58,17 @@ def _fail(message: str, code: int = 2) -> None:
 
 @contextlib.contextmanager
 def _checking_input() -> Iterator[None]:
-    """While the input is checked (before any work), a bad value is the user's to fix: a UsageError."""
+    """While the input is checked (before any work), a failure is the user's to fix: a UsageError.
+
+    Plugins and optional packages report setup problems as ValueError, LookupError, file errors or
+    RuntimeError (a sink whose package is missing, say); a bug there still shows its traceback with -v.
+    """
     try:
         yield
-    except UsageError:
+    except (UsageError, NotImplementedError, RecursionError):
         raise
     except (ValueError, LookupError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-            PermissionError) as exc:
+            PermissionError, RuntimeError) as exc:
         raise UsageError(str(exc)) from exc
 
 
@@ -232,12 +236,15 @@ def _kept(run_dir) -> str:
 def eval_(plugin, model, split, k, limit, config_file, overrides, env_options, as_json) -> None:
     """Measure pass@k of a model on an environment split."""
     from vrl.evaluate import evaluate
+    from vrl.plugins import registry
 
     if k < 1:
         raise UsageError("--k must be at least 1")
     with _checking_input():
         cfg = _resolve_config(config_file, {"plugin": plugin, "model": model}, overrides, env_options)
-    report = evaluate(cfg, split=split, k=k, limit=limit or None, console=console)  # checks model and verifier first
+        env = registry().environment(cfg.plugin, **cfg.env_options)
+    # evaluate checks the split, the model and the verifier before it generates anything
+    report = evaluate(cfg, split=split, k=k, limit=limit or None, console=console, environment=env)
     if as_json:
         click.echo(json.dumps(report))
         return

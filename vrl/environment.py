@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic.fields import FieldInfo
 
-from vrl.errors import OptionsError
+from vrl.errors import OptionsError, UnknownSplitError
 from vrl.reward import Binary, RewardShaper
 from vrl.types import Task
 from vrl.verifier import Verifier
@@ -70,7 +70,7 @@ class Environment(ABC):
 
     def _check_split(self, split: str) -> None:
         if split not in self.splits:
-            raise ValueError(f"environment {self.name!r} has no split {split!r}; splits: {', '.join(self.splits)}")
+            raise UnknownSplitError(f"environment {self.name!r} has no split {split!r}; splits: {', '.join(self.splits)}")
 
 
 def validate_options(model: type[BaseModel], env: str, options: Mapping[str, Any]) -> Any:

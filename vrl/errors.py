@@ -17,6 +17,10 @@ class OptionsError(UsageError, ValueError):
     """An environment option (`-o KEY=VALUE`) that is unknown or has a value of the wrong type."""
 
 
+class UnknownSplitError(UsageError, ValueError):
+    """A split the environment does not have."""
+
+
 class ModelUnavailable(UsageError):
     """The model cannot be loaded: no such path, not a valid hub id, or not cached and the hub is unreachable."""
 

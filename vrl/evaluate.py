@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from vrl.config import TrainConfig
+from vrl.environment import Environment
 from vrl.errors import UsageError
 from vrl.hub import check_model
 from vrl.types import Attempt
@@ -23,11 +24,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def evaluate(config: TrainConfig, split: str = "test", k: int = 1, limit: int | None = None, console: Console | None = None) -> dict[str, Any]:
+def evaluate(config: TrainConfig, split: str = "test", k: int = 1, limit: int | None = None, console: Console | None = None,
+             environment: Environment | None = None) -> dict[str, Any]:
+    """pass@1, 2, 4, ..., k over a split. Checks the tasks, the model and the verifier before generating."""
     from vrl.plugins import registry
     from vrl.runtime import make_runtime
 
-    env = registry().environment(config.plugin, **config.env_options)
+    env = environment or registry().environment(config.plugin, **config.env_options)
     tasks = env.tasks(split, limit=limit)
     if not tasks:
         raise UsageError(f"environment {env.name!r} has no tasks in split {split!r}; choose another --split")

@@ -70,6 +70,7 @@ def test_default_dataset_without_network_fails_fast_naming_the_way_out(monkeypat
 
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("load_dataset must not be called"))
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
     hub_unreachable.cache_clear()
     try:

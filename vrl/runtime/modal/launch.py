@@ -10,8 +10,14 @@ import logging
 from typing import Any
 
 from vrl.config import dump
+from vrl.errors import UsageError
 
 log = logging.getLogger(__name__)
+
+
+class ModalUnavailable(UsageError, RuntimeError):
+    """No usable Modal account; the message says how to set one up (the CLI prints it as one line)."""
+
 
 NO_ACCOUNT = (
     "no Modal credentials: {error}\n"
@@ -24,7 +30,7 @@ def require_credentials() -> None:
     from modal.config import config
 
     if not (config.get("token_id") and config.get("token_secret")):
-        raise RuntimeError(NO_ACCOUNT.format(error="no token configured"))
+        raise ModalUnavailable(NO_ACCOUNT.format(error="no token configured"))
 
 
 def _modal_errors():
@@ -42,7 +48,7 @@ def prepare(config: Any, model: str, revision: str | None = None) -> dict[str, A
         with app.app.run():
             return app.prepare_model.remote(model, revision)
     except _modal_errors() as exc:
-        raise RuntimeError(NO_ACCOUNT.format(error=exc)) from None
+        raise ModalUnavailable(NO_ACCOUNT.format(error=exc)) from None
 
 
 def launch_detached(config: Any, resume: bool = False) -> str:
@@ -58,5 +64,5 @@ def launch_detached(config: Any, resume: bool = False) -> str:
         with app.app.run(detach=True):
             call = app.orchestrate.spawn(dump(config), resume, worker=app.worker())
     except _modal_errors() as exc:
-        raise RuntimeError(NO_ACCOUNT.format(error=exc)) from None
+        raise ModalUnavailable(NO_ACCOUNT.format(error=exc)) from None
     return call.object_id
