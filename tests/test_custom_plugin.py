@@ -56,3 +56,13 @@ def test_verify_with_the_example_plugin(installed):
     verdicts = [json.loads(line) for line in out.stdout.splitlines()]
     assert [v["passed"] for v in verdicts] == [True, False]
     assert verdicts[1]["score"] == 0.5
+
+
+def test_example_plugin_options_are_validated_up_front(installed, tmp_path):
+    out = vrl(installed, "train", "--plugin", "reverse", "-o", "sise=3", "--set", f"logging.runs_dir={tmp_path}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert [line for line in out.stderr.splitlines() if line.strip()] == [
+        "error: environment 'reverse': unknown option 'sise'; reverse accepts size (int >= 1, default 100), "
+        "seed (int, default 0)"
+    ]
+    assert list(tmp_path.iterdir()) == []

@@ -8,6 +8,7 @@ import pytest
 
 from vrl.config import build
 from vrl.envs.letters import LettersEnvironment, LettersVerifier
+from vrl.errors import RunDirError
 from vrl.rundir import RunDir
 from vrl.trainer import Trainer
 
@@ -171,7 +172,7 @@ def test_hanging_verifier_becomes_timeouts(tmp_path):
 
 def test_existing_run_directory_is_not_overwritten(tmp_path):
     Trainer(small_config(tmp_path, iterations=1), environment=LettersEnvironment()).run()
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(RunDirError, match="--resume"):
         Trainer(small_config(tmp_path, iterations=1), environment=LettersEnvironment())
 
 

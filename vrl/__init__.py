@@ -5,7 +5,8 @@ trainer that runs the fixed loop.
 """
 
 from vrl.config import TrainConfig
-from vrl.environment import Environment
+from vrl.environment import Environment, EnvOptions
+from vrl.errors import UsageError
 from vrl.generate.base import Generator
 from vrl.hookspecs import hookimpl
 from vrl.optim.base import Optimizer, Variant
@@ -13,12 +14,13 @@ from vrl.reward import Binary, FormatBonus, LengthPenalty, PartialCredit, Reward
 from vrl.runtime.base import Runtime
 from vrl.trainer import Trainer
 from vrl.types import Attempt, Completion, Result, Status, Task, Verdict
-from vrl.verifier import SimpleVerifier, Verifier
+from vrl.verifier import SimpleVerifier, Verifier, VerifierUnavailable
 
 __all__ = [
     "Attempt",
     "Binary",
     "Completion",
+    "EnvOptions",
     "Environment",
     "FormatBonus",
     "Generator",
@@ -33,9 +35,11 @@ __all__ = [
     "Task",
     "TrainConfig",
     "Trainer",
+    "UsageError",
     "Variant",
     "Verdict",
     "Verifier",
+    "VerifierUnavailable",
     "Weighted",
     "hookimpl",
 ]

@@ -1,20 +1,31 @@
-"""The `vrl` command line: train, eval, export, verify, config, report, plugins, modal."""
+"""The `vrl` command line: train, eval, export, verify, config, report, plugins, modal.
+
+Errors: a problem the user can fix (a `UsageError`, or a bad value found while checking the input)
+prints one line, `error: what is wrong; how to fix it`, and exits with 2; anything else is
+unexpected and exits with 1 (`vrl -v ...` shows its traceback). Ctrl-C exits with 130.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import sys
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import click
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
-from vrl.config import ConfigError, build, load_file, merge, nest, parse_override
+from vrl.config import build, load_file, merge, nest, parse_override
+from vrl.errors import RunDirError, UsageError
 
 console = Console(stderr=True, log_path=False)
 
@@ -26,13 +37,60 @@ def _setup_logging(verbose: bool) -> None:
         handlers=[RichHandler(console=console, show_path=False)],
         force=True,
     )
-    for noisy in ("httpx", "urllib3", "transformers", "datasets", "filelock"):
+    for noisy in ("httpx", "urllib3", "transformers", "datasets", "filelock", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # huggingface_hub gives its logger a handler of its own and lets records propagate too, so each
+    # of its warnings (a retry, say) printed twice; ours is the one handler.
+    import huggingface_hub.utils.logging  # noqa: F401  (adds that handler on import: add it now, then drop it)
+
+    hub = logging.getLogger("huggingface_hub")
+    for handler in list(hub.handlers):
+        if type(handler) is logging.StreamHandler:
+            hub.removeHandler(handler)
 
 
-def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
-    sys.exit(2)
+def _fail(message: str, code: int = 2) -> None:
+    """Print `error: ...` on one line (however the message was wrapped) and exit."""
+    line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    console.print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True, highlight=False)
+    sys.exit(code)
+
+
+@contextlib.contextmanager
+def _checking_input() -> Iterator[None]:
+    """While the input is checked (before any work), a failure is the user's to fix: a UsageError.
+
+    Plugins and optional packages report setup problems as ValueError, LookupError, file errors or
+    RuntimeError (a sink whose package is missing, say); a bug there still shows its traceback with -v.
+    """
+    try:
+        yield
+    except (UsageError, NotImplementedError, RecursionError):
+        raise
+    except (ValueError, LookupError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+            PermissionError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from exc
+
+
+class _Main(click.Group):
+    """The command group: turns errors into one line and an exit status (see the module docstring)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort):
+            raise
+        except KeyboardInterrupt:
+            _fail("interrupted", 130)
+        except UsageError as exc:
+            if ctx.params.get("verbose"):
+                console.print_exception()
+            _fail(str(exc))
+        except Exception as exc:
+            if ctx.params.get("verbose"):
+                console.print_exception()
+                _fail(f"{type(exc).__name__}: {exc}", 1)
+            _fail(f"{type(exc).__name__}: {exc} (unexpected; `vrl -v ...` shows the traceback)", 1)
 
 
 def _options(pairs: tuple[str, ...]) -> dict[str, Any]:
@@ -67,7 +125,7 @@ def _environment_defaults(reg, plugin: str) -> dict[str, Any]:
     return dict(getattr(factory, "defaults", {}) or {})
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="vrl")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def main(verbose: bool) -> None:
@@ -105,37 +163,65 @@ def train(plugin, optimizer, model, config_file, iterations, name, resume, overr
     Writes runs/<name>/ (config, metrics.jsonl, samples.jsonl, optimizer state, summary.json).
     Ctrl-C stops cleanly; --resume continues exactly where the run stopped.
     """
-    from vrl.plugins import UnknownNameError
     from vrl.rundir import RunDir
     from vrl.runtime import make_runtime
     from vrl.trainer import Trainer
 
     flags = {"plugin": plugin, "optimizer": optimizer, "model": model, "iterations": iterations, "logging.name": name,
              "runtime.kind": runtime, "runtime.detach": detach}
+    run_dir = None
     try:
-        if resume:
-            run_dir = RunDir.open(resume)
-            base = run_dir.config()
-            fixed = {k: v for k, v in flags.items() if v is not None and k not in ("iterations",)}
-            if fixed or config_file:
-                _fail(f"--resume continues {resume} with its recorded config; only --iterations and --set may change")
-            cfg = _resolve_config(None, flags, overrides, env_options, base=base)
-        else:
-            cfg = _resolve_config(config_file, flags, overrides, env_options)
-            run_dir = None
-        if cfg.runtime.detach:
-            from vrl.runtime.modal.launch import launch_detached
+        with _checking_input():
+            if resume:
+                run_dir = RunDir.open(resume)
+                run_dir.acquire()  # a live writer is refused before anything else happens
+                fixed = [k for k, v in flags.items() if v is not None and k != "iterations"]
+                if fixed or config_file:
+                    given = ", ".join(["--" + k.split(".")[-1] for k in fixed] + (["--config"] if config_file else []))
+                    raise UsageError(f"--resume continues {resume} with its recorded config, so {given} cannot be "
+                                     "given; only --iterations, --set and -o may change")
+                cfg = _resolve_config(None, flags, overrides, env_options, base=run_dir.config())
+                _check_resume_iterations(run_dir, cfg.iterations, iterations)
+            else:
+                cfg = _resolve_config(config_file, flags, overrides, env_options)
+            if cfg.runtime.detach:
+                from vrl.runtime.modal.launch import launch_detached
 
-            call = launch_detached(cfg)
-            console.print(f"detached run {cfg.logging.name!r} started on Modal (call {call}); its run directory is "
-                          f"runs/{cfg.logging.name} on the Volume {cfg.runtime.volume!r}")
-            return
-        trainer = Trainer(cfg, run_dir=run_dir, console=console, runtime=make_runtime(cfg))
-    except (ConfigError, UnknownNameError, FileExistsError, FileNotFoundError, ValueError, RuntimeError) as exc:
-        _fail(str(exc))
-    summary = trainer.run()
+                call = launch_detached(cfg)
+                console.print(f"detached run {cfg.logging.name!r} started on Modal (call {call}); its run directory is "
+                              f"runs/{cfg.logging.name} on the Volume {cfg.runtime.volume!r}")
+                return
+            trainer = Trainer(cfg, run_dir=run_dir, console=console, runtime=make_runtime(cfg))
+    except BaseException:
+        if run_dir is not None:
+            run_dir.release()
+        raise
+    try:
+        summary = trainer.run()
+    except UsageError as exc:  # e.g. the verifier went down: say what was kept
+        raise UsageError(f"{exc}{_kept(trainer.run_dir)}") from exc
     if summary["status"] == "interrupted":
         sys.exit(130)
+
+
+def _check_resume_iterations(run_dir, total: int, asked: int | None) -> None:
+    """A resume must have iterations left: say how to extend a finished run instead of showing an empty bar."""
+    done = run_dir.completed_iterations()
+    if done < total:
+        return
+    if asked is None:
+        raise RunDirError(f"run {run_dir.path} is finished ({done} of {total} iterations); extend it with "
+                          f"`vrl train --resume {run_dir.path} --iterations N` with N > {done}")
+    raise RunDirError(f"run {run_dir.path} has already finished {done} iterations, so --iterations {asked} adds none; "
+                      f"pass --iterations N with N > {done}")
+
+
+def _kept(run_dir) -> str:
+    """What a failed run left: finished iterations (and how to continue), or nothing at all."""
+    if not (run_dir.path / "config.json").exists():
+        return f" (nothing was kept: {run_dir.path} was removed)"
+    done = run_dir.completed_iterations()
+    return f" ({done} finished iterations are kept in {run_dir.path}; continue with `vrl train --resume {run_dir.path}`)"
 
 
 @main.command(name="eval")
@@ -158,22 +244,22 @@ def eval_(plugin, model, split, k, limit, config_file, overrides, env_options, a
 
     from vrl.evaluate import evaluate
     from vrl.export import export_run, is_run_dir
-    from vrl.plugins import UnknownNameError
+    from vrl.plugins import registry
 
     if k < 1:
-        _fail("--k must be at least 1")
+        raise UsageError("--k must be at least 1")
     with tempfile.TemporaryDirectory(prefix="vrl-eval-") as tmp:
-        try:
-            shown = model
+        shown = model
+        with _checking_input():
             if model and is_run_dir(model):
                 plugin = plugin or json.loads((Path(model) / "config.json").read_text())["plugin"]
                 info = export_run(model, Path(tmp) / "model")
                 console.print(f"evaluating {model} (iteration {info['iteration']}, {info['optimizer']})")
                 model = info["out"]
             cfg = _resolve_config(config_file, {"plugin": plugin, "model": model}, overrides, env_options)
-            report = evaluate(cfg, split=split, k=k, limit=limit or None, console=console)
-        except (ConfigError, UnknownNameError, ValueError, RuntimeError) as exc:
-            _fail(str(exc))
+            env = registry().environment(cfg.plugin, **cfg.env_options)
+        # evaluate checks the split, the model and the verifier before it generates anything
+        report = evaluate(cfg, split=split, k=k, limit=limit or None, console=console, environment=env)
         cfg.model = shown or cfg.model
     if as_json:
         click.echo(json.dumps(report))
@@ -231,31 +317,44 @@ def verify(attempts, plugin, splits, out, env_options, server) -> None:
     One verdict per line comes out, in input order. A malformed line gets a `rejected` verdict that
     names the problem; it never stops the others. See docs/cli.md for the format.
     """
-    from vrl.plugins import UnknownNameError, registry
+    from vrl.plugins import registry
+    from vrl.rundir import write_text
+    from vrl.verifier import ensure_ready
     from vrl.verify_file import verify_lines
 
-    try:
+    # Every check before the first verdict: a bad --out found afterwards would lose them all.
+    with _checking_input():
         options = _options(env_options)
         if server:
             options["server"] = server
         env = registry().environment(plugin, **options)
-    except (UnknownNameError, ConfigError, ValueError, TypeError) as exc:
-        _fail(str(exc))
-    text = sys.stdin.read() if str(attempts) == "-" else _read(attempts)
+        if str(out) != "-":
+            _check_writable(Path(out))
+        if str(attempts) != "-" and not attempts.is_file():
+            raise UsageError(f"attempts file not found: {attempts}")
+        ensure_ready(env.verifier())
+    text = sys.stdin.read() if str(attempts) == "-" else attempts.read_text()
     rows = asyncio.run(verify_lines(env, text.splitlines(), splits=splits or None))
     payload = "".join(json.dumps(r) + "\n" for r in rows)
     if str(out) == "-":
         click.echo(payload, nl=False)
     else:
-        Path(out).write_text(payload)
+        write_text(Path(out), payload)
     passed = sum(r["passed"] for r in rows)
-    console.print(f"{passed}/{len(rows)} passed")
+    others = Counter(r["status"] for r in rows if not r["passed"])
+    detail = f" ({', '.join(f'{n} {status}' for status, n in others.most_common())})" if others else ""
+    console.print(f"{passed}/{len(rows)} passed{detail}")
 
 
-def _read(path: Path) -> str:
-    if not path.is_file():
-        _fail(f"attempts file not found: {path}")
-    return path.read_text()
+def _check_writable(out: Path) -> None:
+    """`--out FILE` can be written: its folder exists and is writable, and it is not a directory."""
+    parent = out.parent if str(out.parent) else Path(".")
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a directory; give a file path such as {out / 'verdicts.jsonl'}")
+    if not parent.is_dir():
+        raise UsageError(f"--out {out}: the directory {parent} does not exist; create it first or choose another path")
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise UsageError(f"--out {out} is not writable; choose another path")
 
 
 @main.command()
@@ -270,15 +369,12 @@ def config(plugin, optimizer, model, config_file, overrides, fields) -> None:
     import yaml
 
     from vrl.config import dump, field_table
-    from vrl.plugins import UnknownNameError
 
     if fields:
         click.echo(field_table(), nl=False)
         return
-    try:
+    with _checking_input():
         cfg = _resolve_config(config_file, {"plugin": plugin, "optimizer": optimizer, "model": model}, overrides, ())
-    except (ConfigError, UnknownNameError) as exc:
-        _fail(str(exc))
     click.echo(yaml.safe_dump(dump(cfg), sort_keys=False), nl=False)
 
 
@@ -292,12 +388,12 @@ def report(runs, out) -> None:
     \b
       vrl report runs/countdown-es-* runs/countdown-grpo-* --out report/
     """
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a directory (it gets report.html and the plots)")
     from vrl.report import render
 
-    try:
+    with _checking_input():
         page = render(list(runs), out)
-    except (FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
     console.print(f"wrote {page} and {len(list(Path(out).glob('*.png')))} plots")
 
 
@@ -315,12 +411,13 @@ def prepare(model, revision, secrets, overrides) -> None:
     """Download base weights and tokenizer onto the Modal Volume once; workers load them from there."""
     from vrl.runtime.modal.launch import prepare as run_prepare
 
-    try:
+    with _checking_input():
         cfg = _resolve_config(None, {"model": model, "runtime.kind": "modal",
                                      "runtime.secrets": list(secrets) or None}, overrides, ())
+    try:
         info = run_prepare(cfg, model, revision)
-    except (ConfigError, RuntimeError, ValueError) as exc:
-        _fail(str(exc))
+    except (RuntimeError, ValueError) as exc:  # Modal's own refusals (no token, no such model) are the user's to fix
+        raise UsageError(str(exc)) from exc
     console.print(f"{model}: {len(info['files'])} files, {info['bytes'] / 1e9:.2f} GB on Volume "
                   f"{cfg.runtime.volume!r} ({'downloaded' if info['downloaded'] else 'already there'})")
 
@@ -335,8 +432,8 @@ def modal_resume(name, iterations, volume) -> None:
 
     try:
         call, cfg = resume_detached(name, volume=volume, iterations=iterations)
-    except (ConfigError, RuntimeError, ValueError, FileNotFoundError) as exc:
-        _fail(str(exc))
+    except (RuntimeError, ValueError, FileNotFoundError) as exc:  # no account, no such run: the user's to fix
+        raise UsageError(str(exc)) from exc
     console.print(f"detached run {name!r} resumed on Modal up to iteration {cfg.iterations} (call {call}); "
                   f"its run directory is runs/{name} on the Volume {volume!r}")
 

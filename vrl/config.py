@@ -10,6 +10,7 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
+import re
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -17,7 +18,14 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from vrl.errors import UsageError
 from vrl.optim import OPTIMIZERS, optimizer_class
+
+RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}")
+RUN_NAME_RULE = (
+    "a run name must be a single directory name (letters, digits and . _ + = @ -, starting with a letter or "
+    "digit, at most 200 characters), not a path; set logging.runs_dir to choose the parent directory"
+)
 
 
 class _Section(BaseModel):
@@ -165,7 +173,9 @@ class LoggingConfig(_Section):
     """Run directory and what goes in it."""
 
     runs_dir: Path = Field(Path("runs"), description="Parent directory of run directories.")
-    name: str | None = Field(None, description="Run name; default: <plugin>-<optimizer>-<timestamp>.")
+    name: str | None = Field(
+        None, description="Run name, a single directory name under runs_dir; default: <plugin>-<optimizer>-<timestamp>-<4 hex>."
+    )
     samples_per_iteration: int = Field(
         8, ge=0, description="Completions (with verdicts) written to samples.jsonl per iteration."
     )
@@ -182,6 +192,13 @@ class LoggingConfig(_Section):
         description="A metric sink (MLflow, W&B) that cannot start is skipped with a warning instead of stopping "
         "the run before its first iteration.",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str | None) -> str | None:
+        if name is not None and not RUN_NAME_RE.fullmatch(name):
+            raise ValueError(RUN_NAME_RULE)
+        return name
 
 
 class _RunConfig(_Section):
@@ -231,7 +248,7 @@ TrainConfig = create_model("TrainConfig", __base__=_RunConfig, __module__=__name
 TrainConfig.__doc__ = _RunConfig.__doc__
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError, ValueError):
     """A configuration problem, phrased for the user (field, value, what is allowed)."""
 
 
@@ -304,10 +321,11 @@ def build(*layers: dict[str, Any]) -> TrainConfig:
 
 
 def format_validation_error(exc: ValidationError) -> str:
-    lines = ["invalid configuration:"]
+    """One line: each bad field, what is wrong with it, the value given (errors apart by ' | ')."""
+    lines = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = err["msg"]
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
             parent = _section_for(err["loc"][:-1])
@@ -315,8 +333,8 @@ def format_validation_error(exc: ValidationError) -> str:
                 msg += f"; known fields: {', '.join(sorted(parent.model_fields))}"
         value = err.get("input")
         shown = "" if err["type"] in ("missing",) or isinstance(value, dict) else f" (got {value!r})"
-        lines.append(f"  {field}: {msg}{shown}")
-    return "\n".join(lines)
+        lines.append(f"{field}: {msg}{shown}")
+    return "invalid configuration: " + " | ".join(lines)
 
 
 def _section_for(loc: tuple) -> type[BaseModel] | None:

@@ -6,12 +6,29 @@ its verifier, its reward shaper, and defaults for the run (model, sampling, opti
 
 from __future__ import annotations
 
+import inspect
+import typing
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic.fields import FieldInfo
+
+from vrl.errors import OptionsError, UnknownSplitError
 from vrl.reward import Binary, RewardShaper
 from vrl.types import Task
 from vrl.verifier import Verifier
+
+
+class EnvOptions(BaseModel):
+    """Base of an environment's options (`-o KEY=VALUE`): unknown keys and wrong types are errors.
+
+    Subclass it with one field per option (type, default, constraints, description) and set it as
+    the environment's `Options`; the registry validates the user's options before building anything.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class Environment(ABC):
@@ -23,6 +40,10 @@ class Environment(ABC):
     #: Config overrides this environment suggests, as dotted keys (`{"sampling.temperature": 0.6}`).
     #: They sit below the user's config file and command line.
     defaults: dict[str, Any] = {}
+    #: The options the environment accepts (`-o KEY=VALUE`). With `Options` set, write
+    #: `__init__(self, **options)` and start it with `o = self.parse_options(options)`; without, options
+    #: are checked against the signature of `__init__` (see `options_model`).
+    Options: ClassVar[type[EnvOptions] | None] = None
 
     @abstractmethod
     def tasks(self, split: str = "train", limit: int | None = None) -> list[Task]:
@@ -36,6 +57,10 @@ class Environment(ABC):
         """How verdicts become rewards. Default: 1 for a pass, 0 otherwise."""
         return Binary()
 
+    def parse_options(self, options: Mapping[str, Any]) -> Any:
+        """`options` validated by this environment's `Options` (an `OptionsError` names what is wrong and allowed)."""
+        return validate_options(self.Options or EnvOptions, self.name, options)
+
     def task_from_data(self, data: dict[str, Any]) -> Task:
         """Build a task from inline JSON (used by `vrl verify` lines that carry their own task).
 
@@ -45,4 +70,74 @@ class Environment(ABC):
 
     def _check_split(self, split: str) -> None:
         if split not in self.splits:
-            raise ValueError(f"environment {self.name!r} has no split {split!r}; splits: {', '.join(self.splits)}")
+            raise UnknownSplitError(f"environment {self.name!r} has no split {split!r}; splits: {', '.join(self.splits)}")
+
+
+def validate_options(model: type[BaseModel], env: str, options: Mapping[str, Any]) -> Any:
+    """Validate environment options; the error names the bad option and what is allowed, in one line."""
+    try:
+        return model.model_validate(dict(options))
+    except ValidationError as exc:
+        problems = []
+        unknown = False
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "(options)"
+            if err["type"] == "extra_forbidden":
+                unknown = True
+                problems.append(f"unknown option {key!r}")
+            elif not err["loc"]:  # a rule across options (a model validator)
+                problems.append(err["msg"].removeprefix("Value error, "))
+            else:
+                field = model.model_fields.get(str(err["loc"][0]))
+                allowed = f" (allowed: {describe_option(field)})" if field is not None else ""
+                problems.append(f"-o {key}={err.get('input')!r}: {err['msg'].removeprefix('Value error, ')}{allowed}")
+        listing = allowed_options(model) if unknown else ""
+        hint = f"; {env} accepts {listing}" if listing else ("; it takes no options" if unknown else "")
+        raise OptionsError(f"environment {env!r}: {'; '.join(problems)}{hint}") from None
+
+
+def allowed_options(model: type[BaseModel]) -> str:
+    """`name (type, default X)` for every option, comma-separated."""
+    return ", ".join(f"{name} ({describe_option(field)})" for name, field in model.model_fields.items())
+
+
+def describe_option(field: FieldInfo) -> str:
+    """An option's type, bounds and default, short: `int >= 1, default 1000`."""
+    from vrl.config import _type_name
+
+    bounds = [f"{sign} {getattr(meta, attr)}" for meta in field.metadata
+              for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if getattr(meta, attr, None) is not None]
+    text = _type_name(field.annotation) + (f" {' and '.join(bounds)}" if bounds else "")
+    if field.is_required():
+        return f"{text}, required"
+    return f"{text}, default {field.get_default(call_default_factory=True)!r}"
+
+
+def options_model(factory: Callable[..., Any]) -> type[BaseModel] | None:
+    """The options model of an environment factory: its `Options`, or one built from its signature.
+
+    None when the signature takes `**kwargs` (anything goes) or cannot be read.
+    """
+    declared = getattr(factory, "Options", None)
+    if isinstance(declared, type) and issubclass(declared, BaseModel):
+        return declared
+    target = factory.__init__ if isinstance(factory, type) else factory
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    try:
+        hints = typing.get_type_hints(target)
+    except Exception:  # an annotation that does not resolve: check names only
+        hints = {}
+    fields: dict[str, Any] = {}
+    for i, (name, param) in enumerate(sig.parameters.items()):
+        if isinstance(factory, type) and i == 0:  # self
+            continue
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            return None
+        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY):
+            continue
+        default = ... if param.default is inspect.Parameter.empty else param.default
+        fields[name] = (hints.get(name, Any), default)
+    return create_model(f"{getattr(factory, '__name__', 'Factory')}Options", __config__=ConfigDict(extra="forbid"), **fields)

@@ -20,6 +20,7 @@ from typing import Any
 import pluggy
 
 from vrl import hookspecs
+from vrl.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class PluginInfo:
     registered: dict[str, list[str]] = field(default_factory=lambda: {k: [] for k in KINDS})
 
 
-class UnknownNameError(LookupError):
+class UnknownNameError(UsageError, LookupError):
     """A name that no installed plugin registered."""
 
 
@@ -129,10 +130,18 @@ class Registry:
             raise UnknownNameError(f"unknown {kind[:-1]} {name!r}; installed: {known}{hint}") from None
 
     def environment(self, name: str, **options: Any):
-        """Instantiate a registered environment."""
-        from vrl.environment import Environment
+        """Instantiate a registered environment; its options are validated first (`OptionsError`)."""
+        from vrl.environment import Environment, options_model, validate_options
 
-        env = self.factory("environments", name)(**options)
+        factory = self.factory("environments", name)
+        model = options_model(factory)
+        if model is not None:
+            checked = validate_options(model, name, options)
+            if getattr(factory, "Options", None) is None:
+                # Checked against the signature: pass only what the user gave (coerced), so the
+                # factory's own defaults apply.
+                options = checked.model_dump(exclude_unset=True)
+        env = factory(**options)
         if not isinstance(env, Environment):
             raise TypeError(f"environment factory {name!r} returned {type(env).__name__}, not a vrl.Environment")
         return env

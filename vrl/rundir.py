@@ -7,26 +7,54 @@
       samples.jsonl   a bounded number of attempts per iteration (prompt, completion, verdict, reward)
       state.json      the last finished iteration (written last, atomically)
       summary.json    status (running, finished, interrupted, failed) and totals
+      lock            the pid of the process writing the run (held with flock while it runs)
       <optimizer files>  e.g. es_history.json
+
+One process writes a run directory at a time: `create` and `acquire` take an exclusive `flock` on
+`lock` and keep it until `release` (or the process's end, so a crashed writer leaves no stale lock).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import logging
 import os
 import platform
+import re
+import secrets
+import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from vrl.config import TrainConfig, dump
+from vrl.config import RUN_NAME_RE, RUN_NAME_RULE, TrainConfig, dump
+from vrl.errors import RunDirError
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "lock"
+#: Config fields that define the weights or what the finished iterations mean: a resume keeps them.
+#: The optimizer's own are checked only for the optimizer the run uses (ES replays its history with
+#: these settings; a GRPO checkpoint holds LoRA weights of this shape).
+FIXED_ON_RESUME = ("plugin", "model", "optimizer", "seed", "generator.revision", "generator.dtype")
+FIXED_ON_RESUME_BY_OPTIMIZER = {
+    "es": ("es.population_size", "es.sigma", "es.alpha", "es.normalization", "es.antithetic", "es.include", "es.exclude"),
+    "grpo": ("grpo.use_peft", "grpo.lora_r", "grpo.lora_alpha", "grpo.lora_dropout", "grpo.lora_target_modules"),
+}
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a file atomically (temp file + rename), so a crash never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (temp file + rename), so a crash never leaves half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """Write JSON atomically (see `write_text`)."""
+    write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -44,23 +72,60 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def check_name(name: str) -> str:
+    """A run name is one directory name under runs_dir: never a path, never `..`."""
+    if not RUN_NAME_RE.fullmatch(name):
+        raise RunDirError(f"bad run name {name!r}: {RUN_NAME_RULE}")
+    return name
+
+
+def default_name(config: TrainConfig) -> str:
+    """<plugin>-<optimizer>-<date>-<time>-<4 hex>: the suffix keeps two runs started in one second apart."""
+    plugin = re.sub(r"[^A-Za-z0-9._-]", "_", config.plugin)
+    return f"{plugin}-{config.optimizer}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
 class RunDir:
     """A run directory, created fresh or opened for resume."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self._lock: IO[str] | None = None
 
     @classmethod
     def create(cls, config: TrainConfig) -> RunDir:
-        name = config.logging.name or f"{config.plugin}-{config.optimizer}-{time.strftime('%Y%m%d-%H%M%S')}"
-        path = Path(config.logging.runs_dir) / name
-        if path.exists() and any(path.iterdir()):
-            raise FileExistsError(
-                f"run directory {path} already exists; continue it with `vrl train --resume {path}` "
-                "or choose another --name"
-            )
-        path.mkdir(parents=True, exist_ok=True)
+        """Make a new run directory atomically and lock it; an existing one is never reused."""
+        runs_dir = Path(config.logging.runs_dir)
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        if config.logging.name:
+            path = runs_dir / check_name(config.logging.name)
+            try:
+                try:
+                    path.mkdir()
+                except FileExistsError:
+                    path.rmdir()  # an empty directory may be reused; rmdir refuses any other
+                    path.mkdir()
+            except OSError:
+                if (path / LOCK_FILE).is_file():  # a live writer is named rather than "exists"
+                    probe = cls(path)
+                    probe.acquire()
+                    probe.release()
+                raise RunDirError(
+                    f"run directory {path} already exists; continue it with `vrl train --resume {path}` "
+                    "or choose another --name"
+                ) from None
+        else:
+            for _ in range(100):  # a 4-hex suffix: a second collision in one second is already rare
+                path = runs_dir / default_name(config)
+                try:
+                    path.mkdir()
+                    break
+                except FileExistsError:
+                    continue
+            else:  # pragma: no cover - 100 collisions in a row
+                raise RunDirError(f"could not find a free run name in {runs_dir}; pass --name")
         run = cls(path)
+        run.acquire()
         write_json(path / "config.json", dump(config))
         write_json(path / "versions.json", versions())
         return run
@@ -69,8 +134,68 @@ class RunDir:
     def open(cls, path: str | Path) -> RunDir:
         path = Path(path)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is not a vrl run directory (no config.json)")
+            raise RunDirError(f"{path} is not a vrl run directory (no config.json)")
         return cls(path)
+
+    # -- one writer at a time ----------------------------------------------------------------------
+    @property
+    def locked(self) -> bool:
+        """Whether this object holds the run directory's lock."""
+        return self._lock is not None
+
+    def acquire(self) -> None:
+        """Take the writer's lock, or refuse, naming the process that holds it.
+
+        A lock left by a process that died is free (the kernel drops a flock with its holder), so it
+        is simply taken over. A file system without flock support only gets a warning.
+        """
+        if self._lock is not None:
+            return
+        handle = open(self.path / LOCK_FILE, "a+")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                handle.close()
+                log.warning("cannot lock %s (%s); make sure no other process writes this run", self.path, exc)
+                return
+            handle.seek(0)
+            pid = handle.read().strip()
+            handle.close()
+            holder = f"process {pid}" if pid.isdigit() else "another process"
+            raise RunDirError(
+                f"run directory {self.path} is being written by {holder}; wait for it to finish or stop it "
+                f"(kill {pid or 'PID'}), then resume with `vrl train --resume {self.path}`"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        self._lock = handle
+
+    def release(self) -> None:
+        """Give up the writer's lock (the lock file stays; it holds no lock by itself)."""
+        handle, self._lock = self._lock, None
+        if handle is not None:
+            handle.close()
+
+    def remove(self) -> None:
+        """Delete the run directory (a fresh run that failed before finishing any iteration)."""
+        self.release()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    # -- resume rules ------------------------------------------------------------------------------
+    def check_resume(self, config: TrainConfig) -> None:
+        """Refuse a resume that would change what the finished iterations mean (model, optimizer...)."""
+        recorded, new = self.config(), dump(config)
+        fields = FIXED_ON_RESUME + FIXED_ON_RESUME_BY_OPTIMIZER.get(str(recorded.get("optimizer")), ())
+        for field in fields:
+            before, after = _get(recorded, field), _get(new, field)
+            if before != after:
+                raise RunDirError(
+                    f"cannot resume {self.path} with {field}={after!r}: the run was trained with {field}={before!r}, "
+                    "which a resume keeps; start a new run (--name) to change it"
+                )
 
     @property
     def name(self) -> str:
@@ -116,6 +241,17 @@ class RunDir:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         write_json(self.path / "summary.json", summary)
+
+    def summary(self) -> dict[str, Any] | None:
+        """The last summary written, or None before the first."""
+        path = self.path / "summary.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+
+def _get(data: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
 
 
 def versions() -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import random
 import re
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -24,12 +23,15 @@ from rich.table import Table
 
 from vrl.config import TrainConfig
 from vrl.environment import Environment
+from vrl.errors import UsageError
+from vrl.hub import check_model
 from vrl.optim import Optimizer, make_optimizer
 from vrl.policy import PolicyHost
 from vrl.rundir import RunDir
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.sinks import Sinks
 from vrl.types import Attempt, Result, Status, Task, Verdict
+from vrl.verifier import VerifierUnavailable, ensure_ready
 
 log = logging.getLogger(__name__)
 
@@ -60,36 +62,75 @@ class Trainer:
         self.config = config
         self.console = console or Console(stderr=True, log_path=False)
         self.on_iteration = on_iteration
-        if environment is None:
-            from vrl.plugins import registry
+        # Everything that can fail runs before the run directory is created or changed, so a bad
+        # option, model or server leaves nothing behind and never alters a run it was to resume.
+        if run_dir is not None:
+            run_dir.acquire()  # one writer at a time: a second is refused, naming the first's pid
+        try:
+            if run_dir is not None:
+                run_dir.check_resume(config)
+            if environment is None:
+                from vrl.plugins import registry
 
-            environment = registry().environment(config.plugin, **config.env_options)
-        self.env = environment
-        if runtime is None:
-            if config.runtime.kind != "local":
-                raise ValueError(f"runtime.kind={config.runtime.kind!r}: pass its runtime, e.g. "
-                                 "Trainer(config, runtime=vrl.runtime.make_runtime(config))")
-            from vrl.runtime.local import LocalRuntime
+                environment = registry().environment(config.plugin, **config.env_options)
+            self.env = environment
+            if runtime is None:
+                if config.runtime.kind != "local":
+                    raise ValueError(f"runtime.kind={config.runtime.kind!r}: pass its runtime, e.g. "
+                                     "Trainer(config, runtime=vrl.runtime.make_runtime(config))")
+                from vrl.runtime.local import LocalRuntime
 
-            runtime = LocalRuntime()
-        self.runtime = runtime
-        self.sinks = Sinks.from_config(config.logging)  # before the run directory: a missing package fails first
+                runtime = LocalRuntime()
+            self.runtime = runtime
+            self.sinks = Sinks.from_config(config.logging)  # a missing package fails here
+            self._pool_tasks = self._task_pool()
+            self._preflight()
+        except BaseException:
+            if run_dir is not None:
+                run_dir.release()
+            raise
+        self._created = run_dir is None
         self.run_dir = run_dir or RunDir.create(config)
         try:  # a sink that cannot start stops the run here, before iteration 0
             self.sinks.start(self.run_dir.path, self.run_dir.config())
         except BaseException:
-            if run_dir is None:  # the directory was made just now and holds only config and versions
-                shutil.rmtree(self.run_dir.path, ignore_errors=True)
+            if self._created:  # the directory was made just now and holds only config and versions
+                self.run_dir.remove()
+            else:
+                self.run_dir.release()
             raise
+        self._resumed_summary = None if self._created else self.run_dir.summary()
+        self._iterations_done = 0  # by this process: a run stopped before its first keeps nothing of it
         self.start_iteration = self.run_dir.completed_iterations()
         self._last_stats = "first iteration"  # the live line: last iteration's numbers + current queue
         self._updating = False
+
+    def _verifies_here(self) -> bool:
+        """Whether the verifier runs in this process (not in Modal sandboxes, which start their own server)."""
+        return self.config.runtime.kind == "local" or self.config.runtime.verify_in == "local"
+
+    def _preflight(self) -> None:
+        """Seconds of checks instead of a failed run: the model can be loaded, the verifier answers."""
+        if self.config.runtime.kind == "local":  # on Modal the weights come from the Volume
+            check_model(self.config.model, self.config.generator.revision)
+        if self._verifies_here():
+            ensure_ready(self.env.verifier())
+
+    def _check_verifier_alive(self, results: list[Result]) -> None:
+        """Most of an iteration crashed: if the verifier is down, stop before the update learns from it."""
+        crashed = sum(r.verdict.status is Status.CRASHED for r in results)
+        if results and crashed * 2 >= len(results) and self._verifies_here():
+            try:
+                ensure_ready(self.env.verifier())
+            except VerifierUnavailable as exc:
+                raise VerifierUnavailable(f"{crashed} of {len(results)} verdicts crashed and the verifier is down: {exc}") from None
 
     # -- task schedule -----------------------------------------------------------------------------
     def _task_pool(self) -> list[Task]:
         tasks = self.env.tasks(self.config.split)
         if not tasks:
-            raise ValueError(f"environment {self.env.name!r} has no tasks in split {self.config.split!r}")
+            raise UsageError(f"environment {self.env.name!r} has no tasks in split {self.config.split!r}; "
+                             f"choose one of {', '.join(self.env.splits)} with --set split=NAME")
         return tasks
 
     def tasks_for(self, pool: list[Task], iteration: int) -> list[Task]:
@@ -108,7 +149,7 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         cfg = self.config
-        pool_tasks = self._task_pool()
+        pool_tasks = self._pool_tasks
         shaper = self.env.shaper()
         summary: dict[str, Any] = {
             "name": self.run_dir.name,
@@ -143,6 +184,7 @@ class Trainer:
                     tasks = self.tasks_for(pool_tasks, iteration)
                     stats = self._iteration(iteration, tasks, optimizer, policy, pool, shaper, progress, bar)
                     metrics = self._finish_iteration(iteration, stats, optimizer)
+                    self._iterations_done += 1
                     sinks.log(metrics, step=iteration)
                     self._last_stats = _short(metrics)
                     progress.update(bar, advance=1, stats=self._last_stats)
@@ -168,9 +210,25 @@ class Trainer:
             sinks.finish(summary["status"])
             summary.update(_totals(self.run_dir.metrics()), finished_at=time.time(),
                            iterations_completed=self.run_dir.completed_iterations())
-            self.run_dir.write_summary(summary)
+            self._close_run_dir(summary)
         self._print_summary(summary)
         return summary
+
+    def _close_run_dir(self, summary: dict[str, Any]) -> None:
+        """Write the summary and give up the lock; a run that did nothing leaves no trace.
+
+        A new run that failed before finishing an iteration is removed (its name stays free); a
+        resume that failed or stopped before finishing one restores the summary it found.
+        """
+        if self._iterations_done or summary["status"] == "finished":
+            self.run_dir.write_summary(summary)
+        elif self._created and summary["status"] == "failed":
+            self.run_dir.remove()
+        elif not self._created and self._resumed_summary is not None:
+            self.run_dir.write_summary(self._resumed_summary)
+        else:
+            self.run_dir.write_summary(summary)
+        self.run_dir.release()
 
     def _save_on_stop(self, optimizer: Optimizer | None) -> None:
         """The run stops between two updates: have the optimizer write its state for the last finished
@@ -221,6 +279,7 @@ class Trainer:
         stats.results.sort(key=lambda r: (r.completion.variant, position[r.task.id], r.completion.sample))
         stats.wait_s = time.perf_counter() - t_wait
         stats.verification_s = pool.busy_s - busy_before
+        self._check_verifier_alive(stats.results)
         t_update = time.perf_counter()
         self._updating = True  # a stop inside tell leaves the optimizer half-updated: nothing to save then
         stats.optimizer_metrics = optimizer.tell(stats.results)

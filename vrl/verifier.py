@@ -13,7 +13,12 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from vrl.errors import UsageError
 from vrl.types import Attempt, Status, Verdict
+
+
+class VerifierUnavailable(UsageError, RuntimeError):
+    """The verifier cannot work at all (its server is down or unreachable); the message says how to fix it."""
 
 
 class Verifier(ABC):
@@ -24,6 +29,14 @@ class Verifier(ABC):
     @abstractmethod
     async def verify(self, attempts: Sequence[Attempt]) -> list[Verdict]:
         """Judge a batch. A bad attempt becomes a verdict (failed, timeout, crashed, rejected)."""
+
+    async def check_ready(self) -> None:
+        """Raise `VerifierUnavailable` if the verifier cannot judge anything now (its server is down...).
+
+        Called once before the first generation (train, eval, verify), so a missing server costs
+        seconds instead of a run of `crashed` verdicts, and again during training when a whole
+        iteration crashed. The message says how to bring the verifier up. Default: always ready.
+        """
 
     async def aclose(self) -> None:
         """Release servers, sandboxes or pools. Called once when the run ends."""
@@ -52,6 +65,21 @@ class SimpleVerifier(Verifier):
 
     async def verify(self, attempts: Sequence[Attempt]) -> list[Verdict]:
         return await asyncio.to_thread(lambda: [self._check_timed(a) for a in attempts])
+
+
+def ensure_ready(verifier: Verifier) -> None:
+    """Run `verifier.check_ready()` from synchronous code, then release what the check opened.
+
+    Use a verifier made for the check: its connections belong to the event loop made here.
+    """
+
+    async def check() -> None:
+        try:
+            await verifier.check_ready()
+        finally:
+            await verifier.aclose()
+
+    asyncio.run(check())
 
 
 async def verify_safely(verifier: Verifier, attempts: Sequence[Attempt], timeout_s: float | None = None) -> list[Verdict]:

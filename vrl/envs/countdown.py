@@ -14,7 +14,9 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from vrl.environment import Environment
+from pydantic import Field, model_validator
+
+from vrl.environment import Environment, EnvOptions
 from vrl.reward import Binary, FormatBonus, RewardShaper
 from vrl.types import Attempt, Status, Task, Verdict
 from vrl.verifier import SimpleVerifier, Verifier
@@ -49,19 +51,33 @@ def make_problem(rng: random.Random, min_numbers: int = 3, max_numbers: int = 4)
             return numbers, int(value), expr[1:-1] if expr.startswith("(") else expr
 
 
+class CountdownOptions(EnvOptions):
+    """`-o` options of countdown."""
+
+    size: int = Field(1000, ge=1, description="Problems per split.")
+    seed: int = Field(0, description="Seed of the problem generator (each split has its own stream).")
+    min_numbers: int = Field(3, ge=2, le=6, description="Fewest numbers in a problem.")
+    max_numbers: int = Field(4, ge=2, le=6, description="Most numbers in a problem.")
+
+    @model_validator(mode="after")
+    def _check(self) -> CountdownOptions:
+        if self.min_numbers > self.max_numbers:
+            raise ValueError(f"min_numbers ({self.min_numbers}) must not exceed max_numbers ({self.max_numbers})")
+        return self
+
+
 class CountdownEnvironment(Environment):
     name = "countdown"
     description = "Reach a target with + - * / over 3-4 numbers (procedural, seeded, offline)."
     splits = ("train", "test")
     defaults = {"sampling.max_new_tokens": 64}
+    Options = CountdownOptions
 
-    def __init__(self, size: int = 1000, seed: int = 0, min_numbers: int = 3, max_numbers: int = 4):
-        if size < 1:
-            raise ValueError("countdown size must be at least 1")
-        if not 2 <= min_numbers <= max_numbers <= 6:
-            raise ValueError("countdown needs 2 <= min_numbers <= max_numbers <= 6")
-        self.size, self.seed = size, seed
-        self.min_numbers, self.max_numbers = min_numbers, max_numbers
+    def __init__(self, **options: Any):
+        """Options: see `CountdownOptions` (`-o size=200 -o max_numbers=5`)."""
+        o = self.parse_options(options)
+        self.size, self.seed = o.size, o.seed
+        self.min_numbers, self.max_numbers = o.min_numbers, o.max_numbers
 
     def tasks(self, split: str = "train", limit: int | None = None) -> list[Task]:
         self._check_split(split)

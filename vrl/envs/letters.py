@@ -9,7 +9,11 @@ is a real reasoning task that a random model cannot learn; this one shows the lo
 
 from __future__ import annotations
 
-from vrl.environment import Environment
+from typing import Any
+
+from pydantic import Field
+
+from vrl.environment import Environment, EnvOptions
 from vrl.reward import PartialCredit
 from vrl.types import Attempt, Status, Task, Verdict
 from vrl.verifier import SimpleVerifier
@@ -32,6 +36,12 @@ class LettersVerifier(SimpleVerifier):
         return Verdict.fail(Status.FAILED, f"{share:.0%} of characters in a-p", score=share)
 
 
+class LettersOptions(EnvOptions):
+    """`-o` options of letters."""
+
+    size: int = Field(16, ge=1, description="Tasks per split.")
+
+
 class LettersEnvironment(Environment):
     name = "letters"
     description = "Write only the letters a-p: a task the tiny model learns in about ten iterations."
@@ -49,10 +59,11 @@ class LettersEnvironment(Environment):
         "grpo.micro_batch_size": 32,
     }
 
-    def __init__(self, size: int = 16):
-        if size < 1:
-            raise ValueError(f"letters needs size >= 1 tasks, got {size}")
-        self.size = size
+    Options = LettersOptions
+
+    def __init__(self, **options: Any):
+        """Options: see `LettersOptions` (`-o size=32`)."""
+        self.size = self.parse_options(options).size
 
     def tasks(self, split: str = "train", limit: int | None = None) -> list[Task]:
         self._check_split(split)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 import re
 
+from pydantic import Field
+
 import vrl
 
 WORDS = ["apple", "river", "stone", "vector", "plugin", "reward", "lemma", "proof", "token", "garden"]
@@ -33,13 +35,22 @@ class ReverseVerifier(vrl.SimpleVerifier):
         return vrl.Verdict.fail(vrl.Status.FAILED, f"expected {expected!r}, got {answer!r}", score=prefix / len(expected))
 
 
+class ReverseOptions(vrl.EnvOptions):
+    """What `-o KEY=VALUE` may set; anything else, or a value of the wrong type, is a one-line error."""
+
+    size: int = Field(100, ge=1, description="Tasks per split.")
+    seed: int = Field(0, description="Seed of the word draw.")
+
+
 class ReverseEnvironment(vrl.Environment):
     name = "reverse"
     description = "Reverse a word (example plugin)."
     defaults = {"sampling.max_new_tokens": 24}
+    Options = ReverseOptions
 
-    def __init__(self, size: int = 100, seed: int = 0):
-        self.size, self.seed = size, seed
+    def __init__(self, **options):
+        o = self.parse_options(options)
+        self.size, self.seed = o.size, o.seed
 
     def tasks(self, split: str = "train", limit: int | None = None) -> list[vrl.Task]:
         self._check_split(split)

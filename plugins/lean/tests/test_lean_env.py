@@ -55,9 +55,29 @@ def test_load_stp_uses_datasets(monkeypatch):
         return datasets.Dataset.from_list(STP_ROWS)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr("vrl.hub.hub_unreachable", lambda: None)  # as if the Hub answered
     env = LeanEnvironment(server="http://x", test_fraction=0.0)
     assert [t.id for t in env.tasks("train")] == ["lean_workbook_plus_1234", "lean_workbook_77"]
     assert calls == [("kfdong/STP_Lean_SFT", "train")]
+
+
+def test_default_dataset_without_network_fails_fast_naming_the_way_out(monkeypatch, tmp_path):
+    """Not cached and the Hub refuses connections: one error naming -o data, before `load_dataset` runs."""
+    import datasets
+
+    from vrl.errors import DatasetUnavailable
+    from vrl.hub import hub_unreachable
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("load_dataset must not be called"))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    hub_unreachable.cache_clear()
+    try:
+        with pytest.raises(DatasetUnavailable, match=r"kfdong/STP_Lean_SFT.*not in the local.*127.0.0.1:9.*-o data=PATH"):
+            LeanEnvironment(server="http://x").tasks("train")
+    finally:
+        hub_unreachable.cache_clear()
 
 
 def test_local_fixture_directory_gives_52_problems_with_informal_text():

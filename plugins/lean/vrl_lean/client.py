@@ -80,11 +80,23 @@ class KiminaClient:
 
     async def health(self) -> bool:
         """True if `GET /health` answers `{"status": "ok"}`."""
+        return await self.probe() is None
+
+    async def probe(self, timeout_s: float = 10.0) -> str | None:
+        """None if `GET /health` answers `{"status": "ok"}` within `timeout_s`; else what went wrong. No retries."""
         try:
-            resp = await self._client().get("/health", timeout=10.0)
-            return resp.status_code == 200 and resp.json().get("status") == "ok"
-        except (httpx.HTTPError, ValueError):
-            return False
+            resp = await self._client().get("/health", timeout=timeout_s)
+        except httpx.TimeoutException:
+            return f"/health did not answer within {timeout_s:g} s"
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        try:
+            status = resp.json().get("status") if resp.status_code == 200 else None
+        except (ValueError, AttributeError):
+            status = None
+        if status != "ok":
+            return f"/health answered {resp.status_code} {resp.text[:80]!r}, not {{\"status\": \"ok\"}}"
+        return None
 
     async def check(self, snippets: Sequence[tuple[str, str]]) -> dict[str, Result]:
         """Check `(id, code)` pairs; return each id's result (`error` or `response`, and `time`).

@@ -91,11 +91,19 @@ def parse_stp_row(row: Mapping[str, Any]) -> Problem | None:
 
 def load_stp(split: str = "train", revision: str | None = None) -> list[Problem]:
     """The lean_workbook problems of kfdong/STP_Lean_SFT (downloads with `datasets` on first use)."""
+    from vrl.errors import DatasetUnavailable
+    from vrl.hub import check_dataset
+
     try:
         from datasets import load_dataset
     except ImportError as exc:  # pragma: no cover - datasets is a dependency
         raise RuntimeError("loading kfdong/STP_Lean_SFT needs `pip install datasets`") from exc
-    rows = load_dataset(STP_DATASET, split=split, revision=revision)
+    instead = ", or pass local problems with -o data=PATH (a .lean file, a directory of them, or .jsonl)"
+    check_dataset(STP_DATASET, revision, instead=instead)  # seconds, not a minute of retries
+    try:
+        rows = load_dataset(STP_DATASET, split=split, revision=revision)
+    except (ConnectionError, OSError) as exc:  # the Hub went away between the check and the download
+        raise DatasetUnavailable(f"cannot load {STP_DATASET}: {type(exc).__name__}: {exc}{instead}") from exc
     return problems_from_rows(rows, parse_stp_row, source=STP_DATASET)
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from vrl.environment import Environment
+from pydantic import Field, field_validator
+
+from vrl.environment import Environment, EnvOptions
+from vrl.errors import OptionsError
 from vrl.types import Task
 from vrl.verifier import Verifier
 from vrl_lean import data as data_mod
@@ -13,6 +17,38 @@ from vrl_lean.policy import DEFAULT_MAX_HEARTBEATS
 from vrl_lean.prompts import MODEL, formal_statement, kimina_messages
 from vrl_lean.server import KIMINA
 from vrl_lean.verifier import NO_SERVER, LeanVerifier
+
+
+class LeanOptions(EnvOptions):
+    """`-o` options of lean."""
+
+    server: str | None = Field(None, description="URL of a kimina-lean-server, e.g. http://localhost:8000.")
+    api_key: str | None = Field(None, description="The server's LEAN_SERVER_API_KEY, if it has one.")
+    data: str = Field(
+        data_mod.STP_DATASET,
+        description="Problems: kfdong/STP_Lean_SFT (downloaded once), a .lean file, a directory of .lean files, or a .jsonl file.",
+    )
+    test_fraction: float = Field(0.02, ge=0.0, lt=1.0, description="Held-out share of theorems (the test split).")
+    timeout_s: float = Field(60.0, gt=0, description="Lean's wall-clock limit per proof.")
+    max_heartbeats: int = Field(DEFAULT_MAX_HEARTBEATS, ge=1, description="Lean's deterministic limit (0 would mean none).")
+    repls: int = Field(4, ge=1, description="The server's LEAN_SERVER_MAX_REPLS: proofs checked at once.")
+
+    @field_validator("server")
+    @classmethod
+    def _url(cls, server: str | None) -> str | None:
+        if server and not server.startswith(("http://", "https://")):
+            raise ValueError("the server URL must start with http:// or https://")
+        return server
+
+    @field_validator("data")
+    @classmethod
+    def _data(cls, data: str) -> str:
+        if data != data_mod.STP_DATASET and not Path(data).expanduser().exists():
+            raise ValueError(
+                f"no such file or directory {data!r}: give a .lean file, a directory of .lean files, a .jsonl "
+                f"file, or {data_mod.STP_DATASET}"
+            )
+        return data
 
 
 class LeanEnvironment(Environment):
@@ -28,29 +64,16 @@ class LeanEnvironment(Environment):
         "sampling.top_p": 0.95,
         "sampling.max_new_tokens": 8192,
     }
+    Options = LeanOptions
 
-    def __init__(
-        self,
-        server: str | None = None,
-        api_key: str | None = None,
-        data: str = data_mod.STP_DATASET,
-        test_fraction: float = 0.02,
-        timeout_s: float = 60.0,
-        max_heartbeats: int = DEFAULT_MAX_HEARTBEATS,
-        repls: int = 4,
-    ):
-        """Options (`-o KEY=VALUE`): server URL, api_key, data (STP dataset id, or a .lean/.jsonl path or a
-        directory of .lean files), test_fraction (held-out share of theorems), timeout_s (per proof),
-        max_heartbeats (Lean's deterministic limit), repls (the server's LEAN_SERVER_MAX_REPLS)."""
-        if not server:
-            raise ValueError(NO_SERVER)
-        if max_heartbeats < 1:
-            raise ValueError("max_heartbeats must be positive (0 would mean no limit)")
-        if not 0.0 <= float(test_fraction) < 1.0:
-            raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction}")
-        self.server, self.api_key, self.data = str(server), api_key, str(data)
-        self.test_fraction, self.timeout_s = float(test_fraction), float(timeout_s)
-        self.max_heartbeats, self.repls = int(max_heartbeats), int(repls)
+    def __init__(self, **options: Any):
+        """Options (`-o KEY=VALUE`): see `LeanOptions`; `server` is required."""
+        o = self.parse_options(options)
+        if not o.server:
+            raise OptionsError(NO_SERVER)
+        self.server, self.api_key, self.data = o.server, o.api_key, o.data
+        self.test_fraction, self.timeout_s = o.test_fraction, o.timeout_s
+        self.max_heartbeats, self.repls = o.max_heartbeats, o.repls
         self._splits: dict[str, list[Problem]] | None = None
 
     def _problems(self) -> dict[str, list[Problem]]:

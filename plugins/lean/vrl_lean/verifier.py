@@ -7,19 +7,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vrl.types import Attempt, Status, Verdict
-from vrl.verifier import Verifier
+from vrl.verifier import Verifier, VerifierUnavailable
 from vrl_lean.client import KiminaClient, LeanServerError
 from vrl_lean.policy import DEFAULT_MAX_HEARTBEATS, Rejected, Submission, Theorem, judge, prepare
-from vrl_lean.server import KIMINA, ServerSupervisor
+from vrl_lean.server import KIMINA, ServerSupervisor, ServerUnavailable
 
 log = logging.getLogger(__name__)
 
-NO_SERVER = (
-    "the lean verifier needs a kimina-lean-server. Start one with Docker:\n"
-    f"  docker run -d --rm -p 8000:8000 -e LEAN_SERVER_MAX_REPLS=4 {KIMINA.image}\n"
-    "then pass its URL: -o server=http://localhost:8000 (or `vrl verify --server URL`). "
-    "See docs/plugins/lean.md (Docker or Modal)."
+START_SERVER = (
+    f"start one with `docker run -d --rm -p 8000:8000 -e LEAN_SERVER_MAX_REPLS=4 {KIMINA.image}` and pass its URL "
+    "with -o server=http://localhost:8000 (or `vrl verify --server URL`); see docs/plugins/lean.md (Docker or Modal)"
 )
+NO_SERVER = f"the lean verifier needs a kimina-lean-server: {START_SERVER}"
 
 
 def theorem_of(data: Mapping[str, Any]) -> Theorem:
@@ -90,6 +89,18 @@ class LeanVerifier(Verifier):
             if self.supervisor is not None and any(r.get("transport_failure") for r in results.values()):
                 await self.supervisor.restart("a request to the server timed out or lost its connection")
         return [v for v in verdicts if v is not None]
+
+    async def check_ready(self) -> None:
+        """Fail fast, with how to start a server, when none answers `GET /health` at the URL."""
+        if self.supervisor is not None:
+            try:
+                await self.supervisor.ensure_healthy()
+            except ServerUnavailable as exc:
+                raise VerifierUnavailable(f"{exc}; see docs/plugins/lean.md") from None
+            return
+        why = await self.client.probe()
+        if why:
+            raise VerifierUnavailable(f"no kimina-lean-server is ready at {self.client.url} ({why}): {START_SERVER}")
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -75,7 +75,7 @@ def test_reward_option_picks_the_shaper():
     assert isinstance(shaper, PartialCredit)
     task = Task(id="x", prompt="p")
     assert shaper(task, Completion(task_id="x", text=""), Verdict.fail(Status.FAILED, "", score=0.6)) == 0.6
-    with pytest.raises(ValueError, match="reward must be one of binary, partial"):
+    with pytest.raises(ValueError, match="-o reward='dense': Input should be 'binary' or 'partial'"):
         env(reward="dense")
 
 
@@ -98,7 +98,7 @@ def test_format_option_forces_a_format(tmp_path):
     path = write_jsonl(tmp_path / "mbpp.jsonl", MBPP_ROWS[:2])
     with pytest.raises(DatasetError, match="no usable task"):
         load_source(str(path), "humaneval")
-    with pytest.raises(ValueError, match="format must be one of"):
+    with pytest.raises(ValueError, match="-o format='apps': Input should be 'auto', 'vrl', 'mbpp' or 'humaneval'"):
         env(tasks=str(path), format="apps")
     assert len(env(tasks=str(path), format="mbpp").tasks("train")) == 1
 

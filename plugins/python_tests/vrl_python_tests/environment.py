@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from vrl.environment import Environment
+from pydantic import Field
+
+from vrl.environment import Environment, EnvOptions
 from vrl.reward import Binary, PartialCredit, RewardShaper
 from vrl.types import Task
-from vrl_python_tests.datasets import FORMATS, DatasetError, load_source, to_tasks
+from vrl_python_tests.datasets import DatasetError, load_source, to_tasks
+from vrl_python_tests.sandbox import SandboxMode
 from vrl_python_tests.verifier import PythonTestsVerifier
 
-REWARDS = ("binary", "partial")
+
+class PythonTestsOptions(EnvOptions):
+    """`-o` options of python-tests."""
+
+    tasks: str = Field("bundled", description="'bundled', a .jsonl/.json/.parquet file, or hf:<dataset>[:<config>].")
+    format: Literal["auto", "vrl", "mbpp", "humaneval"] = Field("auto", description="Row format of the task source.")
+    visible_tests: int = Field(1, ge=0, description="Tests shown in the prompt; the rest are hidden.")
+    reward: Literal["binary", "partial"] = Field("binary", description="'binary' (all tests pass) or 'partial' (share passed).")
+    sandbox: SandboxMode = Field("bwrap", description="'bwrap' (bubblewrap isolation) or 'unsafe-local' (none: trusted code only).")
+    workers: int | None = Field(None, ge=1, description="Sandboxes at once; None: one per CPU core.")
+    test_timeout_s: float = Field(2.0, gt=0, description="Wall-clock limit per test.")
+    attempt_timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit per attempt (import + all tests).")
+    memory_mb: int = Field(512, ge=64, description="Address-space cap of each process of an attempt.")
+    max_processes: int = Field(16, ge=1, description="Processes (and threads) an attempt may run at once.")
+    python: str | None = Field(None, description="Interpreter inside the sandbox; None picks one the sandbox can run.")
 
 
 class PythonTestsEnvironment(Environment):
@@ -19,24 +36,20 @@ class PythonTestsEnvironment(Environment):
     name = "python-tests"
     description = "Write a Python function that passes hidden tests (sandboxed; bundled tasks, MBPP, HumanEval)."
     defaults = {"sampling.max_new_tokens": 384, "verifier.batch_size": 16}
+    Options = PythonTestsOptions
 
-    def __init__(self, tasks: str = "bundled", format: str = "auto", visible_tests: int = 1,
-                 reward: str = "binary", sandbox: str = "bwrap", workers: int | None = None,
-                 test_timeout_s: float = 2.0, attempt_timeout_s: float = 10.0, memory_mb: int = 512,
-                 max_processes: int = 16, python: str | None = None):
-        if reward not in REWARDS:
-            raise ValueError(f"reward must be one of {', '.join(REWARDS)}, got {reward!r}")
-        if format not in FORMATS:
-            raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
-        self.reward = reward
-        self.visible_tests = int(visible_tests)
-        self.format = format
-        self._tasks = load_source(str(tasks), format, self.visible_tests)
+    def __init__(self, **options: Any):
+        """Options (`-o KEY=VALUE`): see `PythonTestsOptions`."""
+        o = self.parse_options(options)
+        self.reward = o.reward
+        self.visible_tests = o.visible_tests
+        self.format = o.format
+        self._tasks = load_source(o.tasks, o.format, o.visible_tests)
         self.splits = tuple(sorted({t.data["split"] for t in self._tasks}, key=lambda s: (s != "train", s)))
         self._verifier_options: dict[str, Any] = {
-            "sandbox": sandbox, "workers": workers, "test_timeout_s": test_timeout_s,
-            "attempt_timeout_s": attempt_timeout_s, "memory_mb": memory_mb, "max_processes": max_processes,
-            "python": python}
+            "sandbox": o.sandbox, "workers": o.workers, "test_timeout_s": o.test_timeout_s,
+            "attempt_timeout_s": o.attempt_timeout_s, "memory_mb": o.memory_mb, "max_processes": o.max_processes,
+            "python": o.python}
         PythonTestsVerifier(**self._verifier_options).pool.close()  # fail now if the sandbox cannot run here
 
     def tasks(self, split: str = "train", limit: int | None = None) -> list[Task]:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from vrl.errors import UsageError
+
 NO_ACCOUNT = (
     "no Modal credentials: {error}\n"
     "Set up once with `pip install modal` and `modal setup` (or set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET)."
 )
+
+
+class ModalUnavailable(UsageError, RuntimeError):
+    """No usable Modal account; the message says how to set one up (the CLI prints it as one line)."""
 
 
 def require_credentials() -> None:
@@ -13,4 +19,4 @@ def require_credentials() -> None:
     from modal.config import config
 
     if not (config.get("token_id") and config.get("token_secret")):
-        raise RuntimeError(NO_ACCOUNT.format(error="no token configured"))
+        raise ModalUnavailable(NO_ACCOUNT.format(error="no token configured"))

@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from vrl.config import dump
-from vrl.runtime.modal.credentials import NO_ACCOUNT, require_credentials
+from vrl.runtime.modal.credentials import NO_ACCOUNT, ModalUnavailable, require_credentials
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def prepare(config: Any, model: str, revision: str | None = None) -> dict[str, A
         with app.app.run():
             return app.prepare_model.remote(model, revision)
     except _modal_errors() as exc:
-        raise RuntimeError(NO_ACCOUNT.format(error=exc)) from None
+        raise ModalUnavailable(NO_ACCOUNT.format(error=exc)) from None
 
 
 def modal_runtime(config: Any) -> Any:
@@ -93,5 +93,5 @@ def launch_detached(config: Any, resume: bool = False) -> str:
         with app.app.run(detach=True):
             call = app.orchestrate.spawn(dump(config), resume, worker=app.worker())
     except _modal_errors() as exc:
-        raise RuntimeError(NO_ACCOUNT.format(error=exc)) from None
+        raise ModalUnavailable(NO_ACCOUNT.format(error=exc)) from None
     return call.object_id

@@ -1,0 +1,229 @@
+"""Bad input through the real command line: one `error:` line, exit status 2, no traceback, and no run
+directory created or changed. Each case of issue 16 runs `python -m vrl.cli` in a subprocess, as a user
+would; variants of a case run in-process through click's runner (same code, less start-up time)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from vrl.cli import main
+from vrl.config import build
+from vrl.envs.letters import LettersEnvironment
+from vrl.trainer import Trainer
+
+# A port nothing listens on: the Hub "without network" answers with a refused connection at once.
+NO_HUB = "http://127.0.0.1:9"
+SMALL = ["--set", "tasks_per_iteration=2", "--set", "es.population_size=2", "--set", "sampling.max_new_tokens=4"]
+LEAN_FIXTURE = Path(__file__).parents[1] / "plugins" / "lean" / "tests" / "fixtures" / "lean_workbook" / "input"
+
+
+def vrl(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The real `vrl` command (this interpreter, this checkout), with no Hub reachable and a private cache."""
+    full_env = {**os.environ, "HF_ENDPOINT": NO_HUB, "HF_HUB_CACHE": str(cwd / "hf-cache"), "COLUMNS": "200",
+                **(env or {})}
+    return subprocess.run([sys.executable, "-m", "vrl.cli", *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def one_line_error(res: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit 2, no traceback, and stderr holding exactly one line, `error: ...`, containing `fragments`."""
+    output = res.stdout + res.stderr
+    assert res.returncode == 2, output
+    assert "Traceback" not in output, output
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), output
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def cli(*args: str, input: str | None = None) -> str:
+    """In-process variant of `vrl`: the same one-line contract, checked on click's captured streams."""
+    res = CliRunner().invoke(main, list(args), input=input, catch_exceptions=False)
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
+    return lines[0]
+
+
+@pytest.fixture
+def no_hub(monkeypatch, tmp_path):
+    """In-process: the Hub refuses connections and the cache is empty."""
+    from vrl.hub import hub_unreachable
+
+    monkeypatch.setenv("HF_ENDPOINT", NO_HUB)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    hub_unreachable.cache_clear()
+    yield
+    hub_unreachable.cache_clear()
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """Every file under `path` with a hash of its bytes (the lock file holds only a pid: left out)."""
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file() and p.name != "lock"}
+
+
+@pytest.fixture(scope="module")
+def finished_runs(tmp_path_factory) -> dict[str, Path]:
+    """One real finished ES run and one real finished GRPO run (letters, tiny model, 1 iteration)."""
+    root = tmp_path_factory.mktemp("finished")
+    runs = {}
+    for optimizer in ("es", "grpo"):
+        cfg = build({"plugin": "letters", "optimizer": optimizer, "iterations": 1, "tasks_per_iteration": 2,
+                     "sampling": {"max_new_tokens": 4}, "es": {"population_size": 2}, "grpo": {"num_generations": 2},
+                     "logging": {"runs_dir": str(root), "name": optimizer}})
+        summary = Trainer(cfg, environment=LettersEnvironment()).run()
+        assert summary["status"] == "finished"
+        runs[optimizer] = root / optimizer
+    return runs
+
+
+def test_missing_model_path(tmp_path):
+    res = vrl("train", "--model", "/nonexistent/model", "--name", "m", cwd=tmp_path)
+    one_line_error(res, "/nonexistent/model does not exist", "--model tiny")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_hub_model_without_network_fails_fast_with_one_line(tmp_path, no_hub, monkeypatch):
+    res = vrl("train", "--model", "some-org/some-model", "--name", "m", cwd=tmp_path)
+    one_line_error(res, "'some-org/some-model' is not in the local Hugging Face cache", NO_HUB, "local model directory")
+    assert not (tmp_path / "runs").exists()
+    monkeypatch.chdir(tmp_path)
+    assert "not in the local Hugging Face cache" in cli("eval", "--model", "some-org/some-model")
+    assert "neither an existing directory nor a valid Hugging Face model id" in cli("train", "--model", "bad id!")
+
+
+def test_unknown_and_mistyped_environment_options(tmp_path, monkeypatch):
+    res = vrl("train", "-o", "szie=30", cwd=tmp_path)
+    one_line_error(res, "unknown option 'szie'", "size (int >= 1, default 1000)", "seed", "max_numbers")
+    res = vrl("train", "-o", "size=abc", cwd=tmp_path)
+    one_line_error(res, "-o size='abc'", "valid integer", "allowed: int >= 1")
+    monkeypatch.chdir(tmp_path)
+    assert "-o size=0: Input should be greater than or equal to 1" in cli("train", "--plugin", "letters", "-o", "size=0")
+    assert "unknown option 'server'" in cli("verify", "-", "--server", "http://x", input="")  # countdown has none
+    assert "min_numbers (5) must not exceed max_numbers (4)" in cli("eval", "-o", "min_numbers=5")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_lean_missing_data_and_default_dataset_without_network(tmp_path, monkeypatch):
+    res = vrl("train", "--plugin", "lean", "--model", "tiny", "-o", "server=http://127.0.0.1:9", "-o", "data=/nonexistent",
+              cwd=tmp_path)
+    one_line_error(res, "-o data='/nonexistent'", "no such file or directory", ".jsonl")
+    res = vrl("train", "--plugin", "lean", "--model", "tiny", "-o", "server=http://127.0.0.1:9", cwd=tmp_path)
+    one_line_error(res, "kfdong/STP_Lean_SFT", "not in the local Hugging Face cache", "-o data=PATH")
+    assert not (tmp_path / "runs").exists()
+    monkeypatch.chdir(tmp_path)
+    assert "docker run" in cli("train", "--plugin", "lean", "--model", "tiny")  # no server at all
+
+
+def test_bad_run_names_never_leave_runs_dir(tmp_path, monkeypatch):
+    one_line_error(vrl("train", "--name", "../x", cwd=tmp_path), "logging.name", "single directory name")
+    monkeypatch.chdir(tmp_path)
+    for name in ("/tmp/abs", "a/b", ".hidden", ".."):
+        assert "single directory name" in cli("train", "--name", name)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "runs").exists()
+
+
+def test_failed_resume_never_changes_the_run(tmp_path, finished_runs, monkeypatch):
+    before = {optimizer: tree_digest(run) for optimizer, run in finished_runs.items()}
+    for run in finished_runs.values():  # GRPO is held to the rule ES always had
+        res = vrl("train", "--resume", str(run), "--iterations", "3", "--set", "model=other-org/other-model", cwd=tmp_path)
+        one_line_error(res, "cannot resume", "model='other-org/other-model'", "model='tiny'", "new run")
+    monkeypatch.chdir(tmp_path)
+    for run in finished_runs.values():
+        assert "generator.dtype='bfloat16'" in cli("train", "--resume", str(run), "-n", "3", "--set", "generator.dtype=bfloat16")
+        assert "--optimizer cannot be given" in cli("train", "--resume", str(run), "-n", "3", "--optimizer", "es")
+    es, grpo = finished_runs["es"], finished_runs["grpo"]
+    assert "es.sigma=0.5" in cli("train", "--resume", str(es), "-n", "3", "--set", "es.sigma=0.5")
+    assert "grpo.use_peft=True" in cli("train", "--resume", str(grpo), "-n", "3", "--set", "grpo.use_peft=true")
+    assert "sampling.temprature: unknown field" in cli("train", "--resume", str(es), "-n", "3", "--set", "sampling.temprature=2")
+    assert {optimizer: tree_digest(run) for optimizer, run in finished_runs.items()} == before
+    assert all(json.loads((run / "summary.json").read_text())["status"] == "finished" for run in finished_runs.values())
+
+
+def test_resuming_a_finished_run_says_how_to_extend_it(tmp_path, finished_runs, monkeypatch):
+    run = finished_runs["es"]
+    before = tree_digest(run)
+    res = vrl("train", "--resume", str(run), cwd=tmp_path)
+    one_line_error(res, "is finished (1 of 1 iterations)", "--iterations N", "N > 1")
+    monkeypatch.chdir(tmp_path)
+    assert "already finished 1 iterations" in cli("train", "--resume", str(run), "--iterations", "1")
+    assert tree_digest(run) == before
+
+
+def test_verify_checks_out_path_before_verifying(tmp_path, monkeypatch):
+    attempts = tmp_path / "a.jsonl"
+    attempts.write_text(json.dumps({"task": {"numbers": [1, 2], "target": 3}, "completion": "<answer>1+2</answer>"}) + "\n")
+    res = vrl("verify", str(attempts), "--out", "/nonexistent/dir/x.jsonl", cwd=tmp_path)
+    one_line_error(res, "/nonexistent/dir does not exist")
+    assert res.stdout == ""  # no verdicts were computed and thrown away
+    monkeypatch.chdir(tmp_path)
+    assert "is a directory" in cli("verify", str(attempts), "--out", str(tmp_path))
+    assert "attempts file not found" in cli("verify", str(tmp_path / "missing.jsonl"))
+
+
+def test_report_refuses_an_existing_file_as_out(tmp_path, finished_runs):
+    target = tmp_path / "report.html"
+    target.write_text("keep me")
+    res = vrl("report", str(finished_runs["es"]), "--out", str(target), cwd=tmp_path)
+    one_line_error(res, "is a file", "give a directory")
+    assert target.read_text() == "keep me"
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_a_second_writer_is_refused_naming_the_first(tmp_path):
+    """A live `vrl train` holds its run directory: `--resume` of it and a new run of the same name are refused."""
+    env = {**os.environ, "HF_ENDPOINT": NO_HUB}
+    first = subprocess.Popen([sys.executable, "-m", "vrl.cli", "train", "--plugin", "letters", "--name", "live",
+                              "--iterations", "1000", *SMALL], cwd=tmp_path, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = tmp_path / "runs" / "live"
+    try:
+        _wait_for(lambda: (run / "state.json").exists(), 300, "the first iteration")  # it is training now
+        assert (run / "lock").read_text().strip() == str(first.pid)
+        res = vrl("train", "--resume", str(run), "--iterations", "2000", cwd=tmp_path)
+        one_line_error(res, f"being written by process {first.pid}", f"kill {first.pid}")
+        res = vrl("train", "--plugin", "letters", "--name", "live", cwd=tmp_path)
+        one_line_error(res, f"being written by process {first.pid}")
+        assert first.poll() is None  # the first writer goes on, undisturbed
+    finally:
+        first.send_signal(signal.SIGKILL)  # dies holding the lock: the kernel drops it
+        first.wait(60)
+    iterations = [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert iterations == list(range(len(iterations)))  # one writer: no interleaved iterations
+    # The dead writer's lock is stale: a resume takes it over and gets as far as its own checks.
+    res = vrl("train", "--resume", str(run), "--iterations", "1", cwd=tmp_path)
+    one_line_error(res, "already finished")
+
+
+def test_unexpected_errors_exit_1_with_one_line_and_a_traceback_under_verbose(tmp_path, monkeypatch):
+    def broken(self):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr("vrl.trainer.Trainer.run", broken)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, ["train", "--plugin", "letters", "--name", "a"], catch_exceptions=False)
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert [line for line in res.stderr.splitlines() if line.strip()] == [
+        "error: ZeroDivisionError: a bug (unexpected; `vrl -v ...` shows the traceback)"]
+    res = CliRunner().invoke(main, ["-v", "train", "--plugin", "letters", "--name", "b"], catch_exceptions=False)
+    assert res.exit_code == 1 and "Traceback" in res.output and "ZeroDivisionError: a bug" in res.output
