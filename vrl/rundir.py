@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vrl.config import TrainConfig, dump
+from vrl.meta import DISTRIBUTION
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -124,7 +125,7 @@ def versions() -> dict[str, Any]:
     from vrl.plugins import registry
 
     out: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform()}
-    for dist in ("vrl", "torch", "transformers", "pydantic", "pluggy"):
+    for dist in (DISTRIBUTION, "torch", "transformers", "pydantic", "pluggy"):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:

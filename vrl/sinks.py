@@ -48,7 +48,7 @@ class MLflowSink(Sink):
         try:
             import mlflow
         except ImportError as exc:
-            raise RuntimeError("logging.mlflow is on but mlflow is not installed: pip install 'vrl[mlflow]'") from exc
+            raise RuntimeError("logging.mlflow is on but mlflow is not installed: pip install 'vrl-core[mlflow]'") from exc
         self.mlflow, self.experiment = mlflow, experiment
 
     def start(self, run_dir: Path, config: dict[str, Any], ids: dict[str, str]) -> str | None:
@@ -73,7 +73,7 @@ class WandbSink(Sink):
         try:
             import wandb
         except ImportError as exc:
-            raise RuntimeError("logging.wandb is on but wandb is not installed: pip install 'vrl[wandb]'") from exc
+            raise RuntimeError("logging.wandb is on but wandb is not installed: pip install 'vrl-core[wandb]'") from exc
         self.wandb, self.project = wandb, project
 
     def start(self, run_dir: Path, config: dict[str, Any], ids: dict[str, str]) -> str | None:
