@@ -15,6 +15,7 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from vrl.config import ConfigError, build, load_file, merge, nest, parse_override
+from vrl.meta import DISTRIBUTION
 
 console = Console(stderr=True, log_path=False)
 
@@ -68,7 +69,7 @@ def _environment_defaults(reg, plugin: str) -> dict[str, Any]:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="vrl")
+@click.version_option(package_name=DISTRIBUTION, prog_name="vrl", message="%(prog)s %(version)s (distribution %(package)s)")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def main(verbose: bool) -> None:
     """Verifier-backed reinforcement learning for language models.
@@ -141,7 +142,8 @@ def train(plugin, optimizer, model, config_file, iterations, name, resume, overr
 @click.option("--plugin", "-p", help="Environment (see `vrl plugins`). Default: countdown.")
 @click.option("--model", "-m", help="Hugging Face id or local path; 'tiny' builds a small local model.")
 @click.option("--split", default="test", show_default=True, help="Environment split to evaluate on.")
-@click.option("--k", "k", type=int, default=1, show_default=True, help="Samples per task; reports pass@1..k.")
+@click.option("--k", "k", type=int, default=1, show_default=True,
+              help="Samples per task; reports pass@j for j = 1, 2, 4, ... (powers of two) and k.")
 @click.option("--limit", type=int, default=50, show_default=True, help="Tasks to evaluate (0: all).")
 @click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_set_help)
@@ -223,10 +225,18 @@ def _read(path: Path) -> str:
 @click.option("--optimizer", type=click.Choice(["es", "grpo"]), help="Update rule.")
 @click.option("--model", "-m", help="Model id or path.")
 @click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields.")
+@click.option("--iterations", "-n", type=int, help="Training iterations.")
+@click.option("--name", help="Run name (directory under logging.runs_dir).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_set_help)
+@click.option("-o", "--option", "env_options", multiple=True, metavar="KEY=VALUE", help=_opt_help)
+@click.option("--runtime", type=click.Choice(["local", "modal"]), help="Where generation and verification run.")
+@click.option("--detach", is_flag=True, default=None, help="With --runtime modal: the loop itself runs on Modal.")
 @click.option("--fields", is_flag=True, help="Print the table of all fields (markdown) instead.")
-def config(plugin, optimizer, model, config_file, overrides, fields) -> None:
-    """Print the resolved configuration as YAML (what `vrl train` with the same flags would use)."""
+def config(plugin, optimizer, model, config_file, iterations, name, overrides, env_options, runtime, detach, fields) -> None:
+    """Print the resolved configuration as YAML: what `vrl train` with the same flags would use.
+
+    Takes train's flags except --resume (a resumed run's configuration is runs/NAME/config.json).
+    """
     import yaml
 
     from vrl.config import dump, field_table
@@ -236,7 +246,9 @@ def config(plugin, optimizer, model, config_file, overrides, fields) -> None:
         click.echo(field_table(), nl=False)
         return
     try:
-        cfg = _resolve_config(config_file, {"plugin": plugin, "optimizer": optimizer, "model": model}, overrides, ())
+        flags = {"plugin": plugin, "optimizer": optimizer, "model": model, "iterations": iterations, "logging.name": name,
+                 "runtime.kind": runtime, "runtime.detach": detach}
+        cfg = _resolve_config(config_file, flags, overrides, env_options)
     except (ConfigError, UnknownNameError) as exc:
         _fail(str(exc))
     click.echo(yaml.safe_dump(dump(cfg), sort_keys=False), nl=False)
