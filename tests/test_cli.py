@@ -100,3 +100,40 @@ def test_train_on_letters_learns_with_the_environments_own_defaults(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "learn" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["reward_mean"] < 0.15, rows[0]
     assert rows[-1]["reward_mean"] > 0.6, [r["reward_mean"] for r in rows]
+
+
+def test_config_takes_trains_flags_and_prints_what_train_uses(tmp_path):
+    import yaml
+
+    flags = ["--plugin", "letters", "--optimizer", "es", "--iterations", "1", "--name", "same", "-o", "size=5",
+             "--runtime", "local", "--set", f"logging.runs_dir={tmp_path}", *SMALL]
+    shown = run("config", *flags)
+    assert shown.exit_code == 0, shown.output
+    printed = yaml.safe_load(shown.stdout)
+    assert (printed["iterations"], printed["logging"]["name"], printed["env_options"]) == (1, "same", {"size": 5})
+    trained = run("train", *flags)
+    assert trained.exit_code == 0, trained.output
+    used = json.loads((tmp_path / "same" / "config.json").read_text())
+    assert json.loads(json.dumps(printed, default=str)) == used
+
+
+def test_hf_generator_sets_cpu_threads_from_config(monkeypatch):
+    """generator.threads is applied when the model loads; None means 1 for the tiny model on CPU only."""
+    import torch
+
+    from vrl.config import build
+    from vrl.generate.hf import HFGenerator, cpu_threads
+
+    assert cpu_threads(None, "tiny", torch.device("cpu")) == 1
+    assert cpu_threads(None, "Qwen/Qwen2.5-0.5B", torch.device("cpu")) is None  # torch's default is kept
+    assert cpu_threads(None, "tiny", torch.device("cuda")) is None
+    assert cpu_threads(3, "Qwen/Qwen2.5-0.5B", torch.device("cpu")) == 3
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        HFGenerator.from_config(build({"generator": {"device": "cpu"}}))
+        assert torch.get_num_threads() == 1
+        HFGenerator.from_config(build({"generator": {"device": "cpu", "threads": 2}}))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

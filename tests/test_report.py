@@ -88,3 +88,44 @@ def test_interrupted_mid_iteration_run_is_reported_and_resumed(tmp_path):
     assert resumed.start_iteration == 1
     assert resumed.run()["status"] == "finished"
     assert [r["iteration"] for r in RunDir.open(run).metrics()] == [0, 1, 2]
+
+
+def test_report_of_21_runs_stays_readable_and_html_has_no_control_bytes(runs, tmp_path):
+    """21 runs with long names: every image stays within a bounded size (the old layout grew with the
+    number of runs: 5412 px and 11550 px wide), and control bytes in completions never reach the page."""
+    import json
+    import shutil
+
+    from PIL import Image
+
+    source = runs[0]
+    many = []
+    for i in range(21):
+        path = tmp_path / "runs" / f"letters-es-sigma0.{i:02d}-a-long-sweep-name-20261123-160{i:02d}"
+        shutil.copytree(source, path)
+        many.append(path)
+    hostile = "ok\x00 NUL \x1b[31m escape \x07 bell \x7f del \x85 next-line \r\n end"
+    samples = [json.loads(line) for line in (many[0] / "samples.jsonl").read_text().splitlines()]
+    samples[0].update(completion=hostile, reward=99.0)  # the best attempt, so the page shows it
+    samples[0]["verdict"]["detail"] = "detail with \x1b[0m escape"
+    (many[0] / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+
+    out = tmp_path / "report"
+    res = CliRunner().invoke(main, ["report", *map(str, many), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    for name in ("reward.png", "reward_per_token.png", "time.png", "outcomes.png"):
+        width, height = Image.open(out / name).size
+        assert width <= 1600 and height <= 1800, (name, width, height)
+    page = (out / "report.html").read_text()
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", page)
+    assert "ok␀ NUL ␛[31m escape ␇ bell ␡ del \ufffd next-line \n end" in page  # made visible, not dropped
+    assert "detail with ␛[0m escape" in page
+
+
+def test_labels_are_cut_in_the_middle_and_keep_their_ends():
+    from vrl.report import shorten
+
+    long = "letters-es-sigma0.05-a-long-sweep-name-20261123-160507 (es)"
+    short = shorten(long, 36)
+    assert len(short) == 36 and short.startswith("letters-es-sigma") and short.endswith("160507 (es)") and "…" in short
+    assert shorten("short (es)", 36) == "short (es)"

@@ -188,7 +188,7 @@ def test_missing_package_is_a_clear_error(tmp_path, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_wandb)
-    with pytest.raises(SinkError, match=r"wandb is not installed: pip install 'vrl\[wandb\]'"):
+    with pytest.raises(SinkError, match=r"wandb is not installed: pip install 'vrl-core\[wandb\]'"):
         Trainer(config(tmp_path, wandb=True), environment=LettersEnvironment())
     assert not (tmp_path / "runs" / "r").exists()  # failed before creating anything
     trainer = Trainer(config(tmp_path, wandb=True, sinks_best_effort=True), environment=LettersEnvironment())

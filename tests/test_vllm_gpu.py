@@ -17,7 +17,7 @@ import torch
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install vrl[vllm])"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'vrl-core[vllm]')"),
 ]
 
 from vrl.config import SamplingConfig, build

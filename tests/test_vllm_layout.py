@@ -400,7 +400,7 @@ def test_engine_es_defers_restores_until_the_engine_is_read(tmp_path, monkeypatc
 def test_lora_weights_reach_the_engine_merged_and_the_base_stays_untouched(dtype):
     """GRPO with LoRA: the engine gets W + ΔW under the checkpoint's names (what peft's own
     merge_and_unload gives), computed out of place, so the trainable base keeps its bits."""
-    peft = pytest.importorskip("peft", reason="LoRA needs peft (pip install vrl[lora])")
+    peft = pytest.importorskip("peft", reason="LoRA needs peft (pip install 'vrl-core[lora]')")
     from vrl.generate.vllm import weights_for_engine
 
     model = hf_model(dtype)

@@ -26,6 +26,7 @@ from rich.table import Table
 
 from vrl.config import build, load_file, merge, nest, parse_override
 from vrl.errors import RunDirError, UsageError
+from vrl.meta import DISTRIBUTION
 
 console = Console(stderr=True, log_path=False)
 
@@ -126,7 +127,7 @@ def _environment_defaults(reg, plugin: str) -> dict[str, Any]:
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="vrl")
+@click.version_option(package_name=DISTRIBUTION, prog_name="vrl", message="%(prog)s %(version)s (distribution %(package)s)")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def main(verbose: bool) -> None:
     """Verifier-backed reinforcement learning for language models.
@@ -228,7 +229,8 @@ def _kept(run_dir) -> str:
 @click.option("--plugin", "-p", help="Environment (see `vrl plugins`). Default: countdown, or the run's with a run directory.")
 @click.option("--model", "-m", help="Hugging Face id, local path, a run directory (its trained model), or 'tiny'.")
 @click.option("--split", default="test", show_default=True, help="Environment split to evaluate on.")
-@click.option("--k", "k", type=int, default=1, show_default=True, help="Samples per task; reports pass@1..k.")
+@click.option("--k", "k", type=int, default=1, show_default=True,
+              help="Samples per task; reports pass@j for j = 1, 2, 4, ... (powers of two) and k.")
 @click.option("--limit", type=int, default=50, show_default=True, help="Tasks to evaluate (0: all).")
 @click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_set_help)
@@ -362,10 +364,18 @@ def _check_writable(out: Path) -> None:
 @click.option("--optimizer", type=click.Choice(["es", "grpo"]), help="Update rule.")
 @click.option("--model", "-m", help="Model id or path.")
 @click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields.")
+@click.option("--iterations", "-n", type=int, help="Training iterations.")
+@click.option("--name", help="Run name (directory under logging.runs_dir).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_set_help)
+@click.option("-o", "--option", "env_options", multiple=True, metavar="KEY=VALUE", help=_opt_help)
+@click.option("--runtime", type=click.Choice(["local", "modal"]), help="Where generation and verification run.")
+@click.option("--detach", is_flag=True, default=None, help="With --runtime modal: the loop itself runs on Modal.")
 @click.option("--fields", is_flag=True, help="Print the table of all fields (markdown) instead.")
-def config(plugin, optimizer, model, config_file, overrides, fields) -> None:
-    """Print the resolved configuration as YAML (what `vrl train` with the same flags would use)."""
+def config(plugin, optimizer, model, config_file, iterations, name, overrides, env_options, runtime, detach, fields) -> None:
+    """Print the resolved configuration as YAML: what `vrl train` with the same flags would use.
+
+    Takes train's flags except --resume (a resumed run's configuration is runs/NAME/config.json).
+    """
     import yaml
 
     from vrl.config import dump, field_table
@@ -374,7 +384,9 @@ def config(plugin, optimizer, model, config_file, overrides, fields) -> None:
         click.echo(field_table(), nl=False)
         return
     with _checking_input():
-        cfg = _resolve_config(config_file, {"plugin": plugin, "optimizer": optimizer, "model": model}, overrides, ())
+        flags = {"plugin": plugin, "optimizer": optimizer, "model": model, "iterations": iterations, "logging.name": name,
+                 "runtime.kind": runtime, "runtime.detach": detach}
+        cfg = _resolve_config(config_file, flags, overrides, env_options)
     click.echo(yaml.safe_dump(dump(cfg), sort_keys=False), nl=False)
 
 

@@ -53,6 +53,13 @@ class GeneratorConfig(_Section):
         "auto", description="'auto': bfloat16 on GPU, float32 on CPU."
     )
     revision: str | None = Field(None, description="Model revision (branch, tag or commit) on the Hugging Face Hub.")
+    threads: int | None = Field(
+        None, ge=1,
+        description="hf: torch's intra-op CPU threads, set process-wide when the model loads. None: 1 for the "
+        "tiny model on CPU (its matrices gain nothing from more, and one thread per core is many times slower "
+        "when other processes keep the cores busy; docs/config.md); other models keep torch's default (one per "
+        "core), as does GPU generation.",
+    )
     gpu_memory_utilization: float = Field(
         0.6, gt=0.0, le=1.0,
         description="vllm: fraction of GPU memory the engine may take (weights + KV cache); leave room for "

@@ -21,6 +21,7 @@ import pluggy
 
 from vrl import hookspecs
 from vrl.errors import UsageError
+from vrl.meta import DISTRIBUTION, version
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,8 @@ class Registry:
         info = PluginInfo(
             name=name,
             module=module,
-            distribution=dist.metadata["Name"] if dist is not None else "vrl",
-            version=dist.version if dist is not None else _own_version(),
+            distribution=dist.metadata["Name"] if dist is not None else DISTRIBUTION,
+            version=dist.version if dist is not None else version(),
         )
         if name in self.plugins:
             info.error = f"entry point name {name!r} is already used by {self.plugins[name].module}; skipped"
@@ -157,13 +158,6 @@ def _describe(exc: BaseException) -> str:
     last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
     where = f" ({last[0].filename}:{last[0].lineno})" if last else ""
     return f"{type(exc).__name__}: {exc}{where}"
-
-
-def _own_version() -> str:
-    try:
-        return md.version("vrl")
-    except md.PackageNotFoundError:
-        return "0+unknown"
 
 
 @functools.cache

@@ -9,6 +9,8 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,12 +20,19 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from vrl.rundir import read_jsonl  # noqa: E402
 
 STATUSES = ("passed", "failed", "timeout", "crashed", "rejected")
 STATUS_COLORS = {"passed": "#2ca02c", "failed": "#d62728", "timeout": "#ff7f0e", "crashed": "#7f7f7f", "rejected": "#9467bd"}
 PHASES = (("generation_s", "generation"), ("verify_wait_s", "waiting for verifier"), ("update_s", "update"))
+# Figures stay within these sizes (inches at DPI) however many runs are compared: labels are cut to
+# LABEL_CHARS and the panels and bars shrink instead of the image growing.
+DPI = 110
+MAX_WIDTH_IN, MAX_HEIGHT_IN = 14.0, 16.0
+LABEL_CHARS = 36
+PANEL_COLUMNS = 4
 
 
 @dataclass
@@ -37,6 +46,11 @@ class Run:
     @property
     def label(self) -> str:
         return f"{self.path.name} ({self.config.get('optimizer', '?')})"
+
+    @property
+    def short_label(self) -> str:
+        """The label cut in the middle to LABEL_CHARS: run names often differ only in their endings."""
+        return shorten(self.label)
 
     @classmethod
     def load(cls, path: str | Path) -> Run:
@@ -61,26 +75,50 @@ def _cumulative_tokens(run: Run) -> list[int]:
     return out
 
 
+def shorten(text: str, limit: int = LABEL_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) // 2
+    return text[:head] + "…" + text[len(text) - (limit - 1 - head):]
+
+
+def _styles(n: int) -> list[dict[str, Any]]:
+    """A distinct colour and line style per run: 10 colours × 4 line styles before anything repeats."""
+    colors = plt.get_cmap("tab10").colors
+    dashes = ("-", "--", ":", "-.")
+    return [{"color": colors[i % 10], "linestyle": dashes[(i // 10) % 4]} for i in range(n)]
+
+
 def plot_reward(runs: list[Run], path: Path, per_token: bool = False) -> Path:
-    fig, (ax_r, ax_p) = plt.subplots(1, 2, figsize=(11, 4))
-    for run in runs:
+    """Reward and pass rate curves; the legend goes below the axes, in columns, so it covers no curve."""
+    legend_cols = max(1, min(3, math.ceil(len(runs) / 8)))
+    legend_rows = math.ceil(len(runs) / legend_cols)
+    fig, (ax_r, ax_p) = plt.subplots(
+        1, 2, figsize=(11, min(MAX_HEIGHT_IN, 4 + 0.22 * legend_rows)), layout="constrained"
+    )
+    for run, style in zip(runs, _styles(len(runs))):
+        # Iterations are counted from 1 here, as on the console (metrics.jsonl's `iteration` is 0-based).
         x = _cumulative_tokens(run) if per_token else [r["iteration"] + 1 for r in run.metrics]
-        ax_r.plot(x, [r["reward_mean"] for r in run.metrics], marker="o", ms=3, label=run.label)
-        ax_p.plot(x, [r["pass_rate"] for r in run.metrics], marker="o", ms=3, label=run.label)
-    xlabel = "generated tokens (cumulative)" if per_token else "iteration"
+        ax_r.plot(x, [r["reward_mean"] for r in run.metrics], marker="o", ms=3, label=run.short_label, **style)
+        ax_p.plot(x, [r["pass_rate"] for r in run.metrics], marker="o", ms=3, **style)
+    xlabel = "generated tokens (cumulative)" if per_token else "iteration (first = 1)"
     ax_r.set(title="mean reward", xlabel=xlabel, ylabel="reward")
     ax_p.set(title="pass rate", xlabel=xlabel, ylabel="fraction passed", ylim=(-0.02, 1.02))
     for ax in (ax_r, ax_p):
         ax.grid(alpha=0.3)
-    ax_r.legend(fontsize=8)
+        if not per_token:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.legend(loc="outside lower center", ncols=legend_cols, fontsize=8, frameon=False)
     return _save(fig, path)
 
 
 def plot_time(runs: list[Run], path: Path) -> Path:
-    """Mean seconds per iteration by phase; verification busy time is drawn as a marker since it overlaps."""
-    fig, ax = plt.subplots(figsize=(max(5, 2.2 * len(runs) + 3), 4))
-    labels = [run.label for run in runs]
-    bottoms = [0.0] * len(runs)
+    """Mean seconds per iteration by phase, one horizontal bar per run (names stay readable however many);
+    verification busy time is drawn as a marker since it overlaps the rest."""
+    height = min(MAX_HEIGHT_IN, 1.6 + 0.32 * len(runs))
+    fig, ax = plt.subplots(figsize=(11, height), layout="constrained")
+    y = list(range(len(runs)))
+    lefts = [0.0] * len(runs)
     for key, name in PHASES + (("other_s", "other (perturb, shape, log)"),):
         values = []
         for run in runs:
@@ -90,19 +128,27 @@ def plot_time(runs: list[Run], path: Path) -> Path:
             else:
                 per = [r.get(key, 0) for r in rows]
             values.append(max(0.0, sum(per) / len(per)))
-        ax.bar(labels, values, bottom=bottoms, label=name)
-        bottoms = [b + v for b, v in zip(bottoms, values)]
+        ax.barh(y, values, left=lefts, label=name, height=0.7)
+        lefts = [b + v for b, v in zip(lefts, values)]
     busy = [sum(r.get("verification_s", 0) for r in run.metrics) / max(1, len(run.metrics)) for run in runs]
-    ax.scatter(labels, busy, color="black", marker="_", s=900, zorder=3, label="verifier busy (overlapped)")
-    ax.set(title="time per iteration", ylabel="seconds")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.grid(alpha=0.3, axis="y")
+    ax.scatter(busy, y, color="black", marker="|", s=200, zorder=3, label="verifier busy (overlapped)")
+    ax.set_yticks(y, [run.short_label for run in runs], fontsize=8 if len(runs) <= 24 else 6)
+    ax.invert_yaxis()  # first run on top, as in the table of runs
+    ax.set(title="time per iteration", xlabel="seconds (mean per iteration)")
+    ax.grid(alpha=0.3, axis="x")
+    fig.legend(loc="outside lower center", ncols=5, fontsize=8, frameon=False)
     return _save(fig, path)
 
 
 def plot_outcomes(runs: list[Run], path: Path) -> Path:
-    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.6), squeeze=False)
-    for ax, run in zip(axes[0], runs):
+    """Small multiples: one panel of verdict fractions per run, PANEL_COLUMNS to a row, one shared legend."""
+    cols = min(PANEL_COLUMNS, len(runs))
+    rows = math.ceil(len(runs) / cols)
+    width = min(MAX_WIDTH_IN, max(6.0, 3.4 * cols))  # one run: wide enough for the legend
+    height = min(MAX_HEIGHT_IN, 0.6 + 2.6 * rows)
+    fig, axes = plt.subplots(rows, cols, figsize=(width, height), squeeze=False, sharey=True, layout="constrained")
+    flat = [ax for row in axes for ax in row]
+    for ax, run in zip(flat, runs):
         x = [r["iteration"] + 1 for r in run.metrics]
         totals = [max(1, r["completions"]) for r in run.metrics]
         bottom = [0.0] * len(x)
@@ -110,14 +156,24 @@ def plot_outcomes(runs: list[Run], path: Path) -> Path:
             frac = [r.get(f"status/{status}", 0) / t for r, t in zip(run.metrics, totals)]
             ax.bar(x, frac, bottom=bottom, color=STATUS_COLORS[status], label=status, width=0.9)
             bottom = [b + f for b, f in zip(bottom, frac)]
-        ax.set(title=f"verdicts: {run.label}", xlabel="iteration", ylabel="fraction", ylim=(0, 1))
-    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.set_title(run.short_label, fontsize=8)
+        ax.set(ylim=(0, 1))
+        ax.tick_params(labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in flat[len(runs):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("iteration (first = 1)", fontsize=8)
+    for row in axes:
+        row[0].set_ylabel("fraction", fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=STATUS_COLORS[s]) for s in STATUSES]
+    fig.legend(handles, STATUSES, loc="outside lower center", ncols=len(STATUSES), fontsize=8, frameon=False)
+    fig.suptitle("verdicts per iteration", fontsize=10)
     return _save(fig, path)
 
 
 def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
 
@@ -153,8 +209,28 @@ def render(run_paths: list[str | Path], out: str | Path) -> Path:
     return out / "report.html"
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """Text with control bytes made visible: C0 as Unicode control pictures (␀, ␛, ...), DEL as ␡, C1 as �.
+
+    Completions are model output; a stray escape or NUL would otherwise reach the page (browsers show
+    some as nothing, some as boxes, and a NUL can end the text early in other tools). Tab and newline stay.
+    """
+    text = text.replace("\r\n", "\n")
+
+    def visible(m: re.Match[str]) -> str:
+        c = ord(m.group())
+        return chr(0x2400 + c) if c < 0x20 else "\u2421" if c == 0x7F else "\ufffd"
+
+    return _CONTROL.sub(visible, text)
+
+
 def _html(runs: list[Run], images: dict[str, Path]) -> str:
-    e = html.escape
+    def e(text: str) -> str:
+        return html.escape(printable(text))
+
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>vrl report</title><style>",
         "body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:1em 0}"

@@ -31,6 +31,7 @@ from typing import IO, Any
 
 from vrl.config import RUN_NAME_RE, RUN_NAME_RULE, TrainConfig, dump
 from vrl.errors import RunDirError
+from vrl.meta import DISTRIBUTION
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +261,7 @@ def versions() -> dict[str, Any]:
     from vrl.plugins import registry
 
     out: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform()}
-    for dist in ("vrl", "torch", "transformers", "pydantic", "pluggy"):
+    for dist in (DISTRIBUTION, "torch", "transformers", "pydantic", "pluggy"):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:

@@ -72,7 +72,7 @@ class MLflowSink(Sink):
         try:
             from mlflow import MlflowClient
         except ImportError as exc:
-            raise SinkError("logging.mlflow is on but mlflow is not installed: pip install 'vrl[mlflow]'") from exc
+            raise SinkError("logging.mlflow is on but mlflow is not installed: pip install 'vrl-core[mlflow]'") from exc
         self.experiment, self.uri = experiment, mlflow_tracking_uri(runs_dir)
         self.client_class = MlflowClient
         self.run_id: str | None = None
@@ -114,7 +114,7 @@ class WandbSink(Sink):
         try:
             import wandb
         except ImportError as exc:
-            raise SinkError("logging.wandb is on but wandb is not installed: pip install 'vrl[wandb]'") from exc
+            raise SinkError("logging.wandb is on but wandb is not installed: pip install 'vrl-core[wandb]'") from exc
         self.wandb, self.project = wandb, project
 
     def start(self, run_dir: Path, config: dict[str, Any], ids: dict[str, str]) -> str | None:

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from vrl.config import TrainConfig
 from vrl.environment import Environment
@@ -160,6 +161,7 @@ class Trainer:
             "started_at": time.time(),
         }
         self.run_dir.write_summary(summary)
+        self._print_start()
         policy = optimizer = pool = None
         sinks = self.sinks
         try:
@@ -322,13 +324,20 @@ class Trainer:
         return metrics
 
     # -- presentation ------------------------------------------------------------------------------
+    def _print_start(self) -> None:
+        cfg = self.config
+        self.console.print(f"[bold]vrl train[/] run [cyan]{self.run_dir.path}[/] · plugin {self.env.name} · "
+                           f"model {cfg.model} · optimizer {cfg.optimizer} · {cfg.iterations} iterations", soft_wrap=True)
+
     def _progress(self) -> Progress:
-        return Progress(
+        """Bar, i/N, elapsed and ETA on one line; the stats on a line of their own, cut to the width."""
+        return _TwoLineProgress(
             TextColumn("[bold]{task.description}"),
-            BarColumn(),
+            BarColumn(bar_width=None),  # shares what the fixed columns leave; rich drops nothing at 80 columns
             MofNCompleteColumn(),
+            TextColumn("elapsed"),
             TimeElapsedColumn(),
-            TextColumn("{task.fields[stats]}"),
+            _EtaColumn(self.start_iteration),
             console=self.console,
             transient=False,
         )
@@ -344,6 +353,33 @@ class Trainer:
                 table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
         table.add_row("run directory", str(self.run_dir.path))
         self.console.print(table)
+
+
+class _TwoLineProgress(Progress):
+    """A progress display whose `stats` field goes on a second line, so long stats never push the bar,
+    the counts or the times off a narrow terminal (rich shrinks a one-line table's columns to fit)."""
+
+    def get_renderables(self):
+        yield self.make_tasks_table(self.tasks)
+        for task in self.tasks:
+            yield Text("  " + str(task.fields.get("stats", "")), no_wrap=True, overflow="ellipsis", style="dim")
+
+
+class _EtaColumn(ProgressColumn):
+    """Time left, from the mean time of the iterations run in this session (not those before a resume)."""
+
+    def __init__(self, first: int):
+        super().__init__()
+        self.first = first
+
+    def render(self, task) -> Text:
+        done = task.completed - self.first
+        if task.finished or task.total is None:
+            return Text("eta 0:00:00" if task.finished else "eta -:--:--", style="cyan")
+        if done <= 0 or not task.elapsed:
+            return Text("eta -:--:--", style="cyan")
+        left = int(task.elapsed / done * (task.total - task.completed))
+        return Text(f"eta {left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}", style="cyan")
 
 
 def _samples(iteration: int, results: list[Result], limit: int) -> list[dict[str, Any]]:

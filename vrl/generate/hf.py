@@ -73,6 +73,20 @@ def render_prompt(tokenizer: Any, prompt: Prompt) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant: "
 
 
+def cpu_threads(threads: int | None, model: str, device: torch.device) -> int | None:
+    """Torch intra-op threads for a run: the configured number, else 1 for the tiny model on CPU.
+
+    The tiny model's matrices are too small to gain from a thread pool, and when other processes keep
+    the cores busy, torch's default of one thread per core waits on descheduled threads at every op
+    (an iteration of `letters` went from about 3 s to 16-30 s on 2 busy cores). None: leave torch alone.
+    """
+    if threads is not None:
+        return threads
+    if model == TINY and device.type == "cpu":
+        return 1
+    return None
+
+
 class HFGenerator(Generator):
     """Sampling with `model.generate`. The model is the one optimizers train or perturb, in place."""
 
@@ -85,6 +99,9 @@ class HFGenerator(Generator):
     def from_config(cls, config: Any, device: str | None = None) -> HFGenerator:
         """The run's model on `device` (default generator.device)."""
         g = config.generator
+        threads = cpu_threads(g.threads, config.model, resolve_device(device or g.device))
+        if threads is not None:  # process-wide: GRPO's training step on CPU runs with the same pool
+            torch.set_num_threads(threads)
         model, tokenizer = load_model_and_tokenizer(config.model, device or g.device, g.dtype, g.revision)
         return cls(model, tokenizer, config.sampling)
 

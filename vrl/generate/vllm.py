@@ -13,7 +13,7 @@
   `load_weights`), every `generator.sync_every` updates. With `generator.sleep` the engine frees
   its GPU memory between generation passes so training can use it (colocated mode).
 
-vLLM is imported lazily: `pip install vrl[vllm]`, on a machine with a CUDA GPU.
+vLLM is imported lazily: `pip install 'vrl-core[vllm]'`, on a machine with a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def import_vllm() -> Any:
     except ImportError as exc:
         raise RuntimeError(
             f"generator.backend=vllm needs vLLM, which cannot be imported ({exc}). Install it with "
-            "`pip install vrl[vllm]` on a machine with a CUDA GPU, or use generator.backend=hf."
+            "`pip install 'vrl-core[vllm]'` on a machine with a CUDA GPU, or use generator.backend=hf."
         ) from exc
     if not torch.cuda.is_available():
         raise RuntimeError("generator.backend=vllm needs a CUDA GPU and none is visible; use generator.backend=hf")

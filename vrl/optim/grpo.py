@@ -104,7 +104,7 @@ class GRPOConfig(BaseModel):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward: less memory, about a third more compute."
     )
-    use_peft: bool = Field(False, description="Train LoRA adapters (needs `pip install vrl[lora]`) instead of all weights.")
+    use_peft: bool = Field(False, description="Train LoRA adapters (needs `pip install 'vrl-core[lora]'`) instead of all weights.")
     lora_r: int = Field(16, ge=1, description="LoRA rank (with use_peft).")
     lora_alpha: int = Field(32, ge=1, description="LoRA scaling α; the update is scaled by α / r (with use_peft).")
     lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input (with use_peft).")
@@ -302,7 +302,7 @@ class GRPO(Optimizer):
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError as exc:
-            raise ImportError("grpo.use_peft=true needs peft: pip install 'vrl[lora]'") from exc
+            raise ImportError("grpo.use_peft=true needs peft: pip install 'vrl-core[lora]'") from exc
         cfg = self.config
         targets = cfg.lora_target_modules
         lora = LoraConfig(

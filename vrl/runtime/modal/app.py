@@ -62,11 +62,11 @@ class ModalApp:
 
 
 def build_app(config: Any) -> ModalApp:
-    """Declare the Modal app for `config` (a `TrainConfig`). Needs `pip install vrl[modal]`; no account."""
+    """Declare the Modal app for `config` (a `TrainConfig`). Needs `pip install 'vrl-core[modal]'`; no account."""
     try:
         import modal
     except ImportError as exc:  # pragma: no cover - the extra is installed in tests
-        raise RuntimeError("the Modal runtime needs the modal package: pip install 'vrl[modal]'") from exc
+        raise RuntimeError("the Modal runtime needs the modal package: pip install 'vrl-core[modal]'") from exc
 
     rt = config.runtime
     recipes = {"gpu": gpu_recipe(), "orchestrator": orchestrator_recipe()}

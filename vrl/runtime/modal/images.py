@@ -16,6 +16,8 @@ from functools import lru_cache
 from importlib import metadata
 from typing import Any
 
+from vrl.meta import DISTRIBUTION
+
 PYTHON = "3.11"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 GPU_PACKAGES = ("vllm>=0.10", "torch", "transformers", "datasets", "safetensors", "hf_transfer")
@@ -79,7 +81,7 @@ def _runtime_requires(dist: metadata.Distribution, skip: set[str]) -> list[str]:
 @lru_cache(maxsize=1)
 def vrl_requires() -> tuple[str, ...]:
     """vrl's own runtime requirements, read from the installed distribution."""
-    return tuple(_runtime_requires(metadata.distribution("vrl"), set()))
+    return tuple(_runtime_requires(metadata.distribution(DISTRIBUTION), set()))
 
 
 @lru_cache(maxsize=1)
@@ -88,7 +90,7 @@ def installed_plugins() -> tuple[InstalledPlugin, ...]:
     found = []
     for ep in metadata.entry_points(group="vrl"):
         package = ep.value.split(":")[0].split(".")[0]
-        requires = tuple(_runtime_requires(ep.dist, {"vrl"})) if ep.dist is not None else ()
+        requires = tuple(_runtime_requires(ep.dist, {DISTRIBUTION})) if ep.dist is not None else ()
         found.append(InstalledPlugin(ep.name, package, requires))
     return tuple(sorted(found, key=lambda p: p.name))
 

@@ -1,6 +1,6 @@
 """Entry points that talk to the Modal service: `vrl modal prepare` and detached training.
 
-Both need a Modal account (`pip install 'vrl[modal]'`, then `modal setup`); without credentials they
+Both need a Modal account (`pip install 'vrl-core[modal]'`, then `modal setup`); without credentials they
 fail at once with that advice.
 """
 
