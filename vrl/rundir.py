@@ -32,18 +32,15 @@ from typing import IO, Any
 from vrl.config import RUN_NAME_RE, RUN_NAME_RULE, TrainConfig, dump
 from vrl.errors import RunDirError
 from vrl.meta import DISTRIBUTION
+from vrl.optim import OPTIMIZERS, optimizer_class
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "lock"
-#: Config fields that define the weights or what the finished iterations mean: a resume keeps them.
-#: The optimizer's own are checked only for the optimizer the run uses (ES replays its history with
-#: these settings; a GRPO checkpoint holds LoRA weights of this shape).
+#: Config fields that define the weights or what the finished iterations mean: a resume keeps them,
+#: with the run's optimizer's own (`Optimizer.fixed_on_resume`: ES replays its history with those
+#: settings; a GRPO checkpoint holds LoRA weights of that shape).
 FIXED_ON_RESUME = ("plugin", "model", "optimizer", "seed", "generator.revision", "generator.dtype")
-FIXED_ON_RESUME_BY_OPTIMIZER = {
-    "es": ("es.population_size", "es.sigma", "es.alpha", "es.normalization", "es.antithetic", "es.include", "es.exclude"),
-    "grpo": ("grpo.use_peft", "grpo.lora_r", "grpo.lora_alpha", "grpo.lora_dropout", "grpo.lora_target_modules"),
-}
 
 
 def write_text(path: Path, text: str) -> None:
@@ -189,7 +186,9 @@ class RunDir:
     def check_resume(self, config: TrainConfig) -> None:
         """Refuse a resume that would change what the finished iterations mean (model, optimizer...)."""
         recorded, new = self.config(), dump(config)
-        fields = FIXED_ON_RESUME + FIXED_ON_RESUME_BY_OPTIMIZER.get(str(recorded.get("optimizer")), ())
+        name = str(recorded.get("optimizer"))
+        own = optimizer_class(name).fixed_on_resume if name in OPTIMIZERS else ()
+        fields = FIXED_ON_RESUME + tuple(f"{name}.{f}" for f in own)
         for field in fields:
             before, after = _get(recorded, field), _get(new, field)
             if before != after:

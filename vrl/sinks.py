@@ -55,7 +55,7 @@ def mlflow_tracking_uri(runs_dir: Path) -> str:
     """The user's MLFLOW_TRACKING_URI if set, else a SQLite store in the runs directory (.mlflow/mlflow.db).
 
     MLflow's own default (sqlite:///mlflow.db in the working directory) needs SQLAlchemy, and its
-    file store (./mlruns) refuses to open without MLFLOW_ALLOW_FILE_STORE=true; `vrl[mlflow]` brings
+    file store (./mlruns) refuses to open without MLFLOW_ALLOW_FILE_STORE=true; `vrl-core[mlflow]` brings
     SQLAlchemy, so this default works with no environment variables and keeps every run of a runs
     directory in one store.
     """

@@ -39,3 +39,21 @@ def weights_for_engine(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
                 raise ValueError(f"cannot sync peft modules_to_save ({n}) into the engine; adapt those layers with LoRA")
             out.append((n, p.detach()))
     return out
+
+
+def save_model(model: torch.nn.Module, tokenizer, folder) -> None:
+    """Write `model` and `tokenizer` as a standard Hugging Face folder (what `vrl export` produces)."""
+    from transformers.utils import logging as hf_logging
+
+    # ES moved the weights into flat shared buffers; safetensors needs each tensor to own its storage.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no per-shard bar on the console
+    try:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()

@@ -32,6 +32,7 @@ class Optimizer(ABC):
     name: str = "optimizer"
     Config: type[BaseModel]  # its settings: the config section named after the rule (`config.<name>`)
     moves: Moves = "perturbations"  # how this rule changes weights (see `vrl.policy.Moves`)
+    fixed_on_resume: tuple[str, ...] = ()  # fields of its section a resume may not change
     host: PolicyHost | None = None
 
     @classmethod
@@ -69,6 +70,12 @@ class Optimizer(ABC):
 
     def load(self, run_dir: Path, completed: int) -> None:
         """Restore the state saved by `save` for a run that finished `completed` iterations (resume)."""
+
+    @classmethod
+    def export(cls, run_dir: Path, config: dict[str, Any], finished: int, folder: Path, device: str) -> dict[str, Any]:
+        """Write the policy a run of this rule reached after `finished` iterations to `folder` as a Hugging
+        Face model folder (`vrl export`); return what was exported (iteration, base model, ...)."""
+        raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:
         """Short description for logs and summaries."""

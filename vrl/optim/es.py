@@ -223,6 +223,7 @@ class ES(Optimizer):
     name = "es"
     Config = ESConfig
     moves = "perturbations"
+    fixed_on_resume = ("population_size", "sigma", "alpha", "normalization", "antithetic", "include", "exclude")
 
     def __init__(self, config: ESConfig, seed: int = 0, base: dict[str, Any] | None = None):
         self.config, self.seed = config, seed
@@ -344,6 +345,23 @@ class ES(Optimizer):
         self.history = saved
         self._variants = None
         log.info("ES: resumed at iteration %d (snapshot %d, replayed %d)", completed, start, completed - start)
+
+    @classmethod
+    def export(cls, run_dir: Path, config: dict[str, Any], finished: int, folder: Path, device: str) -> dict[str, Any]:
+        """The base model with θ rebuilt exactly as a resume does (newest matching snapshot, then replay)."""
+        from vrl.generate.hf import HFGenerator, load_model_and_tokenizer
+        from vrl.generate.weights import save_model
+
+        history = ESHistory.read(Path(run_dir) / HISTORY_FILE)
+        base = history.base
+        dtype = base.dtype if base.dtype in ("float32", "bfloat16", "float16") else config["generator"]["dtype"]
+        model, tokenizer = load_model_and_tokenizer(base.model, device, dtype, base.revision)
+        es = cls(ESConfig.model_validate(config["es"]), seed=config["seed"],
+                 base={"model": config["model"], "revision": config["generator"].get("revision")})
+        es.setup(HFGenerator(model, tokenizer, None))
+        es.load(Path(run_dir), finished)
+        save_model(model, tokenizer, folder)
+        return {"optimizer": cls.name, "iteration": finished, "base_model": base.model, "dtype": dtype}
 
     def _check_compatible(self, saved: ESHistory, current: ESHistory) -> None:
         fields = ("base", "sigma", "alpha", "population_size", "antithetic", "normalization", "include", "exclude")

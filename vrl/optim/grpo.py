@@ -220,6 +220,7 @@ class GRPO(Optimizer):
     name = "grpo"
     Config = GRPOConfig
     moves = "trained"
+    fixed_on_resume = ("use_peft",) + _LORA_FIELDS
 
     def __init__(self, config: GRPOConfig, seed: int = 0, total_iterations: int | None = None):
         self.config, self.seed, self.total_iterations = config, seed, total_iterations
@@ -575,6 +576,38 @@ class GRPO(Optimizer):
             torch.cuda.set_rng_state_all(state["rng_cuda"])
         self._iteration, self.step = state["iteration"], state["step"]
         self.host.publish(self.model)
+
+    @classmethod
+    def export(cls, run_dir: Path, config: dict[str, Any], finished: int, folder: Path, device: str) -> dict[str, Any]:
+        """The newest checkpoint at or before `finished` (the one a resume loads); LoRA merged into the base."""
+        run_dir = Path(run_dir)
+        found = sorted(p for p in (run_dir / "grpo").glob("iter-*") if p.is_dir() and not p.name.endswith(".tmp"))
+        usable = [p for p in found if int(p.name.removeprefix("iter-")) <= finished]
+        if not usable:
+            raise ValueError(f"{run_dir} has no GRPO checkpoint at or before iteration {finished} in {run_dir / 'grpo'}")
+        ckpt = usable[-1]
+        iteration = int(ckpt.name.removeprefix("iter-"))
+        if iteration < finished:
+            log.warning("the newest GRPO checkpoint of %s is after iteration %d (the run finished %d): exporting it",
+                        run_dir, iteration, finished)
+        policy = ckpt / "policy"
+        info = {"optimizer": cls.name, "iteration": iteration, "base_model": config["model"]}
+        if not (policy / "adapter_config.json").is_file():
+            # Full fine-tuning: the checkpoint is already a Hugging Face folder (save_pretrained + tokenizer).
+            shutil.copytree(policy, folder, dirs_exist_ok=True)
+            return {**info, "lora": False}
+        try:
+            from peft import PeftModel
+        except ImportError as exc:
+            raise ValueError("this run trained a LoRA adapter; merging it needs peft: pip install 'vrl-core[lora]'") from exc
+        from vrl.generate.hf import load_model_and_tokenizer
+        from vrl.generate.weights import save_model
+
+        gen = config["generator"]
+        model, tokenizer = load_model_and_tokenizer(config["model"], device, gen["dtype"], gen.get("revision"))
+        merged = PeftModel.from_pretrained(model, str(policy)).merge_and_unload()
+        save_model(merged, tokenizer, folder)
+        return {**info, "lora": True, "merged": True}
 
     def _load_policy(self, path: Path) -> None:
         from safetensors.torch import load_file
