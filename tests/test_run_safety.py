@@ -114,12 +114,12 @@ def test_trainer_holds_the_lock_while_it_runs_and_gives_it_back(tmp_path):
 
 
 class _FailingRuntime:
-    """The generator cannot be built (out of memory, say): the run fails before its first iteration."""
+    """The engine cannot be started (out of memory, say): the run fails before its first iteration."""
 
     def __init__(self, inner):
         self.inner = inner
 
-    def generator(self, cfg):
+    def policy(self, cfg, moves=None):
         raise RuntimeError("no memory for the model")
 
     def __getattr__(self, name):

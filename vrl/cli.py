@@ -27,6 +27,8 @@ from rich.table import Table
 from vrl.config import build, load_file, merge, nest, parse_override
 from vrl.errors import RunDirError, UsageError
 from vrl.meta import DISTRIBUTION
+from vrl.optim import OPTIMIZERS
+from vrl.runtime import RUNTIMES
 
 console = Console(stderr=True, log_path=False)
 
@@ -148,7 +150,7 @@ _opt_help = "Environment option KEY=VALUE passed to the plugin, e.g. -o server=h
 
 @main.command()
 @click.option("--plugin", "-p", help="Environment to train on (see `vrl plugins`). Default: countdown.")
-@click.option("--optimizer", type=click.Choice(["es", "grpo"]), help="Update rule. Default: es.")
+@click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), help="Update rule. Default: es.")
 @click.option("--model", "-m", help="Hugging Face id or local path; 'tiny' builds a small local model. Default: tiny.")
 @click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields.")
 @click.option("--iterations", "-n", type=int, help="Training iterations.")
@@ -156,7 +158,7 @@ _opt_help = "Environment option KEY=VALUE passed to the plugin, e.g. -o server=h
 @click.option("--resume", type=click.Path(path_type=Path), help="Continue the run in this directory.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_set_help)
 @click.option("-o", "--option", "env_options", multiple=True, metavar="KEY=VALUE", help=_opt_help)
-@click.option("--runtime", type=click.Choice(["local", "modal"]), help="Where generation and verification run. Default: local.")
+@click.option("--runtime", type=click.Choice(list(RUNTIMES)), help="Where generation and verification run. Default: local.")
 @click.option("--detach", is_flag=True, default=None, help="With --runtime modal: run the loop itself on Modal (needs --name).")
 def train(plugin, optimizer, model, config_file, iterations, name, resume, overrides, env_options, runtime, detach) -> None:
     """Train a model against a verifier.
@@ -361,14 +363,14 @@ def _check_writable(out: Path) -> None:
 
 @main.command()
 @click.option("--plugin", "-p", help="Environment whose defaults apply. Default: countdown.")
-@click.option("--optimizer", type=click.Choice(["es", "grpo"]), help="Update rule.")
+@click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), help="Update rule.")
 @click.option("--model", "-m", help="Model id or path.")
 @click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields.")
 @click.option("--iterations", "-n", type=int, help="Training iterations.")
 @click.option("--name", help="Run name (directory under logging.runs_dir).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_set_help)
 @click.option("-o", "--option", "env_options", multiple=True, metavar="KEY=VALUE", help=_opt_help)
-@click.option("--runtime", type=click.Choice(["local", "modal"]), help="Where generation and verification run.")
+@click.option("--runtime", type=click.Choice(list(RUNTIMES)), help="Where generation and verification run.")
 @click.option("--detach", is_flag=True, default=None, help="With --runtime modal: the loop itself runs on Modal.")
 @click.option("--fields", is_flag=True, help="Print the table of all fields (markdown) instead.")
 def config(plugin, optimizer, model, config_file, iterations, name, overrides, env_options, runtime, detach, fields) -> None:

@@ -342,6 +342,7 @@ class ES(Optimizer):
         saved.iterations = saved.iterations[:completed]  # an update saved after the last finished iteration
         start = self._load_snapshot(run_dir, saved, completed)
         replay(saved, host, start)
+        self.replayed_from = start  # the snapshot's iteration (0: replayed from θ₀)
         self.history = saved
         self._variants = None
         log.info("ES: resumed at iteration %d (snapshot %d, replayed %d)", completed, start, completed - start)
@@ -361,7 +362,8 @@ class ES(Optimizer):
         es.setup(HFGenerator(model, tokenizer, None))
         es.load(Path(run_dir), finished)
         save_model(model, tokenizer, folder)
-        return {"optimizer": cls.name, "iteration": finished, "base_model": base.model, "dtype": dtype}
+        return {"optimizer": cls.name, "iteration": finished, "base_model": base.model, "dtype": dtype,
+                "replayed_from": es.replayed_from}
 
     def _check_compatible(self, saved: ESHistory, current: ESHistory) -> None:
         fields = ("base", "sigma", "alpha", "population_size", "antithetic", "normalization", "include", "exclude")
