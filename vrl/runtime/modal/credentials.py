@@ -16,7 +16,9 @@ class ModalUnavailable(UsageError, RuntimeError):
 
 def require_credentials() -> None:
     """Fail early, with the fix, when no Modal token is configured (before any work starts)."""
-    from modal.config import config
-
+    try:
+        from modal.config import config
+    except ImportError:
+        raise ModalUnavailable("the Modal runtime needs the modal package: pip install 'vrl-core[modal]'") from None
     if not (config.get("token_id") and config.get("token_secret")):
         raise ModalUnavailable(NO_ACCOUNT.format(error="no token configured"))
