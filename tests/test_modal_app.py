@@ -223,3 +223,17 @@ def test_detach_needs_the_modal_runtime_and_a_name():
     assert result.exit_code == 2 and "--runtime modal" in result.output
     result = CliRunner().invoke(main, ["train", "--runtime", "modal", "--detach", "-n", "1"])
     assert result.exit_code == 2 and "--name" in result.output
+
+
+def test_without_the_modal_package_modal_commands_say_how_to_install_it(monkeypatch):
+    """`vrl modal resume` with no modal package installed: one line naming the extra, exit 2."""
+    import sys
+
+    from click.testing import CliRunner
+
+    from vrl.cli import main
+
+    monkeypatch.setitem(sys.modules, "modal.config", None)  # what a missing package looks like to `import`
+    result = CliRunner().invoke(main, ["modal", "resume", "lean-es", "--iterations", "3"])
+    assert result.exit_code == 2, result.output
+    assert "pip install 'vrl-core[modal]'" in result.output and "Traceback" not in result.output
