@@ -446,3 +446,19 @@ def test_an_engine_that_cannot_wake_after_training_says_what_to_change():
     gen.llm = Sleepy("engine core died")
     with pytest.raises(Exception, match="engine core died"):
         gen._wake()
+
+
+def test_vllm_backend_without_vllm_is_a_one_line_error_and_leaves_no_run(tmp_path):
+    """On a machine without vLLM (this one), `--set generator.backend=vllm` says how to install it, exit 2."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    proc = subprocess.run([sys.executable, "-m", "vrl.cli", "train", "--plugin", "letters", "--iterations", "1",
+                           "--set", "generator.backend=vllm", "--set", f"logging.runs_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "pip install 'vrl-core[vllm]'" in errors[0] and "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())  # the run directory was removed

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from vrl.errors import UsageError
 from vrl.generate.base import Generator, cut_at_stop, tokens_covering
 from vrl.generate.hf import TINY, load_model_and_tokenizer, render_prompt
 from vrl.generate.weights import weights_for_engine
@@ -41,17 +42,21 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "vrl.generate.vllm_worker.VRLWorkerExtension"
 
 
+class BackendUnavailable(UsageError, RuntimeError):
+    """The vllm backend cannot run here (no vLLM, no GPU); the message says what to do."""
+
+
 def import_vllm() -> Any:
     """The vllm module, or an error that says how to get it and what it needs."""
     try:
         import vllm
     except ImportError as exc:
-        raise RuntimeError(
+        raise BackendUnavailable(
             f"generator.backend=vllm needs vLLM, which cannot be imported ({exc}). Install it with "
             "`pip install 'vrl-core[vllm]'` on a machine with a CUDA GPU, or use generator.backend=hf."
         ) from exc
     if not torch.cuda.is_available():
-        raise RuntimeError("generator.backend=vllm needs a CUDA GPU and none is visible; use generator.backend=hf")
+        raise BackendUnavailable("generator.backend=vllm needs a CUDA GPU and none is visible; use generator.backend=hf")
     return vllm
 
 
