@@ -60,6 +60,13 @@ def test_factors_are_the_noise_of_virtual_tensors_and_a_pure_function_of_their_i
     assert not torch.equal(lr.factors_int(7, name, (128, 64), 2)[0][:, :2], a[:, :2])
     assert not torch.equal(a[:64], b)
     assert lr.factors_int(7, name, (130, 64), 4)[0].shape == (130, 4)
+    # Several members in one pass: row t is member t's factors.
+    seeds = [7, 2**40 + 1, 0]
+    many_a, many_b = lr.factors_int_many(seeds, name, shape, 4)
+    for t, seed in enumerate(seeds):
+        one_a, one_b = lr.factors_int(seed, name, shape, 4)
+        assert torch.equal(many_a[t], one_a) and torch.equal(many_b[t], one_b)
+    assert torch.equal(many_a[0], nz.noise_int(nz.tensor_keys(7, nz.name_words(name + ":A")), 0, 128 * 4).view(128, 4))
 
 
 def test_member_perturbation_has_unit_variance_per_element() -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import logging
 import math
 from collections import defaultdict
@@ -63,6 +64,7 @@ def _check_rank(rank: int) -> None:
         raise ValueError(f"low-rank ES needs 1 <= rank <= {MAX_RANK}, got {rank}")
 
 
+@functools.lru_cache(maxsize=4096)
 def factor_words(name: str) -> tuple[tuple[int, int], tuple[int, int]]:
     """Name words of a matrix's two factors: the noise of virtual tensors `name:A` and `name:B`."""
     return nz.name_words(f"{name}:A"), nz.name_words(f"{name}:B")
@@ -78,11 +80,19 @@ def factors_int(
     seed: int, name: str, shape: Sequence[int], rank: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Integer factors a (m×r) and b (n×r), int32 in [-510, 510]: a pure function of (seed, name, shape, r)."""
+    a, b = factors_int_many([seed], name, shape, rank, device)
+    return a[0], b[0]
+
+
+def factors_int_many(
+    seeds: Sequence[int], name: str, shape: Sequence[int], rank: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`factors_int` of several members at once: a (T×m×r) and b (T×n×r), generated in one pass."""
     _check_rank(rank)
     m, n = shape
-    k = factor_keys(seed, name)
-    a = nz.noise_int(k[:2], 0, m * rank, device).view(m, rank)
-    b = nz.noise_int(k[2:], 0, n * rank, device).view(n, rank)
+    keys = torch.tensor([factor_keys(seed, name) for seed in seeds], dtype=torch.int64, device=device).view(-1, 4, 1)
+    a = nz.noise_int((keys[:, 0], keys[:, 1]), 0, m * rank, device).view(len(seeds), m, rank)
+    b = nz.noise_int((keys[:, 2], keys[:, 3]), 0, n * rank, device).view(len(seeds), n, rank)
     return a, b
 
 
@@ -193,9 +203,7 @@ def update_reference(
     check_bound(update.terms, update.rank)
     mults = [w for _, w in update.terms]
     for master, weight, name in zip(masters, weights, names):
-        pairs = [factors_int(seed, name, master.shape, update.rank, master.device) for seed, _ in update.terms]
-        a = torch.stack([p[0] for p in pairs])
-        b = torch.stack([p[1] for p in pairs])
+        a, b = factors_int_many([seed for seed, _ in update.terms], name, master.shape, update.rank, master.device)
         step = _rows(*master.shape)
         for i in range(0, master.shape[0], step):
             u = product_sum(a[:, i : i + step], b, mults)
@@ -355,9 +363,9 @@ def population(
     try:
         for name, module in layers:
             device = module.weight.device
-            pairs = [factors_int(seed, name, module.weight.shape, rank, device) for seed, _ in members]
-            a_cat = torch.cat([p[0] for p in pairs], dim=1).to(torch.float32)  # m × N·r
-            b_cat = torch.cat([p[1] for p in pairs], dim=1).to(torch.float32)  # n × N·r
+            a, b = factors_int_many([seed for seed, _ in members], name, module.weight.shape, rank, device)
+            a_cat = a.permute(1, 0, 2).reshape(a.shape[1], -1).to(torch.float32)  # m × N·r, member-major columns
+            b_cat = b.permute(1, 0, 2).reshape(b.shape[1], -1).to(torch.float32)  # n × N·r
             handles.append(module.register_forward_hook(_LowRankHook(a_cat, b_cat, mask.to(device))))
         yield
     finally:
