@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from vrl.generate import tiny
 from vrl.optim import lowrank as lr
 from vrl.optim import noise as nz
-from vrl.optim.es import ES, BaseModelRef, ESConfig, ESHistory, IterationRecord, member_seeds, replay
+from vrl.optim.es import ES, Z_DECIMALS, BaseModelRef, ESConfig, ESHistory, IterationRecord, member_seeds, replay
 
 ALL = (["*"], [])
 
@@ -127,6 +127,7 @@ def test_update_equals_float64_within_fp32_rounding_and_is_deterministic(monkeyp
 
 
 def test_update_merges_antithetic_pairs_into_integer_multipliers() -> None:
+    assert lr.Z_SCALE == 10**Z_DECIMALS  # the stored z have exactly this many decimals
     upd = lr.update_for([(5, 1), (5, -1), (6, 1), (6, -1)], [0.25, -0.5, 0.1, 0.1], alpha=1e-3, rank=2)
     assert upd.terms == ((5, 7500),)  # seed 6: +0.1 − 0.1 cancels and is dropped
     assert upd.coeff == nz.round_sig(1e-3 / 4 / 1e4 * nz.C**2 / math.sqrt(2), nz.SCALE_BITS)
@@ -374,9 +375,11 @@ def test_history_records_the_mode_and_old_histories_load_as_full_rank(tmp_path) 
 def test_resume_refuses_another_noise_mode_or_rank() -> None:
     es = ES(ESConfig())
     full = _history(8).model_copy(update={"perturbation": "full", "rank": None})
-    for saved, message in [(_history(8), "perturbation='lowrank'.*es.noise"), (_history(4), "rank=4.*es.rank")]:
-        with pytest.raises(ValueError, match=message):
-            es._check_compatible(saved, _history(8) if saved.rank == 4 else full)
+    with pytest.raises(ValueError, match="perturbation='lowrank' but this run has 'full'.*es.noise"):
+        es._check_compatible(_history(8), full)
+    with pytest.raises(ValueError, match="rank=4 but this run has 8.*es.rank"):
+        es._check_compatible(_history(4), _history(8))
+    es._check_compatible(_history(8), _history(8))
 
 
 def test_lowrank_is_refused_by_the_training_loop_until_it_is_wired() -> None:
