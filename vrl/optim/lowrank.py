@@ -340,9 +340,11 @@ def population(
     hooks), so one `model.generate` call samples all members. The factors of all members are formed
     once, as integer-valued fp32 matrices (exact), concatenated per layer: b_cat (n × N·r) and
     a_cat (m × N·r); a row's low-rank term is (x·b_cat ⊙ mask)·a_catᵀ, where the mask keeps its
-    member's r columns and carries the scale. That is two dense matmuls per layer, costing about
-    2·N·r/m of the layer's own work, with no per-row gathers. The batch must keep its rows in
-    order (sampling and greedy decoding do; beam search does not).
+    member's r columns and carries the scale. That is two dense matmuls per layer, costing
+    N·r·(1/m + 1/n) of the layer's own work (N times what per-member products would cost, traded
+    for no per-row gathers or regrouping; measured on CPU: 2.0× the base forward of a hidden-256
+    model at N = 30, r = 8). The batch must keep its rows in order (sampling and greedy decoding
+    do; beam search does not).
 
     Memory: 4·N·r·Σ(m+n) bytes of factors (fp32) for the block's lifetime.
     """
