@@ -42,10 +42,14 @@ import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from vrl.optim import noise as nz
+
+if TYPE_CHECKING:  # vrl.optim.es imports this module; import it back only where used
+    from vrl.optim.es import ESHistory, FlatParams
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +252,7 @@ class LowRankParams:
     """θ (fp32 master) of the selected matrices, stored as `vrl.optim.es.FlatParams` stores full-rank θ
     (so restore, state, load_state and snapshots are shared); perturb and update are low-rank."""
 
-    def __init__(self, flat, rank: int):
+    def __init__(self, flat: FlatParams, rank: int):
         _check_rank(rank)
         bad = [n for g in flat.groups for n, v in zip(g.names, g.master_views) if v.dim() != 2]
         if bad:
@@ -311,7 +315,7 @@ class LowRankParams:
         self.flat.load_state(state)
 
 
-def replay(history, params: LowRankParams, start: int = 0, stop: int | None = None) -> None:
+def replay(history: ESHistory, params: LowRankParams, start: int = 0, stop: int | None = None) -> None:
     """Apply the updates of iterations [start, stop) of a low-rank `ESHistory` to `params`."""
     from vrl.optim.es import member_seeds
 
