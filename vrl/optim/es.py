@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vrl.optim import lowrank
 from vrl.optim import noise as nz
 from vrl.optim.base import Optimizer
 from vrl.optim.params import FlatParams, select_parameters  # noqa: F401 - re-exported
@@ -73,11 +74,22 @@ class ESConfig(BaseModel):
     snapshot_every: int = Field(
         0, ge=0, description="Write the fp32 weights every K iterations so resume replays at most K; 0: never."
     )
+    noise: Literal["full", "lowrank"] = Field(
+        "full",
+        description="'full': every selected weight gets its own noise (members run one after another); 'lowrank': "
+        "each selected linear-layer matrix gets σ·A·Bᵀ/√r (EGGROLL), so all members share the base weights "
+        "and can run as one batch.",
+    )
+    rank: int = Field(
+        8, ge=1, le=lowrank.MAX_RANK, description="Rank r of each member's perturbation A·Bᵀ (with noise=lowrank)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ESConfig:
         if self.antithetic and self.population_size % 2:
             raise ValueError(f"antithetic sampling needs an even population_size, got {self.population_size}")
+        if self.noise == "full" and self.rank != type(self).model_fields["rank"].default:
+            raise ValueError("rank only applies to low-rank noise; set es.noise=lowrank or remove es.rank")
         if not self.include:
             raise ValueError("include must name at least one parameter pattern, e.g. ['*']")
         return self
@@ -122,6 +134,9 @@ class ESHistory(BaseModel):
     normalization: str
     include: list[str]
     exclude: list[str]
+    # es.noise and es.rank (histories written before low-rank ES lack them: full-rank)
+    perturbation: Literal["full", "lowrank"] = "full"
+    rank: int | None = None
     iterations: list[IterationRecord] = Field(default_factory=list)
 
     def to_json(self) -> str:
@@ -209,6 +224,8 @@ def normalize(rewards: Sequence[float], method: str, per_task: Sequence[Sequence
 def replay(history: ESHistory, target: PolicyHost | FlatParams, start: int = 0, stop: int | None = None) -> None:
     """Apply the updates of iterations [start, stop) of `history` to `target` (θ_start → θ_stop):
     a host (every copy of its weights) or one `FlatParams`."""
+    if history.perturbation != "full":
+        raise ValueError("this history used low-rank noise; replay it with vrl.optim.lowrank.replay")
     with torch.no_grad():
         for record in history.iterations[start:stop]:
             target.update(update_terms(record, history.antithetic, history.alpha))
@@ -239,6 +256,8 @@ class ES(Optimizer):
         """Have the host select the parameters and keep θ₀ (an fp32 master) of them; start the history."""
         super().setup(host)
         c = self.config
+        if c.noise != "full":
+            raise ValueError("es.noise=lowrank is not wired into the training loop yet (issue 14); use es.noise=full")
         info = host.perturbations(PerturbationSpec(tuple(c.include), tuple(c.exclude), c.sigma))
         if c.snapshot_every and not info.exportable:
             raise ValueError(
@@ -255,6 +274,8 @@ class ES(Optimizer):
             normalization=c.normalization,
             include=list(c.include),
             exclude=list(c.exclude),
+            perturbation=c.noise,
+            rank=c.rank if c.noise == "lowrank" else None,
         )
         log.info("ES: %d tensors, %d parameters selected", len(info.names), info.numel)
 
@@ -346,12 +367,14 @@ class ES(Optimizer):
         log.info("ES: resumed at iteration %d (snapshot %d, replayed %d)", completed, start, completed - start)
 
     def _check_compatible(self, saved: ESHistory, current: ESHistory) -> None:
-        fields = ("base", "sigma", "alpha", "population_size", "antithetic", "normalization", "include", "exclude")
+        fields = ("base", "sigma", "alpha", "population_size", "antithetic", "normalization", "include", "exclude",
+                  "perturbation", "rank")
         for f in fields:
             if getattr(saved, f) != getattr(current, f):
+                setting = {"perturbation": "noise"}.get(f, f)
                 raise ValueError(
                     f"cannot resume: the run's ES history has {f}={getattr(saved, f)!r} but this run has "
-                    f"{getattr(current, f)!r}; resume with the recorded settings (es.{f} / model / generator)"
+                    f"{getattr(current, f)!r}; resume with the recorded settings (es.{setting} / model / generator)"
                 )
 
     def _save_snapshot(self, run_dir: Path) -> None:
