@@ -84,7 +84,9 @@ def test_triton_lowrank_perturb_and_update_match_the_reference(dtype: torch.dtyp
 def test_triton_update_with_sums_beyond_2_pow_53_matches_the_int64_reference(rank: int) -> None:
     """Multipliers so large that the exact sum needs int64 (the CPU reference's slow path) and
     int → fp32 conversion rounds: the kernel's int64 accumulator and cvt.rn must give the same bits."""
-    update = lr.LowRankUpdate(terms=((5, 2**30 + 7), (6, -(2**31) + 5), (2**33, 2**29 + 1)), coeff=2.0**-60, rank=rank)
+    # Σ|mult|·r·510² must pass 2⁵³ at the smallest rank tested (8) to force the reference's int64 path;
+    # the earlier multipliers (2³⁰+7, −2³¹+5, 2²⁹+1) gave 7.8·10¹⁵ < 2⁵³ at rank 8, so this line failed there.
+    update = lr.LowRankUpdate(terms=((5, 2**31 + 7), (6, -(2**32) + 5), (2**33, 2**30 + 1)), coeff=2.0**-60, rank=rank)
     assert sum(abs(w) for _, w in update.terms) * rank * lr.PRODUCT_MAX > lr._F64_EXACT
     fast, ref_cpu = _build(torch.float32, "cuda", True, rank), _build(torch.float32, "cpu", False, rank)
     for p in (fast, ref_cpu):
