@@ -221,14 +221,32 @@ def normalize(rewards: Sequence[float], method: str, per_task: Sequence[Sequence
     raise ValueError(f"unknown ES normalization {method!r}; choose zscore, rank or group")
 
 
-def replay(history: ESHistory, target: PolicyHost | FlatParams, start: int = 0, stop: int | None = None) -> None:
+def iteration_terms(history: ESHistory, record: IterationRecord) -> list[tuple[int, float]]:
+    """The terms `PolicyHost.update` takes for one iteration of `history`, in its noise mode.
+
+    Full-rank: `update_terms` (seed, coefficient). Low-rank: `lowrank.to_terms` of the iteration's
+    `LowRankUpdate` (a (−1, coefficient) head, then (seed, integer multiplier)); the host reads them
+    by its `PerturbationSpec.noise`. Both are lists of (int, float) pairs, so they cross every wire.
+    """
+    if history.perturbation == "lowrank":
+        if history.rank is None:
+            raise ValueError("a low-rank ES history needs its rank")
+        members = member_seeds(record, history.antithetic)
+        return lowrank.to_terms(lowrank.update_for(members, record.z, history.alpha, history.rank))
+    return update_terms(record, history.antithetic, history.alpha)
+
+
+def replay(history: ESHistory, target: PolicyHost | FlatParams | lowrank.LowRankParams, start: int = 0,
+           stop: int | None = None) -> None:
     """Apply the updates of iterations [start, stop) of `history` to `target` (θ_start → θ_stop):
-    a host (every copy of its weights) or one `FlatParams`."""
-    if history.perturbation != "full":
-        raise ValueError("this history used low-rank noise; replay it with vrl.optim.lowrank.replay")
+    a host (every copy of its weights), one `FlatParams` (full-rank) or one `LowRankParams` (low-rank)."""
+    if isinstance(target, FlatParams) and history.perturbation != "full":
+        raise ValueError("this history used low-rank noise; replay it onto LowRankParams or a host set up for es.noise=lowrank")
+    if isinstance(target, lowrank.LowRankParams) and history.perturbation != "lowrank":
+        raise ValueError("this history used full-rank noise; replay it onto FlatParams or a host set up for es.noise=full")
     with torch.no_grad():
         for record in history.iterations[start:stop]:
-            target.update(update_terms(record, history.antithetic, history.alpha))
+            target.update(iteration_terms(history, record))
 
 
 # -- the optimizer ------------------------------------------------------------------------------------
@@ -256,9 +274,8 @@ class ES(Optimizer):
         """Have the host select the parameters and keep θ₀ (an fp32 master) of them; start the history."""
         super().setup(host)
         c = self.config
-        if c.noise != "full":
-            raise ValueError("es.noise=lowrank is not wired into the training loop yet (issue 14); use es.noise=full")
-        info = host.perturbations(PerturbationSpec(tuple(c.include), tuple(c.exclude), c.sigma))
+        rank = c.rank if c.noise == "lowrank" else 0
+        info = host.perturbations(PerturbationSpec(tuple(c.include), tuple(c.exclude), c.sigma, noise=c.noise, rank=rank))
         if c.snapshot_every and not info.exportable:
             raise ValueError(
                 f"es.snapshot_every needs the weights in this process, but {host.name} keeps them on its workers "
@@ -327,7 +344,7 @@ class ES(Optimizer):
             per_task = [_task_means(rs, task_ids) for rs in by_member]
         z = [round(v, Z_DECIMALS) + 0.0 for v in normalize(rewards, self.config.normalization, per_task)]
         record = IterationRecord(seed=self._variants[0].seed, z=z)
-        host.update(update_terms(record, self.config.antithetic, history.alpha))
+        host.update(iteration_terms(history, record))
         history.iterations.append(record)
         self._variants = None
         mean = sum(rewards) / n

@@ -146,6 +146,34 @@ def update_for(members: Sequence[tuple[int, int]], z: Sequence[float], alpha: fl
     return LowRankUpdate(terms, coeff, rank)
 
 
+COEFF_SEED = -1  # the head pair of `to_terms` (member seeds are never negative)
+
+
+def to_terms(update: LowRankUpdate) -> list[tuple[int, float]]:
+    """The update as `PolicyHost.update` terms: [(−1, coeff), (seed, float(mult)), ...] ([] when empty).
+
+    The same list-of-(int, float)-pairs shape as full-rank terms, so it crosses the host contract
+    and the Modal wire (JSON) unchanged; multipliers are integers below 2⁵³, exact as floats. The
+    rank is not in the terms: the host has it from its `PerturbationSpec`.
+    """
+    if not update:
+        return []
+    return [(COEFF_SEED, update.coeff), *((seed, float(w)) for seed, w in update.terms)]
+
+
+def from_terms(terms: Sequence[tuple[int, float]], rank: int) -> LowRankUpdate:
+    """The `LowRankUpdate` that `to_terms` wrote (a clear error for full-rank terms sent to a low-rank host)."""
+    if not terms:
+        return LowRankUpdate((), 0.0, rank)
+    (head, coeff), rest = terms[0], terms[1:]
+    if int(head) != COEFF_SEED or any(float(w) != int(w) for _, w in rest):
+        raise ValueError(
+            "these update terms are not low-rank terms (vrl.optim.lowrank.to_terms); a host set up for "
+            "es.noise=lowrank got full-rank terms"
+        )
+    return LowRankUpdate(tuple((int(s), int(w)) for s, w in rest), float(coeff), rank)
+
+
 def check_bound(terms: Sequence[tuple[int, int]], rank: int) -> None:
     """Refuse an update whose exact integer sum could leave int64's safe range (see `UPDATE_BOUND`)."""
     bound = sum(abs(w) for _, w in terms) * rank * PRODUCT_MAX
@@ -270,6 +298,14 @@ class LowRankParams:
     def names(self) -> list[str]:
         return self.flat.names
 
+    @property
+    def numel(self) -> int:
+        return self.flat.numel
+
+    @property
+    def dtype(self) -> str:
+        return self.flat.dtype
+
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         for g in self.flat.groups:
             yield from zip(g.names, g.master_views, g.weight_views)
@@ -290,8 +326,12 @@ class LowRankParams:
         """weights ← cast(θ), bit-exact."""
         self.flat.restore()
 
-    def update(self, update: LowRankUpdate) -> None:
-        """θ ← θ + coeff·Σ multₜ·aₜ·bₜᵀ (exact integer sum, one fp32 multiply and add); weights ← cast(θ)."""
+    def update(self, update: LowRankUpdate | Sequence[tuple[int, float]]) -> None:
+        """θ ← θ + coeff·Σ multₜ·aₜ·bₜᵀ (exact integer sum, one fp32 multiply and add); weights ← cast(θ).
+
+        `update` is a `LowRankUpdate` or its `to_terms` form (what a host's `update(terms)` gets)."""
+        if not isinstance(update, LowRankUpdate):
+            update = from_terms(update, self.rank)
         if update.rank != self.rank:
             raise ValueError(f"update has rank {update.rank}, these parameters rank {self.rank}")
         if not update:
