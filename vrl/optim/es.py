@@ -10,7 +10,9 @@ One iteration, read top to bottom in `ES`:
    convention: 1/σ folded into α; default α = σ/2).
 
 θ is an fp32 master copy of the selected parameters, kept by the host (`PolicyHost.perturbations`)
-next to the weights it samples from, on every copy; ES only sends it seeds and coefficients. Noise is never stored: ε is a pure function of (seed, parameter name,
+next to the weights it samples from, on every copy; ES only sends it seeds and coefficients
+(`iteration_terms`; with es.noise=lowrank, ε is replaced by the low-rank σ·A·Bᵀ/√r of
+`vrl.optim.lowrank` and the terms carry integer multipliers). Noise is never stored: ε is a pure function of (seed, parameter name,
 element index) (`vrl.optim.noise`), identical on CPU and GPU. The whole training state is therefore
 the base model reference plus the list of (seed, z) per iteration: `es_history.json` in the run
 directory. `replay` rebuilds θ_t from θ₀ bit for bit; optional snapshots every K iterations bound the
@@ -78,7 +80,7 @@ class ESConfig(BaseModel):
         "full",
         description="'full': every selected weight gets its own noise (members run one after another); 'lowrank': "
         "each selected linear-layer matrix gets σ·A·Bᵀ/√r (EGGROLL), so all members share the base weights "
-        "and can run as one batch.",
+        "and run as one batch (generator.backend=hf only for now).",
     )
     rank: int = Field(
         8, ge=1, le=lowrank.MAX_RANK, description="Rank r of each member's perturbation A·Bᵀ (with noise=lowrank)."
