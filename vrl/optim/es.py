@@ -428,7 +428,8 @@ class ES(Optimizer):
     def describe(self) -> dict[str, Any]:
         c = self.config
         return {"optimizer": self.name, "population_size": c.population_size, "sigma": c.sigma, "alpha": c.step_size,
-                "normalization": c.normalization, "antithetic": c.antithetic}
+                "normalization": c.normalization, "antithetic": c.antithetic, "noise": c.noise,
+                **({"rank": c.rank} if c.noise == "lowrank" else {})}
 
 
 def _task_means(results: Sequence[Result], task_ids: Sequence[str]) -> list[float]:
