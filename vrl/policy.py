@@ -102,7 +102,11 @@ class PolicyHost(ABC):
         raise Unsupported(f"{self.name} cannot apply seeded perturbations")
 
     def update(self, terms: Sequence[tuple[int, float]]) -> None:
-        """θ ← θ + Σⱼ cⱼ·s(seedⱼ) on every copy (`s`: the integer noise of `vrl.optim.noise`)."""
+        """θ ← θ + Σⱼ cⱼ·s(seedⱼ) on every copy (`s`: the integer noise of `vrl.optim.noise`).
+
+        With `PerturbationSpec.noise == "lowrank"` the same list of pairs carries a low-rank update
+        (`vrl.optim.lowrank.to_terms`: a (−1, coefficient) head, then (seed, integer multiplier)).
+        """
         raise Unsupported(f"{self.name} cannot apply seeded updates")
 
     def state(self) -> dict[str, Any]:

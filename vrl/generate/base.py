@@ -18,7 +18,8 @@ class Generator(PolicyHost):
 
     Backends implement `stream` (sample the weights as they are now) and `_perturbable` (the
     object that perturbs, restores and updates their weights: `FlatParams` for an in-process
-    module, `EngineParams` inside a vLLM engine); `sample` runs each variant in turn on them.
+    module, `EngineParams` inside a vLLM engine, `LowRankParams` for es.noise=lowrank on hf);
+    `sample` runs each variant in turn on them (the hf backend batches low-rank members instead).
     """
 
     name = "generator"
@@ -65,8 +66,7 @@ class Generator(PolicyHost):
 
     # -- seeded perturbations ---------------------------------------------------------------------
     def perturbations(self, spec: PerturbationSpec) -> WeightsInfo:
-        if spec.noise != "full":
-            raise Unsupported(f"{self.name} applies full-rank perturbations only (es.noise={spec.noise!r})")
+        # The backend's `_perturbable` refuses a noise mode it does not support (Unsupported).
         self._params, self._spec = self._perturbable(spec), spec
         return WeightsInfo(tuple(self._params.names), int(self._params.numel), self._params.dtype)
 

@@ -15,7 +15,7 @@ import torch
 
 from vrl.generate.base import Generator, cut_at_stop, shard_seed, tokens_covering
 from vrl.optim.params import FlatParams, select_parameters
-from vrl.policy import PerturbationSpec, Trainable
+from vrl.policy import PerturbationSpec, Trainable, Variant
 from vrl.types import Completion, Prompt, Task
 
 TINY = "tiny"
@@ -110,7 +110,12 @@ class HFGenerator(Generator):
         return next(self.model.parameters()).device
 
     # -- how optimizers move the weights ------------------------------------------------------------
-    def _perturbable(self, spec: PerturbationSpec) -> FlatParams:
+    def _perturbable(self, spec: PerturbationSpec) -> Any:
+        if spec.noise == "lowrank":
+            from vrl.optim.lowrank import LowRankParams, select_linear
+
+            self._layers = select_linear(self.model, spec.include, spec.exclude)
+            return LowRankParams(FlatParams([(n, m.weight) for n, m in self._layers]), spec.rank)
         return FlatParams(select_parameters(self.model, spec.include, spec.exclude))
 
     def trainable(self) -> Trainable:
@@ -135,6 +140,23 @@ class HFGenerator(Generator):
             for name, t in weights.items():
                 own[name].copy_(t)
 
+    def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
+               ) -> Iterator[list[Completion]]:
+        """Unperturbed and full-rank variants in turn (`Generator.sample`); with es.noise=lowrank, all
+        seeded variants of the call in one batch per prompt batch (`lowrank.population`)."""
+        members = [v for v in variants if v.seed is not None]
+        if self._params is None or self._spec.noise != "lowrank" or not members:
+            yield from super().sample(tasks, variants, seed)
+            return
+        yield from super().sample(tasks, [v for v in variants if v.seed is None], seed)
+        if any(v.sign not in (1, -1) for v in members):
+            raise ValueError(f"variant signs must be +1 or -1, got {[v.sign for v in members]}")
+        if seed is None:  # still one seed for the whole call, so members share their random numbers
+            seed = int(torch.randint(0, 2**31 - 1, ()).item())
+        size = self.sampling.batch_size
+        for start in range(0, len(tasks), size):
+            yield self._generate_population(tasks[start : start + size], start, members, seed)
+
     def stream(
         self, tasks: Sequence[Task], n: int = 1, variant: int = 0, seed: int | None = None
     ) -> Iterator[list[Completion]]:
@@ -142,24 +164,73 @@ class HFGenerator(Generator):
         for start in range(0, len(tasks), size):
             yield self._generate_batch(tasks[start : start + size], n, variant, shard_seed(seed, start, n))
 
-    @torch.inference_mode()
-    def _generate_batch(self, tasks: Sequence[Task], n: int, variant: int, seed: int | None) -> list[Completion]:
+    def _encode(self, tasks: Sequence[Task]) -> Any:
+        texts = [render_prompt(self.tokenizer, t.prompt) for t in tasks]
+        return self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+
+    def _generate_kwargs(self, sample: bool) -> dict[str, Any]:
         s, tok = self.sampling, self.tokenizer
-        texts = [render_prompt(tok, t.prompt) for t in tasks]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        # n rows per prompt (rather than num_return_sequences, which greedy decoding refuses).
-        rows = {k: v.repeat_interleave(n, dim=0) for k, v in enc.items()}
         kwargs: dict[str, Any] = dict(
             max_new_tokens=s.max_new_tokens,
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
         )
-        if s.temperature > 0:
+        if sample:
             kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if s.stop:
             kwargs.update(stop_strings=list(s.stop), tokenizer=tok)
+        return kwargs
+
+    @torch.inference_mode()
+    def _generate_population(self, tasks: Sequence[Task], start: int, members: Sequence[Variant], seed: int
+                             ) -> list[Completion]:
+        """Every member on `tasks` (positions start, start+1, ... of the call) in one `model.generate`.
+
+        Rows are member-major (member, task, sample). Row (v, i, j) samples with its own generator
+        seeded `seed + (start + i)·n_v + j` (`_RowSampler`), so what a row draws does not depend on
+        which other rows share the batch: a pool of engines, each batching its share of the
+        members, samples what one engine does (up to floating-point effects of the batch shape on
+        the logits). Members share the per-(task, sample) random numbers, as full-rank members do.
+        """
+        from vrl.optim.lowrank import population
+
+        enc = self._encode(tasks)
+        rows, row_member, row_seeds, meta = [], [], [], []
+        for p, v in enumerate(members):
+            for i in range(len(tasks)):
+                for j in range(v.samples_per_task):
+                    rows.append(i)
+                    row_member.append(p)
+                    row_seeds.append(seed + (start + i) * v.samples_per_task + j)
+                    meta.append((v.index, i, j))
+        index = torch.tensor(rows, device=self.device)
+        batch = {k: t.index_select(0, index) for k, t in enc.items()}
+        sampling = self.sampling.temperature > 0
+        kwargs = self._generate_kwargs(False)  # greedy over the row sampler's Gumbel-perturbed scores
+        if sampling:
+            from transformers import LogitsProcessorList
+
+            kwargs["logits_processor"] = LogitsProcessorList(
+                [_RowSampler(row_seeds, self.sampling.temperature, self.sampling.top_p, self.device)]
+            )
+        members_st = [(v.seed, v.sign) for v in members]
+        with population(self._layers, members_st, self._spec.sigma, self._spec.rank, row_member):
+            out = self.model.generate(**batch, **kwargs)
+        prompt_len = enc["input_ids"].shape[1]
+        completions = []
+        for row, (variant, i, j) in enumerate(meta):
+            prompt_ids = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
+            completions.append(self._completion(tasks[i], prompt_ids, out[row, prompt_len:].tolist(), variant, j))
+        return completions
+
+    @torch.inference_mode()
+    def _generate_batch(self, tasks: Sequence[Task], n: int, variant: int, seed: int | None) -> list[Completion]:
+        enc = self._encode(tasks)
+        # n rows per prompt (rather than num_return_sequences, which greedy decoding refuses).
+        rows = {k: v.repeat_interleave(n, dim=0) for k, v in enc.items()}
+        kwargs = self._generate_kwargs(self.sampling.temperature > 0)
         # transformers samples from torch's global RNG: hf engines of one process (a pool) take turns.
         with _GLOBAL_RNG, torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             if seed is not None:
@@ -196,3 +267,29 @@ class HFGenerator(Generator):
             prompt_token_ids=prompt_ids,
             token_ids=new_ids,
         )
+
+
+class _RowSampler:
+    """Samples each batch row from its own seeded generator (Gumbel-max), for greedy `generate`.
+
+    Scores are divided by the temperature and cut to the top-p nucleus (as transformers' warpers do,
+    keeping at least one token); adding independent Gumbel noise and taking the argmax then draws
+    from softmax of what is left. Each row's noise comes from a `torch.Generator` seeded with the
+    row's seed and advanced once per step, so a row's draws do not depend on the rest of the batch.
+    """
+
+    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, device: torch.device):
+        self.temperature, self.top_p, self.device = temperature, top_p, device
+        self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.to(torch.float64) / self.temperature
+        if self.top_p < 1.0:
+            ordered, order = scores.sort(dim=-1)
+            cut = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - self.top_p
+            cut[..., -1] = False
+            scores = scores.masked_fill(cut.scatter(1, order, cut), float("-inf"))
+        u = torch.stack([torch.rand(scores.shape[-1], generator=g, device=self.device, dtype=torch.float64)
+                         for g in self.generators])
+        gumbel = -torch.log(-torch.log(u.clamp(min=1e-300)))
+        return scores + gumbel

@@ -204,6 +204,11 @@ class VLLMGenerator(Generator):
         return Trainable(self.model, self.tokenizer, self.sampling)
 
     def _perturbable(self, spec: PerturbationSpec) -> EngineParams:
+        if spec.noise != "full":
+            raise Unsupported(
+                "es.noise=lowrank runs on the hf backend for now; the vLLM LoRA-slot path is not built yet "
+                "(set generator.backend=hf or es.noise=full)"
+            )
         problem = _perturbation_problem(self.sleep, self.tensor_parallel_size)
         if problem:
             raise Unsupported(problem)

@@ -10,7 +10,9 @@ One iteration, read top to bottom in `ES`:
    convention: 1/σ folded into α; default α = σ/2).
 
 θ is an fp32 master copy of the selected parameters, kept by the host (`PolicyHost.perturbations`)
-next to the weights it samples from, on every copy; ES only sends it seeds and coefficients. Noise is never stored: ε is a pure function of (seed, parameter name,
+next to the weights it samples from, on every copy; ES only sends it seeds and coefficients
+(`iteration_terms`; with es.noise=lowrank, ε is replaced by the low-rank σ·A·Bᵀ/√r of
+`vrl.optim.lowrank` and the terms carry integer multipliers). Noise is never stored: ε is a pure function of (seed, parameter name,
 element index) (`vrl.optim.noise`), identical on CPU and GPU. The whole training state is therefore
 the base model reference plus the list of (seed, z) per iteration: `es_history.json` in the run
 directory. `replay` rebuilds θ_t from θ₀ bit for bit; optional snapshots every K iterations bound the
@@ -32,6 +34,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vrl.optim import lowrank
 from vrl.optim import noise as nz
 from vrl.optim.base import Optimizer
 from vrl.optim.params import FlatParams, select_parameters  # noqa: F401 - re-exported
@@ -73,11 +76,22 @@ class ESConfig(BaseModel):
     snapshot_every: int = Field(
         0, ge=0, description="Write the fp32 weights every K iterations so resume replays at most K; 0: never."
     )
+    noise: Literal["full", "lowrank"] = Field(
+        "full",
+        description="'full': every selected weight gets its own noise (members run one after another); 'lowrank': "
+        "each selected linear-layer matrix gets σ·A·Bᵀ/√r (EGGROLL), so all members share the base weights "
+        "and run as one batch (generator.backend=hf only for now).",
+    )
+    rank: int = Field(
+        8, ge=1, le=lowrank.MAX_RANK, description="Rank r of each member's perturbation A·Bᵀ (with noise=lowrank)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ESConfig:
         if self.antithetic and self.population_size % 2:
             raise ValueError(f"antithetic sampling needs an even population_size, got {self.population_size}")
+        if self.noise == "full" and self.rank != type(self).model_fields["rank"].default:
+            raise ValueError("rank only applies to low-rank noise; set es.noise=lowrank or remove es.rank")
         if not self.include:
             raise ValueError("include must name at least one parameter pattern, e.g. ['*']")
         return self
@@ -122,6 +136,9 @@ class ESHistory(BaseModel):
     normalization: str
     include: list[str]
     exclude: list[str]
+    # es.noise and es.rank (histories written before low-rank ES lack them: full-rank)
+    perturbation: Literal["full", "lowrank"] = "full"
+    rank: int | None = None
     iterations: list[IterationRecord] = Field(default_factory=list)
 
     def to_json(self) -> str:
@@ -206,12 +223,32 @@ def normalize(rewards: Sequence[float], method: str, per_task: Sequence[Sequence
     raise ValueError(f"unknown ES normalization {method!r}; choose zscore, rank or group")
 
 
-def replay(history: ESHistory, target: PolicyHost | FlatParams, start: int = 0, stop: int | None = None) -> None:
+def iteration_terms(history: ESHistory, record: IterationRecord) -> list[tuple[int, float]]:
+    """The terms `PolicyHost.update` takes for one iteration of `history`, in its noise mode.
+
+    Full-rank: `update_terms` (seed, coefficient). Low-rank: `lowrank.to_terms` of the iteration's
+    `LowRankUpdate` (a (−1, coefficient) head, then (seed, integer multiplier)); the host reads them
+    by its `PerturbationSpec.noise`. Both are lists of (int, float) pairs, so they cross every wire.
+    """
+    if history.perturbation == "lowrank":
+        if history.rank is None:
+            raise ValueError("a low-rank ES history needs its rank")
+        members = member_seeds(record, history.antithetic)
+        return lowrank.to_terms(lowrank.update_for(members, record.z, history.alpha, history.rank))
+    return update_terms(record, history.antithetic, history.alpha)
+
+
+def replay(history: ESHistory, target: PolicyHost | FlatParams | lowrank.LowRankParams, start: int = 0,
+           stop: int | None = None) -> None:
     """Apply the updates of iterations [start, stop) of `history` to `target` (θ_start → θ_stop):
-    a host (every copy of its weights) or one `FlatParams`."""
+    a host (every copy of its weights), one `FlatParams` (full-rank) or one `LowRankParams` (low-rank)."""
+    if isinstance(target, FlatParams) and history.perturbation != "full":
+        raise ValueError("this history used low-rank noise; replay it onto LowRankParams or a host set up for es.noise=lowrank")
+    if isinstance(target, lowrank.LowRankParams) and history.perturbation != "lowrank":
+        raise ValueError("this history used full-rank noise; replay it onto FlatParams or a host set up for es.noise=full")
     with torch.no_grad():
         for record in history.iterations[start:stop]:
-            target.update(update_terms(record, history.antithetic, history.alpha))
+            target.update(iteration_terms(history, record))
 
 
 # -- the optimizer ------------------------------------------------------------------------------------
@@ -240,7 +277,8 @@ class ES(Optimizer):
         """Have the host select the parameters and keep θ₀ (an fp32 master) of them; start the history."""
         super().setup(host)
         c = self.config
-        info = host.perturbations(PerturbationSpec(tuple(c.include), tuple(c.exclude), c.sigma))
+        rank = c.rank if c.noise == "lowrank" else 0
+        info = host.perturbations(PerturbationSpec(tuple(c.include), tuple(c.exclude), c.sigma, noise=c.noise, rank=rank))
         if c.snapshot_every and not info.exportable:
             raise ValueError(
                 f"es.snapshot_every needs the weights in this process, but {host.name} keeps them on its workers "
@@ -256,6 +294,8 @@ class ES(Optimizer):
             normalization=c.normalization,
             include=list(c.include),
             exclude=list(c.exclude),
+            perturbation=c.noise,
+            rank=c.rank if c.noise == "lowrank" else None,
         )
         log.info("ES: %d tensors, %d parameters selected", len(info.names), info.numel)
 
@@ -307,7 +347,7 @@ class ES(Optimizer):
             per_task = [_task_means(rs, task_ids) for rs in by_member]
         z = [round(v, Z_DECIMALS) + 0.0 for v in normalize(rewards, self.config.normalization, per_task)]
         record = IterationRecord(seed=self._variants[0].seed, z=z)
-        host.update(update_terms(record, self.config.antithetic, history.alpha))
+        host.update(iteration_terms(history, record))
         history.iterations.append(record)
         self._variants = None
         mean = sum(rewards) / n
@@ -366,12 +406,14 @@ class ES(Optimizer):
                 "replayed_from": es.replayed_from}
 
     def _check_compatible(self, saved: ESHistory, current: ESHistory) -> None:
-        fields = ("base", "sigma", "alpha", "population_size", "antithetic", "normalization", "include", "exclude")
+        fields = ("base", "sigma", "alpha", "population_size", "antithetic", "normalization", "include", "exclude",
+                  "perturbation", "rank")
         for f in fields:
             if getattr(saved, f) != getattr(current, f):
+                setting = {"perturbation": "noise"}.get(f, f)
                 raise ValueError(
                     f"cannot resume: the run's ES history has {f}={getattr(saved, f)!r} but this run has "
-                    f"{getattr(current, f)!r}; resume with the recorded settings (es.{f} / model / generator)"
+                    f"{getattr(current, f)!r}; resume with the recorded settings (es.{setting} / model / generator)"
                 )
 
     def _save_snapshot(self, run_dir: Path) -> None:
@@ -406,7 +448,8 @@ class ES(Optimizer):
     def describe(self) -> dict[str, Any]:
         c = self.config
         return {"optimizer": self.name, "population_size": c.population_size, "sigma": c.sigma, "alpha": c.step_size,
-                "normalization": c.normalization, "antithetic": c.antithetic}
+                "normalization": c.normalization, "antithetic": c.antithetic, "noise": c.noise,
+                **({"rank": c.rank} if c.noise == "lowrank" else {})}
 
 
 def _task_means(results: Sequence[Result], task_ids: Sequence[str]) -> list[float]:

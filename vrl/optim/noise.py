@@ -93,8 +93,13 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
 
 
-def noise_int(keys: tuple[int, int], start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Integer noise s ∈ [-510, 510] (int32) for elements start .. start+count-1 of one tensor."""
+def noise_int(
+    keys: tuple[int, int] | tuple[torch.Tensor, torch.Tensor], start: int, count: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Integer noise s ∈ [-510, 510] (int32) for elements start .. start+count-1 of one tensor.
+
+    Keys may also be int64 tensors of shape (T, 1): then row t holds the noise of keys t (T streams at once).
+    """
     if start < 0 or start + count > MAX_NUMEL:
         raise ValueError(f"element indices must lie in [0, 2**32); got {start}..{start + count}")
     k1, k2 = keys

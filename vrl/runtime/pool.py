@@ -42,8 +42,9 @@ class HostPool(PolicyHost):
         k = len(self.hosts)
         work: list[list[tuple[Sequence[Task], list[Variant], int | None]]] = [[] for _ in range(k)]
         if len(variants) >= k or len(tasks) < 2:
-            for i, v in enumerate(variants):
-                work[i % k].append((tasks, [v], seed))
+            for h in range(k):  # one call per host with all its members (hf low-rank ES batches them)
+                if variants[h::k]:
+                    work[h].append((tasks, list(variants[h::k]), seed))
             return work
         # Fewer variants than hosts: each variant's tasks are split into contiguous shards.
         per_host = -(-len(tasks) // k)

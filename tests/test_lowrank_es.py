@@ -1,0 +1,237 @@
+"""Low-rank ES (es.noise=lowrank) end to end on the hf backend: the batched population sampler, the
+training loop, resume, replay, a pool of engines and the Modal worker body."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+
+from vrl.config import TrainConfig
+from vrl.envs.letters import LettersEnvironment
+from vrl.generate.hf import HFGenerator
+from vrl.optim import lowrank as lr
+from vrl.optim.es import ES, ESHistory, iteration_terms, replay, update_terms
+from vrl.policy import PerturbationSpec, Unsupported, Variant
+from vrl.rundir import RunDir
+from vrl.runtime.local import LocalRuntime
+from vrl.runtime.modal import workers
+from vrl.runtime.pool import HostPool
+from vrl.trainer import Trainer
+
+INCLUDE = ["model.layers.*proj.weight", "lm_head.weight"]  # attention/MLP projections and the (untied) output layer
+
+
+class RecordingRuntime(LocalRuntime):
+    """The local runtime, keeping the host it builds so the test can read the final weights."""
+
+    def policy(self, config: Any, moves=None):
+        self.built = super().policy(config, moves)
+        return self.built
+
+
+def _config(tmp_path: Path, name: str, iterations: int, engines: int = 1, **es: Any) -> TrainConfig:
+    return TrainConfig(
+        plugin="letters",
+        model="tiny",
+        iterations=iterations,
+        tasks_per_iteration=3,
+        seed=3,
+        sampling={"max_new_tokens": 4, "temperature": 1.0, "batch_size": 2},
+        generator={"device": "cpu", "dtype": "float32", "engines": engines},
+        logging={"runs_dir": str(tmp_path), "name": name, "samples_per_iteration": 100},
+        es={"population_size": 4, "sigma": 0.2, "alpha": 0.5, "noise": "lowrank", "rank": 2, "antithetic": True,
+            "include": INCLUDE, **es},
+    )
+
+
+def _train(config: TrainConfig, run_dir: RunDir | None = None, stop_after: int | None = None) -> tuple[dict, RecordingRuntime]:
+    def interrupt(metrics: dict[str, Any]) -> None:
+        if stop_after is not None and metrics["iteration"] + 1 == stop_after:
+            raise KeyboardInterrupt
+
+    runtime = RecordingRuntime()
+    trainer = Trainer(config, run_dir=run_dir, environment=LettersEnvironment(), runtime=runtime,
+                      console=Console(file=io.StringIO()), on_iteration=interrupt)
+    return trainer.run(), runtime
+
+
+def _weights(host: Any) -> dict[str, torch.Tensor]:
+    model = host.hosts[0].model if isinstance(host, HostPool) else host.model
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _host(sigma: float = 0.3, rank: int = 2, temperature: float = 1.0) -> HFGenerator:
+    from vrl.config import build
+
+    cfg = build({"plugin": "letters", "sampling": {"max_new_tokens": 5, "temperature": temperature, "batch_size": 2},
+                 "generator": {"device": "cpu", "dtype": "float32"}})
+    host = HFGenerator.from_config(cfg)
+    host.perturbations(PerturbationSpec(tuple(INCLUDE), (), sigma, noise="lowrank", rank=rank))
+    return host
+
+
+def _key(batches) -> list:
+    return sorted((c.variant, c.task_id, c.sample, c.text, tuple(c.token_ids)) for b in batches for c in b)
+
+
+MEMBERS = [Variant(index=0, seed=40, sign=1), Variant(index=1, seed=40, sign=-1),
+           Variant(index=2, seed=41, samples_per_task=2), Variant(index=3, seed=42)]
+
+
+# -- the batched sampler ----------------------------------------------------------------------------
+
+
+def test_hf_host_samples_all_lowrank_members_in_one_generate_per_prompt_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    host = _host()
+    tasks = LettersEnvironment().tasks()[:3]  # two prompt batches (batch_size 2)
+    calls: list[int] = []
+    generate = host.model.generate
+    monkeypatch.setattr(host.model, "generate", lambda **kw: calls.append(kw["input_ids"].shape[0]) or generate(**kw))
+    before = _weights(host)
+    got = [c for b in host.sample(tasks, [Variant(index=4), *MEMBERS], seed=9) for c in b]
+    # One call for the unperturbed variant per prompt batch, then one per prompt batch for all members:
+    # rows = Σ members' samples × prompts (5 × 2, then 5 × 1).
+    assert calls == [2, 1, 10, 5]
+    assert sorted((c.variant, c.task_id, c.sample) for c in got) == sorted(
+        (v.index, t.id, j) for v in [Variant(index=4), *MEMBERS] for t in tasks for j in range(v.samples_per_task))
+    by_member = {v.index: [c.token_ids for c in got if c.variant == v.index] for v in MEMBERS}
+    assert len({tuple(map(tuple, x)) for x in by_member.values()}) == len(MEMBERS)  # members differ
+    assert all(torch.equal(p, before[n]) for n, p in _weights(host).items())  # hooks only: θ untouched
+    assert not any(m._forward_hooks for m in host.model.modules())
+
+
+def test_lowrank_sampling_is_deterministic_and_independent_of_the_other_members() -> None:
+    """A member's rows draw from generators seeded by (seed, task position, sample), not by their batch:
+    the same call twice is identical, and each member alone (or the tasks split in shards) gives the
+    same completions as the whole population in one batch."""
+    host, tasks = _host(), LettersEnvironment().tasks()[:3]
+    whole = _key(host.sample(tasks, MEMBERS, seed=9))
+    assert whole == _key(host.sample(tasks, MEMBERS, seed=9))
+    assert whole != _key(host.sample(tasks, MEMBERS, seed=10))
+    alone = [c for v in MEMBERS for c in _key(host.sample(tasks, [v], seed=9))]
+    assert sorted(alone) == whole
+    # Shards sampled with `shard_seed` give what the whole task list gives (what a pool relies on).
+    from vrl.generate.base import shard_seed
+
+    v = MEMBERS[2]
+    shards = _key(host.sample(tasks[:2], [v], seed=9)) + _key(host.sample(tasks[2:], [v], seed=shard_seed(9, 2, 2)))
+    assert sorted(shards) == _key(host.sample(tasks, [v], seed=9))
+
+
+def test_greedy_lowrank_rows_follow_each_members_materialised_weights() -> None:
+    """Greedy decoding in one batch gives each member's tokens as its materialised weights θ + σ·A·Bᵀ/√r
+    do, decoded alone (the per-row logits match within fp32 rounding; see tests/test_lowrank.py)."""
+    host, tasks = _host(temperature=0.0), LettersEnvironment().tasks()[:2]
+    batched = _key(host.sample(tasks, MEMBERS[:2] + MEMBERS[3:], seed=1))
+    materialised = []
+    for v in MEMBERS[:2] + MEMBERS[3:]:
+        with host.applied(v):  # Generator.applied: LowRankParams.perturb writes the weights, then restores
+            materialised += _key([host.generate(tasks, n=1, variant=v.index, seed=1)])
+    assert batched == sorted(materialised)
+
+
+def test_lowrank_terms_round_trip_and_a_host_refuses_full_rank_terms() -> None:
+    upd = lr.update_for([(7, 1), (7, -1), (8, 1)], [0.5, -0.25, 0.1], alpha=0.3, rank=2)
+    terms = lr.to_terms(upd)
+    assert terms[0] == (lr.COEFF_SEED, upd.coeff)
+    wire = json.loads(json.dumps(terms))  # what ModalPolicy stores and the worker gets back
+    assert lr.from_terms([(int(s), float(c)) for s, c in wire], 2) == upd
+    assert lr.to_terms(lr.update_for([(7, 1)], [0.0], 0.3, 2)) == []
+    host = _host()
+    with pytest.raises(ValueError, match="not low-rank terms"):
+        host.update([(7, 0.01), (8, -0.02)])
+
+
+def test_vllm_refuses_lowrank_with_a_clear_message() -> None:
+    from vrl.generate.vllm import VLLMGenerator
+
+    gen = VLLMGenerator.__new__(VLLMGenerator)  # no engine needed: the refusal comes first
+    with pytest.raises(Unsupported, match="es.noise=lowrank runs on the hf backend"):
+        gen._perturbable(PerturbationSpec(("*",), (), 0.1, noise="lowrank", rank=4))
+
+
+# -- the training loop ------------------------------------------------------------------------------
+
+
+def test_vrl_train_lowrank_resumes_bit_exactly_and_replays_the_history(tmp_path: Path) -> None:
+    straight, rt_straight = _train(_config(tmp_path, "straight", 4))
+    assert straight["status"] == "finished"
+    first, _ = _train(_config(tmp_path, "resumed", 4), stop_after=2)
+    assert first["status"] == "interrupted" and first["iterations_completed"] == 2
+    second, rt_resumed = _train(_config(tmp_path, "resumed", 4), run_dir=RunDir.open(tmp_path / "resumed"))
+    assert second["status"] == "finished" and second["iterations_completed"] == 4
+
+    a, b = _weights(rt_straight.built), _weights(rt_resumed.built)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    history = ESHistory.read(tmp_path / "straight" / "es_history.json")
+    assert (history.perturbation, history.rank) == ("lowrank", 2)
+    assert any(z != 0 for r in history.iterations for z in r.z)
+    assert (tmp_path / "straight" / "es_history.json").read_text() == (tmp_path / "resumed" / "es_history.json").read_text()
+    fresh = _host(sigma=0.2)  # θ₀ of the same model
+    theta0 = _weights(fresh)
+    changed = {n for n in a if not torch.equal(a[n], theta0[n])}
+    assert changed and all(n.endswith("proj.weight") or n == "lm_head.weight" for n in changed)  # matrices only
+    # ES.load-style replay onto a fresh host: the history alone rebuilds θ₄ bit for bit.
+    replay(history, fresh)
+    assert all(torch.equal(p, a[n]) for n, p in _weights(fresh).items())
+    # ... and onto bare LowRankParams, in two pieces; the full-rank replay refuses a low-rank history.
+    model = _host(sigma=0.2).model
+    params = lr.LowRankParams.from_model(model, INCLUDE, [], 2)
+    replay(history, params, 0, 1)
+    replay(history, params, 1)
+    assert all(torch.equal(p, a[n]) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match="low-rank noise"):
+        replay(history, params.flat)
+    with pytest.raises(ValueError, match="full-rank noise"):
+        replay(history.model_copy(update={"perturbation": "full", "rank": None}), params)
+    # Full-rank terms are unchanged by this mode's existence (histories and replays stay bit-identical).
+    full = history.model_copy(update={"perturbation": "full", "rank": None})
+    assert iteration_terms(full, full.iterations[0]) == update_terms(full.iterations[0], True, full.alpha)
+
+
+def test_two_hf_engines_write_the_same_lowrank_run_as_one(tmp_path: Path) -> None:
+    rows = {}
+    for engines in (1, 2):
+        _train(_config(tmp_path, f"e{engines}", 2, engines=engines))
+        run = tmp_path / f"e{engines}"
+        samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+        rows[engines] = (
+            [{k: r[k] for k in ("reward_mean", "tokens")} for r in RunDir(run).metrics()],
+            sorted(json.dumps({**s, "verdict": {**s["verdict"], "elapsed_s": None}}, sort_keys=True) for s in samples),
+            ESHistory.read(run / "es_history.json").iterations,
+        )
+    assert rows[1] == rows[2]
+
+
+def test_modal_worker_body_replays_a_lowrank_update_list_like_the_local_host(tmp_path: Path) -> None:
+    """`workers.sample` (the Modal GPU worker), given the low-rank update list as JSON, samples each member
+    exactly as the local host holding θ_2 does with all members batched."""
+    config = _config(tmp_path, "run", 2)
+    _train(config)
+    history = ESHistory.read(tmp_path / "run" / "es_history.json")
+    updates = json.loads(json.dumps([iteration_terms(history, r) for r in history.iterations]))
+    es = config.es
+    spec = PerturbationSpec(tuple(es.include), tuple(es.exclude), es.sigma, noise="lowrank", rank=es.rank)
+    engine = {k: v for k, v in config.model_dump(mode="json").items() if k in ("model", "seed", "generator", "sampling")}
+    tasks = LettersEnvironment().tasks()[:3]
+    seed = random.Random(5).randrange(2**31)
+
+    host = HFGenerator.from_config(config)
+    lowrank_es = ES(config.es, seed=config.seed, base={"model": "tiny", "revision": None})
+    lowrank_es.setup(host)
+    lowrank_es.load(tmp_path / "run", 2)
+    expected = _key(host.sample(tasks, MEMBERS, seed=seed))
+    got = []
+    for v in MEMBERS:
+        out = workers.sample(workers.variant_to_wire(v), 0, len(tasks), config=engine, tasks=workers.tasks_to_wire(tasks),
+                             seed=seed, spec=workers.spec_to_wire(spec), updates=updates)
+        got.append([workers.completion_from_wire(c) for c in out])
+    assert len(workers._WARM.applied) == 2 and workers._WARM.spec == spec
+    assert _key(got) == expected
