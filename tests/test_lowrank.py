@@ -252,8 +252,8 @@ def test_replay_from_theta0_gives_the_live_weights_bit_for_bit(dtype: torch.dtyp
     history = ESHistory.model_validate_json(history.to_json())  # through the file format
     fresh_model, fresh = _params(dtype, rank=4)
     assert not all(_same_bits(fresh.state()[n], live.state()[n]) for n in live.names)
-    lr.replay(history, fresh, 0, 2)
-    lr.replay(history, fresh, 2)
+    replay(history, fresh, 0, 2)
+    replay(history, fresh, 2)
     assert all(_same_bits(fresh.state()[n], live.state()[n]) for n in live.names)
     live_w, fresh_w = _model_weights(model), _model_weights(fresh_model)
     assert all(_same_bits(live_w[n], fresh_w[n]) for n in live_w)
@@ -262,10 +262,10 @@ def test_replay_from_theta0_gives_the_live_weights_bit_for_bit(dtype: torch.dtyp
 def test_replay_refuses_a_history_of_the_other_mode() -> None:
     _, params = _params(rank=4)
     with pytest.raises(ValueError, match="rank 4"):
-        lr.replay(_history(8), params)
+        replay(_history(8), params)
     full = _history(4).model_copy(update={"perturbation": "full", "rank": None})
     with pytest.raises(ValueError, match="'full'"):
-        lr.replay(full, params)
+        replay(full, params)
     with pytest.raises(ValueError, match="low-rank noise"):
         replay(_history(4), params.flat)  # a low-rank history is never replayed as full-rank noise
 

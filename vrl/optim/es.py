@@ -245,7 +245,10 @@ def replay(history: ESHistory, target: PolicyHost | FlatParams | lowrank.LowRank
     if isinstance(target, FlatParams) and history.perturbation != "full":
         raise ValueError("this history used low-rank noise; replay it onto LowRankParams or a host set up for es.noise=lowrank")
     if isinstance(target, lowrank.LowRankParams) and history.perturbation != "lowrank":
-        raise ValueError("this history used full-rank noise; replay it onto FlatParams or a host set up for es.noise=full")
+        raise ValueError("this history used full-rank noise ('full'); replay it onto FlatParams or a host set up "
+                         "for es.noise=full")
+    if isinstance(target, lowrank.LowRankParams) and history.rank != target.rank:
+        raise ValueError(f"this history used rank {history.rank}; these parameters are low-rank with rank {target.rank}")
     with torch.no_grad():
         for record in history.iterations[start:stop]:
             target.update(iteration_terms(history, record))

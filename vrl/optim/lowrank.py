@@ -42,14 +42,11 @@ import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from vrl.optim import noise as nz
-
-if TYPE_CHECKING:  # vrl.optim.es imports this module; import it back only where used
-    from vrl.optim.es import ESHistory, FlatParams
+from vrl.optim.params import FlatParams
 
 log = logging.getLogger(__name__)
 
@@ -290,8 +287,6 @@ class LowRankParams:
     @classmethod
     def from_model(cls, model: torch.nn.Module, include: Sequence[str], exclude: Sequence[str], rank: int) -> LowRankParams:
         """θ for the model's selected linear weights (they move into flat buffers, as with full-rank ES)."""
-        from vrl.optim.es import FlatParams
-
         return cls(FlatParams([(n, m.weight) for n, m in select_linear(model, include, exclude)]), rank)
 
     @property
@@ -353,18 +348,6 @@ class LowRankParams:
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         self.flat.load_state(state)
-
-
-def replay(history: ESHistory, params: LowRankParams, start: int = 0, stop: int | None = None) -> None:
-    """Apply the updates of iterations [start, stop) of a low-rank `ESHistory` to `params`."""
-    from vrl.optim.es import member_seeds
-
-    if history.perturbation != "lowrank" or history.rank != params.rank:
-        raise ValueError(
-            f"history has noise={history.perturbation!r}, rank={history.rank}; these parameters are low-rank with rank {params.rank}"
-        )
-    for record in history.iterations[start:stop]:
-        params.update(update_for(member_seeds(record, history.antithetic), record.z, history.alpha, params.rank))
 
 
 # -- the population as one batch (hf backend) ------------------------------------------------------
