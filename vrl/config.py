@@ -151,15 +151,6 @@ class RuntimeConfig(_Section):
     orchestrator_gpu: str | None = Field(
         None, description="GPU for the detached orchestrator (GRPO trains there); None: CPU only (ES needs none)."
     )
-    @field_validator("kind")
-    @classmethod
-    def _known_kind(cls, value: str) -> str:
-        from vrl.runtime import RUNTIMES
-
-        if value not in RUNTIMES:
-            raise ValueError(f"Input should be {' or '.join(map(repr, RUNTIMES))}")
-        return value
-
     verify_in: Literal["sandbox", "local"] = Field(
         "sandbox", description="'sandbox': verifiers run in Modal Sandboxes; 'local': in the orchestrator process."
     )
@@ -174,6 +165,20 @@ class RuntimeConfig(_Section):
         600.0, gt=0, description="How long a sandbox may take to become healthy (a Lean server imports Mathlib)."
     )
     block_network: bool = Field(True, description="Verifier sandboxes get no network (model-written code runs there).")
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, value: str) -> str:
+        from vrl.runtime import RUNTIMES
+
+        return _one_of(value, RUNTIMES)
+
+
+def _one_of(value: str, registry: dict[str, str]) -> str:
+    """`value` if it names an entry of `registry` (an update rule, a runtime); else the choices."""
+    if value not in registry:
+        raise ValueError(f"Input should be {' or '.join(map(repr, registry))}")
+    return value
 
 
 class LoggingConfig(_Section):
@@ -230,9 +235,7 @@ class _RunConfig(_Section):
     @field_validator("optimizer")
     @classmethod
     def _known_optimizer(cls, value: str) -> str:
-        if value not in OPTIMIZERS:
-            raise ValueError(f"Input should be {' or '.join(map(repr, OPTIMIZERS))}")
-        return value
+        return _one_of(value, OPTIMIZERS)
 
     @model_validator(mode="after")
     def _check_plugin(self) -> _RunConfig:
