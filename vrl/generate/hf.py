@@ -218,12 +218,7 @@ class HFGenerator(Generator):
         members_st = [(v.seed, v.sign) for v in members]
         with population(self._layers, members_st, self._spec.sigma, self._spec.rank, row_member):
             out = self.model.generate(**batch, **kwargs)
-        prompt_len = enc["input_ids"].shape[1]
-        completions = []
-        for row, (variant, i, j) in enumerate(meta):
-            prompt_ids = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
-            completions.append(self._completion(tasks[i], prompt_ids, out[row, prompt_len:].tolist(), variant, j))
-        return completions
+        return self._completions(tasks, enc, out, meta)
 
     @torch.inference_mode()
     def _generate_batch(self, tasks: Sequence[Task], n: int, variant: int, seed: int | None) -> list[Completion]:
@@ -236,12 +231,16 @@ class HFGenerator(Generator):
             if seed is not None:
                 torch.manual_seed(seed)
             out = self.model.generate(**rows, **kwargs)
+        return self._completions(tasks, enc, out, [(variant, *divmod(row, n)) for row in range(out.shape[0])])
+
+    def _completions(self, tasks: Sequence[Task], enc: Any, out: torch.Tensor, rows: Sequence[tuple[int, int, int]]
+                     ) -> list[Completion]:
+        """One completion per output row; `rows[r]` is (variant, task index, sample) of row r."""
         prompt_len = enc["input_ids"].shape[1]
         completions = []
-        for row in range(out.shape[0]):
-            task_index, sample = divmod(row, n)
-            prompt_ids = enc["input_ids"][task_index][enc["attention_mask"][task_index].bool()].tolist()
-            completions.append(self._completion(tasks[task_index], prompt_ids, out[row, prompt_len:].tolist(), variant, sample))
+        for row, (variant, i, j) in enumerate(rows):
+            prompt_ids = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
+            completions.append(self._completion(tasks[i], prompt_ids, out[row, prompt_len:].tolist(), variant, j))
         return completions
 
     def _completion(self, task: Task, prompt_ids: list[int], new_ids: list[int], variant: int, sample: int) -> Completion:

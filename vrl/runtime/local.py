@@ -40,7 +40,6 @@ class LocalRuntime(Runtime):
                 path = config.model
                 if path == "tiny":  # written once for every engine
                     cleanup = path = save_tiny(tempfile.mkdtemp(prefix="vrl-tiny-"))
-                VLLMGenerator.check(config, moves)  # before any engine starts
                 for gpu in placement:
                     hosts.append(VLLMGenerator.from_config(
                         config, moves, gpu=gpu, memory_fraction=g.gpu_memory_utilization / sharing[gpu],
