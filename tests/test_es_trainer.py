@@ -103,7 +103,7 @@ def test_worker_body_reproduces_the_loops_members_from_the_update_list(tmp_path:
     updates = [update_terms(r, history.antithetic, history.alpha) for r in history.iterations]
     es = config.es
     spec = workers.spec_to_wire(PerturbationSpec(tuple(es.include), tuple(es.exclude), es.sigma))
-    engine = {k: v for k, v in config.model_dump(mode="json").items() if k in ("model", "seed", "generator", "sampling")}
+    engine = workers.engine_config(config)
     record = history.iterations[iteration]
 
     def member(index: int, sign: int, upto: int, seed: int = sample_seed) -> list[dict]:

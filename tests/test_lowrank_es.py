@@ -219,7 +219,7 @@ def test_modal_worker_body_replays_a_lowrank_update_list_like_the_local_host(tmp
     updates = json.loads(json.dumps([iteration_terms(history, r) for r in history.iterations]))
     es = config.es
     spec = PerturbationSpec(tuple(es.include), tuple(es.exclude), es.sigma, noise="lowrank", rank=es.rank)
-    engine = {k: v for k, v in config.model_dump(mode="json").items() if k in ("model", "seed", "generator", "sampling")}
+    engine = workers.engine_config(config)
     tasks = LettersEnvironment().tasks()[:3]
     seed = random.Random(5).randrange(2**31)
 

@@ -73,7 +73,7 @@ def test_es_run_on_modal_bodies_matches_the_local_runtime(tmp_path):
 
 
 def _worker_call(worker, variant, tasks, cfg, seed, spec=None, updates=None, weights=None, start=0, stop=None):
-    engine = {k: v for k, v in cfg.model_dump(mode="json").items() if k in ("model", "seed", "generator", "sampling")}
+    engine = workers.engine_config(cfg)
     out = worker.sample.local(workers.variant_to_wire(variant), start, len(tasks) if stop is None else stop,
                               config=engine, tasks=workers.tasks_to_wire(tasks), seed=seed,
                               spec=workers.spec_to_wire(spec), updates=updates, weights=weights)

@@ -481,7 +481,7 @@ def test_modal_worker_body_on_vllm_equals_the_local_vllm_host(model_dir, es_gen)
         for terms in updates:
             local.update(terms)
         local.sampling = cfg.sampling
-        engine_cfg = {k: v for k, v in cfg.model_dump(mode="json").items() if k in ("model", "seed", "generator", "sampling")}
+        engine_cfg = workers.engine_config(cfg)
         for v in _members(3):
             got = workers.sample(workers.variant_to_wire(v), 0, len(tasks()), config=engine_cfg,
                                  tasks=workers.tasks_to_wire(tasks()), seed=9, spec=workers.spec_to_wire(spec),

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vrl.optim import optimizer_class
+from vrl.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,8 @@ def export_run(run: str | Path, out: str | Path, device: str = "auto") -> dict[s
 def _check_run(run: Path) -> tuple[dict[str, Any], int]:
     if not is_run_dir(run):
         raise ExportError(f"{run} is not a vrl run directory (no config.json with plugin, optimizer and model)")
-    state = run / "state.json"
-    finished = json.loads(state.read_text())["iteration"] if state.is_file() else 0
+    run_dir = RunDir(run)
+    finished = run_dir.completed_iterations()
     if finished < 1:
         raise ExportError(f"{run} has no finished iteration yet; train it first (`vrl train --resume {run}`)")
-    return json.loads((run / "config.json").read_text()), finished
+    return run_dir.config(), finished

@@ -26,7 +26,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from vrl.config import dump
 from vrl.policy import Moves, PerturbationSpec, PolicyHost, Trainable, Unsupported, Variant, WeightsInfo
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.runtime.modal import workers
@@ -121,7 +120,7 @@ class ModalPolicy(PolicyHost):
         if any(v.seed is not None for v in variants) and self.spec is None:
             raise RuntimeError("seeded variants need perturbations(spec) first")
         shared = {
-            "config": self._engine_config(),
+            "config": workers.engine_config(self.config),
             "tasks": workers.tasks_to_wire(tasks),
             "seed": seed,
             "spec": workers.spec_to_wire(self.spec),
@@ -138,11 +137,6 @@ class ModalPolicy(PolicyHost):
         self.calls += len(argsets)
         for out in self.caller.imap(self.worker.sample, argsets, shared):
             yield [workers.completion_from_wire(c) for c in out]
-
-    def _engine_config(self) -> dict[str, Any]:
-        # What the worker builds its host from; runtime and logging do not concern it.
-        data = dump(self.config)
-        return {k: data[k] for k in ("model", "seed", "generator", "sampling")}
 
     # -- seeded perturbations: the workers replay the update list ----------------------------------
     def perturbations(self, spec: PerturbationSpec) -> WeightsInfo:

@@ -86,6 +86,15 @@ def spec_from_wire(data: dict[str, Any] | None) -> PerturbationSpec | None:
     return PerturbationSpec(**{**data, "include": tuple(data["include"]), "exclude": tuple(data["exclude"])})
 
 
+def engine_config(config: Any) -> dict[str, Any]:
+    """What a worker builds its host from: the run's model, seed, generator and sampling sections
+    (JSON); runtime and logging do not concern it."""
+    from vrl.config import dump
+
+    data = dump(config)
+    return {k: data[k] for k in ("model", "seed", "generator", "sampling")}
+
+
 # -- the GPU worker's one method: sample variants of the weights ---------------------------------
 
 
