@@ -294,10 +294,8 @@ def export(run, out, device) -> None:
     """
     from vrl.export import export_run
 
-    try:
+    with _checking_input():  # not a run, no finished iteration, --out taken: the user's to fix
         info = export_run(run, out, device=device)
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
-        _fail(str(exc))
     console.print(f"wrote {info['out']}: {info['optimizer']} after iteration {info['iteration']} of {run} "
                   f"(base {info['base_model']}{', LoRA merged' if info.get('lora') else ''})")
 
@@ -428,10 +426,8 @@ def prepare(model, revision, secrets, overrides) -> None:
     with _checking_input():
         cfg = _resolve_config(None, {"model": model, "runtime.kind": "modal",
                                      "runtime.secrets": list(secrets) or None}, overrides, ())
-    try:
+    with _checking_input():  # Modal's own refusals (no token, no such model) are the user's to fix
         info = run_prepare(cfg, model, revision)
-    except (RuntimeError, ValueError) as exc:  # Modal's own refusals (no token, no such model) are the user's to fix
-        raise UsageError(str(exc)) from exc
     console.print(f"{model}: {len(info['files'])} files, {info['bytes'] / 1e9:.2f} GB on Volume "
                   f"{cfg.runtime.volume!r} ({'downloaded' if info['downloaded'] else 'already there'})")
 
@@ -444,10 +440,8 @@ def modal_resume(name, iterations, volume) -> None:
     """Continue a detached run on Modal from its run directory on the Volume (runs/NAME)."""
     from vrl.runtime.modal.launch import resume_detached
 
-    try:
+    with _checking_input():  # no account, no such run: the user's to fix
         call, cfg = resume_detached(name, volume=volume, iterations=iterations)
-    except (RuntimeError, ValueError, FileNotFoundError) as exc:  # no account, no such run: the user's to fix
-        raise UsageError(str(exc)) from exc
     console.print(f"detached run {name!r} resumed on Modal up to iteration {cfg.iterations} (call {call}); "
                   f"its run directory is runs/{name} on the Volume {volume!r}")
 
