@@ -14,3 +14,24 @@ def _fresh_registry():
     registry.cache_clear()
     yield
     registry.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def small_qwen2_dir(tmp_path_factory):
+    """A 2-layer Qwen2 (hidden 256, untied lm_head) with random weights and the byte tokenizer of
+    `vrl.generate.tiny`, saved for engines to load (the vLLM GPU tests)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from vrl.generate import tiny
+
+    path = tmp_path_factory.mktemp("qwen2-small")
+    cfg = Qwen2Config(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=False, bos_token_id=256, eos_token_id=256, pad_token_id=256,
+                      initializer_range=0.05)  # sharper logits than the default: fewer near-ties in greedy
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = 256
+    model.save_pretrained(path)
+    tiny.build_tokenizer().save_pretrained(path)
+    return str(path)

@@ -149,12 +149,69 @@ def test_lowrank_terms_round_trip_and_a_host_refuses_full_rank_terms() -> None:
         host.update([(7, 0.01), (8, -0.02)])
 
 
-def test_vllm_refuses_lowrank_with_a_clear_message() -> None:
+def test_a_vllm_engine_without_lora_slots_refuses_lowrank_with_the_fix() -> None:
     from vrl.generate.vllm import VLLMGenerator
 
-    gen = VLLMGenerator.__new__(VLLMGenerator)  # no engine needed: the refusal comes first
-    with pytest.raises(Unsupported, match="es.noise=lowrank runs on the hf backend"):
+    gen = VLLMGenerator.__new__(VLLMGenerator)  # no engine needed: the refusal comes before any RPC
+    gen.sleep, gen.tensor_parallel_size, gen.model, gen.lora_slots = False, 1, None, 0
+    with pytest.raises(Unsupported, match=r"without LoRA slots.*needs"):
         gen._perturbable(PerturbationSpec(("*",), (), 0.1, noise="lowrank", rank=4))
+
+
+def test_es_asks_for_one_lora_slot_per_member_at_a_rank_vllm_accepts() -> None:
+    """ES declares its perturbations before engines start; the vllm engine gets LoRA slots for
+    low-rank members only, rank rounded up to one vLLM accepts (the unused rank stays zero)."""
+    from vrl.config import build
+    from vrl.generate.vllm import engine_kwargs
+    from vrl.optim import make_optimizer
+
+    cfg = build({"optimizer": "es", "es": {"noise": "lowrank", "rank": 4, "population_size": 12},
+                 "generator": {"backend": "vllm"}})
+    needs = make_optimizer(cfg).needs()
+    assert (needs.moves, needs.variants, needs.spec.noise, needs.spec.rank) == ("perturbations", 12, "lowrank", 4)
+    kw = engine_kwargs(cfg, "/m", needs)
+    assert (kw["enable_lora"], kw["max_loras"], kw["max_cpu_loras"], kw["max_lora_rank"]) == (True, 12, 12, 8)
+    assert engine_kwargs(build(cfg.model_dump(), {"es": {"rank": 16}}), "/m", make_optimizer(
+        build(cfg.model_dump(), {"es": {"rank": 16}})).needs())["max_lora_rank"] == 16
+    full = build({"optimizer": "es", "generator": {"backend": "vllm"}})
+    assert "enable_lora" not in engine_kwargs(full, "/m", make_optimizer(full).needs())
+    grpo = build({"optimizer": "grpo", "generator": {"backend": "vllm"}})
+    assert "enable_lora" not in engine_kwargs(grpo, "/m", make_optimizer(grpo).needs())
+    assert "enable_lora" not in engine_kwargs(cfg, "/m")  # eval: sampling only
+
+
+def test_lora_slices_place_each_weight_in_its_fused_slice_and_refuse_what_lora_cannot_serve() -> None:
+    from vrl.generate.vllm_worker import engine_layout, lora_slices
+
+    hf = {"model.layers.0.self_attn.q_proj.weight": [8, 4], "model.layers.0.self_attn.k_proj.weight": [2, 4],
+          "model.layers.0.self_attn.v_proj.weight": [2, 4], "model.layers.0.mlp.down_proj.weight": [4, 6],
+          "lm_head.weight": [10, 4]}
+    engine = {"model.layers.0.self_attn.qkv_proj.weight": [12, 4], "model.layers.0.mlp.down_proj.weight": [4, 6],
+              "lm_head.weight": [16, 4]}
+    layout = engine_layout(hf, engine, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+    modules = {"model.layers.0.self_attn.qkv_proj": (8, 2, 2), "model.layers.0.mlp.down_proj": (4,)}
+    served = {n: s for n, s in layout.items() if not n.startswith("lm_head")}
+    slices = lora_slices(served, modules)
+    assert [(s.module.rsplit(".", 1)[-1], s.index) for s in slices.values()] == [
+        ("qkv_proj", 0), ("qkv_proj", 1), ("qkv_proj", 2), ("down_proj", 0)]
+    with pytest.raises(ValueError, match=r"does not serve 1 selected weight.*lm_head\.weight.*down_proj, qkv_proj.*es\.exclude"):
+        lora_slices(layout, modules)
+    # A slice whose rows do not match the weight's (another split of the fused tensor) is not guessed.
+    with pytest.raises(ValueError, match="k_proj"):
+        lora_slices(served, {**modules, "model.layers.0.self_attn.qkv_proj": (8, 4)})
+
+
+def test_lora_factors_multiply_to_the_member_perturbation() -> None:
+    """lora_b·lora_a equals σ·sign·A·Bᵀ/√r (exact fp32 factors; the two scale roundings differ < 2⁻¹⁴)."""
+    members = [(17, 1), (17, -1), (3, 1)]
+    la, lb = lr.lora_factors(members, "w", (6, 5), 4, 0.02)
+    assert la.shape == (3, 4, 5) and lb.shape == (3, 6, 4) and la.dtype == lb.dtype == torch.float32
+    for p, (seed, sign) in enumerate(members):
+        a, b = lr.factors(seed, "w", (6, 5), 4)
+        exact = sign * 0.02 * (a.double() @ b.double().T) / 2
+        got = lb[p].double() @ la[p].double()
+        assert (got - exact).abs().max() <= 2**-13 * exact.abs().max()
+    assert torch.equal(lb[0], -lb[1]) and torch.equal(la[0], la[1])  # antithetic: same factors, opposite sign
 
 
 # -- the training loop ------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from vrl.config import build
 from vrl.envs.letters import LettersEnvironment
 from vrl.generate.hf import HFGenerator
 from vrl.optim.es import ES, ESHistory, update_terms
-from vrl.policy import PerturbationSpec, Unsupported, Variant
+from vrl.policy import HostNeeds, PerturbationSpec, Unsupported, Variant
 from vrl.runtime.local import LocalRuntime
 from vrl.runtime.modal import workers
 from vrl.runtime.modal.app import build_app
@@ -136,7 +136,7 @@ def test_es_members_are_one_call_each_and_stream_as_they_finish(tmp_path):
 
     cfg = build(BASE, {"runtime": {"kind": "modal"}})
     runtime = modal_local(cfg, tmp_path)
-    policy = runtime.policy(cfg, "perturbations")
+    policy = runtime.policy(cfg, HostNeeds("perturbations"))
     es = ES(cfg.es, seed=cfg.seed, base={"model": "tiny", "revision": None})
     es.setup(policy)
     tasks = LettersEnvironment().tasks("train")[:2]
@@ -155,7 +155,7 @@ def test_es_members_are_one_call_each_and_stream_as_they_finish(tmp_path):
 def test_the_modal_policy_keeps_no_weights_and_refuses_snapshots(tmp_path):
     cfg = build(BASE, {"runtime": {"kind": "modal"}})
     runtime = ModalRuntime(cfg, app=build_app(cfg), execute="local")
-    policy = runtime.policy(cfg, "perturbations")
+    policy = runtime.policy(cfg, HostNeeds("perturbations"))
     with pytest.raises(RuntimeError, match="perturbations"):
         next(policy.sample(LettersEnvironment().tasks("train")[:1], [Variant(index=0, seed=1)]))
     es = ES(cfg.es, seed=cfg.seed, base={"model": "tiny", "revision": None})
@@ -165,7 +165,7 @@ def test_the_modal_policy_keeps_no_weights_and_refuses_snapshots(tmp_path):
         policy.state()
     snap = build(BASE, {"runtime": {"kind": "modal"}, "es": {"snapshot_every": 2}})
     with pytest.raises(ValueError, match="es.snapshot_every=0"):
-        ES(snap.es, base={"model": "tiny"}).setup(runtime.policy(snap, "perturbations"))
+        ES(snap.es, base={"model": "tiny"}).setup(runtime.policy(snap, HostNeeds("perturbations")))
     with pytest.raises(ValueError, match="each worker container is an engine"):
         runtime.policy(build(BASE, {"runtime": {"kind": "modal"}, "generator": {"engines": 2}}))
     runtime.close()
@@ -188,7 +188,7 @@ def test_grpo_shards_match_local_generation_before_and_after_publishing(tmp_path
     cfg = build(BASE, {"optimizer": "grpo", "logging": {"name": "g"}, "runtime": {"kind": "modal"},
                        "sampling": {"batch_size": 2, "max_new_tokens": 10}})
     runtime = modal_local(cfg, tmp_path)
-    policy = runtime.policy(cfg, "trained")
+    policy = runtime.policy(cfg, HostNeeds("trained"))
     trained = policy.trainable().model
     local = HFGenerator.from_config(cfg)
     tasks = LettersEnvironment().tasks("train")[:5]

@@ -23,29 +23,15 @@ pytestmark = [
 from vrl.config import SamplingConfig, build
 from vrl.generate.hf import HFGenerator, load_model_and_tokenizer
 from vrl.optim.es import ES, ESConfig, FlatParams, replay, select_parameters
+from vrl.policy import HostNeeds
 from vrl.types import Result, Task, Verdict
 
 PROMPTS = ["Hello there", "2 + 2 =", "def f(x):", "The quick brown fox", "Lean 4 theorem", "abc", "xyz 123", "Q:"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from vrl.generate import tiny
-
-    path = tmp_path_factory.mktemp("qwen2-small")
-    cfg = Qwen2Config(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=False, bos_token_id=256, eos_token_id=256, pad_token_id=256,
-                      initializer_range=0.05)  # sharper logits than the default: fewer near-ties in greedy
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg)
-    model.generation_config.eos_token_id = 256
-    model.generation_config.pad_token_id = 256
-    model.save_pretrained(path)
-    tiny.build_tokenizer().save_pretrained(path)
-    return str(path)
+def model_dir(small_qwen2_dir):
+    return small_qwen2_dir
 
 
 def tasks(k: int = len(PROMPTS)) -> list[Task]:
@@ -73,7 +59,7 @@ def trained_engine(cfg):
     """An engine whose weights GRPO trains: the HF copy (`trainable`) is loaded at once."""
     from vrl.generate import make_generator
 
-    gen = make_generator(cfg, "trained")
+    gen = make_generator(cfg, HostNeeds("trained"))
     gen.trainable()
     return gen
 
@@ -189,7 +175,7 @@ def es_gen(model_dir, grpo_gen):
     from vrl.generate import make_generator
 
     grpo_gen.close()  # one engine at a time
-    gen = make_generator(config(model_dir, optimizer="es", dtype="bfloat16"), "perturbations")
+    gen = make_generator(config(model_dir, optimizer="es", dtype="bfloat16"), HostNeeds("perturbations"))
     yield gen
     gen.close()
 
@@ -301,10 +287,11 @@ def test_lora_training_pushes_merged_weights(model_dir, es_gen):
 
 
 # -- the whole loop: `vrl train` on the vllm backend, then --resume ---------------------------------------
-@pytest.mark.parametrize("optimizer", ["es", "grpo"])
+@pytest.mark.parametrize("optimizer", ["es", "es-lowrank", "grpo"])
 def test_vrl_train_on_the_vllm_backend_and_resume(model_dir, es_gen, tmp_path, optimizer):
     """The CLI in a fresh process, as a user runs it: 2 iterations, then a resume to 3 (ES replays its
-    history inside a new engine; GRPO reloads its checkpoint and pushes it)."""
+    history inside a new engine, full-rank or low-rank with members in LoRA slots; GRPO reloads its
+    checkpoint and pushes it)."""
     import json
     import subprocess
     import sys
@@ -313,6 +300,9 @@ def test_vrl_train_on_the_vllm_backend_and_resume(model_dir, es_gen, tmp_path, o
     cli = [sys.executable, "-m", "vrl.cli", "train"]
     common = ["--set", "generator.enforce_eager=true", "--set", "generator.gpu_memory_utilization=0.2",
               "--set", "generator.max_model_len=1024"]  # countdown prompts: ~300 byte tokens
+    if optimizer == "es-lowrank":  # the model's lm_head is untied: vLLM's LoRA path does not serve it
+        optimizer, common = "es", [*common, "--set", "es.noise=lowrank", "--set", "es.rank=4",
+                                   "--set", 'es.exclude=["lm_head*"]']
     subprocess.run([*cli, "--model", model_dir, "--optimizer", optimizer, "--iterations", "2", "--name", "run",
                     "--set", f"logging.runs_dir={tmp_path}", "--set", "generator.backend=vllm", *common,
                     "--set", "tasks_per_iteration=4", "--set", "es.population_size=4",
@@ -413,8 +403,8 @@ def test_two_engines_on_one_gpu_sample_what_one_engine_samples(model_dir, es_gen
     spec = PerturbationSpec(("*",), ("*norm*",), 0.05)
     one_cfg = config(model_dir, optimizer="es", dtype="bfloat16", gpu_memory_utilization=0.15)
     pool_cfg = config(model_dir, optimizer="es", dtype="bfloat16", gpu_memory_utilization=0.3, engines=2)
-    one = make_generator(one_cfg, "perturbations")
-    pool = LocalRuntime().policy(pool_cfg, "perturbations")
+    one = make_generator(one_cfg, HostNeeds("perturbations"))
+    pool = LocalRuntime().policy(pool_cfg, HostNeeds("perturbations"))
     try:
         assert isinstance(pool, HostPool) and len(pool.hosts) == 2
         for h in (one, pool):
@@ -440,7 +430,7 @@ def test_two_engines_on_one_gpu_sample_what_one_engine_samples(model_dir, es_gen
 
     from vrl.optim.grpo import GRPO, GRPOConfig
 
-    grpo_pool = LocalRuntime().policy(config(model_dir, dtype="float32", gpu_memory_utilization=0.3, engines=2), "trained")
+    grpo_pool = LocalRuntime().policy(config(model_dir, dtype="float32", gpu_memory_utilization=0.3, engines=2), HostNeeds("trained"))
     try:
         for h in grpo_pool.hosts:
             h.sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, batch_size=4)
@@ -475,7 +465,7 @@ def test_modal_worker_body_on_vllm_equals_the_local_vllm_host(model_dir, es_gen)
     cfg = config(model_dir, optimizer="es", dtype="bfloat16", gpu_memory_utilization=0.15)
     spec = PerturbationSpec(("*",), ("*norm*",), 0.05)
     updates = [[(41, 0.003), (42, -0.002)], [(43, 0.001)]]
-    local = make_generator(cfg, "perturbations")
+    local = make_generator(cfg, HostNeeds("perturbations"))
     try:
         local.perturbations(spec)
         for terms in updates:

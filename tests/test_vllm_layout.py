@@ -22,6 +22,7 @@ from vrl.generate.base import Generator, cut_at_stop
 from vrl.generate.vllm import WORKER_EXTENSION, engine_kwargs, sampled_logprobs
 from vrl.generate.vllm_worker import EngineES, engine_layout, slot_views
 from vrl.optim.es import ES, ESConfig, FlatParams, IterationRecord, select_parameters, update_terms
+from vrl.policy import HostNeeds
 from vrl.runtime.local import LocalRuntime
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -213,15 +214,15 @@ def test_config_rejects_bad_vllm_values():
 def test_sleep_needs_grpo():
     cfg = build({"generator": {"backend": "vllm", "sleep": True}, "optimizer": "es"})
     with pytest.raises(ValueError, match="generator.sleep .* only helps optimizer=grpo"):
-        make_generator(cfg, "perturbations")  # raised before vLLM is imported: no engine, no GPU needed
+        make_generator(cfg, HostNeeds("perturbations"))  # raised before vLLM is imported: no engine, no GPU needed
     with pytest.raises(ValueError, match="generator.sleep .* only helps optimizer=grpo"):
-        LocalRuntime().policy(build(cfg.model_dump(), {"generator": {"engines": 2}}), "perturbations")
+        LocalRuntime().policy(build(cfg.model_dump(), {"generator": {"engines": 2}}), HostNeeds("perturbations"))
 
 
 def test_in_engine_es_refuses_tensor_parallel_before_starting_an_engine():
     cfg = build({"generator": {"backend": "vllm", "tensor_parallel_size": 2}, "optimizer": "es"})
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        make_generator(cfg, "perturbations")  # raised before vLLM is imported: no engine, no GPU needed
+        make_generator(cfg, HostNeeds("perturbations"))  # raised before vLLM is imported: no engine, no GPU needed
 
 
 def test_missing_vllm_or_gpu_is_a_clear_error():

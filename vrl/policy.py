@@ -31,8 +31,7 @@ from typing import Any, Literal
 from vrl.types import Completion, Task
 
 Moves = Literal["perturbations", "trained"]
-"""How an update rule moves the weights: seeded perturbations (ES) or trained weights (GRPO). A
-runtime gets it before placing hosts, so settings that cannot work are refused before an engine starts."""
+"""How an update rule moves the weights: seeded perturbations (ES) or trained weights (GRPO)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +53,20 @@ class PerturbationSpec:
     sigma: float
     noise: Literal["full", "lowrank"] = "full"
     rank: int = 0  # lowrank only
+
+
+@dataclass(frozen=True)
+class HostNeeds:
+    """What an update rule will ask of its hosts, known from the config before any engine starts.
+
+    A runtime gets it when it places hosts, so settings that cannot work are refused before an engine
+    starts, and engines are sized for the work (a vLLM engine serving low-rank members reserves one
+    LoRA slot per member, up to `variants`).
+    """
+
+    moves: Moves
+    spec: PerturbationSpec | None = None  # the perturbations it will declare (seeded perturbations)
+    variants: int = 1  # the most variants one `sample` call may carry
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,7 @@ class Trainer:
         sinks = self.sinks
         try:
             optimizer = make_optimizer(cfg)
-            policy = self.runtime.policy(cfg, optimizer.moves)
+            policy = self.runtime.policy(cfg, optimizer.needs())
             optimizer.setup(policy)
             if self.start_iteration:
                 optimizer.load(self.run_dir.path, self.start_iteration)

@@ -5,10 +5,10 @@ from vrl.generate.base import Generator
 __all__ = ["Generator", "make_generator"]
 
 
-def make_generator(config, moves=None):
+def make_generator(config, needs=None):
     """Build the generator the run's config asks for (imports the backend lazily).
 
-    `moves`: how the update rule will change its weights (`vrl.policy.Moves`; None: sampling only).
+    `needs`: what the update rule will ask of it (`vrl.policy.HostNeeds`; None: sampling only).
     """
     backend = config.generator.backend
     if backend == "hf":
@@ -18,5 +18,5 @@ def make_generator(config, moves=None):
     if backend == "vllm":
         from vrl.generate.vllm import VLLMGenerator
 
-        return VLLMGenerator.from_config(config, moves)
+        return VLLMGenerator.from_config(config, needs)
     raise ValueError(f"unknown generator backend {backend!r}; choose hf or vllm")

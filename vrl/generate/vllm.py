@@ -34,7 +34,7 @@ from vrl.errors import UsageError
 from vrl.generate.base import Generator, cut_at_stop, tokens_covering
 from vrl.generate.hf import TINY, load_model_and_tokenizer, render_prompt
 from vrl.generate.weights import weights_for_engine
-from vrl.policy import Moves, PerturbationSpec, Trainable, Unsupported
+from vrl.policy import HostNeeds, PerturbationSpec, Trainable, Unsupported, Variant
 from vrl.types import Completion, Task
 
 log = logging.getLogger(__name__)
@@ -60,10 +60,22 @@ def import_vllm() -> Any:
     return vllm
 
 
-def engine_kwargs(config: Any, model_path: str) -> dict[str, Any]:
+LORA_RANKS = (1, 8, 16, 32, 64)  # the max_lora_rank values vLLM accepts, up to es.rank's limit
+
+
+def lora_settings(needs: HostNeeds | None) -> dict[str, Any]:
+    """The engine's LoRA settings: one slot per low-rank ES member of a call (none for other work)."""
+    spec = needs.spec if needs is not None else None
+    if spec is None or spec.noise != "lowrank":
+        return {}
+    rank = next(r for r in LORA_RANKS if r >= spec.rank)
+    return {"enable_lora": True, "max_loras": needs.variants, "max_cpu_loras": needs.variants, "max_lora_rank": rank}
+
+
+def engine_kwargs(config: Any, model_path: str, needs: HostNeeds | None = None) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for a run's config (one place where every vllm field is read)."""
     g = config.generator
-    return {
+    return {**lora_settings(needs),
         "model": model_path,
         "revision": None if config.model == TINY else g.revision,
         # As the hf backend on a GPU: 'auto' means bfloat16, not the checkpoint's dtype.
@@ -140,18 +152,21 @@ class VLLMGenerator(Generator):
         self._since_push = 0
         self.last_sync_s: float | None = None
         self._es: EngineParams | None = None  # in-engine ES state, flushed before each generation pass
+        self._lowrank: EngineLowRank | None = None  # low-rank ES: members served from LoRA slots
+        self.lora_slots = 0  # LoRA slots the engine was started with (one per low-rank member of a call)
         self._weights_version = 0  # salts the prefix cache: KV computed with other weights is never reused
 
     @staticmethod
-    def check(config: Any, moves: Moves | None) -> None:
+    def check(config: Any, needs: HostNeeds | None) -> None:
         """Refuse settings that cannot work with how the update rule moves weights, before an engine starts."""
         g = config.generator
+        moves = needs.moves if needs is not None else None
         problem = _perturbation_problem(g.sleep, g.tensor_parallel_size) if moves == "perturbations" else None
         if problem:
             raise ValueError(problem)
 
     @classmethod
-    def from_config(cls, config: Any, moves: Moves | None = None, *, gpu: str | None = None,
+    def from_config(cls, config: Any, needs: HostNeeds | None = None, *, gpu: str | None = None,
                     memory_fraction: float | None = None, model_path: str | None = None) -> VLLMGenerator:
         """Start an engine for the run's model.
 
@@ -161,13 +176,13 @@ class VLLMGenerator(Generator):
         (a pool writes the tiny model once for all its engines).
         """
         g = config.generator
-        cls.check(config, moves)
+        cls.check(config, needs)
         vllm = import_vllm()
         cleanup = None
         path = model_path or config.model
         if path == TINY:
             cleanup = path = save_tiny(tempfile.mkdtemp(prefix="vrl-tiny-"))
-        kwargs = engine_kwargs(config, path)
+        kwargs = engine_kwargs(config, path, needs)
         if memory_fraction is not None:
             kwargs["gpu_memory_utilization"] = memory_fraction
         # The driver sends CUDA IPC handles and ES terms through collective_rpc, which vLLM only
@@ -180,10 +195,12 @@ class VLLMGenerator(Generator):
             llm = vllm.LLM(**kwargs)
         log.info("vLLM engine ready in %.1f s%s", time.perf_counter() - t0, f" on GPU {gpu}" if gpu is not None else "")
         device = "cuda" if g.device == "auto" else g.device
-        return cls(llm, _load_tokenizer(path, kwargs["revision"]), config.sampling, model_path=path,
-                   revision=kwargs["revision"], train_device=device, dtype=kwargs["dtype"],
-                   sampling_logprobs=g.sampling_logprobs, sync_every=g.sync_every, sleep=g.sleep,
-                   tensor_parallel_size=g.tensor_parallel_size, cleanup=cleanup, device_order=order)
+        gen = cls(llm, _load_tokenizer(path, kwargs["revision"]), config.sampling, model_path=path,
+                  revision=kwargs["revision"], train_device=device, dtype=kwargs["dtype"],
+                  sampling_logprobs=g.sampling_logprobs, sync_every=g.sync_every, sleep=g.sleep,
+                  tensor_parallel_size=g.tensor_parallel_size, cleanup=cleanup, device_order=order)
+        gen.lora_slots = kwargs.get("max_loras", 0)
+        return gen
 
     def adopt(self, directory: str) -> None:
         """Remove `directory` (a model written for this engine) when the engine closes."""
@@ -195,25 +212,22 @@ class VLLMGenerator(Generator):
 
         From now on the engine also returns sampling log-probs (`generator.sampling_logprobs`).
         """
-        if self._es is not None:
-            raise Unsupported("this engine's weights are perturbed in place (ES); a trained copy cannot be pushed too")
+        if self._es is not None or self._lowrank is not None:
+            raise Unsupported("this engine's weights are moved by ES; a trained copy cannot be pushed too")
         if self.model is None:
             # No initial push: engine and copy load the same checkpoint in the same dtype.
             self.model, _ = load_model_and_tokenizer(self.model_path, self.train_device, self.dtype, self.revision)
             self.logprobs = self.sampling_logprobs
         return Trainable(self.model, self.tokenizer, self.sampling)
 
-    def _perturbable(self, spec: PerturbationSpec) -> EngineParams:
-        if spec.noise != "full":
-            raise Unsupported(
-                "es.noise=lowrank runs on the hf backend for now; the vLLM LoRA-slot path is not built yet "
-                "(set generator.backend=hf or es.noise=full)"
-            )
+    def _perturbable(self, spec: PerturbationSpec) -> EngineParams | EngineLowRank:
         problem = _perturbation_problem(self.sleep, self.tensor_parallel_size)
         if problem:
             raise Unsupported(problem)
         if self.model is not None:
             raise Unsupported("this engine samples a trained copy (GRPO); ES perturbs the engine itself")
+        if spec.noise == "lowrank":
+            return self.lowrank_params(spec)
         return self.es_params(spec.include, spec.exclude)
 
     # -- sampling ------------------------------------------------------------------------------------
@@ -233,17 +247,37 @@ class VLLMGenerator(Generator):
             flat_logprobs=True,
         )
 
+    def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
+               ) -> Iterator[list[Completion]]:
+        """Unperturbed and full-rank variants in turn (`Generator.sample`); with es.noise=lowrank, every
+        seeded variant of the call in one generation pass, each request tagged with its member's LoRA slot."""
+        members = [v for v in variants if v.seed is not None]
+        if self._lowrank is None or not members:
+            yield from super().sample(tasks, variants, seed)
+            return
+        yield from super().sample(tasks, [v for v in variants if v.seed is None], seed)
+        if any(v.sign not in (1, -1) for v in members):
+            raise ValueError(f"variant signs must be +1 or -1, got {[v.sign for v in members]}")
+        if not tasks:
+            return
+        from vllm.lora.request import LoRARequest
+
+        self._lowrank.load([(v.seed, v.sign) for v in members])
+        requests = []
+        for p, v in enumerate(members):
+            # Adapter p + 1 is pinned to the engine's slot for member p and never loaded from a path.
+            lora = LoRARequest(f"vrl-member-{p}", p + 1, "vrl://lora-slot")
+            requests += [(i, v.index, v.samples_per_task, lora) for i in range(len(tasks))]
+        yield from self._run(tasks, requests, seed)
+
     def stream(
         self, tasks: Sequence[Task], n: int = 1, variant: int = 0, seed: int | None = None
     ) -> Iterator[list[Completion]]:
         """All prompts go to the engine at once; finished prompts are yielded `batch_size` at a time."""
-        import vllm
+        yield from self._run(tasks, [(i, variant, n, None) for i in range(len(tasks))], seed)
 
-        if not tasks:
-            return
-        self._wake()
-        if self._es is not None:
-            self._es.flush()
+    def _prompts(self, tasks: Sequence[Task]) -> list[list[int]]:
+        """Each task's prompt as token ids (as the hf backend encodes it), checked against max_model_len."""
         tok = self.tokenizer
         prompts = [tok(render_prompt(tok, t.prompt), add_special_tokens=False)["input_ids"] for t in tasks]
         limit = getattr(getattr(self.llm, "model_config", None), "max_model_len", None)
@@ -255,25 +289,44 @@ class VLLMGenerator(Generator):
                 f"{limit} (task {task_id!r}: {length} prompt tokens); raise generator.max_model_len (up to the "
                 "model's context length) or shorten the prompts"
             )
-        # Seed of prompt i's sample j is seed + i·n + j (vLLM adds j): distinct across prompts and samples.
-        params = [self._sampling_params(n, None if seed is None else seed + i * n, vllm) for i in range(len(tasks))]
+        return prompts
+
+    def _run(self, tasks: Sequence[Task], requests: Sequence[tuple[int, int, int, Any]], seed: int | None
+             ) -> Iterator[list[Completion]]:
+        """Send every request (task index, variant, samples n, LoRA request or None) to the engine at once;
+        yield finished completions `batch_size` prompts' worth at a time."""
+        import vllm
+
+        if not tasks or not requests:
+            return
+        self._wake()
+        if self._es is not None:
+            self._es.flush()
+        prompts = self._prompts(tasks)
+        # Seed of prompt i's sample j is seed + i·n + j (vLLM adds j): distinct across prompts and samples,
+        # and the same for every variant (members share their random numbers).
+        params = [self._sampling_params(n, None if seed is None else seed + i * n, vllm) for i, _, n, _ in requests]
         salt = f"vrl-weights-{self._weights_version}"
-        internal = self.llm.enqueue([{"prompt_token_ids": p, "cache_salt": salt} for p in prompts], params, use_tqdm=False)
+        loras = [lora for *_, lora in requests]
+        extra = {"lora_request": loras} if any(loras) else {}
+        internal = self.llm.enqueue([{"prompt_token_ids": prompts[i], "cache_salt": salt} for i, *_ in requests],
+                                    params, use_tqdm=False, **extra)
         # enqueue returns the engine's internal ids ("<id>-<random suffix>"); outputs carry "<id>".
         ids = [rid.rsplit("-", 1)[0] if "-" in rid else rid for rid in internal]
-        position = {rid: i for i, rid in enumerate(ids)}
+        position = {rid: k for k, rid in enumerate(ids)}
         engine = self.llm.llm_engine
         open_ids = set(ids)
         ready: list[Completion] = []
+        per_batch = self.sampling.batch_size * max(n for _, _, n, _ in requests)
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if not out.finished or out.request_id not in position:
                         continue
                     open_ids.discard(out.request_id)
-                    i = position[out.request_id]
+                    i, variant, _, _ = requests[position[out.request_id]]
                     ready += [self._completion(tasks[i], prompts[i], o, variant) for o in out.outputs]
-                    if len(ready) >= self.sampling.batch_size * n:
+                    if len(ready) >= per_batch:
                         yield ready
                         ready = []
             if open_ids:
@@ -389,6 +442,20 @@ class VLLMGenerator(Generator):
         self._es = EngineParams(self, {n: list(p.shape) for n, p in chosen})
         return self._es
 
+    def lowrank_params(self, spec: PerturbationSpec) -> EngineLowRank:
+        """Low-rank ES over the engine's selected linear layers, members served from its LoRA slots."""
+        from vrl.optim.lowrank import select_linear
+
+        if not self.lora_slots:
+            raise Unsupported(
+                "this vLLM engine was started without LoRA slots, which es.noise=lowrank serves its members "
+                "from; start it with the ES run's needs (make_generator(config, optimizer.needs()))"
+            )
+        chosen = select_linear(hf_meta_model(self.model_path, self.revision), spec.include, spec.exclude)
+        shapes = {name: list(module.weight.shape) for name, module in chosen}  # names of the weights
+        self._lowrank = EngineLowRank(self, shapes, spec.rank, spec.sigma)
+        return self._lowrank
+
     def close(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is not None:
@@ -472,6 +539,83 @@ class EngineParams:
     def engine_weights(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """The engine's current values of HF parameters `names`, un-fused (CPU copies)."""
         self.flush()
+        return self.generator.rpc("vrl_hf_weights", self.hf_shapes, list(names))[0]
+
+
+class EngineLowRank:
+    """What `LowRankParams` is for the hf backend, for weights that live in a vLLM engine.
+
+    The workers keep θ (fp32) of the selected matrices and write `update`s into the engine's base
+    weights bit for bit as the hf backend does; `load` writes a call's members into the engine's
+    LoRA slots (`vrl.generate.vllm_worker.LowRankEngine`), and the generator tags each member's
+    requests with its slot. Base weights never change between members, so `restore` is a no-op.
+    """
+
+    def __init__(self, generator: VLLMGenerator, hf_shapes: dict[str, list[int]], rank: int, sigma: float):
+        self.generator, self.hf_shapes, self.rank, self.sigma = generator, hf_shapes, rank, sigma
+        self.names = list(hf_shapes)
+        self.check(generator, hf_shapes)
+        info = generator.rpc("vrl_lowrank_setup", hf_shapes, rank, generator.lora_slots)[0]
+        self.numel, self.dtype, self.slots = int(info["numel"]), str(info["dtype"]), list(info["slots"])
+        self.lora_dtype = str(info["lora_dtype"])
+        log.info("low-rank ES in the engine: %d matrices, %d parameters, %d LoRA slots (%s)",
+                 info["matrices"], self.numel, len(self.slots), self.lora_dtype)
+
+    @staticmethod
+    def check(generator: VLLMGenerator, hf_shapes: dict[str, list[int]]) -> None:
+        """Refuse (Unsupported, with the fix) selected weights the engine's LoRA layers do not serve."""
+        from vrl.generate.vllm_worker import engine_layout, lora_slices
+
+        engine = generator.rpc("vrl_engine_shapes")[0]
+        packed = generator.rpc("vrl_packed_modules")[0]
+        try:
+            lora_slices(engine_layout(hf_shapes, engine, packed), generator.rpc("vrl_lora_modules")[0])
+        except ValueError as exc:
+            raise Unsupported(str(exc)) from exc
+
+    def load(self, members: Sequence[tuple[int, int]]) -> None:
+        """Write members (seed, sign) into LoRA slots 0, 1, ... (adapter ids 1, 2, ...)."""
+        if len(members) > len(self.slots):
+            raise ValueError(f"{len(members)} low-rank members in one call, but this engine has {len(self.slots)} "
+                             "LoRA slots (one per es.population_size member)")
+        self.generator.rpc("vrl_lowrank_members", [(int(s), int(g)) for s, g in members], float(self.sigma))
+
+    def perturb(self, seed: int, sign: int, sigma: float) -> None:
+        raise Unsupported("low-rank members are served from LoRA slots (VLLMGenerator.sample), not written into "
+                          "the base weights")
+
+    def restore(self) -> None:
+        """Nothing to do: members never change the base weights."""
+
+    def update(self, terms: Sequence[tuple[int, float]]) -> None:
+        if not terms:
+            return
+        self.generator.rpc("vrl_lowrank_update", [(int(s), float(c)) for s, c in terms])
+        self.generator.weights_changed()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        from vrl.generate.vllm_worker import unpack_tensor
+
+        return {n: unpack_tensor(v) for n, v in self.generator.rpc("vrl_lowrank_state")[0].items()}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.names if n not in state or list(state[n].shape) != self.hf_shapes[n]]
+        if missing:
+            raise ValueError(f"snapshot does not match the model at parameter {missing[0]}")
+        from vrl.generate.vllm_worker import pack_tensor
+
+        self.generator.rpc("vrl_lowrank_load_state", {n: pack_tensor(state[n].float()) for n in self.names})
+        self.generator.weights_changed()
+
+    def slot(self, name: str, member: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lora_a, lora_b) of matrix `name` for member position `member` of the last `load` (checks)."""
+        from vrl.generate.vllm_worker import unpack_tensor
+
+        a, b = self.generator.rpc("vrl_lora_slot", name, self.slots[member])[0]
+        return unpack_tensor(a), unpack_tensor(b)
+
+    def engine_weights(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The engine's current base values of HF parameters `names`, un-fused (CPU copies)."""
         return self.generator.rpc("vrl_hf_weights", self.hf_shapes, list(names))[0]
 
 

@@ -102,6 +102,50 @@ def _check_disjoint(layout: Mapping[str, Slot]) -> None:
                 raise ValueError(f"{a.hf_name} and {b.hf_name} overlap inside engine tensor {engine_name}")
 
 
+def engine_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The engine's parameters by name; a layer wrapped for LoRA keeps its weight under `.base_layer.`,
+    which is dropped so names match an engine without LoRA (LoRA slots are not parameters)."""
+    return {n.replace(".base_layer.", "."): p for n, p in model.named_parameters()}
+
+
+@dataclass(frozen=True)
+class LoRASlice:
+    """Where the engine's LoRA path serves one HF linear weight: slice `index` of LoRA layer `module`."""
+
+    hf_name: str
+    module: str
+    index: int
+
+
+def lora_slices(layout: Mapping[str, Slot], modules: Mapping[str, Sequence[int]]) -> dict[str, LoRASlice]:
+    """Map each HF weight to the LoRA slice whose output rows are the ones that hold it.
+
+    `modules`: each LoRA layer's name and its output slice sizes (vLLM's `output_slices`: one per
+    fused member, e.g. q, k, v of `qkv_proj`). A weight at rows [row, row + rows) of engine tensor
+    `<module>.weight` is the slice starting at `row` with `rows` rows. Raises ValueError naming the
+    weights the engine's LoRA path does not serve.
+    """
+    out: dict[str, LoRASlice] = {}
+    missing: list[str] = []
+    for name, slot in layout.items():
+        module = slot.engine_name.removesuffix(".weight")
+        sizes = modules.get(module)
+        offsets = list(itertools.accumulate([0, *sizes]))[:-1] if sizes else []
+        hit = next((k for k, (o, size) in enumerate(zip(offsets, sizes or ())) if o == slot.row and size == slot.rows), None)
+        if hit is None:
+            missing.append(name)
+        else:
+            out[name] = LoRASlice(name, module, hit)
+    if missing:
+        served = sorted({m.rsplit(".", 1)[-1] for m in modules})
+        raise ValueError(
+            f"the vLLM engine's LoRA path does not serve {len(missing)} selected weight(s), e.g. {missing[0]}; it serves "
+            f"the layers {', '.join(served)}. Leave the others out of low-rank ES (es.exclude), or use "
+            "generator.backend=hf or es.noise=full"
+        )
+    return out
+
+
 def slot_views(params: Mapping[str, torch.Tensor], layout: Mapping[str, Slot]) -> dict[str, torch.Tensor]:
     """For each HF name, the view of the engine tensor rows that hold it (writes go to the engine)."""
     return {name: params[s.engine_name].data[s.row : s.row + s.rows] for name, s in layout.items()}
@@ -148,6 +192,61 @@ class EngineES:
     @torch.no_grad()
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         self.flat.load_state(dict(state))
+
+
+class LowRankEngine:
+    """Low-rank ES in one engine: θ of the selected matrices (fp32 master, written into the engine's
+    base weights by `update`, exactly as `LowRankParams` does on the hf backend) and the members of a
+    sampling call written into the engine's LoRA slots.
+
+    Member p of a call lives in LoRA slot `slots[p]` (adapter id p + 1, registered and pinned once,
+    never loaded from disk). For matrix W (m×n) with integer factors a (m×r), b (n×r):
+
+        lora_a[slot] = cast(C·bᵀ)          (r×n; C·b is exact in fp32)
+        lora_b[slot] = cast(t·a)           (m×r; t = sign·round14(σ·C/√r), t·a exact in fp32)
+
+    so lora_b·lora_a = σ·sign·A·Bᵀ/√r up to one rounding of each factor to the LoRA dtype (bf16:
+    2⁻⁸ relative each) and up to C·round14(σ·C/√r) vs round14(σ·C²/√r) (< 2⁻¹⁴ relative). The base
+    weights never change between members: there is nothing to restore.
+    """
+
+    def __init__(self, views: Mapping[str, torch.Tensor], layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                 rank: int, slots: Sequence[int]):
+        from vrl.optim.lowrank import LowRankParams
+        from vrl.optim.params import FlatParams
+
+        self.params = LowRankParams(FlatParams.over(dict(views)), rank)
+        self.layers = dict(layers)  # HF name → (lora_a stack, lora_b stack) of its slice
+        self.shapes = {n: tuple(v.shape) for n, v in views.items()}
+        self.rank, self.slots = rank, list(slots)
+
+    @torch.no_grad()
+    def load_members(self, members: Sequence[tuple[int, int]], sigma: float) -> None:
+        """Write member p = (seed, sign) into LoRA slot `slots[p]`, for every selected matrix."""
+        from vrl.optim.lowrank import lora_factors
+
+        if len(members) > len(self.slots):
+            raise ValueError(f"{len(members)} members in one call, but the engine has {len(self.slots)} LoRA slots")
+        if not members:
+            return
+        r = self.rank
+        for name, (a_stack, b_stack) in self.layers.items():
+            index = torch.tensor(self.slots[: len(members)], device=a_stack.device)
+            lora_a, lora_b = lora_factors(members, name, self.shapes[name], r, sigma, a_stack.device)
+            a_stack[index, 0, :r, :] = lora_a.to(a_stack.dtype)
+            b_stack[index, 0, :, :r] = lora_b.to(b_stack.dtype)
+            if a_stack.shape[2] > r:  # the engine's max_lora_rank is above es.rank: the rest stays zero
+                a_stack[index, 0, r:, :] = 0
+                b_stack[index, 0, :, r:] = 0
+
+    def update(self, terms: Sequence[tuple[int, float]]) -> None:
+        self.params.update(terms)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.params.state()
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.params.load_state(dict(state))
 
 
 def _timed(fn, *args) -> float:
@@ -200,14 +299,14 @@ class VRLWorkerExtension:
 
     def vrl_engine_shapes(self) -> dict[str, list[int]]:
         """Engine parameter names and shapes (this worker's shard)."""
-        return {n: list(p.shape) for n, p in self._vrl_model().named_parameters()}
+        return {n: list(p.shape) for n, p in engine_params(self._vrl_model()).items()}
 
     def vrl_es_setup(self, hf_shapes: dict[str, list[int]]) -> dict[str, object]:
         """Build the HF-layout ES state from the engine's current weights (θ₀); returns a summary."""
         model = self._vrl_model()
         if self.parallel_config.tensor_parallel_size != 1:  # type: ignore[attr-defined]
             raise ValueError("in-engine ES needs generator.tensor_parallel_size=1 (one engine per GPU)")
-        params = dict(model.named_parameters())
+        params = engine_params(model)
         layout = engine_layout(hf_shapes, {n: p.shape for n, p in params.items()},
                                getattr(model, "packed_modules_mapping", {}) or {})
         self._vrl_es = EngineES(slot_views(params, layout))
@@ -241,10 +340,78 @@ class VRLWorkerExtension:
     def vrl_es_load_state(self, state: dict[str, object]) -> None:
         self._vrl_require_es().load_state({n: unpack_tensor(v) for n, v in state.items()})
 
+    # -- low-rank ES: members in LoRA slots ---------------------------------------------------------
+    def vrl_packed_modules(self) -> dict[str, list[str]]:
+        """vLLM's fused modules of this model (`packed_modules_mapping`)."""
+        return {k: list(v) for k, v in (getattr(self._vrl_model(), "packed_modules_mapping", {}) or {}).items()}
+
+    def vrl_lora_modules(self) -> dict[str, list[int]]:
+        """The engine's LoRA layers and their output slice sizes ({} when started without LoRA)."""
+        manager = getattr(getattr(self.model_runner, "lora_manager", None), "_adapter_manager", None)  # type: ignore[attr-defined]
+        if manager is None:
+            return {}
+        return {name: list(m.output_slices) for name, m in manager.modules.items()
+                if hasattr(m, "lora_a_stacked") and hasattr(m, "output_slices")}
+
+    def vrl_lowrank_setup(self, hf_shapes: dict[str, list[int]], rank: int, members: int) -> dict[str, object]:
+        """Register `members` empty adapters (ids 1..members, pinned to LoRA slots, never loaded from
+        disk) and build the low-rank ES state over the selected matrices; returns a summary."""
+        model = self._vrl_model()
+        if self.parallel_config.tensor_parallel_size != 1:  # type: ignore[attr-defined]
+            raise ValueError("in-engine ES needs generator.tensor_parallel_size=1 (one engine per GPU)")
+        manager = getattr(getattr(self.model_runner, "lora_manager", None), "_adapter_manager", None)  # type: ignore[attr-defined]
+        if manager is None:
+            raise ValueError("this engine was started without LoRA (enable_lora); low-rank ES serves members as LoRA adapters")
+        params = engine_params(model)
+        layout = engine_layout(hf_shapes, {n: p.shape for n, p in params.items()},
+                               getattr(model, "packed_modules_mapping", {}) or {})
+        slices = lora_slices(layout, self.vrl_lora_modules())
+        if members > manager.lora_slots:
+            raise ValueError(f"{members} members but the engine has {manager.lora_slots} LoRA slots (max_loras)")
+        zeros = None  # vLLM's zero adapter (as for its warm-up), registered under ids 1..members
+        for p in range(members):
+            if p + 1 not in manager.list_adapters():
+                if zeros is None:
+                    embedding = getattr(self.model_runner.lora_manager, "embedding_modules", {})  # type: ignore[attr-defined]
+                    zeros = manager.create_dummy_lora(p + 1, rank, embedding)
+                manager.add_adapter(zeros if zeros.id == p + 1 else zeros.clone(p + 1))
+            manager.pin_adapter(p + 1)
+        slots = [manager.lora_index_to_id.index(p + 1) for p in range(members)]
+        layers = {n: (manager.modules[s.module].lora_a_stacked[s.index], manager.modules[s.module].lora_b_stacked[s.index])
+                  for n, s in slices.items()}
+        self._vrl_lowrank = LowRankEngine(slot_views(params, layout), layers, rank, slots)
+        flat = self._vrl_lowrank.params.flat
+        lora_dtype = str(next(iter(layers.values()))[0].dtype).removeprefix("torch.")
+        log.info("vrl: low-rank ES over %d matrices in %d LoRA slots (rank %d, %s)", len(slices), members, rank, lora_dtype)
+        return {"numel": flat.numel, "dtype": flat.dtype, "matrices": len(slices), "slots": slots, "lora_dtype": lora_dtype}
+
+    def _vrl_require_lowrank(self) -> LowRankEngine:
+        state = getattr(self, "_vrl_lowrank", None)
+        if state is None:
+            raise RuntimeError("call vrl_lowrank_setup before loading low-rank members")
+        return state
+
+    def vrl_lowrank_members(self, members: list[tuple[int, int]], sigma: float) -> float:
+        return _timed(self._vrl_require_lowrank().load_members, [(int(s), int(g)) for s, g in members], float(sigma))
+
+    def vrl_lowrank_update(self, terms: list[tuple[int, float]]) -> float:
+        return _timed(self._vrl_require_lowrank().update, [(int(s), float(c)) for s, c in terms])
+
+    def vrl_lowrank_state(self) -> dict[str, object]:
+        return {n: pack_tensor(v) for n, v in self._vrl_require_lowrank().state().items()}
+
+    def vrl_lowrank_load_state(self, state: dict[str, object]) -> None:
+        self._vrl_require_lowrank().load_state({n: unpack_tensor(v) for n, v in state.items()})
+
+    def vrl_lora_slot(self, hf_name: str, slot: int) -> tuple[object, object]:
+        """(lora_a, lora_b) of one matrix in one LoRA slot, packed CPU copies (for checks)."""
+        a_stack, b_stack = self._vrl_require_lowrank().layers[hf_name]
+        return pack_tensor(a_stack[slot, 0]), pack_tensor(b_stack[slot, 0])
+
     def vrl_hf_weights(self, hf_shapes: dict[str, list[int]], names: list[str]) -> dict[str, torch.Tensor]:
         """The engine's current values of some HF parameters, un-fused (CPU copies), for checks."""
         model = self._vrl_model()
-        params = dict(model.named_parameters())
+        params = engine_params(model)
         layout = engine_layout(hf_shapes, {n: p.shape for n, p in params.items()},
                                getattr(model, "packed_modules_mapping", {}) or {})
         views = slot_views(params, {n: layout[n] for n in names})
@@ -263,5 +430,5 @@ class VRLWorkerExtension:
         count = len(weights)
         del weights
         # ES state (if any) no longer describes these weights.
-        self._vrl_es = None
+        self._vrl_es = self._vrl_lowrank = None
         return count

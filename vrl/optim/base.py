@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from vrl.policy import Moves, PolicyHost, Variant
+from vrl.policy import HostNeeds, Moves, PolicyHost, Variant
 from vrl.types import Result
 
 __all__ = ["Optimizer", "Variant"]
@@ -39,6 +39,10 @@ class Optimizer(ABC):
     @abstractmethod
     def from_config(cls, config: Any) -> Optimizer:
         """The rule configured for a run (a `TrainConfig`: its own section, the seed, the run length)."""
+
+    def needs(self) -> HostNeeds:
+        """What this rule will ask of its hosts (the runtime places and sizes engines with it)."""
+        return HostNeeds(self.moves)
 
     def setup(self, host: PolicyHost) -> None:
         """Attach to the host whose weights this optimizer moves. Called once before `ask`."""

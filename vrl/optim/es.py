@@ -38,7 +38,7 @@ from vrl.optim import lowrank
 from vrl.optim import noise as nz
 from vrl.optim.base import Optimizer
 from vrl.optim.params import FlatParams, select_parameters  # noqa: F401 - re-exported
-from vrl.policy import PerturbationSpec, PolicyHost, Variant
+from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Variant
 from vrl.types import Result
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class ESConfig(BaseModel):
         "full",
         description="'full': every selected weight gets its own noise (members run one after another); 'lowrank': "
         "each selected linear-layer matrix gets σ·A·Bᵀ/√r (EGGROLL), so all members share the base weights "
-        "and run as one batch (generator.backend=hf only for now).",
+        "and run as one batch (hf: one batched forward; vllm: one generation pass, members in LoRA slots).",
     )
     rank: int = Field(
         8, ge=1, le=lowrank.MAX_RANK, description="Rank r of each member's perturbation A·Bᵀ (with noise=lowrank)."
@@ -276,12 +276,20 @@ class ES(Optimizer):
     def from_config(cls, config: Any) -> ES:
         return cls(config.es, seed=config.seed, base={"model": config.model, "revision": config.generator.revision})
 
+    def spec(self) -> PerturbationSpec:
+        """The perturbations this run's members are (what `setup` declares to the host)."""
+        c = self.config
+        rank = c.rank if c.noise == "lowrank" else 0
+        return PerturbationSpec(tuple(c.include), tuple(c.exclude), c.sigma, noise=c.noise, rank=rank)
+
+    def needs(self) -> HostNeeds:
+        return HostNeeds(self.moves, self.spec(), variants=self.config.population_size)
+
     def setup(self, host: PolicyHost) -> None:
         """Have the host select the parameters and keep θ₀ (an fp32 master) of them; start the history."""
         super().setup(host)
         c = self.config
-        rank = c.rank if c.noise == "lowrank" else 0
-        info = host.perturbations(PerturbationSpec(tuple(c.include), tuple(c.exclude), c.sigma, noise=c.noise, rank=rank))
+        info = host.perturbations(self.spec())
         if c.snapshot_every and not info.exportable:
             raise ValueError(
                 f"es.snapshot_every needs the weights in this process, but {host.name} keeps them on its workers "

@@ -111,6 +111,20 @@ def perturbation_scale(sigma: float, rank: int) -> float:
     return nz.round_sig(sigma * nz.C * nz.C / math.sqrt(rank), nz.SCALE_BITS)
 
 
+def lora_factors(
+    members: Sequence[tuple[int, int]], name: str, shape: Sequence[int], rank: int, sigma: float,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Members (seed, sign) of matrix `name` as LoRA factors, exact in fp32: lora_a (N×r×n) = C·bᵀ and
+    lora_b (N×m×r) = t·a with t = sign·round14(σ·C/√r), so lora_b·lora_a = σ·sign·A·Bᵀ/√r up to
+    C·round14(σ·C/√r) vs round14(σ·C²/√r) (< 2⁻¹⁴ relative). Both factors are O(1) and O(σ), so a
+    16-bit LoRA dtype holds them to its own precision (an engine's LoRA slots: `vllm_worker`)."""
+    a, b = factors_int_many([seed for seed, _ in members], name, shape, rank, device)
+    t = nz.round_sig(sigma * nz.C / math.sqrt(rank), nz.SCALE_BITS)
+    scale = torch.tensor([sign * t for _, sign in members], dtype=torch.float32, device=device)
+    return (b.to(torch.float32) * nz.C).transpose(1, 2), a.to(torch.float32) * scale[:, None, None]
+
+
 # -- the update as data ---------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from vrl.policy import Moves, PolicyHost
+from vrl.policy import HostNeeds, PolicyHost
 from vrl.types import Attempt, Verdict
 from vrl.verifier import Verifier, verify_safely
 
@@ -20,10 +20,10 @@ class Runtime(ABC):
     name: str = "runtime"
 
     @abstractmethod
-    def policy(self, config, moves: Moves | None = None) -> PolicyHost:
+    def policy(self, config, needs: HostNeeds | None = None) -> PolicyHost:
         """The host (or pool of hosts) that holds the weights and samples whole iterations.
 
-        `moves`: how the update rule will change the weights (None: sampling only, e.g. eval).
+        `needs`: what the update rule will ask of it (`Optimizer.needs`; None: sampling only, e.g. eval).
         """
 
     @abstractmethod

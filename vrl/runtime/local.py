@@ -12,7 +12,7 @@ from collections import Counter
 from typing import Any
 
 from vrl.generate import make_generator
-from vrl.policy import Moves, PolicyHost
+from vrl.policy import HostNeeds, PolicyHost
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.runtime.pool import HostPool
 from vrl.verifier import Verifier
@@ -24,10 +24,10 @@ class LocalRuntime(Runtime):
     def __init__(self, config: Any = None):
         """Nothing to start until `policy`: engines follow the config they are given there."""
 
-    def policy(self, config: Any, moves: Moves | None = None) -> PolicyHost:
+    def policy(self, config: Any, needs: HostNeeds | None = None) -> PolicyHost:
         g = config.generator
         if g.engines == 1 and not g.gpus:
-            return make_generator(config, moves)
+            return make_generator(config, needs)
         gpus = [str(i) for i in (g.gpus or [0])]
         placement = [gpus[i % len(gpus)] for i in range(g.engines)]
         sharing = Counter(placement)
@@ -42,7 +42,7 @@ class LocalRuntime(Runtime):
                     cleanup = path = save_tiny(tempfile.mkdtemp(prefix="vrl-tiny-"))
                 for gpu in placement:
                     hosts.append(VLLMGenerator.from_config(
-                        config, moves, gpu=gpu, memory_fraction=g.gpu_memory_utilization / sharing[gpu],
+                        config, needs, gpu=gpu, memory_fraction=g.gpu_memory_utilization / sharing[gpu],
                         model_path=path))
                 if cleanup:  # the first engine may load a trainable copy from it later; it removes it on close
                     hosts[0].adopt(cleanup)

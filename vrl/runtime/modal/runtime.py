@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from vrl.policy import Moves, PerturbationSpec, PolicyHost, Trainable, Unsupported, Variant, WeightsInfo
+from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Trainable, Unsupported, Variant, WeightsInfo
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.runtime.modal import workers
 from vrl.runtime.modal.credentials import require_credentials
@@ -205,7 +205,7 @@ class ModalRuntime(Runtime):
             self._stack.enter_context(self.app.app.run())
             self._running = True
 
-    def policy(self, config: Any, moves: Moves | None = None) -> PolicyHost:
+    def policy(self, config: Any, needs: HostNeeds | None = None) -> PolicyHost:
         self._ensure_running()
         if config.generator.engines != 1 or config.generator.gpus:
             raise ValueError("generator.engines / generator.gpus place local engines; on Modal each worker "

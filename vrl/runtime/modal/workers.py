@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from vrl.policy import PerturbationSpec, Variant
+from vrl.policy import HostNeeds, PerturbationSpec, Variant
 from vrl.types import Completion, Task
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,8 @@ def sample(
         if _WARM.host is not None:
             _WARM.host.close()
         _WARM.host = _WARM.key = None
-        host = make_generator(cfg, "perturbations" if wanted is not None else None)
+        # One call samples one variant (Modal maps members over calls).
+        host = make_generator(cfg, HostNeeds("perturbations", wanted) if wanted is not None else None)
         if wanted is not None:
             host.perturbations(wanted)
         _WARM.key, _WARM.host, _WARM.spec, _WARM.applied, _WARM.weights = key, host, wanted, [], None
