@@ -1,12 +1,15 @@
 """ES sampling on the vllm backend: one host call per iteration, on one engine or a pool of engines.
 
-    python benchmarks/es_engines.py --out result.json [--members 10] [--tasks 8 64 256] [--engines 1 2]
+    python benchmarks/es_engines.py --out result.json [--members 30] [--tasks 8 64 256] [--engines 1 2]
+                                    [--noise full lowrank] [--rank 8]
 
 Qwen2.5-1.5B shapes with random bf16 weights; prompts of 64 random printable characters through the
 byte tokenizer; every completion runs to `--new-tokens` (a random model never stops). For each
-task count and pool size, one ES iteration's sampling: `host.sample(tasks, N members)` with
-in-engine perturbation (what `vrl train` does), timed end to end; reported as generated tokens per
-second. Every pool is started before anything is timed and the configurations are interleaved
+task count, noise mode and pool size, one ES iteration's sampling: `host.sample(tasks, N members)`
+(what `vrl train` does: full-rank members perturb the engine one after another; low-rank members
+are written into LoRA slots and sampled in one pass), timed end to end and reported as generated
+tokens per second; then the update (`ES.tell` on made-up rewards), so `loop_s` is sampling plus
+update, the loop's GPU-side time without verification. Every pool is started before anything is timed and the configurations are interleaved
 over `--repeats` rounds (medians reported), next to raw `LLM.generate` on `--raw-prompts` prompts
 on the same GPU in the same run: the baseline every ratio is taken against.
 
@@ -30,7 +33,9 @@ from pathlib import Path
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--members", type=int, default=10)
+    ap.add_argument("--members", type=int, default=30)
+    ap.add_argument("--noise", nargs="+", default=["full", "lowrank"], choices=["full", "lowrank"])
+    ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--tasks", type=int, nargs="+", default=[8, 64, 256])
     ap.add_argument("--engines", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--gpus", type=int, nargs="+", default=None)
@@ -51,10 +56,11 @@ def main() -> None:
     from vrl.config import build
     from vrl.optim.es import ES
     from vrl.runtime.local import LocalRuntime
-    from vrl.types import Task
+    from vrl.types import Result, Task, Verdict
 
     res: dict = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "vllm": vllm.__version__,
-                 "members": args.members, "new_tokens": args.new_tokens, "small": args.small, "runs": []}
+                 "members": args.members, "new_tokens": args.new_tokens, "small": args.small, "rank": args.rank,
+                 "runs": []}
 
     def save() -> None:
         with open(args.out, "w") as f:
@@ -65,21 +71,25 @@ def main() -> None:
     texts = ["".join(rng.choice(string.ascii_letters + " ") for _ in range(64)) for _ in range(max(args.tasks + [args.raw_prompts]))]
     tasks = [Task(id=f"p{i}", prompt=t) for i, t in enumerate(texts)]
     pools = {}
-    for k in args.engines:
+    configs = [(noise, k) for noise in args.noise for k in args.engines]
+    for noise, k in configs:
+        es_section = {"population_size": args.members, "noise": noise}
+        if noise == "lowrank":
+            es_section.update(rank=args.rank, exclude=["lm_head*"])  # vLLM's LoRA path does not serve lm_head
         cfg = build({"model": args.path, "optimizer": "es", "seed": 1,
                      "sampling": {"temperature": 1.0, "max_new_tokens": args.new_tokens, "batch_size": 32},
-                     "es": {"population_size": args.members},
+                     "es": es_section,
                      "generator": {"backend": "vllm", "gpu_memory_utilization": args.memory, "max_model_len": 1024,
                                    "enforce_eager": args.eager, "engines": k, "gpus": args.gpus}})
         t0 = time.perf_counter()
-        host = LocalRuntime().policy(cfg, "perturbations")
         es = ES(cfg.es, seed=1, base={"model": args.path})
+        host = LocalRuntime().policy(cfg, es.needs())
         es.setup(host)
-        pools[k] = (host, es)
-        res[f"startup_s_{k}_engines"] = time.perf_counter() - t0
+        pools[noise, k] = (host, es)
+        res[f"startup_s_{noise}_{k}_engines"] = time.perf_counter() - t0
         save()
 
-    first = pools[args.engines[0]][0]
+    first = pools[configs[0]][0]
     llm = first.hosts[0].llm if hasattr(first, "hosts") else first.llm
 
     def raw() -> float:
@@ -94,40 +104,51 @@ def main() -> None:
     def first_tokens(t: Task) -> list[int]:
         return tokenizer(t.prompt, add_special_tokens=False)["input_ids"]
 
-    def es_iteration(k: int, n_tasks: int) -> dict:
-        host, es = pools[k]
+    by_id = {t.id: t for t in tasks}
+
+    def es_iteration(key: tuple[str, int], n_tasks: int) -> dict:
+        host, es = pools[key]
         variants = es.ask()
         t0 = time.perf_counter()
-        tokens = completions = 0
+        tokens, done = 0, []
         for batch in host.sample(tasks[:n_tasks], variants, seed=7):
             tokens += sum(c.completion_tokens for c in batch)
-            completions += len(batch)
+            done += batch
         wall = time.perf_counter() - t0
-        es._variants = None  # no update: every repeat samples the same θ
-        return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "completions": completions}
+        rewards = random.Random(len(done))
+        results = [Result(task=by_id[c.task_id], completion=c, verdict=Verdict.ok(), reward=rewards.random()) for c in done]
+        t1 = time.perf_counter()
+        es.tell(results)  # the update (+ history); rewards are made up, so θ moves at random
+        update = time.perf_counter() - t1
+        return {"wall_s": wall, "update_s": update, "loop_s": wall + update, "tokens": tokens, "tok_s": tokens / wall,
+                "completions": len(done)}
 
     raw()  # warm-up
-    for k in args.engines:
-        es_iteration(k, args.tasks[0])
+    for key in configs:
+        es_iteration(key, args.tasks[0])
     for rep in range(args.repeats):
         res.setdefault("raw_tok_s", []).append(raw())
         for n_tasks in args.tasks:
-            for k in args.engines:
-                run = {"repeat": rep, "tasks": n_tasks, "engines": k, **es_iteration(k, n_tasks)}
+            for noise, k in configs:
+                run = {"repeat": rep, "tasks": n_tasks, "noise": noise, "engines": k, **es_iteration((noise, k), n_tasks)}
                 res["runs"].append(run)
                 print(json.dumps(run), flush=True)
                 save()
     raw_median = statistics.median(res["raw_tok_s"])
     summary = {}
+
+    def median_of(field: str, n_tasks: int, noise: str, k: int) -> float:
+        return statistics.median([r[field] for r in res["runs"] if (r["tasks"], r["noise"], r["engines"]) == (n_tasks, noise, k)])
+
     for n_tasks in args.tasks:
-        for k in args.engines:
-            rates = [r["tok_s"] for r in res["runs"] if r["tasks"] == n_tasks and r["engines"] == k]
-            walls = [r["wall_s"] for r in res["runs"] if r["tasks"] == n_tasks and r["engines"] == k]
-            summary[f"tasks={n_tasks},engines={k}"] = {
-                "tok_s": statistics.median(rates), "wall_s": statistics.median(walls),
-                "vs_raw": statistics.median(rates) / raw_median,
-                "vs_one_engine": statistics.median(rates) / statistics.median(
-                    [r["tok_s"] for r in res["runs"] if r["tasks"] == n_tasks and r["engines"] == args.engines[0]]),
+        for noise, k in configs:
+            rate = median_of("tok_s", n_tasks, noise, k)
+            summary[f"tasks={n_tasks},noise={noise},engines={k}"] = {
+                "tok_s": rate, "wall_s": median_of("wall_s", n_tasks, noise, k),
+                "loop_s": median_of("loop_s", n_tasks, noise, k), "update_s": median_of("update_s", n_tasks, noise, k),
+                "vs_raw": rate / raw_median,
+                "vs_one_engine": rate / median_of("tok_s", n_tasks, noise, args.engines[0]),
+                "vs_full": rate / median_of("tok_s", n_tasks, "full", k) if "full" in args.noise else None,
             }
     res["raw_tok_s_median"] = raw_median
     res["summary"] = summary
