@@ -59,7 +59,7 @@ def gen(model_dir):
 def test_lm_head_is_refused_with_the_fix_and_the_engine_stays_usable(gen):
     with pytest.raises(Unsupported, match=r"lm_head.*es\.exclude"):
         gen.perturbations(PerturbationSpec(("*",), (), SIGMA, noise="lowrank", rank=RANK))
-    assert gen._lowrank is None
+    assert gen._params is None
 
 
 def test_slots_hold_the_reference_factors_and_the_update_is_exact(gen, model_dir):
@@ -68,14 +68,14 @@ def test_slots_hold_the_reference_factors_and_the_update_is_exact(gen, model_dir
     weights equals the CPU reference (`LowRankParams` on an hf copy) bit for bit, also after
     load_state(θ₀) and a replay."""
     info = gen.perturbations(SPEC)
-    assert info.dtype == "bfloat16" and gen._lowrank.lora_dtype == "bfloat16"
-    gen._lowrank.load(MEMBERS)
+    assert info.dtype == "bfloat16" and gen._params.lora_dtype == "bfloat16"
+    gen._params.load(MEMBERS)
     for name in NAMES:
-        shape = gen._lowrank.hf_shapes[name]
+        shape = gen._params.hf_shapes[name]
         ref_a, ref_b = lowrank.lora_factors(MEMBERS, name, shape, RANK, SIGMA)
         a_int, b_int = lowrank.factors_int_many([s for s, _ in MEMBERS], name, shape, RANK)
         for p, (_, sign) in enumerate(MEMBERS):
-            slot_a, slot_b = gen._lowrank.slot(name, p)
+            slot_a, slot_b = gen._params.slot(name, p)
             assert slot_a.shape[0] == 8 and slot_b.shape[1] == 8  # max_lora_rank 8 serves rank 4
             assert torch.equal(slot_a[:RANK], ref_a[p].to(torch.bfloat16)), name
             assert torch.equal(slot_b[:, :RANK], ref_b[p].to(torch.bfloat16)), name
@@ -88,13 +88,13 @@ def test_slots_hold_the_reference_factors_and_the_update_is_exact(gen, model_dir
 
     hf, _ = load_model_and_tokenizer(model_dir, "cpu", "bfloat16")
     reference = lowrank.LowRankParams.from_model(hf, ["*"], ["lm_head*"], RANK)
-    assert reference.names == list(gen._lowrank.hf_shapes)
+    assert reference.names == list(gen._params.hf_shapes)
     theta0 = gen.state()
     update = lowrank.update_for(MEMBERS, [0.8, -1.3, 0.25, 2.0], alpha=0.03, rank=RANK)
     gen.update(lowrank.to_terms(update))
     reference.update(update)
     hf_params = dict(hf.named_parameters())
-    engine = gen._lowrank.engine_weights(NAMES)
+    engine = gen._params.engine_weights(NAMES)
     moved = 0
     for name in NAMES:
         assert torch.equal(engine[name], hf_params[name].detach()), name
@@ -103,9 +103,9 @@ def test_slots_hold_the_reference_factors_and_the_update_is_exact(gen, model_dir
     state = gen.state()
     assert all(torch.equal(state[n], reference.state()[n]) for n in NAMES)
     gen.load_state(theta0)
-    assert not torch.equal(gen._lowrank.engine_weights(NAMES[:1])[NAMES[0]], engine[NAMES[0]])
+    assert not torch.equal(gen._params.engine_weights(NAMES[:1])[NAMES[0]], engine[NAMES[0]])
     gen.update(lowrank.to_terms(update))  # replay from θ₀: the same bits
-    again = gen._lowrank.engine_weights(NAMES)
+    again = gen._params.engine_weights(NAMES)
     assert all(torch.equal(again[n], engine[n]) for n in NAMES)
     gen.load_state(theta0)
 

@@ -18,8 +18,9 @@ class Generator(PolicyHost):
 
     Backends implement `stream` (sample the weights as they are now) and `_perturbable` (the
     object that perturbs, restores and updates their weights: `FlatParams` for an in-process
-    module, `EngineParams` inside a vLLM engine, `LowRankParams` for es.noise=lowrank on hf);
-    `sample` runs each variant in turn on them (the hf backend batches low-rank members instead).
+    module, `EngineParams` inside a vLLM engine, `LowRankParams` / `EngineLowRank` for
+    es.noise=lowrank); `sample` runs each variant in turn on them, except low-rank members, which
+    share the base weights and go to the backend's `_population` all at once.
     """
 
     name = "generator"
@@ -43,10 +44,22 @@ class Generator(PolicyHost):
 
     def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
                ) -> Iterator[list[Completion]]:
-        """Each variant in turn: perturb (seeded variants), stream, restore (bit-exact)."""
-        for v in variants:
+        """Each variant in turn: perturb (seeded variants), stream, restore (bit-exact). With
+        es.noise=lowrank the unperturbed variants go in turn, then every member in one `_population`."""
+        members = [v for v in variants if v.seed is not None]
+        batched = self._params is not None and self._spec.noise == "lowrank" and bool(members)
+        for v in [v for v in variants if v.seed is None] if batched else variants:
             with self.applied(v):
                 yield from self.stream(tasks, n=v.samples_per_task, variant=v.index, seed=seed)
+        if batched:
+            if any(v.sign not in (1, -1) for v in members):
+                raise ValueError(f"variant signs must be +1 or -1, got {[v.sign for v in members]}")
+            yield from self._population(tasks, members, seed)
+
+    def _population(self, tasks: Sequence[Task], members: Sequence[Variant], seed: int | None
+                    ) -> Iterator[list[Completion]]:
+        """Every low-rank member (signs checked) on `tasks` at once, seeded per task position as `stream` is."""
+        raise Unsupported(f"{self.name} cannot sample low-rank members")
 
     @contextlib.contextmanager
     def applied(self, variant: Variant) -> Iterator[None]:

@@ -140,17 +140,9 @@ class HFGenerator(Generator):
             for name, t in weights.items():
                 own[name].copy_(t)
 
-    def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
-               ) -> Iterator[list[Completion]]:
-        """Unperturbed and full-rank variants in turn (`Generator.sample`); with es.noise=lowrank, all
-        seeded variants of the call in one batch per prompt batch (`lowrank.population`)."""
-        members = [v for v in variants if v.seed is not None]
-        if self._params is None or self._spec.noise != "lowrank" or not members:
-            yield from super().sample(tasks, variants, seed)
-            return
-        yield from super().sample(tasks, [v for v in variants if v.seed is None], seed)
-        if any(v.sign not in (1, -1) for v in members):
-            raise ValueError(f"variant signs must be +1 or -1, got {[v.sign for v in members]}")
+    def _population(self, tasks: Sequence[Task], members: Sequence[Variant], seed: int | None
+                    ) -> Iterator[list[Completion]]:
+        """All low-rank members in one `model.generate` per prompt batch (`lowrank.population`)."""
         if seed is None:  # still one seed for the whole call, so members share their random numbers
             seed = int(torch.randint(0, 2**31 - 1, ()).item())
         size = self.sampling.batch_size

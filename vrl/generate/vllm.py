@@ -152,7 +152,6 @@ class VLLMGenerator(Generator):
         self._since_push = 0
         self.last_sync_s: float | None = None
         self._es: EngineParams | None = None  # in-engine ES state, flushed before each generation pass
-        self._lowrank: EngineLowRank | None = None  # low-rank ES: members served from LoRA slots
         self.lora_slots = 0  # LoRA slots the engine was started with (one per low-rank member of a call)
         self._weights_version = 0  # salts the prefix cache: KV computed with other weights is never reused
 
@@ -212,7 +211,7 @@ class VLLMGenerator(Generator):
 
         From now on the engine also returns sampling log-probs (`generator.sampling_logprobs`).
         """
-        if self._es is not None or self._lowrank is not None:
+        if self._es is not None or self._params is not None:
             raise Unsupported("this engine's weights are moved by ES; a trained copy cannot be pushed too")
         if self.model is None:
             # No initial push: engine and copy load the same checkpoint in the same dtype.
@@ -247,22 +246,14 @@ class VLLMGenerator(Generator):
             flat_logprobs=True,
         )
 
-    def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
-               ) -> Iterator[list[Completion]]:
-        """Unperturbed and full-rank variants in turn (`Generator.sample`); with es.noise=lowrank, every
-        seeded variant of the call in one generation pass, each request tagged with its member's LoRA slot."""
-        members = [v for v in variants if v.seed is not None]
-        if self._lowrank is None or not members:
-            yield from super().sample(tasks, variants, seed)
-            return
-        yield from super().sample(tasks, [v for v in variants if v.seed is None], seed)
-        if any(v.sign not in (1, -1) for v in members):
-            raise ValueError(f"variant signs must be +1 or -1, got {[v.sign for v in members]}")
+    def _population(self, tasks: Sequence[Task], members: Sequence[Variant], seed: int | None
+                    ) -> Iterator[list[Completion]]:
+        """Every low-rank member in one generation pass, each request tagged with its member's LoRA slot."""
         if not tasks:
             return
         from vllm.lora.request import LoRARequest
 
-        self._lowrank.load([(v.seed, v.sign) for v in members])
+        self._params.load([(v.seed, v.sign) for v in members])
         requests = []
         for p, v in enumerate(members):
             # Adapter p + 1 is pinned to the engine's slot for member p and never loaded from a path.
@@ -453,8 +444,7 @@ class VLLMGenerator(Generator):
             )
         chosen = select_linear(hf_meta_model(self.model_path, self.revision), spec.include, spec.exclude)
         shapes = {name: list(module.weight.shape) for name, module in chosen}  # names of the weights
-        self._lowrank = EngineLowRank(self, shapes, spec.rank, spec.sigma)
-        return self._lowrank
+        return EngineLowRank(self, shapes, spec.rank, spec.sigma)
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
@@ -471,7 +461,50 @@ class VLLMGenerator(Generator):
             self._cleanup = None
 
 
-class EngineParams:
+class _EngineWeights:
+    """θ of the selected HF parameters, kept by the engine's workers (`vrl_<kind>_*` methods of
+    `vrl.generate.vllm_worker.VRLWorkerExtension`): the update, snapshots and checks that full-rank
+    and low-rank ES share."""
+
+    kind = ""  # the worker methods' infix: vrl_<kind>_update, vrl_<kind>_state, vrl_<kind>_load_state
+
+    def __init__(self, generator: VLLMGenerator, hf_shapes: dict[str, list[int]]):
+        self.generator, self.hf_shapes, self.names = generator, hf_shapes, list(hf_shapes)
+
+    def flush(self) -> None:
+        """Write what the engine owes before anything reads its weights (nothing by default)."""
+
+    def _written(self) -> None:
+        """The engine now holds cast(θ) in every selected weight."""
+        self.generator.weights_changed()
+
+    def update(self, terms: Sequence[tuple[int, float]]) -> None:
+        if not terms:
+            return
+        self.generator.rpc(f"vrl_{self.kind}_update", [(int(s), float(c)) for s, c in terms])  # engine ← cast(θ')
+        self._written()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        from vrl.generate.vllm_worker import unpack_tensor
+
+        return {n: unpack_tensor(v) for n, v in self.generator.rpc(f"vrl_{self.kind}_state")[0].items()}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.names if n not in state or list(state[n].shape) != self.hf_shapes[n]]
+        if missing:
+            raise ValueError(f"snapshot does not match the model at parameter {missing[0]}")
+        from vrl.generate.vllm_worker import pack_tensor
+
+        self.generator.rpc(f"vrl_{self.kind}_load_state", {n: pack_tensor(state[n].float()) for n in self.names})
+        self._written()
+
+    def engine_weights(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The engine's current (base) values of HF parameters `names`, un-fused (CPU copies)."""
+        self.flush()
+        return self.generator.rpc("vrl_hf_weights", self.hf_shapes, list(names))[0]
+
+
+class EngineParams(_EngineWeights):
     """What `FlatParams` is for the hf backend, for weights that live in a vLLM engine.
 
     Same interface (perturb, restore, update, state, load_state); each call runs in the engine's
@@ -483,10 +516,10 @@ class EngineParams:
     member then costs one pass over the weights instead of two.
     """
 
+    kind = "es"
+
     def __init__(self, generator: VLLMGenerator, hf_shapes: dict[str, list[int]]):
-        self.generator = generator
-        self.hf_shapes = hf_shapes
-        self.names = list(hf_shapes)
+        super().__init__(generator, hf_shapes)
         info = generator.rpc("vrl_es_setup", hf_shapes)[0]
         self.numel = int(info["numel"])
         self._dtype = str(info["dtype"])
@@ -511,38 +544,14 @@ class EngineParams:
         """Write a deferred restore into the engine (no-op when none is due)."""
         if self._restore_due:
             self.generator.rpc("vrl_es_restore")
-            self._restore_due = False
-            self.generator.weights_changed()
+            self._written()
 
-    def update(self, terms: Sequence[tuple[int, float]]) -> None:
-        if not terms:
-            return
-        self.generator.rpc("vrl_es_update", [(int(s), float(c)) for s, c in terms])  # engine ← cast(θ')
+    def _written(self) -> None:
         self._restore_due = False
-        self.generator.weights_changed()
-
-    def state(self) -> dict[str, torch.Tensor]:
-        from vrl.generate.vllm_worker import unpack_tensor
-
-        return {n: unpack_tensor(v) for n, v in self.generator.rpc("vrl_es_state")[0].items()}
-
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        missing = [n for n in self.names if n not in state or list(state[n].shape) != self.hf_shapes[n]]
-        if missing:
-            raise ValueError(f"snapshot does not match the model at parameter {missing[0]}")
-        from vrl.generate.vllm_worker import pack_tensor
-
-        self.generator.rpc("vrl_es_load_state", {n: pack_tensor(state[n].float()) for n in self.names})
-        self._restore_due = False
-        self.generator.weights_changed()
-
-    def engine_weights(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The engine's current values of HF parameters `names`, un-fused (CPU copies)."""
-        self.flush()
-        return self.generator.rpc("vrl_hf_weights", self.hf_shapes, list(names))[0]
+        super()._written()
 
 
-class EngineLowRank:
+class EngineLowRank(_EngineWeights):
     """What `LowRankParams` is for the hf backend, for weights that live in a vLLM engine.
 
     The workers keep θ (fp32) of the selected matrices and write `update`s into the engine's base
@@ -551,27 +560,18 @@ class EngineLowRank:
     requests with its slot. Base weights never change between members, so `restore` is a no-op.
     """
 
+    kind = "lowrank"
+
     def __init__(self, generator: VLLMGenerator, hf_shapes: dict[str, list[int]], rank: int, sigma: float):
-        self.generator, self.hf_shapes, self.rank, self.sigma = generator, hf_shapes, rank, sigma
-        self.names = list(hf_shapes)
-        self.check(generator, hf_shapes)
+        super().__init__(generator, hf_shapes)
+        self.rank, self.sigma = rank, sigma
         info = generator.rpc("vrl_lowrank_setup", hf_shapes, rank, generator.lora_slots)[0]
+        if "unserved" in info:  # selected weights the engine's LoRA layers do not serve (says the fix)
+            raise Unsupported(str(info["unserved"]))
         self.numel, self.dtype, self.slots = int(info["numel"]), str(info["dtype"]), list(info["slots"])
         self.lora_dtype = str(info["lora_dtype"])
         log.info("low-rank ES in the engine: %d matrices, %d parameters, %d LoRA slots (%s)",
                  info["matrices"], self.numel, len(self.slots), self.lora_dtype)
-
-    @staticmethod
-    def check(generator: VLLMGenerator, hf_shapes: dict[str, list[int]]) -> None:
-        """Refuse (Unsupported, with the fix) selected weights the engine's LoRA layers do not serve."""
-        from vrl.generate.vllm_worker import engine_layout, lora_slices
-
-        engine = generator.rpc("vrl_engine_shapes")[0]
-        packed = generator.rpc("vrl_packed_modules")[0]
-        try:
-            lora_slices(engine_layout(hf_shapes, engine, packed), generator.rpc("vrl_lora_modules")[0])
-        except ValueError as exc:
-            raise Unsupported(str(exc)) from exc
 
     def load(self, members: Sequence[tuple[int, int]]) -> None:
         """Write members (seed, sign) into LoRA slots 0, 1, ... (adapter ids 1, 2, ...)."""
@@ -587,36 +587,12 @@ class EngineLowRank:
     def restore(self) -> None:
         """Nothing to do: members never change the base weights."""
 
-    def update(self, terms: Sequence[tuple[int, float]]) -> None:
-        if not terms:
-            return
-        self.generator.rpc("vrl_lowrank_update", [(int(s), float(c)) for s, c in terms])
-        self.generator.weights_changed()
-
-    def state(self) -> dict[str, torch.Tensor]:
-        from vrl.generate.vllm_worker import unpack_tensor
-
-        return {n: unpack_tensor(v) for n, v in self.generator.rpc("vrl_lowrank_state")[0].items()}
-
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        missing = [n for n in self.names if n not in state or list(state[n].shape) != self.hf_shapes[n]]
-        if missing:
-            raise ValueError(f"snapshot does not match the model at parameter {missing[0]}")
-        from vrl.generate.vllm_worker import pack_tensor
-
-        self.generator.rpc("vrl_lowrank_load_state", {n: pack_tensor(state[n].float()) for n in self.names})
-        self.generator.weights_changed()
-
     def slot(self, name: str, member: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(lora_a, lora_b) of matrix `name` for member position `member` of the last `load` (checks)."""
         from vrl.generate.vllm_worker import unpack_tensor
 
         a, b = self.generator.rpc("vrl_lora_slot", name, self.slots[member])[0]
         return unpack_tensor(a), unpack_tensor(b)
-
-    def engine_weights(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The engine's current base values of HF parameters `names`, un-fused (CPU copies)."""
-        return self.generator.rpc("vrl_hf_weights", self.hf_shapes, list(names))[0]
 
 
 def _share(weights: list[tuple[str, torch.Tensor]], engine_order: list[str] | None = None) -> list[tuple[str, Any]]:

@@ -225,8 +225,6 @@ class LowRankEngine:
         """Write member p = (seed, sign) into LoRA slot `slots[p]`, for every selected matrix."""
         from vrl.optim.lowrank import lora_factors
 
-        if len(members) > len(self.slots):
-            raise ValueError(f"{len(members)} members in one call, but the engine has {len(self.slots)} LoRA slots")
         if not members:
             return
         r = self.rank
@@ -301,14 +299,21 @@ class VRLWorkerExtension:
         """Engine parameter names and shapes (this worker's shard)."""
         return {n: list(p.shape) for n, p in engine_params(self._vrl_model()).items()}
 
-    def vrl_es_setup(self, hf_shapes: dict[str, list[int]]) -> dict[str, object]:
-        """Build the HF-layout ES state from the engine's current weights (θ₀); returns a summary."""
-        model = self._vrl_model()
-        if self.parallel_config.tensor_parallel_size != 1:  # type: ignore[attr-defined]
+    def _vrl_layout(self, hf_shapes: Mapping[str, Sequence[int]], whole: bool = False
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, Slot]]:
+        """The engine's parameters and where each HF parameter lives in them; `whole`: refuse a
+        tensor-parallel shard (ES moves the whole model in one worker)."""
+        if whole and self.parallel_config.tensor_parallel_size != 1:  # type: ignore[attr-defined]
             raise ValueError("in-engine ES needs generator.tensor_parallel_size=1 (one engine per GPU)")
+        model = self._vrl_model()
         params = engine_params(model)
         layout = engine_layout(hf_shapes, {n: p.shape for n, p in params.items()},
                                getattr(model, "packed_modules_mapping", {}) or {})
+        return params, layout
+
+    def vrl_es_setup(self, hf_shapes: dict[str, list[int]]) -> dict[str, object]:
+        """Build the HF-layout ES state from the engine's current weights (θ₀); returns a summary."""
+        params, layout = self._vrl_layout(hf_shapes, whole=True)
         self._vrl_es = EngineES(slot_views(params, layout))
         flat = self._vrl_es.flat
         log.info("vrl: in-engine ES over %d HF tensors in %d engine tensors", len(layout),
@@ -341,31 +346,21 @@ class VRLWorkerExtension:
         self._vrl_require_es().load_state({n: unpack_tensor(v) for n, v in state.items()})
 
     # -- low-rank ES: members in LoRA slots ---------------------------------------------------------
-    def vrl_packed_modules(self) -> dict[str, list[str]]:
-        """vLLM's fused modules of this model (`packed_modules_mapping`)."""
-        return {k: list(v) for k, v in (getattr(self._vrl_model(), "packed_modules_mapping", {}) or {}).items()}
-
-    def vrl_lora_modules(self) -> dict[str, list[int]]:
-        """The engine's LoRA layers and their output slice sizes ({} when started without LoRA)."""
-        manager = getattr(getattr(self.model_runner, "lora_manager", None), "_adapter_manager", None)  # type: ignore[attr-defined]
-        if manager is None:
-            return {}
-        return {name: list(m.output_slices) for name, m in manager.modules.items()
-                if hasattr(m, "lora_a_stacked") and hasattr(m, "output_slices")}
-
     def vrl_lowrank_setup(self, hf_shapes: dict[str, list[int]], rank: int, members: int) -> dict[str, object]:
         """Register `members` empty adapters (ids 1..members, pinned to LoRA slots, never loaded from
-        disk) and build the low-rank ES state over the selected matrices; returns a summary."""
-        model = self._vrl_model()
-        if self.parallel_config.tensor_parallel_size != 1:  # type: ignore[attr-defined]
-            raise ValueError("in-engine ES needs generator.tensor_parallel_size=1 (one engine per GPU)")
+        disk) and build the low-rank ES state over the selected matrices; returns a summary, or
+        {"unserved": why} (before anything is registered) when the LoRA layers do not serve a selected
+        weight: vLLM hands the driver a worker's exception without its message."""
         manager = getattr(getattr(self.model_runner, "lora_manager", None), "_adapter_manager", None)  # type: ignore[attr-defined]
         if manager is None:
             raise ValueError("this engine was started without LoRA (enable_lora); low-rank ES serves members as LoRA adapters")
-        params = engine_params(model)
-        layout = engine_layout(hf_shapes, {n: p.shape for n, p in params.items()},
-                               getattr(model, "packed_modules_mapping", {}) or {})
-        slices = lora_slices(layout, self.vrl_lora_modules())
+        params, layout = self._vrl_layout(hf_shapes, whole=True)
+        served = {name: list(m.output_slices) for name, m in manager.modules.items()
+                  if hasattr(m, "lora_a_stacked") and hasattr(m, "output_slices")}
+        try:
+            slices = lora_slices(layout, served)
+        except ValueError as exc:
+            return {"unserved": str(exc)}
         if members > manager.lora_slots:
             raise ValueError(f"{members} members but the engine has {manager.lora_slots} LoRA slots (max_loras)")
         zeros = None  # vLLM's zero adapter (as for its warm-up), registered under ids 1..members
@@ -410,10 +405,7 @@ class VRLWorkerExtension:
 
     def vrl_hf_weights(self, hf_shapes: dict[str, list[int]], names: list[str]) -> dict[str, torch.Tensor]:
         """The engine's current values of some HF parameters, un-fused (CPU copies), for checks."""
-        model = self._vrl_model()
-        params = engine_params(model)
-        layout = engine_layout(hf_shapes, {n: p.shape for n, p in params.items()},
-                               getattr(model, "packed_modules_mapping", {}) or {})
+        params, layout = self._vrl_layout(hf_shapes)
         views = slot_views(params, {n: layout[n] for n in names})
         return {n: v.detach().to("cpu", copy=True) for n, v in views.items()}
 
