@@ -1,7 +1,7 @@
 """ES sampling on the vllm backend: one host call per iteration, on one engine or a pool of engines.
 
     python benchmarks/es_engines.py --out result.json [--members 30] [--tasks 8 64 256] [--engines 1 2]
-                                    [--noise full lowrank] [--rank 8]
+                                    [--noise full lowrank] [--rank 8] [--max-num-seqs 512]
 
 Qwen2.5-1.5B shapes with random bf16 weights; prompts of 64 random printable characters through the
 byte tokenizer; every completion runs to `--new-tokens` (a random model never stops). For each
@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--memory", type=float, default=0.3, help="gpu_memory_utilization of each pool, per GPU")
     ap.add_argument("--small", action="store_true", help="a 2-layer model, for a quick check")
     ap.add_argument("--eager", action="store_true", help="enforce_eager engines (fast start, slow decode)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="generator.max_num_seqs (default: vrl's)")
     ap.add_argument("--path", default="/tmp/vrl-bench-model")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -60,7 +61,7 @@ def main() -> None:
 
     res: dict = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "vllm": vllm.__version__,
                  "members": args.members, "new_tokens": args.new_tokens, "small": args.small, "rank": args.rank,
-                 "runs": []}
+                 "max_num_seqs": args.max_num_seqs, "runs": []}
 
     def save() -> None:
         with open(args.out, "w") as f:
@@ -80,7 +81,8 @@ def main() -> None:
                      "sampling": {"temperature": 1.0, "max_new_tokens": args.new_tokens, "batch_size": 32},
                      "es": es_section,
                      "generator": {"backend": "vllm", "gpu_memory_utilization": args.memory, "max_model_len": 1024,
-                                   "enforce_eager": args.eager, "engines": k, "gpus": args.gpus}})
+                                   "enforce_eager": args.eager, "engines": k, "gpus": args.gpus,
+                                   **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {})}})
         t0 = time.perf_counter()
         es = ES(cfg.es, seed=1, base={"model": args.path})
         host = LocalRuntime().policy(cfg, es.needs())
@@ -120,8 +122,11 @@ def main() -> None:
         t1 = time.perf_counter()
         es.tell(results)  # the update (+ history); rewards are made up, so θ moves at random
         update = time.perf_counter() - t1
-        return {"wall_s": wall, "update_s": update, "loop_s": wall + update, "tokens": tokens, "tok_s": tokens / wall,
-                "completions": len(done)}
+        run = {"wall_s": wall, "update_s": update, "loop_s": wall + update, "tokens": tokens, "tok_s": tokens / wall,
+               "completions": len(done)}
+        if getattr(host, "last_members_s", None) is not None:  # one low-rank engine: writing the LoRA slots
+            run["members_s"] = host.last_members_s
+        return run
 
     raw()  # warm-up
     for key in configs:

@@ -186,15 +186,17 @@ def test_es_setup_goes_through_the_hosts_perturbable_weights():
 def test_engine_kwargs_read_every_vllm_field():
     cfg = build({"model": "/models/m", "seed": 5, "generator": {
         "backend": "vllm", "dtype": "float32", "revision": "abc", "gpu_memory_utilization": 0.3,
-        "max_model_len": 2048, "enforce_eager": True, "tensor_parallel_size": 2, "sleep": True, "sync_every": 3}})
+        "max_model_len": 2048, "enforce_eager": True, "max_num_seqs": 64, "tensor_parallel_size": 2, "sleep": True,
+        "sync_every": 3}})
     kw = engine_kwargs(cfg, "/models/m")
     assert kw == {"model": "/models/m", "revision": "abc", "dtype": "float32", "gpu_memory_utilization": 0.3,
-                  "max_model_len": 2048, "enforce_eager": True, "tensor_parallel_size": 2,
+                  "max_model_len": 2048, "enforce_eager": True, "max_num_seqs": 64, "tensor_parallel_size": 2,
                   "enable_sleep_mode": True, "seed": 5, "worker_extension_cls": WORKER_EXTENSION,
                   "logprobs_mode": "processed_logprobs"}
     default = engine_kwargs(build({"model": "tiny", "generator": {"backend": "vllm", "revision": "x"}}), "/tmp/t")
     assert default["dtype"] == "bfloat16" and default["revision"] is None and default["max_model_len"] is None
     assert default["enforce_eager"] is False and default["enable_sleep_mode"] is False
+    assert default["max_num_seqs"] == 512  # vLLM's largest CUDA-graph batch; its own default (1024) decodes eagerly
 
 
 def test_config_rejects_bad_vllm_values():
@@ -204,6 +206,8 @@ def test_config_rejects_bad_vllm_values():
         build({"generator": {"gpu_memory_utilization": 1.5}})
     with pytest.raises(ConfigError, match="generator.sync_every"):
         build({"generator": {"sync_every": 0}})
+    with pytest.raises(ConfigError, match="generator.max_num_seqs"):
+        build({"generator": {"max_num_seqs": 0}})
     with pytest.raises(ConfigError, match="generator.tensor_parallel_size"):
         build({"generator": {"tensor_parallel_size": 0}})
     with pytest.raises(ConfigError, match="sampling_logprobs=true or set generator.sync_every=1"):

@@ -71,6 +71,12 @@ class GeneratorConfig(_Section):
     enforce_eager: bool = Field(
         False, description="vllm: skip torch.compile and CUDA graphs (starts ~3x faster, generates ~3x slower)."
     )
+    max_num_seqs: int = Field(
+        512, ge=1,
+        description="vllm: most sequences one engine step decodes. 512 is the largest batch vLLM captures in a "
+        "CUDA graph by default; steps above it run without graphs (vLLM's own default on 80 GB GPUs is 1024: "
+        "2.5x slower for a 1920-request low-rank ES pass on one H100, docs/benchmarks.md).",
+    )
     tensor_parallel_size: int = Field(
         1, ge=1, description="vllm: GPUs one engine shards the model over (in-engine ES needs 1)."
     )

@@ -83,6 +83,7 @@ def engine_kwargs(config: Any, model_path: str, needs: HostNeeds | None = None) 
         "gpu_memory_utilization": g.gpu_memory_utilization,
         "max_model_len": g.max_model_len,
         "enforce_eager": g.enforce_eager,
+        "max_num_seqs": g.max_num_seqs,
         "tensor_parallel_size": g.tensor_parallel_size,
         "enable_sleep_mode": g.sleep,
         "seed": config.seed,
@@ -153,6 +154,7 @@ class VLLMGenerator(Generator):
         self.last_sync_s: float | None = None
         self._es: EngineParams | None = None  # in-engine ES state, flushed before each generation pass
         self.lora_slots = 0  # LoRA slots the engine was started with (one per low-rank member of a call)
+        self.last_members_s: float | None = None  # the last call's time writing its members into LoRA slots
         self._weights_version = 0  # salts the prefix cache: KV computed with other weights is never reused
 
     @staticmethod
@@ -253,7 +255,9 @@ class VLLMGenerator(Generator):
             return
         from vllm.lora.request import LoRARequest
 
+        start = time.perf_counter()
         self._params.load([(v.seed, v.sign) for v in members])
+        self.last_members_s = time.perf_counter() - start
         requests = []
         for p, v in enumerate(members):
             # Adapter p + 1 is pinned to the engine's slot for member p and never loaded from a path.
