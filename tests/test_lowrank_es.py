@@ -214,6 +214,33 @@ def test_lora_factors_multiply_to_the_member_perturbation() -> None:
     assert torch.equal(lb[0], -lb[1]) and torch.equal(la[0], la[1])  # antithetic: same factors, opposite sign
 
 
+def test_engine_writes_each_member_into_its_lora_slot_as_the_reference_factors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LowRankEngine.load_members` (what the vLLM worker runs; here on CPU stacks shaped like vLLM's
+    lora_a_stacked (slots×1×R×n) and lora_b_stacked (slots×1×m×R)) writes cast(lora_factors) of every
+    matrix into each member's slot, zeros beyond es.rank and leaves the other slots alone, also when
+    the matrices of one shape are generated together and in several chunks."""
+    from vrl.generate.vllm_worker import LowRankEngine
+
+    shapes = {"l0.q": (6, 5), "l0.down": (3, 7), "l1.q": (6, 5), "l1.down": (3, 7), "l2.q": (6, 5)}
+    views = {n: torch.randn(s).to(torch.bfloat16) for n, s in shapes.items()}
+    big_rank, rank, slots = 8, 4, [4, 0, 2]
+    layers = {n: (torch.full((5, 1, big_rank, s[1]), 7.0, dtype=torch.bfloat16),
+                  torch.full((5, 1, s[0], big_rank), 7.0, dtype=torch.bfloat16)) for n, s in shapes.items()}
+    engine = LowRankEngine(views, layers, rank, slots)
+    members = [(11, 1), (11, -1)]  # two of the three slots
+    monkeypatch.setattr(LowRankEngine, "CHUNK", len(members) * rank * 6 * 2)  # two q matrices per chunk
+    engine.load_members(members, 0.02)
+    for name, shape in shapes.items():
+        ref_a, ref_b = lr.lora_factors(members, name, shape, rank, 0.02)
+        a_stack, b_stack = layers[name]
+        for p, slot in enumerate(slots[:2]):
+            assert torch.equal(a_stack[slot, 0, :rank], ref_a[p].to(torch.bfloat16)), (name, p)
+            assert torch.equal(b_stack[slot, 0, :, :rank], ref_b[p].to(torch.bfloat16)), (name, p)
+            assert not a_stack[slot, 0, rank:].any() and not b_stack[slot, 0, :, rank:].any()
+        others = [s for s in range(5) if s not in slots[:2]]
+        assert (a_stack[others] == 7).all() and (b_stack[others] == 7).all()
+
+
 # -- the training loop ------------------------------------------------------------------------------
 
 

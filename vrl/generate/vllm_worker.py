@@ -210,6 +210,9 @@ class LowRankEngine:
     weights never change between members: there is nothing to restore.
     """
 
+    # Noise elements generated at once when loading members: bounds the int64 temporaries (~64 MB each).
+    CHUNK = 1 << 23
+
     def __init__(self, views: Mapping[str, torch.Tensor], layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
                  rank: int, slots: Sequence[int]):
         from vrl.optim.lowrank import LowRankParams
@@ -219,23 +222,34 @@ class LowRankEngine:
         self.layers = dict(layers)  # HF name → (lora_a stack, lora_b stack) of its slice
         self.shapes = {n: tuple(v.shape) for n, v in views.items()}
         self.rank, self.slots = rank, list(slots)
+        by_shape: dict[tuple[int, ...], list[str]] = {}
+        for name in self.layers:
+            by_shape.setdefault(self.shapes[name], []).append(name)
+        self.groups = list(by_shape.items())  # matrices of one shape get their members' factors in one pass
 
     @torch.no_grad()
     def load_members(self, members: Sequence[tuple[int, int]], sigma: float) -> None:
         """Write member p = (seed, sign) into LoRA slot `slots[p]`, for every selected matrix."""
-        from vrl.optim.lowrank import lora_factors
+        from vrl.optim.lowrank import lora_factors_many
 
         if not members:
             return
-        r = self.rank
-        for name, (a_stack, b_stack) in self.layers.items():
-            index = torch.tensor(self.slots[: len(members)], device=a_stack.device)
-            lora_a, lora_b = lora_factors(members, name, self.shapes[name], r, sigma, a_stack.device)
-            a_stack[index, 0, :r, :] = lora_a.to(a_stack.dtype)
-            b_stack[index, 0, :, :r] = lora_b.to(b_stack.dtype)
-            if a_stack.shape[2] > r:  # the engine's max_lora_rank is above es.rank: the rest stays zero
-                a_stack[index, 0, r:, :] = 0
-                b_stack[index, 0, :, r:] = 0
+        r, k = self.rank, len(members)
+        first_a, _ = next(iter(self.layers.values()))
+        device, dtype = first_a.device, first_a.dtype
+        index = torch.tensor(self.slots[:k], device=device)
+        for shape, names in self.groups:
+            per_chunk = max(1, self.CHUNK // (k * r * max(shape)))
+            for at in range(0, len(names), per_chunk):
+                chunk = names[at:at + per_chunk]
+                lora_a, lora_b = lora_factors_many(members, chunk, shape, r, sigma, device, dtype)
+                for name, la, lb in zip(chunk, lora_a, lora_b):
+                    a_stack, b_stack = self.layers[name]
+                    a_stack[index, 0, :r, :] = la
+                    b_stack[index, 0, :, :r] = lb
+                    if a_stack.shape[2] > r:  # the engine's max_lora_rank is above es.rank: the rest stays zero
+                        a_stack[index, 0, r:, :] = 0
+                        b_stack[index, 0, :, r:] = 0
 
     def update(self, terms: Sequence[tuple[int, float]]) -> None:
         self.params.update(terms)
