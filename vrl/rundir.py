@@ -190,8 +190,8 @@ class RunDir:
         own = optimizer_class(name).fixed_on_resume if name in OPTIMIZERS else ()
         fields = FIXED_ON_RESUME + tuple(f"{name}.{f}" for f in own)
         for field in fields:
-            before, after = _get(recorded, field), _get(new, field)
-            if before != after:
+            before, after = _get(recorded, field, _MISSING), _get(new, field)
+            if before is not _MISSING and before != after:  # a field older configs lack: the optimizer checks it
                 raise RunDirError(
                     f"cannot resume {self.path} with {field}={after!r}: the run was trained with {field}={before!r}, "
                     "which a resume keeps; start a new run (--name) to change it"
@@ -248,9 +248,14 @@ class RunDir:
         return json.loads(path.read_text()) if path.exists() else None
 
 
-def _get(data: dict[str, Any], dotted: str) -> Any:
+_MISSING = object()
+
+
+def _get(data: dict[str, Any], dotted: str, missing: Any = None) -> Any:
     for part in dotted.split("."):
-        data = data.get(part) if isinstance(data, dict) else None
+        if not isinstance(data, dict) or part not in data:
+            return missing
+        data = data[part]
     return data
 
 

@@ -263,7 +263,8 @@ class ES(Optimizer):
     name = "es"
     Config = ESConfig
     moves = "perturbations"
-    fixed_on_resume = ("population_size", "sigma", "alpha", "normalization", "antithetic", "include", "exclude")
+    fixed_on_resume = ("population_size", "sigma", "alpha", "normalization", "antithetic", "include", "exclude",
+                       "noise", "rank")
 
     def __init__(self, config: ESConfig, seed: int = 0, base: dict[str, Any] | None = None):
         self.config, self.seed = config, seed
