@@ -388,23 +388,28 @@ def peek():
 
 
 def test_host_is_unchanged_after_attacks():
-    """After a fork bomb and a daemon, closing the verifier leaves no sandbox process on the host."""
+    """After a fork bomb and a daemon, closing the verifier leaves no sandbox process on the host.
+
+    The sandbox's processes are found by its pid namespace (bwrap --unshare-all), which no process
+    inside can leave: a surviving daemon would still be counted, and other suites' sandboxes running
+    at the same time are not."""
     if BWRAP_PROBLEM is not None:
         pytest.skip(BWRAP_PROBLEM)
-    before = set(_sandbox_processes_on_host())  # other tests' warm sandboxes
     v = PythonTestsVerifier(workers=1, test_timeout_s=0.5, attempt_timeout_s=2.0, max_processes=8)
     task = make_task("spawn", ["assert spawn() == 1"])
     code = ("import os, time\ndef spawn():\n    for _ in range(50):\n        try:\n"
             "            if os.fork() == 0:\n                os.setsid()\n                time.sleep(600)\n"
             "        except OSError:\n            pass\n    return 0\n")
     v.judge(attempt(task, code))
-    server = v.pool._all[0].proc.pid
-    ours = set(_sandbox_processes_on_host()) - before
-    assert len(ours) == 2, ours  # bwrap and the server: the sleeping daemons died with the attempt
+    bwrap = v.pool._all[0].proc.pid
+    namespaces = {_pid_ns(pid) for pid in _live_processes() if _parent(pid) == bwrap} - {_pid_ns(os.getpid())}
+    assert len(namespaces) == 1, namespaces  # the fork server, in the sandbox's own pid namespace
+    inside = [pid for pid in _live_processes() if _pid_ns(pid) in namespaces]
+    assert len(inside) == 1, inside  # only the server: the sleeping daemons died with the attempt
     v.close()
     time.sleep(0.1)
-    assert not _alive(server)
-    assert set(_sandbox_processes_on_host()) - before == set()
+    assert not _alive(bwrap)
+    assert [pid for pid in _live_processes() if _pid_ns(pid) in namespaces] == []
 
 
 def _alive(pid: int) -> bool:
@@ -416,20 +421,31 @@ def _alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _sandbox_processes_on_host() -> list[int]:
-    """Host pids still running the harness (its source is on their command line)."""
+def _live_processes() -> list[int]:
+    """Host pids of processes that are not zombies."""
     found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
+            if _alive(pid):
+                found.append(pid)
         except OSError:
             continue
-        if b"The fork server that runs inside the sandbox" in cmdline and state != "Z":
-            found.append(int(pid))
     return found
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+def _pid_ns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
 
 
 def test_signal_names_are_reported(judge):
