@@ -220,11 +220,10 @@ class LowRankEngine:
 
         self.params = LowRankParams(FlatParams.over(dict(views)), rank)
         self.layers = dict(layers)  # HF name → (lora_a stack, lora_b stack) of its slice
-        self.shapes = {n: tuple(v.shape) for n, v in views.items()}
         self.rank, self.slots = rank, list(slots)
         by_shape: dict[tuple[int, ...], list[str]] = {}
         for name in self.layers:
-            by_shape.setdefault(self.shapes[name], []).append(name)
+            by_shape.setdefault(tuple(views[name].shape), []).append(name)
         self.groups = list(by_shape.items())  # matrices of one shape get their members' factors in one pass
 
     @torch.no_grad()
