@@ -503,6 +503,17 @@ class GRPO(Optimizer):
     def _checkpoint_dir(self, run_dir: Path, iteration: int) -> Path:
         return Path(run_dir) / "grpo" / f"iter-{iteration:06d}"
 
+    @staticmethod
+    def _checkpoints(run_dir: Path) -> list[Path]:
+        """The run's complete checkpoints, oldest first (`iter-NNNNNN`; a `.tmp` one is still being written)."""
+        return sorted(p for p in (Path(run_dir) / "grpo").glob("iter-*") if p.is_dir() and not p.name.endswith(".tmp"))
+
+    @classmethod
+    def _newest_checkpoint(cls, run_dir: Path, finished: int) -> Path | None:
+        """The newest checkpoint at or before iteration `finished` (what a resume loads), or None."""
+        usable = [p for p in cls._checkpoints(run_dir) if int(p.name.removeprefix("iter-")) <= finished]
+        return usable[-1] if usable else None
+
     def save(self, run_dir: Path, final: bool = False) -> None:
         """Write grpo/iter-NNNNNN/: the policy (save_pretrained + tokenizer) and optimizer/schedule/RNG state.
 
@@ -534,8 +545,7 @@ class GRPO(Optimizer):
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        kept = sorted(p for p in final.parent.glob("iter-*") if not p.name.endswith(".tmp"))
-        for old in kept[:-_KEEP_CHECKPOINTS]:
+        for old in self._checkpoints(run_dir)[:-_KEEP_CHECKPOINTS]:
             shutil.rmtree(old, ignore_errors=True)
 
     def load(self, run_dir: Path, completed: int) -> None:
@@ -544,15 +554,13 @@ class GRPO(Optimizer):
         With `save_every` > 1 that may be older than the run: `self.iteration` then says where the
         weights are, and the trainer redoes the iterations after it.
         """
-        finished = completed
-        found = sorted(p.name for p in (Path(run_dir) / "grpo").glob("iter-*") if not p.name.endswith(".tmp"))
-        usable = [n for n in found if int(n.removeprefix("iter-")) <= finished]
-        if not usable:
+        ckpt = self._newest_checkpoint(run_dir, completed)
+        if ckpt is None:
+            found = [p.name for p in self._checkpoints(run_dir)]
             raise FileNotFoundError(
-                f"no GRPO checkpoint at or before iteration {finished} in {Path(run_dir) / 'grpo'} "
+                f"no GRPO checkpoint at or before iteration {completed} in {Path(run_dir) / 'grpo'} "
                 f"(found: {found or 'none'}); the run directory is incomplete, start a new run"
             )
-        ckpt = Path(run_dir) / "grpo" / usable[-1]
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
         saved = state["config"]
         # Checkpoints from before grpo.use_bias_correction_kl existed trained with the plain k3 term.
@@ -581,11 +589,9 @@ class GRPO(Optimizer):
     def export(cls, run_dir: Path, config: dict[str, Any], finished: int, folder: Path, device: str) -> dict[str, Any]:
         """The newest checkpoint at or before `finished` (the one a resume loads); LoRA merged into the base."""
         run_dir = Path(run_dir)
-        found = sorted(p for p in (run_dir / "grpo").glob("iter-*") if p.is_dir() and not p.name.endswith(".tmp"))
-        usable = [p for p in found if int(p.name.removeprefix("iter-")) <= finished]
-        if not usable:
+        ckpt = cls._newest_checkpoint(run_dir, finished)
+        if ckpt is None:
             raise ValueError(f"{run_dir} has no GRPO checkpoint at or before iteration {finished} in {run_dir / 'grpo'}")
-        ckpt = usable[-1]
         iteration = int(ckpt.name.removeprefix("iter-"))
         if iteration < finished:
             log.warning("the newest GRPO checkpoint of %s is after iteration %d (the run finished %d): exporting it",
