@@ -12,10 +12,8 @@ from rich.progress import Progress
 from vrl.config import TrainConfig
 from vrl.environment import Environment
 from vrl.errors import UsageError
-from vrl.hub import check_model
 from vrl.policy import Variant
 from vrl.types import Attempt
-from vrl.verifier import ensure_ready
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -30,16 +28,13 @@ def evaluate(config: TrainConfig, split: str = "test", k: int = 1, limit: int | 
     """pass@1, 2, 4, ..., k over a split. Checks the tasks, the model and the verifier before generating."""
     from vrl.plugins import registry
     from vrl.runtime import make_runtime
+    from vrl.trainer import preflight
 
     env = environment or registry().environment(config.plugin, **config.env_options)
     tasks = env.tasks(split, limit=limit)
     if not tasks:
         raise UsageError(f"environment {env.name!r} has no tasks in split {split!r}; choose another --split")
-    # Seconds of checks before minutes of generation: the model loads, the verifier answers.
-    if config.runtime.kind == "local":
-        check_model(config.model, config.generator.revision)
-    if config.runtime.kind == "local" or config.runtime.verify_in == "local":
-        ensure_ready(env.verifier())
+    preflight(config, env)
     runtime = make_runtime(config)
     policy = pool = None
     by_id = {t.id: t for t in tasks}

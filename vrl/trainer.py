@@ -85,7 +85,7 @@ class Trainer:
             self.runtime = runtime
             self.sinks = Sinks.from_config(config.logging)  # a missing package fails here
             self._pool_tasks = self._task_pool()
-            self._preflight()
+            preflight(self.config, self.env)
         except BaseException:
             if run_dir is not None:
                 run_dir.release()
@@ -106,21 +106,10 @@ class Trainer:
         self._last_stats = "first iteration"  # the live line: last iteration's numbers + current queue
         self._updating = False
 
-    def _verifies_here(self) -> bool:
-        """Whether the verifier runs in this process (not in Modal sandboxes, which start their own server)."""
-        return self.config.runtime.kind == "local" or self.config.runtime.verify_in == "local"
-
-    def _preflight(self) -> None:
-        """Seconds of checks instead of a failed run: the model can be loaded, the verifier answers."""
-        if self.config.runtime.kind == "local":  # on Modal the weights come from the Volume
-            check_model(self.config.model, self.config.generator.revision)
-        if self._verifies_here():
-            ensure_ready(self.env.verifier())
-
     def _check_verifier_alive(self, results: list[Result]) -> None:
         """Most of an iteration crashed: if the verifier is down, stop before the update learns from it."""
         crashed = sum(r.verdict.status is Status.CRASHED for r in results)
-        if results and crashed * 2 >= len(results) and self._verifies_here():
+        if results and crashed * 2 >= len(results) and verifies_in_process(self.config):
             try:
                 ensure_ready(self.env.verifier())
             except VerifierUnavailable as exc:
@@ -353,6 +342,20 @@ class Trainer:
                 table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
         table.add_row("run directory", str(self.run_dir.path))
         self.console.print(table)
+
+
+def verifies_in_process(config: TrainConfig) -> bool:
+    """Whether the verifier runs in this process (not in Modal sandboxes, which start their own server)."""
+    return config.runtime.kind == "local" or config.runtime.verify_in == "local"
+
+
+def preflight(config: TrainConfig, env: Environment) -> None:
+    """Seconds of checks before minutes of generation (train and eval): the model can be loaded, the
+    verifier answers."""
+    if config.runtime.kind == "local":  # on Modal the weights come from the Volume
+        check_model(config.model, config.generator.revision)
+    if verifies_in_process(config):
+        ensure_ready(env.verifier())
 
 
 class _TwoLineProgress(Progress):
