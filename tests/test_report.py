@@ -30,7 +30,8 @@ def short_run(tmp_path, name, stop_after=None, **overrides):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    return [short_run(root, "a"), short_run(root, "b", stop_after=0, optimizer="grpo")]
+    return [short_run(root, "a"), short_run(root, "b", stop_after=0, optimizer="grpo"),
+            short_run(root, "c", es={"population_size": 2, "noise": "lowrank", "rank": 4})]
 
 
 def test_report_files_and_content(runs, tmp_path):
@@ -41,7 +42,7 @@ def test_report_files_and_content(runs, tmp_path):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     page = (out / "report.html").read_text()
-    assert "a (es)" in page and "b (grpo)" in page
+    assert "a (es)" in page and "b (grpo)" in page and "c (es lowrank r=4)" in page  # three methods apart
     assert page.count("data:image/png;base64,") == 4
     for section in ("Reward and pass rate per iteration", "Reward and pass rate per generated token",
                     "Where the time goes", "Verifier outcomes", "Why attempts did not pass", "Best attempts"):

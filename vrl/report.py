@@ -45,7 +45,17 @@ class Run:
 
     @property
     def label(self) -> str:
-        return f"{self.path.name} ({self.config.get('optimizer', '?')})"
+        return f"{self.path.name} ({self.method})"
+
+    @property
+    def method(self) -> str:
+        """The update rule, with ES's noise when it is low-rank: full-rank ES, low-rank ES and GRPO runs
+        stay apart in a comparison."""
+        optimizer = self.config.get("optimizer", "?")
+        es = self.config.get("es") or {}
+        if optimizer == "es" and es.get("noise") == "lowrank":
+            return f"es lowrank r={es.get('rank', '?')}"
+        return optimizer
 
     @property
     def short_label(self) -> str:
