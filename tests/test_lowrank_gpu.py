@@ -116,3 +116,40 @@ def test_triton_lowrank_writes_rows_of_a_larger_tensor_in_place() -> None:
     torch.cuda.synchronize()
     assert _equal([host[:40].cpu(), host[40:64].cpu()], _weights(ref))
     assert bool((host[64:] == 7).all())
+
+
+@pytest.mark.parametrize(("rank", "max_rank"), [(8, 16), (8, 8), (1, 8)])
+def test_triton_member_load_writes_the_lora_slots_of_the_torch_path(rank: int, max_rank: int) -> None:
+    """`LowRankEngine.load_members` on a GPU (one kernel per matrix shape) writes the same bits into
+    vLLM-shaped LoRA stacks (slots×1×R×n, slots×1×m×R) as its torch path, equal to the CPU reference
+    `lora_factors` cast to bf16: zeros beyond es.rank, other slots untouched."""
+    from vrl.generate.vllm_worker import LowRankEngine
+
+    shapes = {"l0.q": (1536, 1536), "l0.k": (256, 1536), "l0.down": (1536, 8960), "l1.q": (1536, 1536),
+              "odd": (7, 13), "tall": (65, 1)}
+    members, slots, n_slots = [(5, 1), (5, -1), (2**40 + 3, 1), (77, -1)], [6, 0, 3, 2, 1], 7
+    g = torch.Generator().manual_seed(2)
+    views = {n: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16).cuda() for n, s in shapes.items()}
+
+    def stacks() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {n: (torch.full((n_slots, 1, max_rank, s[1]), 7.0, dtype=torch.bfloat16, device="cuda"),
+                    torch.full((n_slots, 1, s[0], max_rank), 7.0, dtype=torch.bfloat16, device="cuda"))
+                for n, s in shapes.items()}
+
+    fast_layers, ref_layers = stacks(), stacks()
+    fast, ref = LowRankEngine(views, fast_layers, rank, slots), LowRankEngine(views, ref_layers, rank, slots)
+    assert fast.use_triton
+    ref.use_triton = False
+    for engine in (fast, ref):
+        engine.load_members(members, 0.03)
+    torch.cuda.synchronize()
+    for name, shape in shapes.items():
+        (fa, fb), (ra, rb) = fast_layers[name], ref_layers[name]
+        assert _equal([fa.cpu(), fb.cpu()], [ra.cpu(), rb.cpu()]), name
+        cpu_a, cpu_b = lr.lora_factors(members, name, shape, rank, 0.03)
+        for p, slot in enumerate(slots[:len(members)]):
+            assert _equal([fa[slot, 0, :rank].cpu(), fb[slot, 0, :, :rank].cpu()],
+                          [cpu_a[p].to(torch.bfloat16), cpu_b[p].to(torch.bfloat16)]), (name, p)
+            assert not fa[slot, 0, rank:].any() and not fb[slot, 0, :, rank:].any()
+        untouched = [s for s in range(n_slots) if s not in slots[:len(members)]]
+        assert bool((fa[untouched] == 7).all()) and bool((fb[untouched] == 7).all())

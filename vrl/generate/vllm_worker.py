@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -210,13 +211,14 @@ class LowRankEngine:
     weights never change between members: there is nothing to restore.
     """
 
-    # Noise elements generated at once when loading members: bounds the int64 temporaries (~64 MB each).
+    # Noise elements generated at once by the torch path (CPU, or no triton): bounds its int64
+    # temporaries (~64 MB each).
     CHUNK = 1 << 23
 
     def __init__(self, views: Mapping[str, torch.Tensor], layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
                  rank: int, slots: Sequence[int]):
         from vrl.optim.lowrank import LowRankParams
-        from vrl.optim.params import FlatParams
+        from vrl.optim.params import FlatParams, triton_available
 
         self.params = LowRankParams(FlatParams.over(dict(views)), rank)
         self.layers = dict(layers)  # HF name → (lora_a stack, lora_b stack) of its slice
@@ -225,6 +227,15 @@ class LowRankEngine:
         for name in self.layers:
             by_shape.setdefault(tuple(views[name].shape), []).append(name)
         self.groups = list(by_shape.items())  # matrices of one shape get their members' factors in one pass
+        first_a, _ = next(iter(self.layers.values()))
+        # On a GPU one kernel launch per shape draws the factors and writes them into the slots.
+        self.use_triton = (first_a.device.type == "cuda" and triton_available()
+                           and all(a.is_contiguous() and b.is_contiguous() for a, b in self.layers.values()))
+        self._pointers = [
+            tuple(torch.tensor([self.layers[n][i].data_ptr() for n in names], dtype=torch.int64, device=first_a.device)
+                  for i in (0, 1))
+            for _, names in self.groups
+        ] if self.use_triton else []
 
     @torch.no_grad()
     def load_members(self, members: Sequence[tuple[int, int]], sigma: float) -> None:
@@ -237,6 +248,9 @@ class LowRankEngine:
         first_a, _ = next(iter(self.layers.values()))
         device, dtype = first_a.device, first_a.dtype
         index = torch.tensor(self.slots[:k], device=device)
+        if self.use_triton:
+            self._load_members_triton(members, sigma, index, first_a)
+            return
         for shape, names in self.groups:
             per_chunk = max(1, self.CHUNK // (k * r * max(shape)))
             for at in range(0, len(names), per_chunk):
@@ -249,6 +263,25 @@ class LowRankEngine:
                     if a_stack.shape[2] > r:  # the engine's max_lora_rank is above es.rank: the rest stays zero
                         a_stack[index, 0, r:, :] = 0
                         b_stack[index, 0, :, r:] = 0
+
+    def _load_members_triton(self, members: Sequence[tuple[int, int]], sigma: float, index: torch.Tensor,
+                             ref: torch.Tensor) -> None:
+        """`load_members` in one kernel launch per matrix shape (the same bits as the torch path)."""
+        from vrl.optim import lowrank as lr
+        from vrl.optim import noise as nz
+        from vrl.optim.lowrank_triton import lora_slots
+
+        r = self.rank
+        t = nz.round_sig(sigma * nz.C / math.sqrt(r), nz.SCALE_BITS)
+        device = ref.device
+        scales = torch.tensor([sign * t for _, sign in members], dtype=torch.float32, device=device)
+        keys = torch.tensor([lr.factor_keys(seed, name) for _, names in self.groups for name in names
+                             for seed, _ in members], dtype=torch.int64, device=device)
+        at = 0
+        for (shape, names), (a_ptrs, b_ptrs) in zip(self.groups, self._pointers):
+            rows = len(names) * len(members)
+            lora_slots(a_ptrs, b_ptrs, ref, keys[at:at + rows], scales, index, shape, ref.shape[2], r, nz.C)
+            at += rows
 
     def update(self, terms: Sequence[tuple[int, float]]) -> None:
         self.params.update(terms)

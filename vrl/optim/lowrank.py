@@ -138,8 +138,8 @@ def lora_factors_many(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`lora_factors` of several matrices of one shape at once, cast to `dtype` (one rounding from the
     exact fp32 values): lora_a (G×N×r×n), lora_b (G×N×m×r) for G names and N members: one noise pass
-    and one upload of keys for all of them (a matrix at a time took 0.37 s for 30 members of the
-    196 matrices of a 1.5B model on an H100, most of it launches and host-device syncs)."""
+    and one upload of keys for all of them. The reference for `lowrank_triton.lora_slots`, which a
+    vLLM engine on a GPU uses instead (`LowRankEngine.load_members`)."""
     m, n = shape
     a, b = _factors_int_of([(seed, name) for name in names for seed, _ in members], shape, rank, device)
     t = nz.round_sig(sigma * nz.C / math.sqrt(rank), nz.SCALE_BITS)

@@ -49,7 +49,7 @@ class FlatParams:
             by_dtype[p.dtype].append((name, p))
         self.groups = [_Group(items, self.GRANULE, self.device, move) for items in by_dtype.values()]
         self.numel = sum(p.numel() for _, p in named)
-        self.use_triton = self.device.type == "cuda" and _triton_available()
+        self.use_triton = self.device.type == "cuda" and triton_available()
 
     @classmethod
     def over(cls, views: dict[str, torch.Tensor]) -> FlatParams:
@@ -160,7 +160,7 @@ class _Group:
         return self._targets
 
 
-def _triton_available() -> bool:
+def triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
