@@ -11,7 +11,9 @@ are written into LoRA slots and sampled in one pass), timed end to end and repor
 tokens per second; then the update (`ES.tell` on made-up rewards), so `loop_s` is sampling plus
 update, the loop's GPU-side time without verification. Every pool is started before anything is timed and the configurations are interleaved
 over `--repeats` rounds (medians reported), next to raw `LLM.generate` on `--raw-prompts` prompts
-on the same GPU in the same run: the baseline every ratio is taken against.
+on the same GPU in the same run: the baseline every ratio is taken against. With a one-engine
+low-rank pool, `raw_lora_tok_s` is raw `LLM.generate` of the low-rank pass's own requests (first
+task count × members, each with its member's LoRA adapter): vLLM's own speed on that mix.
 
 Engines of a pool are dealt over `--gpus` (default: all on GPU 0, each with an equal share of
 `--memory`); on one GPU this measures what two engines give, on two GPUs the scaling.
@@ -128,11 +130,32 @@ def main() -> None:
             run["members_s"] = host.last_members_s
         return run
 
+    lowrank_one = pools.get(("lowrank", 1), (None, None))[0]
+
+    def raw_lora() -> float:
+        """Raw `LLM.generate` of the low-rank pass's own request mix (`--tasks`' first count × members,
+        each tagged with its member's LoRA slot, per-request seeds), on the low-rank engine: what vLLM
+        itself reaches with these adapters, so vrl's overhead and LoRA's cost can be told apart."""
+        from vllm.lora.request import LoRARequest
+
+        prompts, params, loras = [], [], []
+        for p in range(args.members):
+            lora = LoRARequest(f"vrl-member-{p}", p + 1, "vrl://lora-slot")  # the slots vrl registered
+            for i, t in enumerate(tasks[: args.tasks[0]]):
+                prompts.append({"prompt_token_ids": first_tokens(t)})
+                params.append(vllm.SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=7 + i))
+                loras.append(lora)
+        t0 = time.perf_counter()
+        outs = lowrank_one.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
     raw()  # warm-up
     for key in configs:
         es_iteration(key, args.tasks[0])
     for rep in range(args.repeats):
         res.setdefault("raw_tok_s", []).append(raw())
+        if lowrank_one is not None:  # its slots hold the members of the last low-rank iteration
+            res.setdefault("raw_lora_tok_s", []).append(raw_lora())
         for n_tasks in args.tasks:
             for noise, k in configs:
                 run = {"repeat": rep, "tasks": n_tasks, "noise": noise, "engines": k, **es_iteration((noise, k), n_tasks)}
@@ -156,9 +179,11 @@ def main() -> None:
                 "vs_full": rate / median_of("tok_s", n_tasks, "full", k) if "full" in args.noise else None,
             }
     res["raw_tok_s_median"] = raw_median
+    if "raw_lora_tok_s" in res:
+        res["raw_lora_tok_s_median"] = statistics.median(res["raw_lora_tok_s"])
     res["summary"] = summary
     save()
-    print(json.dumps({"raw_tok_s": raw_median, **summary}, indent=1))
+    print(json.dumps({"raw_tok_s": raw_median, "raw_lora_tok_s": res.get("raw_lora_tok_s_median"), **summary}, indent=1))
     for host, _ in pools.values():
         host.close()
 
