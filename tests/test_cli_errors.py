@@ -117,6 +117,20 @@ def test_unknown_and_mistyped_environment_options(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()
 
 
+def test_es_selection_is_checked_before_anything_loads_or_starts(tmp_path, monkeypatch):
+    """A selection ES cannot use fails in the preflight, on the model's weightless module tree: a typo
+    in es.include, a low-rank selection with no matrix, and (no vLLM here: the engine could not even
+    start, so the check must come first) an untied lm_head for vLLM's LoRA slots."""
+    res = vrl("train", "--set", 'es.include=["model.layer.*"]', cwd=tmp_path)  # 'layer', not 'layers'
+    one_line_error(res, "select no parameter", "model.layers.0.self_attn.q_proj.weight")
+    monkeypatch.chdir(tmp_path)
+    assert "select no linear-layer weight for low-rank ES" in cli(
+        "train", "--set", "es.noise=lowrank", "--set", 'es.include=["*norm*"]')
+    line = cli("train", "--set", "es.noise=lowrank", "--set", "generator.backend=vllm")
+    assert "cannot move lm_head.weight" in line and "es.exclude" in line
+    assert not (tmp_path / "runs").exists()
+
+
 def test_lean_missing_data_and_default_dataset_without_network(tmp_path, monkeypatch):
     res = vrl("train", "--plugin", "lean", "--model", "tiny", "-o", "server=http://127.0.0.1:9", "-o", "data=/nonexistent",
               cwd=tmp_path)

@@ -29,5 +29,9 @@ class DatasetUnavailable(UsageError):
     """A dataset cannot be loaded: no such file, or not cached and the hub is unreachable."""
 
 
+class SelectionError(UsageError, ValueError):
+    """`es.include` / `es.exclude` select nothing the ES mode can move, or something the backend cannot serve."""
+
+
 class RunDirError(UsageError):
     """A run directory that cannot be used as asked (exists, in use by another process, finished, bad name)."""

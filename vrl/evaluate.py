@@ -34,7 +34,7 @@ def evaluate(config: TrainConfig, split: str = "test", k: int = 1, limit: int | 
     tasks = env.tasks(split, limit=limit)
     if not tasks:
         raise UsageError(f"environment {env.name!r} has no tasks in split {split!r}; choose another --split")
-    preflight(config, env)
+    preflight(config, env, training=False)
     runtime = make_runtime(config)
     policy = pool = None
     by_id = {t.id: t for t in tasks}

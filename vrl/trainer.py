@@ -25,8 +25,9 @@ from rich.text import Text
 from vrl.config import TrainConfig
 from vrl.environment import Environment
 from vrl.errors import UsageError
+from vrl.generate.weights import meta_model
 from vrl.hub import check_model
-from vrl.optim import Optimizer, make_optimizer
+from vrl.optim import Optimizer, make_optimizer, optimizer_class
 from vrl.policy import PolicyHost
 from vrl.rundir import RunDir
 from vrl.runtime.base import Runtime, VerificationPool
@@ -349,11 +350,13 @@ def verifies_in_process(config: TrainConfig) -> bool:
     return config.runtime.kind == "local" or config.runtime.verify_in == "local"
 
 
-def preflight(config: TrainConfig, env: Environment) -> None:
+def preflight(config: TrainConfig, env: Environment, *, training: bool = True) -> None:
     """Seconds of checks before minutes of generation (train and eval): the model can be loaded, the
-    verifier answers."""
+    optimizer's settings fit it (`training`), the verifier answers."""
     if config.runtime.kind == "local":  # on Modal the weights come from the Volume
         check_model(config.model, config.generator.revision)
+        if training:
+            optimizer_class(config.optimizer).check_fits(config, meta_model(config.model, config.generator.revision))
     if verifies_in_process(config):
         ensure_ready(env.verifier())
 

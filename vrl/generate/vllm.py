@@ -33,7 +33,7 @@ import torch
 from vrl.errors import UsageError
 from vrl.generate.base import Generator, cut_at_stop, tokens_covering
 from vrl.generate.hf import TINY, load_model_and_tokenizer, render_prompt
-from vrl.generate.weights import weights_for_engine
+from vrl.generate.weights import meta_model, weights_for_engine
 from vrl.policy import HostNeeds, PerturbationSpec, Trainable, Unsupported, Variant
 from vrl.types import Completion, Task
 
@@ -91,15 +91,6 @@ def engine_kwargs(config: Any, model_path: str, needs: HostNeeds | None = None) 
         # Log-probs of the distribution tokens are drawn from (after temperature), as GRPO's ratio needs.
         "logprobs_mode": "processed_logprobs",
     }
-
-
-def hf_meta_model(model_path: str, revision: str | None = None) -> torch.nn.Module:
-    """The Hugging Face model's module tree on the meta device: its parameter names and shapes, no memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(model_path, revision=revision)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg)
 
 
 def save_tiny(path: str) -> str:
@@ -433,7 +424,7 @@ class VLLMGenerator(Generator):
         """The engine's selected weights as seeded perturbations move them (an fp32 θ in the worker)."""
         from vrl.optim.params import select_parameters
 
-        chosen = select_parameters(hf_meta_model(self.model_path, self.revision), include, exclude)
+        chosen = select_parameters(meta_model(self.model_path, self.revision), include, exclude)
         self._es = EngineParams(self, {n: list(p.shape) for n, p in chosen})
         return self._es
 
@@ -446,7 +437,7 @@ class VLLMGenerator(Generator):
                 "this vLLM engine was started without LoRA slots, which es.noise=lowrank serves its members "
                 "from; start it with the ES run's needs (make_generator(config, optimizer.needs()))"
             )
-        chosen = select_linear(hf_meta_model(self.model_path, self.revision), spec.include, spec.exclude)
+        chosen = select_linear(meta_model(self.model_path, self.revision), spec.include, spec.exclude)
         shapes = {name: list(module.weight.shape) for name, module in chosen}  # names of the weights
         return EngineLowRank(self, shapes, spec.rank, spec.sigma)
 

@@ -5,6 +5,20 @@ from __future__ import annotations
 import torch
 
 
+def meta_model(name: str, revision: str | None = None) -> torch.nn.Module:
+    """The model's module tree without its weights (on the meta device): parameter names and shapes,
+    no memory; `tiny` is built as it is (a few thousand parameters)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name == "tiny":
+        from vrl.generate import tiny
+
+        return tiny.build_model()
+    cfg = AutoConfig.from_pretrained(name, revision=revision)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
 def weights_for_engine(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The model's weights under the checkpoint's (HF) names, as the engine loads them.
 

@@ -40,6 +40,11 @@ class Optimizer(ABC):
     def from_config(cls, config: Any) -> Optimizer:
         """The rule configured for a run (a `TrainConfig`: its own section, the seed, the run length)."""
 
+    @classmethod
+    def check_fits(cls, config: Any, model: Any) -> None:
+        """Refuse settings that cannot work with this model, before anything loads or starts: `model` is
+        its module tree without weights (`vrl.generate.weights.meta_model`). Raises a `UsageError`."""
+
     def needs(self) -> HostNeeds:
         """What this rule will ask of its hosts (the runtime places and sizes engines with it)."""
         return HostNeeds(self.moves)

@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vrl.errors import SelectionError
 from vrl.optim import lowrank
 from vrl.optim import noise as nz
 from vrl.optim.base import Optimizer
@@ -265,6 +266,25 @@ class ES(Optimizer):
     moves = "perturbations"
     fixed_on_resume = ("population_size", "sigma", "alpha", "normalization", "antithetic", "include", "exclude",
                        "noise", "rank")
+
+    @classmethod
+    def check_fits(cls, config: Any, model: Any) -> None:
+        """es.include / es.exclude select something this noise mode moves, and that the backend serves:
+        a typo fails here in a second, not after an engine has started."""
+        es = config.es
+        if es.noise != "lowrank":
+            select_parameters(model, es.include, es.exclude)
+            return
+        chosen = [name for name, _ in lowrank.select_linear(model, es.include, es.exclude, report=False)]
+        # vLLM's LoRA layers wrap the decoder's projections, not the output layer (`vllm_worker.lora_slices`
+        # refuses the rest once the engine runs); an lm_head tied to the embedding is never selected.
+        heads = [n for n in chosen if n.startswith("lm_head")]
+        if heads and config.generator.backend == "vllm":
+            raise SelectionError(
+                f"es.noise=lowrank on generator.backend=vllm cannot move {heads[0]}: vLLM serves LoRA adapters on "
+                "the decoder's projections, not on the output layer; add it to es.exclude "
+                "(--set 'es.exclude=[\"lm_head*\"]') or use generator.backend=hf"
+            )
 
     def __init__(self, config: ESConfig, seed: int = 0, base: dict[str, Any] | None = None):
         self.config, self.seed = config, seed

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vrl.errors import SelectionError
 from vrl.optim import noise as nz
 from vrl.optim.params import FlatParams
 
@@ -283,10 +284,11 @@ def update_reference(
 
 
 def select_linear(
-    model: torch.nn.Module, include: Sequence[str], exclude: Sequence[str]
+    model: torch.nn.Module, include: Sequence[str], exclude: Sequence[str], *, report: bool = True
 ) -> list[tuple[str, torch.nn.Linear]]:
     """Linear layers whose weight name matches an `include` and no `exclude` pattern (vectors, embeddings
-    and a weight tied to an embedding are never selected; matched ones are logged as skipped)."""
+    and a weight tied to an embedding are never selected; matched ones are logged as skipped when
+    `report`)."""
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     linear_by_weight = {id(m.weight): m for m in model.modules() if isinstance(m, torch.nn.Linear)}
     chosen, skipped = [], []
@@ -299,12 +301,12 @@ def select_linear(
         else:
             chosen.append((name, module))
     if not chosen:
-        sample = ", ".join(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
-        raise ValueError(
+        sample = ", ".join(f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+        raise SelectionError(
             f"es.include={list(include)} / es.exclude={list(exclude)} select no linear-layer weight for low-rank ES; "
-            f"linear weights are named like: {sample[:200]}..."
+            f"set es.include to shell-style patterns of their names, which look like: {sample[:200]}..."
         )
-    if skipped:
+    if skipped and report:
         log.info("low-rank ES leaves %d matched non-matrix or embedding parameters untouched (e.g. %s)", len(skipped), skipped[0])
     return chosen
 

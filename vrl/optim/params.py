@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from vrl.errors import SelectionError
 from vrl.optim import noise as nz
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,8 @@ def select_parameters(model: torch.nn.Module, include: Sequence[str], exclude: S
     ]
     if not chosen:
         sample = ", ".join(n for n, _ in named[:6])
-        raise ValueError(
-            f"es.include={list(include)} / es.exclude={list(exclude)} select no parameter; names look like: {sample}, ..."
+        raise SelectionError(
+            f"es.include={list(include)} / es.exclude={list(exclude)} select no parameter; set es.include to "
+            f"shell-style patterns of parameter names, which look like: {sample}, ..."
         )
     return chosen
