@@ -131,6 +131,13 @@ def test_es_selection_is_checked_before_anything_loads_or_starts(tmp_path, monke
     assert not (tmp_path / "runs").exists()
 
 
+def test_grpo_with_greedy_sampling_is_refused_before_the_run_starts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = cli("train", "--optimizer", "grpo", "--set", "sampling.temperature=0")
+    assert "optimizer=grpo needs sampling.temperature > 0" in line and "sampling.temperature=1.0" in line
+    assert not (tmp_path / "runs").exists()
+
+
 def test_lean_missing_data_and_default_dataset_without_network(tmp_path, monkeypatch):
     res = vrl("train", "--plugin", "lean", "--model", "tiny", "-o", "server=http://127.0.0.1:9", "-o", "data=/nonexistent",
               cwd=tmp_path)

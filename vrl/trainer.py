@@ -353,10 +353,12 @@ def verifies_in_process(config: TrainConfig) -> bool:
 def preflight(config: TrainConfig, env: Environment, *, training: bool = True) -> None:
     """Seconds of checks before minutes of generation (train and eval): the model can be loaded, the
     optimizer's settings fit it (`training`), the verifier answers."""
-    if config.runtime.kind == "local":  # on Modal the weights come from the Volume
+    local = config.runtime.kind == "local"  # on Modal the weights come from the Volume
+    if local:
         check_model(config.model, config.generator.revision)
-        if training:
-            optimizer_class(config.optimizer).check_fits(config, meta_model(config.model, config.generator.revision))
+    if training:
+        model = meta_model(config.model, config.generator.revision) if local else None
+        optimizer_class(config.optimizer).check_fits(config, model)
     if verifies_in_process(config):
         ensure_ready(env.verifier())
 

@@ -41,9 +41,11 @@ class Optimizer(ABC):
         """The rule configured for a run (a `TrainConfig`: its own section, the seed, the run length)."""
 
     @classmethod
-    def check_fits(cls, config: Any, model: Any) -> None:
-        """Refuse settings that cannot work with this model, before anything loads or starts: `model` is
-        its module tree without weights (`vrl.generate.weights.meta_model`). Raises a `UsageError`."""
+    def check_fits(cls, config: Any, model: Any | None) -> None:
+        """Refuse a run's settings this rule cannot work with, before anything loads or starts (`vrl
+        train`'s preflight). `model`: the model's module tree without weights
+        (`vrl.generate.weights.meta_model`), or None where the weights are elsewhere (Modal). Raises a
+        `UsageError`: one line, what is wrong and how to fix it."""
 
     def needs(self) -> HostNeeds:
         """What this rule will ask of its hosts (the runtime places and sizes engines with it)."""

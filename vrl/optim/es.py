@@ -272,6 +272,8 @@ class ES(Optimizer):
         """es.include / es.exclude select something this noise mode moves, and that the backend serves:
         a typo fails here in a second, not after an engine has started."""
         es = config.es
+        if model is None:
+            return
         if es.noise != "lowrank":
             select_parameters(model, es.include, es.exclude)
             return

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vrl.errors import UsageError
 from vrl.optim.base import Optimizer
 from vrl.optim.logprobs import Packed, completion_logprobs, pack
 from vrl.policy import PolicyHost, Variant
@@ -230,6 +231,13 @@ class GRPO(Optimizer):
     @classmethod
     def from_config(cls, config: Any) -> GRPO:
         return cls(config.grpo, seed=config.seed, total_iterations=config.iterations)
+
+    @classmethod
+    def check_fits(cls, config: Any, model: Any | None) -> None:
+        if config.sampling.temperature <= 0:
+            raise UsageError(f"optimizer=grpo needs sampling.temperature > 0 (got {config.sampling.temperature}): "
+                             "greedy decoding gives the group's samples identical and their advantages zero; "
+                             "set e.g. --set sampling.temperature=1.0")
 
     @property
     def iteration(self) -> int:
