@@ -138,6 +138,21 @@ def test_grpo_with_greedy_sampling_is_refused_before_the_run_starts(tmp_path, mo
     assert not (tmp_path / "runs").exists()
 
 
+def test_devices_this_machine_lacks_are_refused_before_the_run_starts(tmp_path, monkeypatch):
+    """generator.device / generator.gpus naming GPUs that are not here: one line in the preflight, no
+    run directory (before: a RuntimeError, exit 1, once the run directory existed)."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    line = cli("train", "--set", f"generator.device=cuda:{count}")
+    assert f"generator.device='cuda:{count}'" in line and "'auto'" in line
+    assert "is not a device" in cli("train", "--set", "generator.device=gpu")
+    line = cli("eval", "--set", f"generator.gpus=[{count}]")
+    assert f"names GPU {count}, but this machine has" in line and "leave generator.gpus unset" in line
+    assert not (tmp_path / "runs").exists()
+
+
 def test_lean_missing_data_and_default_dataset_without_network(tmp_path, monkeypatch):
     res = vrl("train", "--plugin", "lean", "--model", "tiny", "-o", "server=http://127.0.0.1:9", "-o", "data=/nonexistent",
               cwd=tmp_path)

@@ -33,5 +33,9 @@ class SelectionError(UsageError, ValueError):
     """`es.include` / `es.exclude` select nothing the ES mode can move, or something the backend cannot serve."""
 
 
+class DeviceUnavailable(UsageError, RuntimeError):
+    """A device the config names that this machine does not have (a CUDA GPU, or GPU index k)."""
+
+
 class RunDirError(UsageError):
     """A run directory that cannot be used as asked (exists, in use by another process, finished, bad name)."""

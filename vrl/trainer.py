@@ -25,6 +25,7 @@ from rich.text import Text
 from vrl.config import TrainConfig
 from vrl.environment import Environment
 from vrl.errors import UsageError
+from vrl.generate.hf import check_devices
 from vrl.generate.weights import meta_model
 from vrl.hub import check_model
 from vrl.optim import Optimizer, make_optimizer, optimizer_class
@@ -352,10 +353,11 @@ def verifies_in_process(config: TrainConfig) -> bool:
 
 def preflight(config: TrainConfig, env: Environment, *, training: bool = True) -> None:
     """Seconds of checks before minutes of generation (train and eval): the model can be loaded, the
-    optimizer's settings fit it (`training`), the verifier answers."""
+    devices exist, the optimizer's settings fit the model (`training`), the verifier answers."""
     local = config.runtime.kind == "local"  # on Modal the weights come from the Volume
     if local:
         check_model(config.model, config.generator.revision)
+        check_devices(config.generator)
     if training:
         model = meta_model(config.model, config.generator.revision) if local else None
         optimizer_class(config.optimizer).check_fits(config, model)

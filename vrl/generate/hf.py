@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from vrl.errors import DeviceUnavailable
 from vrl.generate.base import Generator, cut_at_stop, shard_seed, tokens_covering
 from vrl.optim.params import FlatParams, select_parameters
 from vrl.policy import PerturbationSpec, Trainable, Variant
@@ -22,13 +23,32 @@ TINY = "tiny"
 _GLOBAL_RNG = threading.Lock()
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, setting: str = "generator.device") -> torch.device:
+    """The torch device for a config value ('auto', 'cpu', 'cuda', 'cuda:1'); `DeviceUnavailable` (one
+    line naming `setting` and the fix) for a GPU this machine does not have."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise DeviceUnavailable(f"{setting}={device!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"generator.device={device!r} but no CUDA GPU is available; use 'cpu' or 'auto'")
+        raise DeviceUnavailable(f"{setting}={device!r} but no CUDA GPU is available; use 'cpu' or 'auto'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise DeviceUnavailable(f"{setting}={device!r} but this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                                f"numbered from 0; use one of them or 'auto'")
     return dev
+
+
+def check_devices(g: Any) -> None:
+    """The generator section's devices exist on this machine (`vrl train`'s preflight, local runtime)."""
+    resolve_device(g.device)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [i for i in g.gpus or () if not 0 <= i < count]
+    if missing:
+        have = f"{count} CUDA GPU(s), numbered 0..{count - 1}" if count else "no CUDA GPU"
+        raise DeviceUnavailable(f"generator.gpus={g.gpus} names GPU {missing[0]}, but this machine has {have}; "
+                                "list GPUs it has, or leave generator.gpus unset")
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

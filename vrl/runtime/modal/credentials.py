@@ -5,7 +5,7 @@ from __future__ import annotations
 from vrl.errors import UsageError
 
 NO_ACCOUNT = (
-    "no Modal credentials: {error}\n"
+    "no Modal credentials: {error}.\n"
     "Set up once with `pip install modal` and `modal setup` (or set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET)."
 )
 
