@@ -9,7 +9,8 @@ task count, noise mode and pool size, one ES iteration's sampling: `host.sample(
 (what `vrl train` does: full-rank members perturb the engine one after another; low-rank members
 are written into LoRA slots and sampled in one pass), timed end to end and reported as generated
 tokens per second; then the update (`ES.tell` on made-up rewards), so `loop_s` is sampling plus
-update, the loop's GPU-side time without verification. Every pool is started before anything is timed and the configurations are interleaved
+update, the loop's GPU-side time without verification (`update_worker_s`: the part inside the engine's
+workers, with one engine). Every pool is started before anything is timed and the configurations are interleaved
 over `--repeats` rounds (medians reported), next to raw `LLM.generate` on `--raw-prompts` prompts
 on the same GPU in the same run: the baseline every ratio is taken against. With a one-engine
 low-rank pool, `raw_lora_tok_s` is raw `LLM.generate` of the low-rank pass's own requests (first
@@ -128,6 +129,8 @@ def main() -> None:
                "completions": len(done)}
         if getattr(host, "last_members_s", None) is not None:  # one low-rank engine: writing the LoRA slots
             run["members_s"] = host.last_members_s
+        if getattr(host, "last_update_s", None) is not None:  # one engine: the update inside its workers
+            run["update_worker_s"] = host.last_update_s
         return run
 
     lowrank_one = pools.get(("lowrank", 1), (None, None))[0]

@@ -392,9 +392,11 @@ def test_engine_es_defers_restores_until_the_engine_is_read(tmp_path, monkeypatc
     with gen.applied(variants[0]):
         pass
     results_terms = update_terms(IterationRecord(seed=variants[0].seed, z=[1.0, -1.0, 0.5, -0.5]), True, 0.01)
+    assert gen.last_update_s is None
     gen._params.update(results_terms)  # writes cast(θ') over the member the engine still held
     flat.update(results_terms)
     assert llm.calls.count("vrl_es_restore") == 2 and engine_equals_hf()
+    assert 0 < gen.last_update_s < 60  # the worker's own timing of the update, as the benchmark records it
     with gen.applied(variants[1]):
         pass
     assert gen._params.engine_weights(names)  # reading the weights flushes the due restore

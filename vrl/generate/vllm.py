@@ -194,6 +194,12 @@ class VLLMGenerator(Generator):
         gen.lora_slots = kwargs.get("max_loras", 0)
         return gen
 
+    @property
+    def last_update_s(self) -> float | None:
+        """The last ES update's time inside the engine's workers (None before one): the kernels and
+        writes, without the optimizer's bookkeeping around them."""
+        return getattr(self._params, "last_update_s", None)
+
     def adopt(self, directory: str) -> None:
         """Remove `directory` (a model written for this engine) when the engine closes."""
         self._cleanup = directory
@@ -465,6 +471,7 @@ class _EngineWeights:
 
     def __init__(self, generator: VLLMGenerator, hf_shapes: dict[str, list[int]]):
         self.generator, self.hf_shapes, self.names = generator, hf_shapes, list(hf_shapes)
+        self.last_update_s: float | None = None  # the last update's time inside the workers (the slowest)
 
     def flush(self) -> None:
         """Write what the engine owes before anything reads its weights (nothing by default)."""
@@ -476,7 +483,8 @@ class _EngineWeights:
     def update(self, terms: Sequence[tuple[int, float]]) -> None:
         if not terms:
             return
-        self.generator.rpc(f"vrl_{self.kind}_update", [(int(s), float(c)) for s, c in terms])  # engine ← cast(θ')
+        times = self.generator.rpc(f"vrl_{self.kind}_update", [(int(s), float(c)) for s, c in terms])  # engine ← cast(θ')
+        self.last_update_s = max(float(t) for t in times)
         self._written()
 
     def state(self) -> dict[str, torch.Tensor]:
