@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--raw-prompts", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--raw-each", type=int, default=2,
+                    help="raw baselines per round (raw varied 23-35k tok/s between rounds on one H100)")
     ap.add_argument("--memory", type=float, default=0.3, help="gpu_memory_utilization of each pool, per GPU")
     ap.add_argument("--small", action="store_true", help="a 2-layer model, for a quick check")
     ap.add_argument("--eager", action="store_true", help="enforce_eager engines (fast start, slow decode)")
@@ -156,9 +158,10 @@ def main() -> None:
     for key in configs:
         es_iteration(key, args.tasks[0])
     for rep in range(args.repeats):
-        res.setdefault("raw_tok_s", []).append(raw())
-        if lowrank_one is not None:  # its slots hold the members of the last low-rank iteration
-            res.setdefault("raw_lora_tok_s", []).append(raw_lora())
+        for _ in range(args.raw_each):
+            res.setdefault("raw_tok_s", []).append(raw())
+            if lowrank_one is not None:  # its slots hold the members of the last low-rank iteration
+                res.setdefault("raw_lora_tok_s", []).append(raw_lora())
         for n_tasks in args.tasks:
             for noise, k in configs:
                 run = {"repeat": rep, "tasks": n_tasks, "noise": noise, "engines": k, **es_iteration((noise, k), n_tasks)}
