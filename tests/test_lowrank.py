@@ -69,6 +69,22 @@ def test_factors_are_the_noise_of_virtual_tensors_and_a_pure_function_of_their_i
     assert torch.equal(many_a[0], nz.noise_int(nz.tensor_keys(7, nz.name_words(name + ":A")), 0, 128 * 4).view(128, 4))
 
 
+def test_vectorised_keys_equal_the_scalar_keys_for_every_seed_word() -> None:
+    """`factor_keys_many` (numpy, what the GPU paths upload) row i·T + j == `factor_keys(seeds[j], names[i])`,
+    including seeds whose high or low 32-bit word is 0 or all ones (the mixer's wrap-around)."""
+    import random
+
+    rng = random.Random(3)
+    seeds = [0, 1, 2**32 - 1, 2**32, 2**40 + 3, 2**64 - 1] + [rng.randrange(2**64) for _ in range(20)]
+    names = ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight", "x", "model.layers.27.mlp.down_proj.weight"]
+    many = lr.factor_keys_many(seeds, names)
+    assert many.dtype == torch.int64 and many.shape == (len(names) * len(seeds), 4)
+    expected = [lr.factor_keys(seed, name) for name in names for seed in seeds]
+    assert many.tolist() == [list(k) for k in expected]
+    with pytest.raises(ValueError, match="seeds must lie in"):
+        lr.factor_keys_many([2**64], names)
+
+
 def test_member_perturbation_has_unit_variance_per_element() -> None:
     """E = A·Bᵀ/√r: mean 0, variance 1 per element (over seeds), like a full-rank ε."""
     r, samples = 8, []

@@ -275,8 +275,8 @@ class LowRankEngine:
         t = nz.round_sig(sigma * nz.C / math.sqrt(r), nz.SCALE_BITS)
         device = ref.device
         scales = torch.tensor([sign * t for _, sign in members], dtype=torch.float32, device=device)
-        keys = torch.tensor([lr.factor_keys(seed, name) for _, names in self.groups for name in names
-                             for seed, _ in members], dtype=torch.int64, device=device)
+        names = [name for _, group in self.groups for name in group]
+        keys = lr.factor_keys_many([seed for seed, _ in members], names).to(device)
         at = 0
         for (shape, names), (a_ptrs, b_ptrs) in zip(self.groups, self._pointers):
             rows = len(names) * len(members)

@@ -78,6 +78,14 @@ def factor_keys(seed: int, name: str) -> tuple[int, int, int, int]:
     return (*nz.tensor_keys(seed, wa), *nz.tensor_keys(seed, wb))
 
 
+def factor_keys_many(seeds: Sequence[int], names: Sequence[str]) -> torch.Tensor:
+    """`factor_keys` of every (matrix, seed) pair, int64 (len(names)·len(seeds), 4): row i·len(seeds) + j
+    holds (k1, k2) of A then of B for matrix names[i] and seeds[j]."""
+    words = [w for name in names for w in factor_words(name)]  # A's words, then B's, per name
+    keys = nz.tensor_keys_many(seeds, words).view(len(names), 2, len(seeds), 2)  # name, factor, seed, k
+    return keys.permute(0, 2, 1, 3).reshape(len(names) * len(seeds), 4)
+
+
 def factors_int(
     seed: int, name: str, shape: Sequence[int], rank: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,20 +98,19 @@ def factors_int_many(
     seeds: Sequence[int], name: str, shape: Sequence[int], rank: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`factors_int` of several members at once: a (T×m×r) and b (T×n×r), generated in one pass."""
-    return _factors_int_of([(seed, name) for seed in seeds], shape, rank, device)
-
-
-def _factors_int_of(
-    pairs: Sequence[tuple[int, str]], shape: Sequence[int], rank: int, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Integer factors of (seed, matrix name) pairs whose matrices share one shape: row t of a (T×m×r)
-    and b (T×n×r) is `factors_int(*pairs[t])`. The keys reach the device in one copy."""
     _check_rank(rank)
+    return _factors_int_of_keys(factor_keys_many(seeds, [name]), shape, rank, device)
+
+
+def _factors_int_of_keys(
+    keys: torch.Tensor, shape: Sequence[int], rank: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer factors a (T×m×r), b (T×n×r) of T rows of factor keys (`factor_keys_many`) of matrices of
+    one shape; the keys reach the device in one copy."""
     m, n = shape
-    keys = torch.tensor([factor_keys(seed, name) for seed, name in pairs], dtype=torch.int64, device=device)
-    keys = keys.view(-1, 4, 1)
-    a = nz.noise_int((keys[:, 0], keys[:, 1]), 0, m * rank, device).view(len(pairs), m, rank)
-    b = nz.noise_int((keys[:, 2], keys[:, 3]), 0, n * rank, device).view(len(pairs), n, rank)
+    keys = keys.to(device).view(-1, 4, 1)
+    a = nz.noise_int((keys[:, 0], keys[:, 1]), 0, m * rank, device).view(len(keys), m, rank)
+    b = nz.noise_int((keys[:, 2], keys[:, 3]), 0, n * rank, device).view(len(keys), n, rank)
     return a, b
 
 
@@ -142,7 +149,9 @@ def lora_factors_many(
     and one upload of keys for all of them. The reference for `lowrank_triton.lora_slots`, which a
     vLLM engine on a GPU uses instead (`LowRankEngine.load_members`)."""
     m, n = shape
-    a, b = _factors_int_of([(seed, name) for name in names for seed, _ in members], shape, rank, device)
+    _check_rank(rank)
+    keys = factor_keys_many([seed for seed, _ in members], names)
+    a, b = _factors_int_of_keys(keys, shape, rank, device)
     t = nz.round_sig(sigma * nz.C / math.sqrt(rank), nz.SCALE_BITS)
     scale = torch.tensor([sign * t for _, sign in members] * len(names), dtype=torch.float32, device=device)
     lora_a = (b.to(torch.float32) * nz.C).to(dtype).transpose(1, 2)
@@ -376,10 +385,13 @@ class LowRankParams:
             from vrl.optim import lowrank_triton
 
             check_bound(update.terms, update.rank)
-            mults = [w for _, w in update.terms]
-            for name, m, w in self._tensors():
-                keys = [factor_keys(seed, name) for seed, _ in update.terms]
-                lowrank_triton.update(m, w, keys, mults, update.coeff, self.rank)
+            names, masters, weights = zip(*self._tensors())
+            device, terms = masters[0].device, len(update.terms)
+            # Every matrix's keys and the multipliers reach the device in two copies, not two per matrix.
+            keys = factor_keys_many([seed for seed, _ in update.terms], names).to(device)
+            mults = torch.tensor([w for _, w in update.terms], dtype=torch.int64, device=device)
+            for i, (m, w) in enumerate(zip(masters, weights)):
+                lowrank_triton.update(m, w, keys[i * terms:(i + 1) * terms], mults, update.coeff, self.rank)
         else:
             names, masters, weights = zip(*self._tensors())
             update_reference(masters, weights, names, update)

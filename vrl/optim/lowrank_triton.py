@@ -100,12 +100,15 @@ def perturb(master: torch.Tensor, weight: torch.Tensor, keys: Sequence[int], sca
 
 
 def update(
-    master: torch.Tensor, weight: torch.Tensor, keys: Sequence[Sequence[int]], mults: Sequence[int], coeff: float, rank: int
+    master: torch.Tensor, weight: torch.Tensor, keys: Sequence[Sequence[int]] | torch.Tensor,
+    mults: Sequence[int] | torch.Tensor, coeff: float, rank: int,
 ) -> None:
-    """master += fp32(fp32(Σₜ multₜ·Pₜ)·coeff); weight = cast(master), in one launch."""
+    """master += fp32(fp32(Σₜ multₜ·Pₜ)·coeff); weight = cast(master), in one launch.
+
+    `keys` (T×4) and `mults` (T) may already be int64 tensors on the device (no copy then)."""
     m, n = _check(master, weight, rank)
-    keys_t = torch.tensor([list(k) for k in keys], dtype=torch.int64, device=master.device)
-    mults_t = torch.tensor(list(mults), dtype=torch.int64, device=master.device)
+    keys_t = torch.as_tensor(keys, dtype=torch.int64).to(master.device).contiguous()
+    mults_t = torch.as_tensor(mults, dtype=torch.int64).to(master.device).contiguous()
     grid = (triton.cdiv(m, BM), triton.cdiv(n, BN))
     _update_kernel[grid](
         master, weight, keys_t, mults_t, len(mults), coeff, m, n, RANK=rank, BM=BM, BN=BN, num_warps=4, enable_fp_fusion=False,

@@ -88,6 +88,30 @@ def tensor_keys(seed: int, words: tuple[int, int]) -> tuple[int, int]:
     return _h(_h(n1 ^ lo) ^ hi), _h(_h(n2 ^ lo) ^ hi)
 
 
+def tensor_keys_many(seeds: Sequence[int], words: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """`tensor_keys` of every (tensor, seed) pair at once, as int64 (len(words)·len(seeds), 2): row
+    i·len(seeds) + j holds the keys of tensor i for seed j (vectorised: 6,000 pairs in well under a
+    millisecond, where the scalar function takes tens)."""
+    import numpy as np
+
+    for seed in seeds:
+        seed_words(seed)  # the range check
+    seed_arr = np.array(list(seeds), dtype=np.uint64)
+    lo, hi = seed_arr & np.uint64(_M32), seed_arr >> np.uint64(32)
+    w = np.array(list(words), dtype=np.uint64).reshape(-1, 2)
+
+    def h(x: np.ndarray) -> np.ndarray:  # `_h` on uint64 arrays holding 32-bit values (products wrap mod 2⁶⁴)
+        x = x ^ (x >> np.uint64(16))
+        x = (x * np.uint64(M1)) & np.uint64(_M32)
+        x = x ^ (x >> np.uint64(15))
+        x = (x * np.uint64(M2)) & np.uint64(_M32)
+        return x ^ (x >> np.uint64(16))
+
+    k1 = h(h(w[:, :1] ^ lo[None, :]) ^ hi[None, :])
+    k2 = h(h(w[:, 1:] ^ lo[None, :]) ^ hi[None, :])
+    return torch.from_numpy(np.stack([k1, k2], axis=-1).reshape(-1, 2).astype(np.int64))
+
+
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     # x·c mod 2³² in int64 without overflowing (a 32×32-bit product would): split c into 16-bit halves.
     return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
