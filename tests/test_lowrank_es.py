@@ -241,6 +241,29 @@ def test_engine_writes_each_member_into_its_lora_slot_as_the_reference_factors(m
         assert (a_stack[others] == 7).all() and (b_stack[others] == 7).all()
 
 
+def test_the_slot_kernel_is_used_only_on_stacks_laid_out_as_it_addresses_them() -> None:
+    """`lowrank_triton.lora_slots` writes slots by pointer arithmetic (S×1×R×n, S×1×m×R, contiguous):
+    any other layout must fall back to the indexing torch path, or it would write into other slots."""
+    from vrl.generate.vllm_worker import LowRankEngine
+
+    views = {"q": torch.zeros(6, 5), "down": torch.zeros(3, 7)}
+
+    def stacks(slots=4, rank=8, **changed):
+        out = {n: (torch.zeros(slots, 1, rank, s[1]), torch.zeros(slots, 1, s[0], rank)) for n, s in
+               {"q": (6, 5), "down": (3, 7)}.items()}
+        out.update(changed)
+        return out
+
+    assert LowRankEngine.kernel_layout(views, stacks())
+    assert not LowRankEngine.kernel_layout(views, stacks(down=(torch.zeros(4, 2, 8, 7), torch.zeros(4, 2, 3, 8))))
+    assert not LowRankEngine.kernel_layout(views, stacks(down=(torch.zeros(4, 1, 16, 7), torch.zeros(4, 1, 3, 16))))
+    assert not LowRankEngine.kernel_layout(views, stacks(down=(torch.zeros(4, 1, 7, 8).transpose(2, 3),
+                                                                torch.zeros(4, 1, 3, 8))))
+    assert not LowRankEngine.kernel_layout(views, stacks(down=(torch.zeros(4, 1, 8, 7, dtype=torch.bfloat16),
+                                                                torch.zeros(4, 1, 3, 8, dtype=torch.bfloat16))))
+    assert not LowRankEngine.kernel_layout(views, stacks(down=(torch.zeros(4, 1, 8, 6), torch.zeros(4, 1, 3, 8))))
+
+
 # -- the training loop ------------------------------------------------------------------------------
 
 

@@ -230,12 +230,26 @@ class LowRankEngine:
         first_a, _ = next(iter(self.layers.values()))
         # On a GPU one kernel launch per shape draws the factors and writes them into the slots.
         self.use_triton = (first_a.device.type == "cuda" and triton_available()
-                           and all(a.is_contiguous() and b.is_contiguous() for a, b in self.layers.values()))
+                           and self.kernel_layout(views, self.layers))
         self._pointers = [
             tuple(torch.tensor([self.layers[n][i].data_ptr() for n in names], dtype=torch.int64, device=first_a.device)
                   for i in (0, 1))
             for _, names in self.groups
         ] if self.use_triton else []
+
+    @staticmethod
+    def kernel_layout(views: Mapping[str, torch.Tensor], layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether every stack is what `lowrank_triton.lora_slots` addresses by pointer arithmetic:
+        contiguous lora_a S×1×R×n and lora_b S×1×m×R of one dtype, S and R the same for all (else the
+        torch path, which indexes, writes them)."""
+        first_a, _ = next(iter(layers.values()))
+        slots, max_rank = first_a.shape[0], first_a.shape[2]
+        for name, (a, b) in layers.items():
+            m, n = views[name].shape
+            if not (a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype == first_a.dtype
+                    and tuple(a.shape) == (slots, 1, max_rank, n) and tuple(b.shape) == (slots, 1, m, max_rank)):
+                return False
+        return True
 
     @torch.no_grad()
     def load_members(self, members: Sequence[tuple[int, int]], sigma: float) -> None:
@@ -278,8 +292,8 @@ class LowRankEngine:
         names = [name for _, group in self.groups for name in group]
         keys = lr.factor_keys_many([seed for seed, _ in members], names).to(device)
         at = 0
-        for (shape, names), (a_ptrs, b_ptrs) in zip(self.groups, self._pointers):
-            rows = len(names) * len(members)
+        for (shape, group), (a_ptrs, b_ptrs) in zip(self.groups, self._pointers):
+            rows = len(group) * len(members)
             lora_slots(a_ptrs, b_ptrs, ref, keys[at:at + rows], scales, index, shape, ref.shape[2], r, nz.C)
             at += rows
 
