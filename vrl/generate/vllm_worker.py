@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -285,10 +284,8 @@ class LowRankEngine:
         from vrl.optim import noise as nz
         from vrl.optim.lowrank_triton import lora_slots
 
-        r = self.rank
-        t = nz.round_sig(sigma * nz.C / math.sqrt(r), nz.SCALE_BITS)
-        device = ref.device
-        scales = torch.tensor([sign * t for _, sign in members], dtype=torch.float32, device=device)
+        r, device = self.rank, ref.device
+        scales = lr.lora_scales(members, r, sigma, device)
         names = [name for _, group in self.groups for name in group]
         keys = lr.factor_keys_many([seed for seed, _ in members], names).to(device)
         at = 0

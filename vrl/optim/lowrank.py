@@ -128,6 +128,13 @@ def perturbation_scale(sigma: float, rank: int) -> float:
     return nz.round_sig(sigma * nz.C * nz.C / math.sqrt(rank), nz.SCALE_BITS)
 
 
+def lora_scales(members: Sequence[tuple[int, int]], rank: int, sigma: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Each member's lora_b scale sign·round14(σ·C/√r), fp32 (exact): what multiplies its integer factor a."""
+    _check_rank(rank)
+    t = nz.round_sig(sigma * nz.C / math.sqrt(rank), nz.SCALE_BITS)
+    return torch.tensor([sign * t for _, sign in members], dtype=torch.float32, device=device)
+
+
 def lora_factors(
     members: Sequence[tuple[int, int]], name: str, shape: Sequence[int], rank: int, sigma: float,
     device: torch.device | str = "cpu",
@@ -152,8 +159,7 @@ def lora_factors_many(
     _check_rank(rank)
     keys = factor_keys_many([seed for seed, _ in members], names)
     a, b = _factors_int_of_keys(keys, shape, rank, device)
-    t = nz.round_sig(sigma * nz.C / math.sqrt(rank), nz.SCALE_BITS)
-    scale = torch.tensor([sign * t for _, sign in members] * len(names), dtype=torch.float32, device=device)
+    scale = lora_scales(members, rank, sigma, device).repeat(len(names))
     lora_a = (b.to(torch.float32) * nz.C).to(dtype).transpose(1, 2)
     lora_b = (a.to(torch.float32) * scale[:, None, None]).to(dtype)
     g, k = len(names), len(members)
@@ -381,11 +387,11 @@ class LowRankParams:
             raise ValueError(f"update has rank {update.rank}, these parameters rank {self.rank}")
         if not update:
             return
+        names, masters, weights = zip(*self._tensors())
         if self.flat.use_triton:
             from vrl.optim import lowrank_triton
 
             check_bound(update.terms, update.rank)
-            names, masters, weights = zip(*self._tensors())
             device, terms = masters[0].device, len(update.terms)
             # Every matrix's keys and the multipliers reach the device in two copies, not two per matrix.
             keys = factor_keys_many([seed for seed, _ in update.terms], names).to(device)
@@ -393,7 +399,6 @@ class LowRankParams:
             for i, (m, w) in enumerate(zip(masters, weights)):
                 lowrank_triton.update(m, w, keys[i * terms:(i + 1) * terms], mults, update.coeff, self.rank)
         else:
-            names, masters, weights = zip(*self._tensors())
             update_reference(masters, weights, names, update)
 
     def state(self) -> dict[str, torch.Tensor]:
