@@ -7,6 +7,7 @@ iteration waits for the last verdicts only before the update.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import re
@@ -358,8 +359,8 @@ def preflight(config: TrainConfig, env: Environment, *, training: bool = True) -
     if local:
         check_model(config.model, config.generator.revision)
         check_devices(config.generator)
-    if training:
-        model = meta_model(config.model, config.generator.revision) if local else None
+    if training:  # the weightless module tree is built only for a rule that asks for it
+        model = functools.partial(meta_model, config.model, config.generator.revision) if local else None
         optimizer_class(config.optimizer).check_fits(config, model)
     if verifies_in_process(config):
         ensure_ready(env.verifier())

@@ -15,6 +15,7 @@ with seeded perturbations and updates, GRPO by training `host.trainable()` and p
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,11 @@ class Optimizer(ABC):
         """The rule configured for a run (a `TrainConfig`: its own section, the seed, the run length)."""
 
     @classmethod
-    def check_fits(cls, config: Any, model: Any | None) -> None:
+    def check_fits(cls, config: Any, model: Callable[[], Any] | None) -> None:
         """Refuse a run's settings this rule cannot work with, before anything loads or starts (`vrl
-        train`'s preflight). `model`: the model's module tree without weights
-        (`vrl.generate.weights.meta_model`), or None where the weights are elsewhere (Modal). Raises a
-        `UsageError`: one line, what is wrong and how to fix it."""
+        train`'s preflight). `model()` builds the model's module tree without weights
+        (`vrl.generate.weights.meta_model`; called only by rules that need it); None where the weights
+        are elsewhere (Modal). Raises a `UsageError`: one line, what is wrong and how to fix it."""
 
     def needs(self) -> HostNeeds:
         """What this rule will ask of its hosts (the runtime places and sizes engines with it)."""

@@ -27,7 +27,7 @@ import logging
 import math
 import os
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -268,16 +268,16 @@ class ES(Optimizer):
                        "noise", "rank")
 
     @classmethod
-    def check_fits(cls, config: Any, model: Any) -> None:
+    def check_fits(cls, config: Any, model: Callable[[], Any] | None) -> None:
         """es.include / es.exclude select something this noise mode moves, and that the backend serves:
         a typo fails here in a second, not after an engine has started."""
-        es = config.es
         if model is None:
             return
+        es, tree = config.es, model()
         if es.noise != "lowrank":
-            select_parameters(model, es.include, es.exclude)
+            select_parameters(tree, es.include, es.exclude)
             return
-        chosen = [name for name, _ in lowrank.select_linear(model, es.include, es.exclude, report=False)]
+        chosen = [name for name, _ in lowrank.select_linear(tree, es.include, es.exclude, report=False)]
         # vLLM's LoRA layers wrap the decoder's projections, not the output layer (`vllm_worker.lora_slices`
         # refuses the rest once the engine runs); an lm_head tied to the embedding is never selected.
         heads = [n for n in chosen if n.startswith("lm_head")]

@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -233,7 +233,7 @@ class GRPO(Optimizer):
         return cls(config.grpo, seed=config.seed, total_iterations=config.iterations)
 
     @classmethod
-    def check_fits(cls, config: Any, model: Any | None) -> None:
+    def check_fits(cls, config: Any, model: Callable[[], Any] | None) -> None:
         if config.sampling.temperature <= 0:
             raise UsageError(f"optimizer=grpo needs sampling.temperature > 0 (got {config.sampling.temperature}): "
                              "greedy decoding gives the group's samples identical and their advantages zero; "
