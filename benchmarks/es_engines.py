@@ -1,7 +1,7 @@
 """ES sampling on the vllm backend: one host call per iteration, on one engine or a pool of engines.
 
     python benchmarks/es_engines.py --out result.json [--members 30] [--tasks 8 64 256] [--engines 1 2]
-                                    [--noise full lowrank] [--rank 8] [--max-num-seqs 512]
+                                    [--noise full lowrank] [--rank 8] [--include '*.mlp.*'] [--max-num-seqs 512]
 
 Qwen2.5-1.5B shapes with random bf16 weights; prompts of 64 random printable characters through the
 byte tokenizer; every completion runs to `--new-tokens` (a random model never stops). For each
@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--members", type=int, default=30)
     ap.add_argument("--noise", nargs="+", default=["full", "lowrank"], choices=["full", "lowrank"])
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--include", nargs="+", default=["*"],
+                    help="es.include of low-rank runs (e.g. '*.mlp.*': LoRA layers on the MLP alone)")
     ap.add_argument("--tasks", type=int, nargs="+", default=[8, 64, 256])
     ap.add_argument("--engines", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--gpus", type=int, nargs="+", default=None)
@@ -66,6 +68,7 @@ def main() -> None:
 
     res: dict = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "vllm": vllm.__version__,
                  "members": args.members, "new_tokens": args.new_tokens, "small": args.small, "rank": args.rank,
+                 "include": args.include,
                  "max_num_seqs": args.max_num_seqs, "runs": []}
 
     def save() -> None:
@@ -81,7 +84,7 @@ def main() -> None:
     for noise, k in configs:
         es_section = {"population_size": args.members, "noise": noise}
         if noise == "lowrank":
-            es_section.update(rank=args.rank, exclude=["lm_head*"])  # vLLM's LoRA path does not serve lm_head
+            es_section.update(rank=args.rank, include=args.include, exclude=["lm_head*"])  # vLLM's LoRA path does not serve lm_head
         cfg = build({"model": args.path, "optimizer": "es", "seed": 1,
                      "sampling": {"temperature": 1.0, "max_new_tokens": args.new_tokens, "batch_size": 32},
                      "es": es_section,

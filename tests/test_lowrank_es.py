@@ -180,6 +180,25 @@ def test_es_asks_for_one_lora_slot_per_member_at_a_rank_vllm_accepts() -> None:
     assert "enable_lora" not in engine_kwargs(cfg, "/m")  # eval: sampling only
 
 
+@pytest.mark.parametrize(("include", "exclude", "targets"), [
+    (["*"], [], None),  # every kind of linear layer: vLLM's default (lm_head is never a LoRA target)
+    (["*"], ["lm_head*"], None),
+    (["*.mlp.*"], [], ["down_proj", "gate_proj", "up_proj"]),
+    (["*"], ["*.mlp.*", "lm_head*"], ["k_proj", "o_proj", "q_proj", "v_proj"]),
+    (["*.q_proj.weight"], [], ["q_proj"]),  # vLLM wraps the fused qkv_proj, whose other slices stay zero
+])
+def test_the_engine_puts_lora_layers_on_the_selected_kinds_of_module_only(include, exclude, targets) -> None:
+    """An es.include narrower than the model's linear layers restricts the engine's LoRA layers to the
+    selected kinds of module (`lora_target_modules`), so the rest runs no LoRA kernels per step."""
+    from vrl.config import build
+    from vrl.generate.vllm import engine_kwargs
+    from vrl.optim import make_optimizer
+
+    cfg = build({"optimizer": "es", "es": {"noise": "lowrank", "rank": 8, "include": include, "exclude": exclude},
+                 "generator": {"backend": "vllm"}})
+    assert engine_kwargs(cfg, "/m", make_optimizer(cfg).needs()).get("lora_target_modules") == targets
+
+
 def test_lora_slices_place_each_weight_in_its_fused_slice_and_refuse_what_lora_cannot_serve() -> None:
     from vrl.generate.vllm_worker import engine_layout, lora_slices
 

@@ -27,6 +27,7 @@ pytestmark = [
 PROMPTS = ["Hello there", "2 + 2 =", "def f(x):", "The quick brown fox", "Lean 4 theorem", "abc"]
 RANK, SIGMA = 4, 0.05
 SPEC = PerturbationSpec(("*",), ("lm_head*",), SIGMA, noise="lowrank", rank=RANK)
+SPEC_MLP = PerturbationSpec(("*.mlp.*",), (), SIGMA, noise="lowrank", rank=RANK)
 MEMBERS = [(1234, 1), (1234, -1), (99, 1), (7, -1)]
 NAMES = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
          "model.layers.0.self_attn.v_proj.weight", "model.layers.1.self_attn.o_proj.weight",
@@ -123,7 +124,34 @@ def test_engine_members_agree_with_the_hf_population(gen, model_dir):
     backend's population of the same member (fp32 factors, a forward hook), the log-probs the engine
     reported, far closer than under another member or under θ: the slot a request used held its
     member's perturbation. Tolerance: the bf16 engine against an fp32 reference (bf16 weights)."""
-    gen.perturbations(SPEC)
+    _members_agree_with_the_hf_population(gen, model_dir, SPEC)
+
+
+def test_an_mlp_only_selection_puts_lora_layers_on_the_mlp_alone(model_dir):
+    """With es.include on the MLP, the engine gets LoRA layers there alone (vLLM's
+    lora_target_modules), so the attention runs no LoRA kernels: a selection with attention weights
+    is refused as unserved on this engine (it would be served with LoRA on every module), and the
+    MLP-only members agree with the hf population of the same selection."""
+    from vrl.generate import make_generator
+
+    cfg = build({"model": model_dir, "optimizer": "es", "seed": 3,
+                 "es": {"noise": "lowrank", "rank": RANK, "population_size": len(MEMBERS), "include": list(SPEC_MLP.include)},
+                 "sampling": {"temperature": 0.0, "max_new_tokens": 16, "batch_size": 3},
+                 "generator": {"backend": "vllm", "enforce_eager": True, "gpu_memory_utilization": 0.2,
+                               "max_model_len": 256, "dtype": "bfloat16"}})
+    g = make_generator(cfg, HostNeeds("perturbations", SPEC_MLP, variants=len(MEMBERS)))
+    try:
+        with pytest.raises(Unsupported, match=r"does not serve .*self_attn"):
+            g.perturbations(SPEC)
+        info = g.perturbations(SPEC_MLP)
+        assert info.names and all(".mlp." in n for n in info.names)
+        _members_agree_with_the_hf_population(g, model_dir, SPEC_MLP)
+    finally:
+        g.close()
+
+
+def _members_agree_with_the_hf_population(gen, model_dir, spec: PerturbationSpec) -> None:
+    gen.perturbations(spec)
     gen.sampling = SamplingConfig(temperature=0.0, max_new_tokens=16, batch_size=3)
     gen.logprobs = True  # the engine reports each sampled token's log-prob
     variants = [Variant(index=i, seed=s, sign=g) for i, (s, g) in enumerate(MEMBERS)]
@@ -134,7 +162,7 @@ def test_engine_members_agree_with_the_hf_population(gen, model_dir):
     assert by_member[0] != by_member[1] != by_member[2]  # members differ from each other
 
     hf, _ = load_model_and_tokenizer(model_dir, "cuda", "float32")
-    layers = lowrank.select_linear(hf, ["*"], ["lm_head*"])
+    layers = lowrank.select_linear(hf, list(spec.include), list(spec.exclude))
     right, wrong, base = [], [], []
     for c in out:
         engine_lp = torch.tensor(c.logprobs, device=hf.device)
@@ -144,7 +172,7 @@ def test_engine_members_agree_with_the_hf_population(gen, model_dir):
         wrong.append((engine_lp - lp[(p + 2) % 4]).abs().mean())
         base.append((engine_lp - lp[-1]).abs().mean())
     right, wrong, base = (torch.stack(x).mean().item() for x in (right, wrong, base))
-    print(f"mean |Δ log-prob|: same member {right:.4f}, other member {wrong:.4f}, θ {base:.4f}")
+    print(f"{spec.include}: mean |Δ log-prob|: same member {right:.4f}, other member {wrong:.4f}, θ {base:.4f}")
     assert right < 0.1
     assert right < 0.25 * min(wrong, base)
 

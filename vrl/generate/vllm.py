@@ -19,6 +19,7 @@ vLLM is imported lazily: `pip install 'vrl-core[vllm]'`, on a machine with a CUD
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -63,19 +64,40 @@ def import_vllm() -> Any:
 LORA_RANKS = (1, 8, 16, 32, 64)  # the max_lora_rank values vLLM accepts, up to es.rank's limit
 
 
-def lora_settings(needs: HostNeeds | None) -> dict[str, Any]:
-    """The engine's LoRA settings: one slot per low-rank ES member of a call (none for other work)."""
+def lora_settings(needs: HostNeeds | None, model: str, revision: str | None) -> dict[str, Any]:
+    """The engine's LoRA settings: one slot per low-rank ES member of a call (none for other work), and
+    LoRA layers on the modules ES selects alone (`lora_targets`)."""
     spec = needs.spec if needs is not None else None
     if spec is None or spec.noise != "lowrank":
         return {}
     rank = next(r for r in LORA_RANKS if r >= spec.rank)
-    return {"enable_lora": True, "max_loras": needs.variants, "max_cpu_loras": needs.variants, "max_lora_rank": rank}
+    out = {"enable_lora": True, "max_loras": needs.variants, "max_cpu_loras": needs.variants, "max_lora_rank": rank}
+    targets = lora_targets(model, revision, spec)
+    if targets is not None:
+        out["lora_target_modules"] = targets
+    return out
+
+
+def lora_targets(model: str, revision: str | None, spec: PerturbationSpec) -> list[str] | None:
+    """The module names (last dotted part, as vLLM's `lora_target_modules` takes them) of the matrices
+    low-rank ES selects, or None when it selects every kind of linear layer but `lm_head`.
+
+    vLLM puts a LoRA layer on every module it supports unless told otherwise, and each one runs its
+    LoRA kernels at every step whether the members' factors there are zero or not; an es.include of
+    the MLP alone would still pay for the attention's LoRA layers."""
+    from vrl.optim.lowrank import select_linear
+
+    tree = meta_model(model, revision)
+    kinds = {name.rsplit(".", 1)[-1] for name, m in tree.named_modules() if isinstance(m, torch.nn.Linear)} - {"lm_head"}
+    chosen = {name.removesuffix(".weight").rsplit(".", 1)[-1]
+              for name, _ in select_linear(tree, spec.include, spec.exclude, report=False)}
+    return None if kinds <= chosen else sorted(chosen)
 
 
 def engine_kwargs(config: Any, model_path: str, needs: HostNeeds | None = None) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for a run's config (one place where every vllm field is read)."""
     g = config.generator
-    return {**lora_settings(needs),
+    return {**lora_settings(needs, config.model, None if config.model == TINY else g.revision),
         "model": model_path,
         "revision": None if config.model == TINY else g.revision,
         # As the hf backend on a GPU: 'auto' means bfloat16, not the checkpoint's dtype.
@@ -177,6 +199,10 @@ class VLLMGenerator(Generator):
         kwargs = engine_kwargs(config, path, needs)
         if memory_fraction is not None:
             kwargs["gpu_memory_utilization"] = memory_fraction
+        if "lora_target_modules" in kwargs and "lora_target_modules" not in {f.name for f in dataclasses.fields(vllm.EngineArgs)}:
+            log.warning("vLLM %s cannot restrict its LoRA layers to the modules ES selects (lora_target_modules "
+                        "came in a later version): every supported module runs LoRA kernels", vllm.__version__)
+            del kwargs["lora_target_modules"]
         # The driver sends CUDA IPC handles and ES terms through collective_rpc, which vLLM only
         # pickles when allowed; the engine is private to this process (no server is exposed).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
