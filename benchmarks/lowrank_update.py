@@ -1,16 +1,21 @@
 """The low-rank ES update on a GPU: the Triton int64 kernel against float64 matmuls, same bits.
 
-    python benchmarks/lowrank_update.py --out r.json [--members 30] [--rank 8] [--repeats 5]
+    python benchmarks/lowrank_update.py --out r.json [--members 30] [--antithetic] [--rank 8] [--repeats 5]
 
 The 196 linear matrices of Qwen2.5-1.5B (1.31 B parameters, fp32 master + bf16 weights, random),
-one iteration's update of N members (antithetic pairs merged: N/2 terms) with z-scores as ES stores
-them. Paths, interleaved over `--repeats` rounds (medians reported), each from the same θ:
+one iteration's update of N members (ES's default: N terms; `--antithetic`: pairs merged, N/2) with
+z-scores as ES stores them. Paths, interleaved over `--repeats` rounds (medians reported), each from
+the same θ:
 
-* `triton`: `lowrank_triton.update`, one launch per matrix; every tile regenerates its factors and
-  accumulates Σ multₜ·aₜ·bₜᵀ in int64;
-* `matmul`: `lowrank.update_reference` on the GPU: the factors of all terms generated once per
-  matrix, the exact integer sum as one float64 matmul (exact below 2⁵³), in row blocks of `chunk`
-  elements.
+* `triton`: `lowrank.update_triton` (`lowrank_triton.update`, one launch per matrix; every tile
+  regenerates its factors and accumulates Σ multₜ·aₜ·bₜᵀ in int64);
+* `matmul_chunk<c>`: `lowrank.update_reference` on the GPU: the factors of all terms generated once
+  per matrix, the exact integer sum as one float64 matmul (exact below 2⁵³), in row blocks of `c`
+  elements, one matrix at a time;
+* `batched`: `lowrank.update_batched`: the matrices of one shape together, one float64 `bmm` per
+  batch of up to 2²⁵ output elements.
+
+`--profile` prints the CUDA kernels each path spends its time in (torch.profiler, one round).
 
 Each path's θ must equal the others' bit for bit (the run fails otherwise).
 """
@@ -37,6 +42,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--members", type=int, default=30)
+    ap.add_argument("--antithetic", action="store_true")
+    ap.add_argument("--profile", action="store_true")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--repeats", type=int, default=5)
@@ -50,13 +57,13 @@ def main() -> None:
     assert params.flat.use_triton, "the Triton path needs a CUDA device and triton"
     rng = random.Random(0)
     record = IterationRecord(seed=12345, z=[round(rng.gauss(0, 1), 4) for _ in range(args.members)])
-    members = member_seeds(record, antithetic=True)
+    members = member_seeds(record, antithetic=args.antithetic)
     update = lr.update_for(members, record.z, 5e-4, args.rank)
     names, masters, weights = zip(*params._tensors())
     start = {k: v.clone() for k, v in params.state().items()}
 
     def run_triton() -> None:
-        params.update(update)
+        lr.update_triton(masters, weights, names, update)
 
     def run_matmul(chunk: int):
         def go() -> None:
@@ -67,7 +74,10 @@ def main() -> None:
                 lr._CHUNK = old
         return go
 
-    paths = {"triton": run_triton, **{f"matmul_chunk{c}": run_matmul(c) for c in args.chunks}}
+    def run_batched() -> None:
+        lr.update_batched(masters, weights, names, update)
+
+    paths = {"triton": run_triton, "batched": run_batched, **{f"matmul_chunk{c}": run_matmul(c) for c in args.chunks}}
     times: dict[str, list[float]] = {k: [] for k in paths}
     results: dict[str, dict[str, torch.Tensor]] = {}
     for rep in range(args.repeats + 1):  # round 0 warms up (Triton compiles) and is not timed
@@ -81,6 +91,17 @@ def main() -> None:
                 times[key].append(time.perf_counter() - t0)
             else:
                 results[key] = {k: v.clone() for k, v in params.state().items()}
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for key, fn in paths.items():
+            params.load_state(start)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            print(f"== {key}")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
     ref = results["triton"]
     equal = {k: all(torch.equal(ref[n], r[n]) for n in ref) for k, r in results.items()}
     moved = sum(int((ref[n] != start[n]).sum()) for n in ref)

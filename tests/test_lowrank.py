@@ -185,6 +185,30 @@ def test_product_sum_int64_path_equals_float64_path_and_exact_integers(monkeypat
         assert got[i, j].item() == _exact_rne(exact)
 
 
+@pytest.mark.parametrize("big", [False, True])
+def test_batched_update_gives_the_reference_bits(big: bool) -> None:
+    """`update_batched` (the GPU path: matrices of one shape in one float64 bmm) writes the bits of
+    `update_reference`, whether a shape's matrices fit one batch, several, or (too large) go through
+    the reference's row blocks; with multipliers past 2⁵³ it takes the int64 path."""
+    rng = random.Random(1)
+    shapes = [(6, 5), (7, 9), (6, 5), (6, 5), (7, 9), (40, 3), (6, 5)]
+    names = [f"layer{i}.w" for i in range(len(shapes))]
+    upd = lr.update_for(_members(77, 10), _z(10, rng), 3e-2, 4)
+    if big:
+        upd = lr.LowRankUpdate(tuple((s, w * 2**20) for s, w in upd.terms), upd.coeff, upd.rank)
+        assert sum(abs(w) for _, w in upd.terms) * 4 * lr.PRODUCT_MAX > 2**53
+    gen = torch.Generator().manual_seed(2)
+    theta0 = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+    ref_m, ref_w = [t.clone() for t in theta0], [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+    lr.update_reference(ref_m, ref_w, names, upd)
+    for max_elements in (1000, 2 * 30, 30):  # one batch per shape; pairs; singles, (40, 3) too large
+        m, w = [t.clone() for t in theta0], [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+        lr.update_batched(m, w, names, upd, max_elements=max_elements)
+        assert all(_same_bits(x, y) for x, y in zip(m, ref_m)), max_elements
+        assert all(_same_bits(x, y) for x, y in zip(w, ref_w)), max_elements
+    assert all(not torch.equal(x, y) for x, y in zip(ref_m, theta0))  # every matrix moved
+
+
 def test_update_refuses_sums_beyond_int64() -> None:
     with pytest.raises(ValueError, match="too large"):
         lr.check_bound([(1, 2**40), (2, -(2**40))], 64)

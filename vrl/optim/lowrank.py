@@ -295,6 +295,67 @@ def update_reference(
         weight.copy_(master)
 
 
+def update_triton(
+    masters: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], names: Sequence[str], update: LowRankUpdate
+) -> None:
+    """`update_reference`'s bits by the Triton kernel (one launch per matrix, int64 accumulation: any
+    sum below 2⁶², where `update_batched`'s float64 matmuls stop at 2⁵³)."""
+    from vrl.optim import lowrank_triton
+
+    if not update:
+        return
+    check_bound(update.terms, update.rank)
+    device, terms = masters[0].device, len(update.terms)
+    # Every matrix's keys and the multipliers reach the device in two copies, not two per matrix.
+    keys = factor_keys_many([seed for seed, _ in update.terms], names).to(device)
+    mults = torch.tensor([w for _, w in update.terms], dtype=torch.int64, device=device)
+    for i, (m, w) in enumerate(zip(masters, weights)):
+        lowrank_triton.update(m, w, keys[i * terms:(i + 1) * terms], mults, update.coeff, update.rank)
+
+
+_BATCH_ELEMENTS = 1 << 25  # output elements of one batched matmul: 256 MB of float64 at most
+
+
+def update_batched(
+    masters: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], names: Sequence[str], update: LowRankUpdate,
+    max_elements: int = _BATCH_ELEMENTS,
+) -> None:
+    """`update_reference`'s bits in a few large launches (the GPU path): matrices of one shape are
+    taken together, their factors for every term generated in one pass and the exact integer sums
+    formed by one float64 `bmm` (exact below 2⁵³, checked; above, `update_reference`'s int64 path).
+    The host never waits for the device (one upload of the multipliers), so a 1.5 B model's 196
+    matrices cost a few dozen matmuls instead of one synchronised round per matrix. A matrix of more
+    than `max_elements` elements goes through `update_reference` (row blocks)."""
+    if not update:
+        return
+    check_bound(update.terms, update.rank)
+    mults = [w for _, w in update.terms]
+    r, t = update.rank, len(mults)
+    if sum(abs(w) for w in mults) * r * PRODUCT_MAX >= _F64_EXACT:
+        update_reference(masters, weights, names, update)
+        return
+    seeds = [seed for seed, _ in update.terms]
+    w = torch.tensor(mults, dtype=torch.float64).to(masters[0].device, non_blocking=True)
+    by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, master in enumerate(masters):
+        by_shape[(master.shape[0], master.shape[1])].append(i)
+    for (m, n), idx in by_shape.items():
+        if m * n > max_elements:
+            update_reference([masters[i] for i in idx], [weights[i] for i in idx], [names[i] for i in idx], update)
+            continue
+        per = max_elements // (m * n)
+        for j in range(0, len(idx), per):
+            part = idx[j : j + per]
+            a, b = _factors_int_of_keys(factor_keys_many(seeds, [names[i] for i in part]), (m, n), r, masters[0].device)
+            lhs = (a.view(len(part), t, m, r).to(torch.float64) * w[None, :, None, None]).permute(0, 2, 1, 3)
+            rhs = b.view(len(part), t, n, r).to(torch.float64).permute(0, 2, 1, 3)
+            u = torch.bmm(lhs.reshape(len(part), m, t * r), rhs.reshape(len(part), n, t * r).transpose(1, 2))
+            u = u.to(torch.float32) * update.coeff  # the integer rounds once, the product once
+            for k, i in enumerate(part):
+                masters[i] += u[k]  # the sum once
+                weights[i].copy_(masters[i])
+
+
 # -- which matrices ---------------------------------------------------------------------------------
 
 
@@ -388,18 +449,12 @@ class LowRankParams:
         if not update:
             return
         names, masters, weights = zip(*self._tensors())
-        if self.flat.use_triton:
-            from vrl.optim import lowrank_triton
-
-            check_bound(update.terms, update.rank)
-            device, terms = masters[0].device, len(update.terms)
-            # Every matrix's keys and the multipliers reach the device in two copies, not two per matrix.
-            keys = factor_keys_many([seed for seed, _ in update.terms], names).to(device)
-            mults = torch.tensor([w for _, w in update.terms], dtype=torch.int64, device=device)
-            for i, (m, w) in enumerate(zip(masters, weights)):
-                lowrank_triton.update(m, w, keys[i * terms:(i + 1) * terms], mults, update.coeff, self.rank)
-        else:
+        if not self.flat.use_triton:
             update_reference(masters, weights, names, update)
+        elif sum(abs(w) for _, w in update.terms) * self.rank * PRODUCT_MAX < _F64_EXACT:
+            update_batched(masters, weights, names, update)  # float64 matmuls: faster than the kernel
+        else:
+            update_triton(masters, weights, names, update)
 
     def state(self) -> dict[str, torch.Tensor]:
         return self.flat.state()
