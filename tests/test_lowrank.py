@@ -203,7 +203,7 @@ def test_batched_update_gives_the_reference_bits(big: bool) -> None:
     lr.update_reference(ref_m, ref_w, names, upd)
     for max_elements in (1000, 2 * 30, 30):  # one batch per shape; pairs; singles, (40, 3) too large
         m, w = [t.clone() for t in theta0], [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
-        lr.update_batched(m, w, names, upd, max_elements=max_elements)
+        lr.update_batched(tuple(m), tuple(w), tuple(names), upd, max_elements=max_elements)  # as LowRankParams passes them
         assert all(_same_bits(x, y) for x, y in zip(m, ref_m)), max_elements
         assert all(_same_bits(x, y) for x, y in zip(w, ref_w)), max_elements
     assert all(not torch.equal(x, y) for x, y in zip(ref_m, theta0))  # every matrix moved

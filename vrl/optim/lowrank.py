@@ -352,7 +352,7 @@ def update_batched(
             u = torch.bmm(lhs.reshape(len(part), m, t * r), rhs.reshape(len(part), n, t * r).transpose(1, 2))
             u = u.to(torch.float32) * update.coeff  # the integer rounds once, the product once
             for k, i in enumerate(part):
-                masters[i] += u[k]  # the sum once
+                masters[i].add_(u[k])  # the sum once
                 weights[i].copy_(masters[i])
 
 
