@@ -10,9 +10,11 @@ roundings are the int → fp32 conversion (round to nearest even, as torch does 
 and one add; the kernels are launched with ``enable_fp_fusion=False`` so Triton never contracts that
 multiply and add into an FMA (which would round once instead of twice, as the CPU reference does).
 
-One launch per matrix: an update runs once per iteration, so launch overhead (≈ 200 launches for a
-1.5 B model) is small next to the integer work (m·n·r multiply-adds per member). The matrices may be
-any contiguous tensors on the device (the hf flat buffers or rows of a vLLM engine's fused weights).
+One launch per matrix; the matrices may be any contiguous tensors on the device (the hf flat buffers
+or rows of a vLLM engine's fused weights). The update kernel serves sums past 2⁵³ only
+(`lowrank.update_triton`): below, `lowrank.update_batched`'s float64 matmuls give the same bits 2.6×
+faster (0.10 s against 0.26 s for 30 members of a 1.5 B model on an H100), since this kernel
+regenerates every factor in every tile for every term.
 
 Members' LoRA-slot factors (`lora_slots`): one launch per matrix shape writes every member of a
 sampling call into its slot of every matrix of that shape (each value exact in fp32; the one rounding
