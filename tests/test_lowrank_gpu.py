@@ -1,4 +1,5 @@
-"""Low-rank ES kernels (Triton) equal the pure-torch reference bit for bit, on GPU and against the CPU."""
+"""Low-rank ES on the GPU (Triton kernels, the batched float64 update) equals the pure-torch reference
+bit for bit, on GPU and against the CPU."""
 
 from __future__ import annotations
 
@@ -53,7 +54,9 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 @pytest.mark.parametrize("rank", [1, 8, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_lowrank_perturb_and_update_match_the_reference(dtype: torch.dtype, rank: int) -> None:
+def test_gpu_lowrank_perturb_and_update_match_the_reference(dtype: torch.dtype, rank: int) -> None:
+    """The GPU paths: perturb by the Triton kernel, the update by `update_batched` (float64 bmm; these
+    sums are below 2⁵³), against the torch reference on the GPU and on the CPU, bit for bit."""
     fast, ref_gpu, ref_cpu = (_build(dtype, "cuda", True, rank), _build(dtype, "cuda", False, rank),
                               _build(dtype, "cpu", False, rank))
     before = _weights(fast)
@@ -82,8 +85,9 @@ def test_triton_lowrank_perturb_and_update_match_the_reference(dtype: torch.dtyp
 
 @pytest.mark.parametrize("rank", [8, 64])
 def test_triton_update_with_sums_beyond_2_pow_53_matches_the_int64_reference(rank: int) -> None:
-    """Multipliers so large that the exact sum needs int64 (the CPU reference's slow path) and
-    int → fp32 conversion rounds: the kernel's int64 accumulator and cvt.rn must give the same bits."""
+    """Multipliers so large that the exact sum needs int64 (the CPU reference's slow path; on the GPU
+    the Triton update kernel, `update_triton`) and int → fp32 conversion rounds: the kernel's int64
+    accumulator and cvt.rn must give the same bits."""
     # Σ|mult|·r·510² must pass 2⁵³ at the smallest rank tested (8) to force the reference's int64 path;
     # the earlier multipliers (2³⁰+7, −2³¹+5, 2²⁹+1) gave 7.8·10¹⁵ < 2⁵³ at rank 8, so this line failed there.
     update = lr.LowRankUpdate(terms=((5, 2**31 + 7), (6, -(2**32) + 5), (2**33, 2**30 + 1)), coeff=2.0**-60, rank=rank)
@@ -96,7 +100,8 @@ def test_triton_update_with_sums_beyond_2_pow_53_matches_the_int64_reference(ran
 
 
 def test_triton_lowrank_writes_rows_of_a_larger_tensor_in_place() -> None:
-    """`FlatParams.over` (a vLLM engine's fused q/k/v rows): the kernels write each view and nothing around it."""
+    """`FlatParams.over` (a vLLM engine's fused q/k/v rows): perturb (Triton) and update (batched) write each
+    view and nothing around it."""
     host = torch.full((40 + 24 + 3, 96), 7.0, dtype=torch.bfloat16, device="cuda")
     g = torch.Generator().manual_seed(1)
     host[:40] = (torch.randn(40, 96, generator=g) * 0.02).to(torch.bfloat16)
