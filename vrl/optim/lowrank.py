@@ -226,9 +226,19 @@ def from_terms(terms: Sequence[tuple[int, float]], rank: int) -> LowRankUpdate:
     return LowRankUpdate(tuple((int(s), int(w)) for s, w in rest), float(coeff), rank)
 
 
+def _sum_bound(mults: Sequence[int], rank: int) -> int:
+    """Σ|multₜ|·r·510²: no partial sum of Σₜ multₜ·aₜ·bₜᵀ, in any order, can reach it."""
+    return sum(abs(w) for w in mults) * rank * PRODUCT_MAX
+
+
+def _exact_in_float64(mults: Sequence[int], rank: int) -> bool:
+    """Whether every partial sum is an exact float64 integer, so float64 matmuls (any order) give the exact sum."""
+    return _sum_bound(mults, rank) < _F64_EXACT
+
+
 def check_bound(terms: Sequence[tuple[int, int]], rank: int) -> None:
     """Refuse an update whose exact integer sum could leave int64's safe range (see `UPDATE_BOUND`)."""
-    bound = sum(abs(w) for _, w in terms) * rank * PRODUCT_MAX
+    bound = _sum_bound([w for _, w in terms], rank)
     if bound >= UPDATE_BOUND:
         raise ValueError(
             f"low-rank ES update too large for exact int64 accumulation (Σ|Z|·r·510² = {bound:.3g} ≥ 2^62); "
@@ -252,7 +262,7 @@ def product_sum(a: torch.Tensor, b: torch.Tensor, mults: Sequence[int]) -> torch
     exact; above, int64 accumulation (slower). Both give the same integer, rounded to fp32 once.
     """
     t, m, r = a.shape
-    if sum(abs(w) for w in mults) * r * PRODUCT_MAX < _F64_EXACT:
+    if _exact_in_float64(mults, r):
         w = torch.tensor(list(mults), dtype=torch.float64, device=a.device)
         lhs = (a.to(torch.float64) * w[:, None, None]).permute(1, 0, 2).reshape(m, t * r)
         rhs = b.to(torch.float64).permute(1, 0, 2).reshape(b.shape[1], t * r)
@@ -331,7 +341,7 @@ def update_batched(
     check_bound(update.terms, update.rank)
     mults = [w for _, w in update.terms]
     r, t = update.rank, len(mults)
-    if sum(abs(w) for w in mults) * r * PRODUCT_MAX >= _F64_EXACT:
+    if not _exact_in_float64(mults, r):
         update_reference(masters, weights, names, update)
         return
     seeds = [seed for seed, _ in update.terms]
@@ -451,7 +461,7 @@ class LowRankParams:
         names, masters, weights = zip(*self._tensors())
         if not self.flat.use_triton:
             update_reference(masters, weights, names, update)
-        elif sum(abs(w) for _, w in update.terms) * self.rank * PRODUCT_MAX < _F64_EXACT:
+        elif _exact_in_float64([w for _, w in update.terms], self.rank):
             update_batched(masters, weights, names, update)  # float64 matmuls: faster than the kernel
         else:
             update_triton(masters, weights, names, update)
