@@ -315,9 +315,12 @@ def test_a_hostile_value_fails_its_attempt_and_spares_the_batch(verifier, code, 
 
 
 def test_an_equality_task_with_a_huge_int_is_judged_exactly(judge):
-    task = make_task("big", [f"assert math.isclose(big(), {10 ** 400})"])
+    task = make_task("big", [f"assert big() == {10 ** 400}"])
     assert judge("def big():\n    return 10 ** 400\n", task).verdict.passed
     assert not judge("def big():\n    return 10 ** 400 + 1\n", task).verdict.passed
+    # math.isclose converts to float: Python's assert raises OverflowError, so the test fails here too.
+    task = make_task("big", [f"assert math.isclose(big(), {10 ** 400})"])
+    assert not judge("def big():\n    return 10 ** 400\n", task).verdict.passed
 
 
 # -- 5. identity asserts stay identity checks ------------------------------------------------------

@@ -61,15 +61,20 @@ def test_eq_follows_assert_semantics():
     assert not case("a").check(encode("b"))[0]
 
 
-def test_set_sorted_isclose_truthy_falsy():
-    assert case([3, 1, 2], "set").check(encode([1, 2, 3]))[0]
-    assert not case([1, 2], "set").check(encode([1]))[0]
-    assert case([2, 1], "sorted").check(encode([1, 2]))[0]
+def test_set_sorted_isclose_abs_truthy_falsy():
+    assert case({3, 1, 2}, "set").check(encode([1, 2, 3, 3]))[0]  # set(x) == y
+    assert not case([1, 2, 3], "set").check(encode([1, 2, 3]))[0]  # a set is never equal to a list
+    assert not case({1, 2}, "set").check(encode([1]))[0]
+    assert case([1, 2], "sorted").check(encode([2, 1]))[0]  # sorted(x) == y
+    assert not case([2, 1], "sorted").check(encode([1, 2]))[0]  # y is not sorted for the test
     assert not case([1, 1, 2], "sorted").check(encode([1, 2]))[0]
     assert case(1.0, "isclose", rel_tol=1e-3).check(encode(1.0005))[0]
     assert not case(1.0, "isclose", rel_tol=1e-6).check(encode(1.01))[0]
-    assert case([1.0, 2.0], "isclose", abs_tol=0.1).check(encode([1.05, 1.95]))[0]
+    assert not case([1.0, 2.0], "isclose", abs_tol=0.1).check(encode([1.05, 1.95]))[0]  # math.isclose: numbers only
     assert not case(1.0, "isclose").check(encode("1.0"))[0]
+    assert case(1.0, "abs<", abs_tol=0.5).check(encode(1.25))[0]
+    assert not case(1.0, "abs<", abs_tol=0.5).check(encode(1.5))[0]
+    assert case(1.0, "abs<=", abs_tol=0.5).check(encode(1.5))[0]
     assert case(None, "truthy").check(encode([0]))[0]
     assert not case(None, "truthy").check(encode(0))[0]
     assert case(None, "falsy").check(encode(""))[0]
@@ -109,7 +114,9 @@ def test_tolerance_shapes():
     t = parse_assert("assert math.isclose(f(2), 0.5, rel_tol=0.001)", "f")
     assert (t.compare, t.rel_tol, t.abs_tol, decode(t.expected)) == ("isclose", 0.001, 0.0, 0.5)
     t = parse_assert("assert abs(f(2) - 0.5) < 1e-6", "f")
-    assert (t.compare, t.rel_tol, t.abs_tol) == ("isclose", 0.0, 1e-6)
+    assert (t.compare, t.abs_tol, decode(t.expected)) == ("abs<", 1e-6, 0.5)
+    t = parse_assert("assert abs(0.5 - f(2)) <= 1", "f")
+    assert (t.compare, t.abs_tol, decode(t.expected)) == ("abs<=", 1.0, 0.5)
 
 
 @pytest.mark.parametrize("source", [
@@ -141,7 +148,7 @@ def check(candidate):
     assert True, "This prints if this assert fails"
 '''
     cases = parse_check_function(src, "add")
-    assert [c.compare for c in cases] == ["eq", "isclose"] and all(c.hidden for c in cases)
+    assert [c.compare for c in cases] == ["eq", "abs<"] and all(c.hidden for c in cases)
     with pytest.raises(UnsupportedTest, match="For"):
         parse_check_function("def check(candidate):\n    for i in range(3):\n        assert candidate(i) == i\n", "f")
     with pytest.raises(UnsupportedTest, match="no `def check"):

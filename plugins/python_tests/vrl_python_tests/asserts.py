@@ -1,16 +1,21 @@
 """Rewrite assert-style tests (MBPP `assert f(x) == y`, HumanEval `check(candidate)`) into `TestCase`s.
 
 The rewrite reads the assert with `ast` and evaluates only literals, so nothing in a dataset runs on
-the host. Supported shapes, with F the entry point (or `candidate`) called on literal arguments:
+the host. Supported shapes, with F the entry point (or `candidate`) called on literal arguments and y
+any literal (also `set(...)`, `sorted(...)`, `frozenset(...)` of one):
 
     assert F(...) == y        assert y == F(...)        assert F(...) is True / False / None
     assert F(...)             assert not F(...)
-    assert set(F(...)) == set(y)                        assert sorted(F(...)) == sorted(y)
-    assert math.isclose(F(...), y[, rel_tol=..., abs_tol=...])
-    assert abs(F(...) - y) < tol                         (also <=)
+    assert set(F(...)) == y   assert frozenset(F(...)) == y   assert sorted(F(...)) == y   (either side)
+    assert math.isclose(F(...), y[, rel_tol=..., abs_tol=...])      (either argument)
+    assert abs(F(...) - y) < tol                         (also <=, and y - F(...))
 
-Anything else raises `UnsupportedTest` naming the shape, so a loader can skip the task loudly instead
-of silently checking less than the dataset meant.
+The verdict is Python's own: a rewritten test passes exactly when the original assert would pass with
+F returning that value (see `TestCase.check`), ill-formed tests included: `sorted(F()) == [3, 1, 2]`
+never passes. Anything else raises `UnsupportedTest` naming the shape, so a loader can skip the task
+loudly instead of silently checking less than the dataset meant; so does a test whose literals Python
+cannot build, a tolerance Python rejects, and a `sorted` test comparing with sets, whose outcome in
+Python depends on the returned set's iteration order (sets are only partially ordered).
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ def literal(node: ast.AST) -> object:
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords:
         name = node.func.id
         if name in _CONSTRUCTORS and len(node.args) <= 1:
-            return _CONSTRUCTORS[name](*(literal(a) for a in node.args))
+            try:
+                return _CONSTRUCTORS[name](*(literal(a) for a in node.args))
+            except (TypeError, ValueError) as exc:  # set([[1]]), sorted([1, 'a']): the test itself would raise
+                raise UnsupportedTest(f"{_src(node)} raises {type(exc).__name__}: {exc}") from None
         if name == "float" and len(node.args) == 1:
             arg = literal(node.args[0])
             if isinstance(arg, str) and arg.strip().lower() in ("inf", "-inf", "nan", "infinity", "-infinity"):
@@ -75,13 +83,29 @@ def _unwrap(node: ast.AST, names: set[str]) -> tuple[ast.Call, str] | None:
     return None
 
 
+def _holds_a_set(value: object) -> bool:
+    if isinstance(value, (set, frozenset)):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_a_set(k) or _holds_a_set(v) for k, v in value.items())
+    return isinstance(value, (list, tuple)) and any(_holds_a_set(v) for v in value)
+
+
+def _tolerance(node: ast.AST, source: str) -> float:
+    """A tolerance literal: a non-negative int or float that a float holds exactly, else UnsupportedTest."""
+    value = literal(node)
+    try:
+        if isinstance(value, (int, float)) and value >= 0 and float(value) == value:  # not nan, not 2**60 + 1
+            return float(value)
+    except OverflowError:  # an int beyond a float's range
+        pass
+    raise UnsupportedTest(f"tolerance {_src(node)} is not a non-negative number a float holds: {source}")
+
+
 def _case(call: ast.Call, compare: str, expected: object, source: str, hidden: bool, **extra) -> TestCase:
     args, kwargs = _call_inputs(call)
-    if compare in ("set", "sorted"):
-        try:
-            set(expected) if compare == "set" else sorted(expected)  # type: ignore[call-overload]
-        except TypeError:
-            raise UnsupportedTest(f"expected value cannot be compared as a {compare}: {source}") from None
+    if compare == "sorted" and isinstance(expected, list) and _holds_a_set(expected):
+        raise UnsupportedTest(f"sorted() against sets depends on the returned set's iteration order: {source}")
     try:
         enc = encode(expected)
     except EncodeError as exc:
@@ -114,7 +138,7 @@ def assert_node(node: ast.Assert, entry_point: str, source: str, hidden: bool, a
         sides = [test.args[0], test.args[1]]
         calls = [i for i, s in enumerate(sides) if _is_call_to(s, names)]
         if len(calls) == 1:
-            tol = {k.arg: float(literal(k.value)) for k in test.keywords if k.arg in ("rel_tol", "abs_tol")}  # type: ignore[arg-type]
+            tol = {k.arg: _tolerance(k.value, source) for k in test.keywords if k.arg in ("rel_tol", "abs_tol")}
             if len(tol) != len(test.keywords):
                 raise UnsupportedTest(f"math.isclose with unknown keywords: {source}")
             return _case(sides[calls[0]], "isclose", literal(sides[1 - calls[0]]), source, hidden,  # type: ignore[arg-type]
@@ -126,9 +150,10 @@ def assert_node(node: ast.Assert, entry_point: str, source: str, hidden: bool, a
                 and isinstance(left.args[0], ast.BinOp) and isinstance(left.args[0].op, ast.Sub)):  # type: ignore[attr-defined]
             diff = left.args[0]  # type: ignore[attr-defined]
             for call_side, value_side in ((diff.left, diff.right), (diff.right, diff.left)):
-                if _is_call_to(call_side, names):
-                    tol = float(literal(right))  # type: ignore[arg-type]
-                    return _case(call_side, "isclose", literal(value_side), source, hidden, rel_tol=0.0, abs_tol=tol)
+                if _is_call_to(call_side, names):  # y - F(...) is F(...) - y negated, exactly: same abs
+                    compare = "abs<" if isinstance(op, ast.Lt) else "abs<="
+                    return _case(call_side, compare, literal(value_side), source, hidden,  # type: ignore[arg-type]
+                                 abs_tol=_tolerance(right, source))
         if isinstance(op, (ast.Eq, ast.Is)):
             for call_side, value_side in ((left, right), (right, left)):
                 unwrapped = _unwrap(call_side, names)

@@ -2,7 +2,9 @@
 
 A `TestCase` holds encoded inputs and an encoded expected value (see `harness.encode`). Only the
 inputs ever enter the sandbox; the comparison runs here, on values decoded into plain built-in types,
-so no object the attempt built (an `__eq__` that always says yes) can take part in it.
+so no object the attempt built (an `__eq__` that always says yes) can take part in it. Each compare
+mode is the expression of the assert it stands for, evaluated by Python on those values (see
+`TestCase._compare`), so the verdict is the original assert's, never looser or stricter.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from vrl_python_tests.harness import check_hashes, decode, encode
+from vrl_python_tests.harness import MAX_SAME_HASH, DecodeError, decode, encode
 
-Compare = Literal["eq", "is", "set", "sorted", "isclose", "truthy", "falsy"]
+Compare = Literal["eq", "is", "set", "sorted", "isclose", "abs<", "abs<=", "truthy", "falsy"]
 
 
 class TestCase(BaseModel):
@@ -26,10 +28,12 @@ class TestCase(BaseModel):
     args: Any = Field(description="Encoded list of positional arguments (harness.encode of a list).")
     kwargs: Any = Field(default_factory=lambda: encode({}), description="Encoded dict of keyword arguments.")
     expected: Any = Field(None, description="Encoded expected value (ignored for truthy/falsy).")
-    compare: Compare = Field("eq", description="How the returned value is compared with `expected`; 'is' (identity, "
-                             "for True/False/None only, as `assert f(x) is True` judges) refuses 1 for True.")
-    rel_tol: float = Field(1e-9, ge=0, description="Relative tolerance for compare='isclose'.")
-    abs_tol: float = Field(0.0, ge=0, description="Absolute tolerance for compare='isclose'.")
+    compare: Compare = Field("eq", description="The assert the test stands for, with x the returned value and y "
+                             "`expected`: eq `x == y`, is `x is y` (y True/False/None), set `set(x) == y`, sorted "
+                             "`sorted(x) == y`, isclose `math.isclose(x, y, rel_tol=, abs_tol=)`, abs< "
+                             "`abs(x - y) < abs_tol`, abs<= `abs(x - y) <= abs_tol`, truthy `x`, falsy `not x`.")
+    rel_tol: float = Field(1e-9, ge=0, description="rel_tol of compare='isclose'.")
+    abs_tol: float = Field(0.0, ge=0, description="abs_tol of compare='isclose'; the bound of 'abs<' and 'abs<='.")
     hidden: bool = Field(False, description="Hidden tests are not shown in the prompt and their values not in details.")
     source: str = Field("", description="The test as written (e.g. the original assert), for details.")
 
@@ -70,52 +74,68 @@ class TestCase(BaseModel):
             return False, f"returned {_short(got)}, not comparable ({type(exc).__name__}: {str(exc)[:100]})"
 
     def _compare(self, got: Any) -> tuple[bool, str]:
-        expected = decode(self.expected)
-        if self.compare == "truthy":
-            return (bool(got), "" if got else f"returned {_short(got)}, expected a true value")
-        if self.compare == "falsy":
-            return (not got, "" if not got else f"returned {_short(got)}, expected a false value")
-        if self.compare == "is":
-            ok = got is expected  # decoded True/False/None are the singletons; 1 is not True
-            return ok, "" if ok else f"returned {_short(got)}, expected {expected!r} (an identity check)"
-        if self.compare == "set":
-            check_hashes(got)  # the attempt's list becomes a set here: no forged hash collisions
-            ok = set(got) == set(expected)
-        elif self.compare == "sorted":
-            ok = sorted(got) == sorted(expected)
-        elif self.compare == "isclose":
-            ok = close(got, expected, self.rel_tol, self.abs_tol)
+        """Python's own verdict on the assert this test stands for, the entry point having returned `got`.
+
+        The rule: evaluate the assert's expression (see `compare`) on the decoded values exactly as Python
+        does, with nothing normalised on either side: `sorted(x) == [3, 1, 2]` is never true, a list is
+        not a tuple, `1 == 1.0 == True`, nan equals nothing, `math.isclose` takes numbers only and
+        `abs(x - y) < tol` is strict. Whatever the expression raises (unhashable elements, a list minus a
+        float, an int too large for a float) fails the test, as it fails the assert. Both sides of `==`,
+        `math.isclose` and `abs(x - y)` are symmetric for built-in values, so the side F(...) stood on
+        does not matter.
+        """
+        y = decode(self.expected)
+        mode = self.compare
+        if mode == "truthy":
+            ok = bool(got)
+        elif mode == "falsy":
+            ok = not got
+        elif mode == "is":
+            ok = got is y  # decoded True/False/None are the singletons; 1 is not True
+        elif mode == "set":
+            ok = python_set(got) == y
+        elif mode == "sorted":
+            ok = sorted(got) == y
+        elif mode == "isclose":
+            ok = math.isclose(got, y, rel_tol=self.rel_tol, abs_tol=self.abs_tol)
+        elif mode == "abs<":
+            ok = abs(got - y) < self.abs_tol
+        elif mode == "abs<=":
+            ok = abs(got - y) <= self.abs_tol
         else:
-            ok = equal(got, expected)
-        return ok, "" if ok else f"returned {_short(got)}, expected {_short(expected)}"
+            ok = got == y
+        ok = bool(ok)
+        wanted = _WANTED[mode].format(y=_short(y), rel_tol=self.rel_tol, abs_tol=self.abs_tol)
+        return ok, "" if ok else f"returned {_short(got)}, expected {wanted}"
 
 
 _SINGLETONS = (True, False, None)
+_WANTED = {
+    "eq": "{y}", "is": "{y} (an identity check)", "truthy": "a true value", "falsy": "a false value",
+    "set": "set(value) == {y}", "sorted": "sorted(value) == {y}",
+    "isclose": "math.isclose(value, {y}, rel_tol={rel_tol}, abs_tol={abs_tol})",
+    "abs<": "abs(value - {y}) < {abs_tol}", "abs<=": "abs(value - {y}) <= {abs_tol}",
+}
 
 
-def equal(got: Any, expected: Any) -> bool:
-    """Python's == on trusted built-in values, as `assert f(x) == y` would judge them."""
-    return bool(got == expected)
+def python_set(values: Any) -> set:
+    """`set(values)`, refusing (DecodeError) more than MAX_SAME_HASH *distinct* elements with one hash.
 
-
-def close(got: Any, expected: Any, rel_tol: float, abs_tol: float) -> bool:
-    """Element-wise math.isclose over numbers nested in lists, tuples and dict values."""
-    if isinstance(expected, (int, float)) and not isinstance(expected, bool):
-        if not isinstance(got, (int, float)) or isinstance(got, bool):
-            return False
-        if got == expected:  # exact, also for ints beyond a float's range
-            return True
-        try:
-            return math.isclose(got, expected, rel_tol=rel_tol, abs_tol=abs_tol)
-        except OverflowError:  # an int above 1e308 against a float: not close to anything finite
-            return False
-    if isinstance(expected, (list, tuple)):
-        return (type(got) is type(expected) and len(got) == len(expected)
-                and all(close(g, e, rel_tol, abs_tol) for g, e in zip(got, expected)))
-    if isinstance(expected, dict):
-        return (type(got) is dict and got.keys() == expected.keys()
-                and all(close(got[k], expected[k], rel_tol, abs_tol) for k in expected))
-    return equal(got, expected)
+    Forged hash collisions make building a set quadratic; repeated equal elements cost nothing and
+    count once, as they do in `set()` (a string of 100 'a's is a set of one). Unhashable elements raise
+    TypeError, as `set()` does.
+    """
+    result: set = set()
+    per_hash: dict[int, int] = {}
+    for item in values:
+        if item in result:  # at most MAX_SAME_HASH comparisons: the bound below holds for `result`
+            continue
+        h = hash(item)
+        per_hash[h] = per_hash.get(h, 0) + 1
+        if per_hash[h] > MAX_SAME_HASH:
+            raise DecodeError(f"more than {MAX_SAME_HASH} elements of a set share one hash value")
+        result.add(item)
+    return result
 
 
 def _short(value: Any, limit: int = 120) -> str:
