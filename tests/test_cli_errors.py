@@ -154,10 +154,10 @@ def test_devices_this_machine_lacks_are_refused_before_the_run_starts(tmp_path, 
 
 
 def test_lean_missing_data_and_default_dataset_without_network(tmp_path, monkeypatch):
-    res = vrl("train", "--plugin", "lean", "--model", "tiny", "-o", "server=http://127.0.0.1:9", "-o", "data=/nonexistent",
+    res = vrl("train", "--plugin", "lean", "--model", "tiny", "-o", "server=http://127.0.0.1:9", "-o", "recheck=off", "-o", "data=/nonexistent",
               cwd=tmp_path)
     one_line_error(res, "-o data='/nonexistent'", "no such file or directory", ".jsonl")
-    res = vrl("train", "--plugin", "lean", "--model", "tiny", "-o", "server=http://127.0.0.1:9", cwd=tmp_path)
+    res = vrl("train", "--plugin", "lean", "--model", "tiny", "-o", "server=http://127.0.0.1:9", "-o", "recheck=off", cwd=tmp_path)
     one_line_error(res, "kfdong/STP_Lean_SFT", "not in the local Hugging Face cache", "-o data=PATH")
     assert not (tmp_path / "runs").exists()
     monkeypatch.chdir(tmp_path)
@@ -282,3 +282,64 @@ def test_unexpected_errors_exit_1_with_one_line_and_a_traceback_under_verbose(tm
         "error: ZeroDivisionError: a bug (unexpected; `vrl -v ...` shows the traceback)"]
     res = CliRunner().invoke(main, ["-v", "train", "--plugin", "letters", "--name", "b"], catch_exceptions=False)
     assert res.exit_code == 1 and "Traceback" in res.output and "ZeroDivisionError: a bug" in res.output
+
+
+# -- a broken plugin stops `vrl train` with one line (issue 26) ------------------------------------
+
+
+def train_failure(stderr: str, *fragments: str) -> str:
+    """The run started (its start lines and progress are on stderr), then stopped with one `error:` line, the last."""
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert errors == lines[-1:], stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+def test_a_verifier_whose_check_always_raises_fails_vrl_train_with_one_line(tmp_path):
+    """`vrl train` of a plugin whose `SimpleVerifier.check` has a typo: exit 2 at iteration 0, no update, nothing kept."""
+    (tmp_path / "typo_plugin.py").write_text(
+        "import vrl.envs.letters as letters\n"
+        "\n"
+        "def check(self, attempt):\n"
+        "    return len(attempt.completion.txt)  # the typo: .text\n"
+        "\n"
+        "letters.LettersVerifier.check = check\n")
+    res = subprocess.run([sys.executable, "-c", "import typo_plugin, vrl.cli; vrl.cli.main()", "train", "--plugin",
+                          "letters", "--name", "typo", "--iterations", "3", *SMALL], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, stdin=subprocess.DEVNULL,
+                         env={**os.environ, "HF_ENDPOINT": NO_HUB, "PYTHONPATH": str(tmp_path), "COLUMNS": "200"})
+    assert res.returncode == 2, res.stdout + res.stderr
+    train_failure(res.stderr, "error: environment 'letters': its verifier raised on all 4 attempts of iteration 0",
+                  "AttributeError: 'Completion' object has no attribute 'txt'",
+                  f"({tmp_path / 'typo_plugin.py'}:4 in check)", "stopped before this iteration's update",
+                  "nothing was kept")
+    assert not (tmp_path / "runs" / "typo").exists()
+
+
+def test_a_raising_shaper_fails_vrl_train_with_one_line_keeping_finished_iterations(tmp_path, monkeypatch):
+    from vrl.envs.letters import LettersEnvironment as Letters
+
+    calls = []
+
+    def shaper(self):
+        def shape(task, completion, verdict):
+            calls.append(task.id)
+            if len(calls) > 4:  # iteration 1 on
+                raise ZeroDivisionError("division by zero")
+            return verdict.score
+
+        return shape
+
+    monkeypatch.setattr(Letters, "shaper", shaper)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, ["train", "--plugin", "letters", "--name", "s", "--iterations", "3", *SMALL],
+                             catch_exceptions=False)
+    assert res.exit_code == 2, res.output
+    run = tmp_path / "runs" / "s"
+    train_failure(res.stderr, "its reward shaper raised ZeroDivisionError: division by zero (",
+                  "in shape) on task", f"1 finished iterations are kept in {Path('runs') / 's'}")
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+    assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0]

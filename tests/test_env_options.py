@@ -11,7 +11,8 @@ from vrl.plugins import registry
 DECLARED = {
     "countdown": ["size", "seed", "min_numbers", "max_numbers"],
     "letters": ["size"],
-    "lean": ["server", "api_key", "data", "test_fraction", "timeout_s", "max_heartbeats", "repls"],
+    "lean": ["server", "api_key", "data", "test_fraction", "timeout_s", "max_heartbeats", "repls", "recheck", "lean_project", "lean_command",
+             "recheck_timeout_s", "canary_rate", "on_exploit"],
     "python-tests": ["tasks", "format", "visible_tests", "reward", "sandbox", "workers", "test_timeout_s",
                      "attempt_timeout_s", "memory_mb", "max_processes", "python"],
 }
@@ -33,8 +34,8 @@ def test_every_environment_rejects_an_unknown_option_listing_the_allowed_ones(na
     ("countdown", {"min_numbers": 5, "max_numbers": 3}, "min_numbers (5) must not exceed max_numbers (3)"),
     ("letters", {"size": 0}, "-o size=0: Input should be greater than or equal to 1 (allowed: int >= 1, default 16)"),
     ("lean", {"server": "localhost:8000"}, "must start with http:// or https://"),
-    ("lean", {"server": "http://x", "test_fraction": 1.5}, "-o test_fraction=1.5: Input should be less than 1"),
-    ("lean", {"server": "http://x", "repls": "many"}, "-o repls='many'"),
+    ("lean", {"server": "http://x", "recheck": "off", "test_fraction": 1.5}, "-o test_fraction=1.5: Input should be less than 1"),
+    ("lean", {"server": "http://x", "recheck": "off", "repls": "many"}, "-o repls='many'"),
     ("python-tests", {"reward": "shaped"}, "Input should be 'binary' or 'partial'"),
     ("python-tests", {"sandbox": "docker"}, "Input should be 'bwrap' or 'unsafe-local'"),
 ])

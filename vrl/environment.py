@@ -57,6 +57,13 @@ class Environment(ABC):
         """How verdicts become rewards. Default: 1 for a pass, 0 otherwise."""
         return Binary()
 
+    def iteration_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """The metrics.jsonl entries made from an iteration's summed `Verdict.metrics` (verifier counters).
+
+        Default: the sums as they are. Override to add rates (the lean plugin adds `lean/exploit_rate`).
+        """
+        return dict(sums)
+
     def parse_options(self, options: Mapping[str, Any]) -> Any:
         """`options` validated by this environment's `Options` (an `OptionsError` names what is wrong and allowed)."""
         return validate_options(self.Options or EnvOptions, self.name, options)

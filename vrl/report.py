@@ -237,6 +237,27 @@ def printable(text: str) -> str:
     return _CONTROL.sub(visible, text)
 
 
+def _verifier_counters(runs: list[Run], e: Any) -> list[str]:
+    """The verifiers' own counters (metrics named `plugin/...`, e.g. lean/exploit_rate): summed over the
+    run, with the last iteration's value; and the integrity alarms a run stopped on."""
+    parts: list[str] = []
+    for run in runs:
+        keys = sorted({k for m in run.metrics for k in m if "/" in k and not k.startswith("status/")})
+        alarms = run.path / "alarms.jsonl"
+        if not keys and not alarms.exists():
+            continue
+        if not parts:
+            parts.append("<h2>Verifier counters</h2>")
+        rows = "".join(f"<tr><td>{e(k)}</td><td>{sum(float(m.get(k, 0)) for m in run.metrics):.4g}</td>"
+                       f"<td>{float(run.metrics[-1].get(k, 0)):.4g}</td></tr>" for k in keys)
+        parts.append(f"<h3>{e(run.label)}</h3><table><tr><th>counter</th><th>sum over the run</th><th>last iteration</th></tr>{rows}</table>")
+        if alarms.exists():
+            lines = [json.loads(x) for x in alarms.read_text().splitlines() if x.strip()]
+            first = e(lines[0]["alarm"]) if lines else ""
+            parts.append(f"<p><b>{len(lines)} integrity alarm(s)</b> (alarms.jsonl); the first: {first}</p>")
+    return parts
+
+
 def _html(runs: list[Run], images: dict[str, Path]) -> str:
     def e(text: str) -> str:
         return html.escape(printable(text))
@@ -260,6 +281,7 @@ def _html(runs: list[Run], images: dict[str, Path]) -> str:
             f"<td>{sum(r['loop_s'] for r in m):.1f}</td></tr>"
         )
     parts.append("</table>")
+    parts.extend(_verifier_counters(runs, e))
     for title, path in images.items():
         data = base64.b64encode(path.read_bytes()).decode()
         parts.append(f"<h2>{e(title)}</h2><img alt='{e(title)}' src='data:image/png;base64,{data}'>")

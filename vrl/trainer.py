@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import random
 import re
 import time
@@ -25,7 +26,7 @@ from rich.text import Text
 
 from vrl.config import TrainConfig
 from vrl.environment import Environment
-from vrl.errors import UsageError
+from vrl.errors import IntegrityAlarm, PluginError, UsageError, describe
 from vrl.generate.hf import check_devices
 from vrl.generate.weights import meta_model
 from vrl.hub import check_model
@@ -35,7 +36,7 @@ from vrl.rundir import RunDir
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.sinks import Sinks
 from vrl.types import Attempt, Result, Status, Task, Verdict
-from vrl.verifier import VerifierUnavailable, ensure_ready
+from vrl.verifier import VERIFIER_ERROR, VerifierUnavailable, ensure_ready, is_verifier_error
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +111,39 @@ class Trainer:
         self._updating = False
 
     def _check_verifier_alive(self, results: list[Result]) -> None:
-        """Most of an iteration crashed: if the verifier is down, stop before the update learns from it."""
+        """Stop before the update when the verifier is down or broken, instead of learning from its crashes.
+
+        Down: at least half of the iteration crashed and `check_ready` raises (VerifierUnavailable).
+        Broken: every verdict of the iteration is the verifier's own error (`is_verifier_error`: its
+        `check` or `verify` raised, or broke the contract), so there is no reward at all (PluginError).
+        Some verifier errors among real verdicts are kept as `crashed` verdicts and the run goes on.
+        """
         crashed = sum(r.verdict.status is Status.CRASHED for r in results)
         if results and crashed * 2 >= len(results) and verifies_in_process(self.config):
             try:
                 ensure_ready(self.env.verifier())
             except VerifierUnavailable as exc:
                 raise VerifierUnavailable(f"{crashed} of {len(results)} verdicts crashed and the verifier is down: {exc}") from None
+        if results and all(is_verifier_error(r.verdict) for r in results):
+            first = results[0].verdict.detail.removeprefix(VERIFIER_ERROR)
+            raise PluginError(f"environment {self.env.name!r}: its verifier raised on all {len(results)} attempts of "
+                              f"iteration {self.start_iteration + self._iterations_done}, so there is no reward to "
+                              f"learn from; the first: {first}. Fix the verifier (`vrl verify` runs it on attempts "
+                              "you write); the run stopped before this iteration's update")
+
+    def _check_alarms(self, iteration: int, results: list[Result]) -> None:
+        """The verifier found its own integrity breached (a canary false theorem passed): keep the
+        attempts in alarms.jsonl and stop before the update can learn from a forged reward."""
+        alarmed = [r for r in results if r.verdict.alarm]
+        if not alarmed:
+            return
+        rows = [{"iteration": iteration, "task_id": r.task.id, "variant": r.completion.variant, "sample": r.completion.sample,
+                 "alarm": r.verdict.alarm, "verdict": r.verdict.model_dump(mode="json"), "completion": r.completion.text}
+                for r in alarmed]
+        self.run_dir.append("alarms.jsonl", rows)
+        raise IntegrityAlarm(f"environment {self.env.name!r}: {len(alarmed)} attempt(s) of iteration {iteration} broke the "
+                             f"verifier's integrity; the first: {alarmed[0].verdict.alarm}. The attempts are kept in "
+                             f"{self.run_dir.path / 'alarms.jsonl'}; the run stopped before this iteration's update")
 
     # -- task schedule -----------------------------------------------------------------------------
     def _task_pool(self) -> list[Task]:
@@ -143,7 +170,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         cfg = self.config
         pool_tasks = self._pool_tasks
-        shaper = self.env.shaper()
+        shaper = _guard_shaper(self.env.shaper(), self.env.name)
         summary: dict[str, Any] = {
             "name": self.run_dir.name,
             "plugin": cfg.plugin,
@@ -216,8 +243,8 @@ class Trainer:
         """
         if self._iterations_done or summary["status"] == "finished":
             self.run_dir.write_summary(summary)
-        elif self._created and summary["status"] == "failed":
-            self.run_dir.remove()
+        elif self._created and summary["status"] == "failed" and not (self.run_dir.path / "alarms.jsonl").exists():
+            self.run_dir.remove()  # (a run that raised an integrity alarm keeps its evidence)
         elif not self._created and self._resumed_summary is not None:
             self.run_dir.write_summary(self._resumed_summary)
         else:
@@ -273,6 +300,7 @@ class Trainer:
         stats.results.sort(key=lambda r: (r.completion.variant, position[r.task.id], r.completion.sample))
         stats.wait_s = time.perf_counter() - t_wait
         stats.verification_s = pool.busy_s - busy_before
+        self._check_alarms(iteration, stats.results)
         self._check_verifier_alive(stats.results)
         t_update = time.perf_counter()
         self._updating = True  # a stop inside tell leaves the optimizer half-updated: nothing to save then
@@ -304,6 +332,7 @@ class Trainer:
         }
         metrics.update({f"status/{s.value}": statuses.get(s.value, 0) for s in Status})
         metrics["reasons"] = _reasons(results)
+        metrics.update(self.env.iteration_metrics(_verifier_sums(results)))
         metrics.update(stats.optimizer_metrics)
         start = time.perf_counter()
         optimizer.save(self.run_dir.path)
@@ -391,6 +420,36 @@ class _EtaColumn(ProgressColumn):
             return Text("eta -:--:--", style="cyan")
         left = int(task.elapsed / done * (task.total - task.completed))
         return Text(f"eta {left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}", style="cyan")
+
+
+def _guard_shaper(shaper: Callable[[Task, Any, Verdict], float], env_name: str) -> Callable[[Task, Any, Verdict], float]:
+    """The environment's reward shaper, made to stop the run with a `PluginError` when it raises or
+    returns something that is not a finite number: a broken reward must not train (on zeros) silently.
+    Called before the optimizer's update, so the iteration it breaks is never told."""
+
+    def shape(task: Task, completion: Any, verdict: Verdict) -> float:
+        try:
+            reward = float(shaper(task, completion, verdict))
+        except Exception as exc:  # a KeyboardInterrupt passes through: Ctrl-C stays an interruption
+            raise PluginError(f"environment {env_name!r}: its reward shaper raised {describe(exc)} on task {task.id!r} "
+                              f"(verdict {verdict.status.value}); fix the shaper; the run stopped before this "
+                              "iteration's update") from exc
+        if not math.isfinite(reward):
+            raise PluginError(f"environment {env_name!r}: its reward shaper returned {reward} on task {task.id!r} "
+                              f"(verdict {verdict.status.value}); a reward must be a finite number; the run stopped "
+                              "before this iteration's update")
+        return reward
+
+    return shape
+
+
+def _verifier_sums(results: list[Result]) -> dict[str, float]:
+    """The verifiers' own per-attempt counters (`Verdict.metrics`), summed over the iteration."""
+    sums: dict[str, float] = {}
+    for r in results:
+        for key, value in r.verdict.metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    return sums
 
 
 def _samples(iteration: int, results: list[Result], limit: int) -> list[dict[str, Any]]:

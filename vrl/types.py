@@ -62,6 +62,16 @@ class Verdict(BaseModel):
     status: Status
     detail: str = Field("", description="Human-readable reason, e.g. which test failed or which construct was banned.")
     elapsed_s: float = 0.0
+    metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="The verifier's own counters for this attempt (e.g. `lean/rechecks`); the trainer sums them "
+        "per iteration into metrics.jsonl (see `Environment.iteration_metrics` for derived rates).",
+    )
+    alarm: str | None = Field(
+        None,
+        description="Set when the verifier found its own integrity breached while judging this attempt (a canary "
+        "false theorem passed): the run keeps the attempt in alarms.jsonl and stops before the update.",
+    )
 
     @field_validator("score")
     @classmethod

@@ -4,6 +4,11 @@ A verifier runs (or inspects) text written by a model that is being optimised to
 Isolation and integrity are the verifier's job (see docs/concepts.md); this module fixes the
 contract the loop relies on and gives two helpers: `SimpleVerifier` for cheap synchronous checks and
 `verify_safely`, which turns a verifier's own failure into `crashed` verdicts so no batch is lost.
+
+A verdict made from the verifier's own failure (its `check` or `verify` raised, or it broke the
+contract) has a `detail` that starts with `VERIFIER_ERROR`; `verifier_error` makes one and
+`is_verifier_error` tells it from an attempt that crashed on its own (a sandboxed program that died).
+The trainer stops a run whose every verdict of an iteration is such an error: the verifier is broken.
 """
 
 from __future__ import annotations
@@ -13,12 +18,32 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from vrl.errors import UsageError
+from vrl.errors import UsageError, describe
 from vrl.types import Attempt, Status, Verdict
 
 
 class VerifierUnavailable(UsageError, RuntimeError):
     """The verifier cannot work at all (its server is down or unreachable); the message says how to fix it."""
+
+
+VERIFIER_ERROR = "verifier error: "
+"""How the `detail` of a verdict made from the verifier's own failure begins (and no other verdict's)."""
+
+
+def verifier_error(failure: BaseException | str, elapsed_s: float = 0.0) -> Verdict:
+    """A `crashed` verdict for a failure of the verifier itself, not of the attempt.
+
+    `failure` is the exception the verifier's code raised (the detail gets its type, message and the
+    line it was raised on) or a sentence. Use it wherever a verifier catches its own bug, so the
+    trainer can tell a broken verifier from attempts that crash.
+    """
+    text = describe(failure) if isinstance(failure, BaseException) else failure
+    return Verdict.fail(Status.CRASHED, VERIFIER_ERROR + text, elapsed_s=elapsed_s)
+
+
+def is_verifier_error(verdict: Verdict) -> bool:
+    """Whether `verdict` was made from the verifier's own failure (see `verifier_error`)."""
+    return verdict.status is Status.CRASHED and verdict.detail.startswith(VERIFIER_ERROR)
 
 
 class Verifier(ABC):
@@ -57,8 +82,8 @@ class SimpleVerifier(Verifier):
         start = time.perf_counter()
         try:
             verdict = self.check(attempt)
-        except Exception as exc:  # a checker bug must not take the run down
-            verdict = Verdict.fail(Status.CRASHED, f"verifier error: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # a checker bug costs this verdict; the trainer stops if it costs them all
+            verdict = verifier_error(exc)
         if not verdict.elapsed_s:
             verdict = verdict.model_copy(update={"elapsed_s": time.perf_counter() - start})
         return verdict
@@ -86,7 +111,8 @@ async def verify_safely(verifier: Verifier, attempts: Sequence[Attempt], timeout
     """Run `verifier.verify`, guaranteeing one verdict per attempt whatever the verifier does.
 
     An exception, a wrong-length answer or a batch that overruns `timeout_s` becomes a verdict for
-    every attempt in the batch (crashed or timeout) with the reason in `detail`.
+    every attempt in the batch (crashed or timeout) with the reason in `detail`; a crash here is the
+    verifier's own failure (`is_verifier_error`), a timeout is not.
     """
     if not attempts:
         return []
@@ -98,9 +124,9 @@ async def verify_safely(verifier: Verifier, attempts: Sequence[Attempt], timeout
         return [Verdict.fail(Status.TIMEOUT, f"verifier batch exceeded {timeout_s:g} s", elapsed_s=elapsed) for _ in attempts]
     except Exception as exc:
         elapsed = time.perf_counter() - start
-        msg = f"verifier {verifier.name!r} raised {type(exc).__name__}: {exc}"
-        return [Verdict.fail(Status.CRASHED, msg, elapsed_s=elapsed) for _ in attempts]
+        msg = f"verifier {verifier.name!r} raised {describe(exc)}"
+        return [verifier_error(msg, elapsed_s=elapsed) for _ in attempts]
     if len(verdicts) != len(attempts):
         msg = f"verifier {verifier.name!r} returned {len(verdicts)} verdicts for {len(attempts)} attempts"
-        return [Verdict.fail(Status.CRASHED, msg) for _ in attempts]
+        return [verifier_error(msg) for _ in attempts]
     return list(verdicts)

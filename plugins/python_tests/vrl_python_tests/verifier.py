@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vrl.types import Attempt, Status, Task, Verdict
-from vrl.verifier import Verifier
+from vrl.verifier import Verifier, verifier_error
 from vrl_python_tests.checks import TestCase
 from vrl_python_tests.extract import extract_code
 from vrl_python_tests.sandbox import SandboxConfig, SandboxPool, SandboxUnavailable
@@ -109,8 +109,7 @@ class PythonTestsVerifier(Verifier):
         except SandboxUnavailable:
             raise  # a setup problem, not the attempt's fault: the run must stop and say what is missing
         except Exception as exc:  # noqa: BLE001 - a verifier bug or a hostile value costs one verdict, not the batch
-            return Report(Verdict.fail(Status.CRASHED, f"verifier error: {type(exc).__name__}: {str(exc)[:300]}",
-                                       elapsed_s=time.perf_counter() - start))
+            return Report(verifier_error(exc, elapsed_s=time.perf_counter() - start))
 
     def _judge(self, attempt: Attempt, start: float) -> Report:
         try:
