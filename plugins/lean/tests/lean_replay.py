@@ -132,11 +132,19 @@ def trailer_lines(code: str) -> dict[str, int]:
     return found
 
 
-def fixture_result(sid: str, code: str, audit: str | None = AUDIT_OK, echo: bool = True) -> dict[str, Any]:
+def fixture_result(sid: str, code: str, audit: str | None = AUDIT_OK, echo: bool = True, canary: bool = True) -> dict[str, Any]:
     """An `/api/check` result for a snippet: the recorded answer for its theorem, plus the trailer's
-    messages (`audit=None`: no axioms report; `echo=False`: no nonce echo, as in a forged answer)."""
+    messages (`audit=None`: no axioms report; `echo=False`: no nonce echo, as in a forged answer).
+    `canary=False` answers a canary (`theorem NAME : False`) with the theorem's recorded clean answer:
+    Lean fooled by an exploit that makes any statement pass."""
     name = re.search(r"#print axioms (\S+)", code).group(1)
     recorded = recorded_results()[name]
+    if canary and re.search(rf"^theorem {re.escape(name)} : False :=", code, re.MULTILINE):
+        # A canary (the proof re-targeted at `False`): SYNTHESISED, as Lean reports a proof whose
+        # hypotheses are gone, an `unknown identifier` error; the trailer is printed as usual.
+        recorded = {"error": None, "response": {"env": 0, "time": 0.4, "messages": [
+            {"severity": "error", "pos": {"line": 4, "column": 2}, "endPos": {"line": 4, "column": 8},
+             "data": "unknown identifier 'h₀'"}]}}
     if recorded["error"]:
         return {"id": sid, "time": 60.0, "error": recorded["error"]}
     response = dict(recorded["response"])
@@ -156,11 +164,11 @@ def _info(line: int, data: str) -> dict[str, Any]:
     return {"severity": "info", "pos": {"line": line, "column": 0}, "endPos": {"line": line, "column": 6}, "data": data}
 
 
-def fixture_responder(audit: str | None = AUDIT_OK, echo: bool = True) -> Responder:
+def fixture_responder(audit: str | None = AUDIT_OK, echo: bool = True, canary: bool = True) -> Responder:
     """Answers every snippet with its theorem's recorded result, results in reverse order (join by id!)."""
 
     def respond(payload: dict[str, Any]) -> Answer:
-        results = [fixture_result(s["id"], s["code"], audit, echo) for s in payload["snippets"]]
+        results = [fixture_result(s["id"], s["code"], audit, echo, canary) for s in payload["snippets"]]
         return Answer(body={"results": results[::-1]})
 
     return respond

@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from lean_replay import FIXTURE, ReplayServer, fixture_responder
 from vrl_lean import data
 from vrl_lean.environment import LeanEnvironment
+from vrl_lean.server import KIMINA
 from vrl_lean.policy import extract_code, prepare
 from vrl_lean.prompts import SYSTEM, kimina_messages
 from vrl_lean.verifier import theorem_of
@@ -56,7 +57,7 @@ def test_load_stp_uses_datasets(monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     monkeypatch.setattr("vrl.hub.hub_unreachable", lambda: None)  # as if the Hub answered
-    env = LeanEnvironment(server="http://x", test_fraction=0.0)
+    env = LeanEnvironment(server="http://x", recheck="off", test_fraction=0.0)
     assert [t.id for t in env.tasks("train")] == ["lean_workbook_plus_1234", "lean_workbook_77"]
     assert calls == [("kfdong/STP_Lean_SFT", "train")]
 
@@ -75,7 +76,7 @@ def test_default_dataset_without_network_fails_fast_naming_the_way_out(monkeypat
     hub_unreachable.cache_clear()
     try:
         with pytest.raises(DatasetUnavailable, match=r"kfdong/STP_Lean_SFT.*not in the local.*127.0.0.1:9.*-o data=PATH"):
-            LeanEnvironment(server="http://x").tasks("train")
+            LeanEnvironment(server="http://x", recheck="off").tasks("train")
     finally:
         hub_unreachable.cache_clear()
 
@@ -140,8 +141,8 @@ def test_environment_registration_defaults_and_options():
     with pytest.raises(ValueError, match="docker run .*projectnumina/kimina-lean-server:2.0.0"):
         reg.environment("lean")
     with pytest.raises(ValueError, match="test_fraction"):
-        LeanEnvironment(server="http://x", test_fraction=1.5)
-    env = LeanEnvironment(server="http://h:1", api_key="k", data=str(FIXTURE / "input"), test_fraction=0.1,
+        LeanEnvironment(server="http://x", recheck="off", test_fraction=1.5)
+    env = LeanEnvironment(server="http://h:1", recheck="off", api_key="k", data=str(FIXTURE / "input"), test_fraction=0.1,
                           timeout_s=7, max_heartbeats=1000, repls=3)
     assert len(env.tasks("train")) == 47 and len(env.tasks("test", limit=2)) == 2
     v = env.verifier()
@@ -152,7 +153,7 @@ def test_environment_registration_defaults_and_options():
 
 
 def test_a_model_style_completion_round_trips_through_extraction():
-    env = LeanEnvironment(server="http://x", data=str(FIXTURE / "input"), test_fraction=0.0)
+    env = LeanEnvironment(server="http://x", recheck="off", data=str(FIXTURE / "input"), test_fraction=0.0)
     task = next(t for t in env.tasks() if t.id == "lean_workbook_101")
     completion = "<think>\nrewrite then compute\n</think>\nHere is the proof.\n```lean4\n" + task.data["formal_statement"] + "\n  rw [hx]\n```\n"
     assert extract_code(completion).endswith("  rw [hx]\n")
@@ -176,7 +177,7 @@ def test_vrl_verify_with_server_flag_scores_ready_made_proofs(tmp_path):
     proofs.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "verdicts.jsonl"
     with ReplayServer(fixture_responder()) as server:
-        result = CliRunner().invoke(main, ["verify", "--plugin", "lean", str(proofs), "--server", server.url,
+        result = CliRunner().invoke(main, ["verify", "--plugin", "lean", str(proofs), "--server", server.url, "-o", "recheck=off",
                                            "-o", f"data={FIXTURE / 'input'}", "--out", str(out)])
     assert result.exit_code == 0, result.output
     rows = [json.loads(x) for x in out.read_text().splitlines()]
@@ -198,8 +199,8 @@ def test_modal_sandbox_runs_kimina_as_a_sidecar():
     sandbox = pytest.importorskip("vrl.runtime.modal.sandbox", reason="the Modal runtime is not installed in this tree")
     spec_for = sandbox.spec_for
 
-    env = LeanEnvironment(server="http://remote:8000", repls=6, timeout_s=30)
-    spec = spec_for(env, "lean", {"server": "http://remote:8000"})
+    env = LeanEnvironment(server="http://remote:8000", recheck="http://remote:8001", repls=6, timeout_s=30)
+    spec = spec_for(env, "lean", {"server": "http://remote:8000", "recheck": "http://remote:8001"})
     assert spec.image == "projectnumina/kimina-lean-server:2.0.0" and spec.sidecar == ("python", "-m", "server")
     assert spec.wait_url == "http://127.0.0.1:8000/health" and spec.workdir == "/root/kimina-lean-server"
     assert spec.env["LEAN_SERVER_MAX_REPLS"] == "6" and not spec.network
@@ -208,3 +209,6 @@ def test_modal_sandbox_runs_kimina_as_a_sidecar():
     assert "python -m server" in command and "--plugin lean" in command
     rebuilt = LeanEnvironment(**spec.options)  # what the verify server inside the sandbox constructs
     assert rebuilt.verifier().client.url == "http://127.0.0.1:8000"
+    # Inside the sandbox Lean is at hand: the re-check runs there, in the image's Mathlib project.
+    assert spec.options["recheck"] == "local" and spec.options["lean_project"] == KIMINA.lean_project
+    assert rebuilt.verifier().rechecker.project == KIMINA.lean_project

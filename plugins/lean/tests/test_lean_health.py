@@ -102,7 +102,7 @@ def test_verify_stops_before_verifying_when_no_server_answers(tmp_path):
     """Through the real command: exit 2 in seconds (no retries), no verdicts, the docker command."""
     attempts = tmp_path / "a.jsonl"
     attempts.write_text(json.dumps({"task_id": "lean_workbook_101", "completion": "```lean4\nby simp\n```"}) + "\n")
-    res = subprocess.run([sys.executable, "-m", "vrl.cli", "verify", str(attempts), "--plugin", "lean", "--server", REFUSED,
+    res = subprocess.run([sys.executable, "-m", "vrl.cli", "verify", str(attempts), "--plugin", "lean", "--server", REFUSED, "-o", "recheck=off",
                           "-o", f"data={DATA}", "--out", str(tmp_path / "v.jsonl")],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "COLUMNS": "200"})
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
@@ -114,7 +114,7 @@ def test_verify_stops_before_verifying_when_no_server_answers(tmp_path):
 def test_train_leaves_no_run_directory_when_the_server_does_not_answer(tmp_path):
     with silent_server() as url:
         res = subprocess.run([sys.executable, "-m", "vrl.cli", "train", "--plugin", "lean", "--model", "tiny",
-                              "-o", f"server={url}", "-o", f"data={DATA}", "--name", "lean"],
+                              "-o", f"server={url}", "-o", "recheck=off", "-o", f"data={DATA}", "--name", "lean"],
                              capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "COLUMNS": "200"})
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     line = _one_error_line(res.stderr)
@@ -125,7 +125,7 @@ def test_train_leaves_no_run_directory_when_the_server_does_not_answer(tmp_path)
 def test_eval_checks_the_server_before_generating(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with unhealthy_server() as url:
-        res = CliRunner().invoke(main, ["eval", "--plugin", "lean", "--model", "tiny", "-o", f"server={url}",
+        res = CliRunner().invoke(main, ["eval", "--plugin", "lean", "--model", "tiny", "-o", f"server={url}", "-o", "recheck=off",
                                         "-o", f"data={DATA}", "--split", "train"], catch_exceptions=False)
     assert res.exit_code == 2, res.output
     assert "/health answered 503" in _one_error_line(res.stderr)

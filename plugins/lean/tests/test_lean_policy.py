@@ -399,3 +399,91 @@ def test_judge_failures_carry_status_and_reason(res, status, reason):
     verdict = judge(res, submission())
     assert not verdict.passed and verdict.status is status and verdict.score == 0.0
     assert reason in verdict.detail
+
+
+# -- issue 24: integrity round 3 ---------------------------------------------------------------------------
+# Each of these reached Lean (or a pass) before; the first two are the forged passes found in round 3.
+
+META_TACTIC = "open Lean Elab Tactic Meta in\ndef t : TacticM Unit := do\n  let g ← getMainGoal\n  g.assign (mkConst ``True.intro)\n"
+ROUND3 = [
+    # a command hidden in a word: identifiers may end in `?`/`!`, and Mathlib defines such commands
+    ("variable? adds a hidden instance hypothesis",
+     block("  exact (Fact.out (p := False)).elim", prelude="lemma h0 : True := trivial\nvariable? [Fact False]\n"), "`variable?`"),
+    ("count_heartbeats! lifts the heartbeat limit", block(PROOF, prelude="lemma h0 : True := trivial\ncount_heartbeats! in\n"), "`count_heartbeats!`"),
+    ("variable! after a helper", block(PROOF, prelude="lemma h0 : True := trivial\nvariable! (h : False)\n"), "`variable!`"),
+    ("include? a section variable", block(PROOF, prelude="lemma h0 : True := trivial\ninclude? h\n"), "`include?`"),
+    ("omit! a section variable", block(PROOF, prelude="lemma h0 : True := trivial\nomit! [Fact False] in\n"), "`omit!`"),
+    ("universe? u", block(PROOF, prelude="lemma h0 : True := trivial\nuniverse? u\n"), "`universe?`"),
+    ("instance! inside a helper's range", block(PROOF, prelude="lemma h0 : True := trivial\ninstance! : Fact False := ⟨h⟩\n"), "`instance!`"),
+    ("attribute? inside a helper's range", block(PROOF, prelude="lemma h0 : True := trivial\nattribute? [simp] h0\n"), "`attribute?`"),
+    ("export? after a helper", block(PROOF, prelude="lemma h0 : True := trivial\nexport? Nat (succ)\n"), "`export?`"),
+    ("whatsnew in before the theorem", block(PROOF, prelude="whatsnew in\n"), "`whatsnew`"),
+    ("section game around the theorem", block(PROOF + "\nend", prelude="section\nvariable [Fact False]\n"), "`section`"),
+    ("variable? inside an interpolated string", block('  have : s!"{variable?}" = "" := rfl\n  rw [hx]'), "inside a string literal"),
+    # meta code run while the file is checked
+    ("meta helper run by aesop's tactic builder", block("  aesop (add safe 1 tactic t)", prelude=META_TACTIC), "meta code"),
+    ("fully qualified meta monad", block(PROOF, prelude="def t : Lean.Elab.Tactic.TacticM Unit := pure ()\n"), "`Lean.Elab.Tactic.TacticM`"),
+    ("_root_-qualified meta monad", block(PROOF, prelude="def t : _root_.Lean.Meta.MetaM Unit := pure ()\n"), "meta code"),
+    ("IO helper", block(PROOF, prelude='def t : IO Unit := IO.println "x"\n'), "`IO`"),
+    ("meta monad abbreviated", block(PROOF, prelude="abbrev M := Lean.Elab.Command.CommandElabM\n"), "meta code"),
+    ("open of a meta namespace for the proof", block("  open Lean in\n  rw [hx]"), "`Lean`"),
+    ("global open of a meta namespace", block(PROOF, prelude="open Lean.Elab.Tactic\nlemma h0 : True := trivial\n"), "meta code"),
+    ("Qq quotation", block(PROOF, prelude="open Qq in\nlemma h0 : True := trivial\n"), "`Qq`"),
+    ("aesop tactic builder with a Mathlib tactic", block("  aesop (add safe tactic Mathlib.Tactic.Ring.ring)"), "meta code"),
+    ("run_conv", block("  conv => run_conv pure ()\n  rw [hx]"), "`run_conv`"),
+    ("unsafeBaseIO in a term", block("  exact (unsafeBaseIO (pure rfl))"), "`unsafeBaseIO`"),
+    ("evalTactic through a name", block("  exact evalTactic"), "`evalTactic`"),
+    ("meta monad after open Lean Meta", block(PROOF, prelude="open Lean Meta in\ndef t : MetaM Unit := pure ()\n"), "meta code"),
+    # native evaluation spelled so the old scan missed it
+    ("decide with a positional config", block("  subst hx\n  decide (config := ⟨false, false, true⟩)"), "anonymous-constructor config"),
+    ("decide +native inside an interpolation", block('  have : s!"{(by decide +native : 1 = 1)}" = "" := rfl\n  rw [hx]'), "inside a string literal"),
+    ("native := true in a config", block("  subst hx\n  decide (config := { native := true })"), "decide +native"),
+    # options set from code
+    ("trace option", block("  set_option trace.Meta.synthInstance true in\n  rw [hx]"), "banned option"),
+    ("elaborator option", block("  set_option Elab.async false in\n  rw [hx]"), "banned option"),
+]
+
+
+@pytest.mark.parametrize("completion,reason", [c[1:] for c in ROUND3], ids=[c[0] for c in ROUND3])
+def test_round3_attacks_are_refused_with_a_reason(completion, reason):
+    with pytest.raises(Rejected) as info:
+        prepare(completion, THM, rechecked=True)
+    assert reason in str(info.value), str(info.value)
+
+
+ROUND3_LEGITIMATE = [
+    ("emoji variation selector in a comment", block("  rw [hx] -- checked ✔️\n  norm_num"), "rw [hx]"),
+    ("ZWJ emoji in a comment", block("  /- 👨‍👩‍👧 family -/ rw [hx]\n  norm_num"), "rw [hx]"),
+    ("emoji sequence in a string", block('  have : "✔️" ≠ "" := by decide\n  rw [hx]'), '"✔️"'),
+    ("identifier ending in ! or ?", block("  have h! : x = 513 := by rw [hx]\n  exact h!"), "exact h!"),
+    ("exact? is a tactic, not a command", block("  subst hx\n  exact?"), "exact?"),
+]
+
+
+@pytest.mark.parametrize("completion,sent", [c[1:] for c in ROUND3_LEGITIMATE], ids=[c[0] for c in ROUND3_LEGITIMATE])
+def test_round3_legitimate_styles_are_sent(completion, sent):
+    assert sent in prepare(completion, THM).code
+
+
+def test_emoji_parts_outside_comments_and_strings_are_still_refused():
+    with pytest.raises(Rejected, match="U\\+FE0F"):
+        prepare(block("  rw [hx]\ufe0f"), THM)
+    with pytest.raises(Rejected, match="U\\+200D"):
+        prepare(block("  rw\u200d [hx]"), THM)
+
+
+def test_open_before_the_theorem_is_accepted_only_when_every_pass_is_rechecked():
+    text = block(PROOF, prelude="open Finset in\n")
+    with pytest.raises(Rejected, match="could change how the original statement is read"):
+        prepare(text, THM)
+    assert "open Finset in\ntheorem lean_workbook_101" in prepare(text, THM, rechecked=True).code
+
+
+def test_the_recorded_proofs_pass_the_round3_policy():
+    """The 52 real Goedel-Prover proofs of the fixture are all still sent (none uses meta code)."""
+    for path in sorted((FIXTURE / "input").glob("*.lean")):
+        source = path.read_text()
+        name = source.split("theorem ", 1)[1].split()[0]
+        header, statement = source.split(f"theorem {name}", 1)
+        thm = Theorem(name, header, f"theorem {name}" + statement.split(":= by", 1)[0])
+        assert prepare(f"```lean4\n{source}\n```", thm, rechecked=True).name == name

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -16,7 +17,8 @@ from vrl_lean.data import Problem, parse_jsonl_row
 from vrl_lean.policy import DEFAULT_MAX_HEARTBEATS
 from vrl_lean.prompts import MODEL, formal_statement, kimina_messages
 from vrl_lean.server import KIMINA
-from vrl_lean.verifier import NO_SERVER, LeanVerifier
+from vrl_lean.recheck import HttpRechecker, LocalRechecker, Rechecker
+from vrl_lean.verifier import NO_SERVER, START_RECHECK, LeanVerifier
 
 
 class LeanOptions(EnvOptions):
@@ -32,6 +34,30 @@ class LeanOptions(EnvOptions):
     timeout_s: float = Field(60.0, gt=0, description="Lean's wall-clock limit per proof.")
     max_heartbeats: int = Field(DEFAULT_MAX_HEARTBEATS, ge=1, description="Lean's deterministic limit (0 would mean none).")
     repls: int = Field(4, ge=1, description="The server's LEAN_SERVER_MAX_REPLS: proofs checked at once.")
+    recheck: str | None = Field(
+        None,
+        description="Where every pass is re-checked out of process: the URL of a recheck_host.py server, `local` "
+        "(Lean on this machine, with lean_project), or `off` (passes stand on the server's answer alone: not "
+        "recommended). Required: there is no silent default.",
+    )
+    lean_project: str | None = Field(None, description="With recheck=local: the Lake project with Mathlib built.")
+    lean_command: str = Field("lake env lean", description="With recheck=local: the command that runs Lean in lean_project.")
+    recheck_timeout_s: float = Field(300.0, gt=0, description="Wall-clock limit of one re-check (three fresh Lean processes).")
+    canary_rate: float = Field(0.02, ge=0.0, le=1.0, description="Share of attempts that also get a canary false theorem "
+                               "(every pass gets one too); 0 turns canaries off.")
+    on_exploit: Literal["stop", "count"] = Field("stop", description="A canary that passes: stop the run (keeping the "
+                                                 "attempt in alarms.jsonl) or only count it in lean/exploit_rate.")
+
+    @field_validator("recheck", mode="before")
+    @classmethod
+    def _recheck(cls, value: Any) -> str | None:
+        if value is False:  # `-o recheck=off` reads as the boolean false
+            return "off"
+        if value is not None and not isinstance(value, str):
+            raise ValueError("recheck is the URL of a recheck_host.py server (http://...), `local` or `off`")
+        if value is not None and value not in ("local", "off") and not value.startswith(("http://", "https://")):
+            raise ValueError("recheck is the URL of a recheck_host.py server (http://...), `local` or `off`")
+        return value
 
     @field_validator("server")
     @classmethod
@@ -71,6 +97,13 @@ class LeanEnvironment(Environment):
         o = self.parse_options(options)
         if not o.server:
             raise OptionsError(NO_SERVER)
+        if o.recheck is None:
+            raise OptionsError(f"the lean plugin re-checks every pass out of process before it earns a reward: {START_RECHECK} "
+                               "(or -o recheck=off to trust the server's answer alone)")
+        if o.recheck == "local" and not o.lean_project:
+            raise OptionsError("-o recheck=local needs -o lean_project=DIR: the Lake project where Mathlib is built")
+        self.recheck, self.lean_project, self.recheck_timeout_s = o.recheck, o.lean_project, o.recheck_timeout_s
+        self.canary_rate, self.on_exploit, self.lean_command = o.canary_rate, o.on_exploit, o.lean_command
         self.server, self.api_key, self.data = o.server, o.api_key, o.data
         self.test_fraction, self.timeout_s = o.test_fraction, o.timeout_s
         self.max_heartbeats, self.repls = o.max_heartbeats, o.repls
@@ -105,10 +138,30 @@ class LeanEnvironment(Environment):
             },
         )
 
+    def rechecker(self) -> Rechecker | None:
+        if self.recheck == "off":
+            return None
+        if self.recheck == "local":
+            return LocalRechecker(self.lean_project, shlex.split(self.lean_command), timeout_s=self.recheck_timeout_s)
+        return HttpRechecker(self.recheck, self.api_key, timeout_s=self.recheck_timeout_s)
+
     def verifier(self) -> Verifier:
         return LeanVerifier(
-            self.server, self.api_key, timeout_s=self.timeout_s, max_heartbeats=self.max_heartbeats, repls=self.repls
+            self.server, self.api_key, timeout_s=self.timeout_s, max_heartbeats=self.max_heartbeats, repls=self.repls,
+            recheck=self.rechecker(), canary_rate=self.canary_rate, on_exploit=self.on_exploit,
         )
+
+    def iteration_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """The verifier's counters, with `lean/exploit_rate` (canaries that passed / canaries) and the
+        mean re-check latency."""
+        out = {key: 0.0 for key in ("lean/canaries", "lean/canaries_refused", "lean/canary_exploits", "lean/rechecks",
+                                    "lean/recheck_overturned", "lean/recheck_s")}
+        out.update(sums)
+        canaries = sums.get("lean/canaries", 0.0)
+        out["lean/exploit_rate"] = sums.get("lean/canary_exploits", 0.0) / canaries if canaries else 0.0
+        if sums.get("lean/rechecks"):
+            out["lean/recheck_s_mean"] = sums.get("lean/recheck_s", 0.0) / sums["lean/rechecks"]
+        return out
 
     def modal_sandbox(self) -> dict[str, Any]:
         """How the Modal runtime runs this verifier: kimina-lean-server as a sidecar in its own image.
@@ -116,7 +169,10 @@ class LeanEnvironment(Environment):
         Inside the sandbox the verifier talks to the sidecar on localhost; `server` here is ignored.
         """
         local = f"http://127.0.0.1:{KIMINA.port}"
-        options = {"server": local, "timeout_s": self.timeout_s, "max_heartbeats": self.max_heartbeats, "repls": self.repls}
+        options = {"server": local, "timeout_s": self.timeout_s, "max_heartbeats": self.max_heartbeats, "repls": self.repls,
+                   "canary_rate": self.canary_rate, "on_exploit": self.on_exploit, "recheck_timeout_s": self.recheck_timeout_s}
+        # In the sandbox, Lean and Mathlib are at hand: re-check there, unless the user turned it off.
+        options.update({"recheck": "off"} if self.recheck == "off" else {"recheck": "local", "lean_project": KIMINA.lean_project})
         return {
             "image": KIMINA.image,
             "sidecar": KIMINA.command,

@@ -131,7 +131,49 @@ BANNED_NAMES: dict[str, str] = {
     "extern": "`extern` swaps a definition for unchecked code",
     "run_tac": "`run_tac` runs arbitrary meta code",
     "by_elab": "`by_elab` runs arbitrary meta code",
+    "run_conv": "`run_conv` runs arbitrary meta code",
+    "unsafeIO": "`unsafeIO` runs IO from pure code",
+    "unsafeBaseIO": "`unsafeBaseIO` runs IO from pure code",
+    "unsafeEIO": "`unsafeEIO` runs IO from pure code",
+    "unsafeCast": "`unsafeCast` bypasses the type checker",
+    "evalExpr": "`evalExpr` runs compiled code at check time",
+    "evalTactic": "`evalTactic` runs meta code",
 }
+
+# -- meta code ---------------------------------------------------------------------------------------
+# A proof is a term or a tactic script: nothing in it needs Lean's meta level, and meta code that runs
+# while Lean checks the file can add unchecked declarations or write Lean's answer itself (the nonce
+# proves freshness, not that no code ran). So a name that reaches the meta level is refused wherever it
+# appears, in a helper's type, its body or the proof, however it is opened or abbreviated: an
+# abbreviation or an `open` must spell the namespace or the monad once, and that spelling is refused.
+META_ROOTS: dict[str, str] = {
+    "Lean": "Lean's own namespace holds the elaborator, the kernel interface and the meta monads",
+    "Elab": "`Lean.Elab` is the elaborator (meta code)",
+    "Meta": "`Lean.Meta` is the meta level",
+    "Tactic": "tactic implementations are meta code",
+    "Parser": "parsers are meta code",
+    "PrettyPrinter": "the pretty printer is meta code",
+    "Qq": "`Qq` quotes meta-level expressions",
+    "Aesop": "Aesop's namespace holds its rule builders and meta code",
+    "IO": "`IO` code has file, process and network access",
+    "EIO": "`EIO` code has file, process and network access",
+    "BaseIO": "`BaseIO` code has file, process and network access",
+    "System": "`System` holds file and process access",
+    "Mathlib.Tactic": "Mathlib's tactic implementations are meta code",
+    "Mathlib.Meta": "Mathlib's meta code",
+    "Batteries.Tactic": "Batteries' tactic implementations are meta code",
+    "Std.Tactic": "tactic implementations are meta code",
+}
+META_NAMES: dict[str, str] = {
+    m: f"`{m}` is one of Lean's meta monads: code in it can run while the proof is checked"
+    for m in ("TacticM", "TermElabM", "MetaM", "CoreM", "CommandElabM", "MacroM", "SimpM", "ConvM", "DelabM",
+              "AttrM", "ImportM", "LintM", "TacticStx", "Simproc", "DSimproc", "Macro", "Syntax", "Expr", "MVarId",
+              "FVarId", "LocalContext", "MetavarContext", "Environment", "ST", "EST", "EStateM", "IO", "EIO", "BaseIO")
+}
+META_WORDS: dict[str, str] = {
+    "tactic": "Aesop's `tactic` rule builder (and any `tactic`-typed argument) evaluates a named constant as meta code",
+}
+
 
 # Lean, Batteries, Aesop and Mathlib keywords that start a command. They are reserved words, so a
 # proof cannot use them as names, and Lean starts a new command at each of them (also while
@@ -172,7 +214,23 @@ COMMAND_KEYWORDS = frozenset(COMMAND_REASONS) | {
     "register_simp_attr", "register_label_attr", "binder_predicate", "unif_hint", "grind_pattern", "assert_not_exists",
     "library_note", "add_decl_doc", "compile_inductive", "compile_def", "gen_injective_theorems", "suppress_compilation",
     "count_heartbeats", "initialize_simps_projections", "mk_iff_of_inductive_prop",
+    # more Lean, Batteries and Mathlib commands: a word whose stem is one of these starts a command
+    "prelude", "module", "meta", "public", "export", "init_quot", "eoi", "builtin_initialize", "declare_syntax_cat",
+    "unsuppress_compilation", "whatsnew", "with_weak_namespace", "assert_not_imported", "extend_docs",
+    "register_hint", "irreducible_def", "reassoc_axiom", "test_extern", "grind_propagator", "builtin_grind_propagator",
 }
+COMMAND_REASONS.update({
+    "variable": "`variable` (and Mathlib's `variable?`) adds hypotheses to the declarations that follow, the theorem's too",
+    "include": "`include` adds section variables to the declarations that follow",
+    "omit": "`omit` changes which section variables the declarations that follow take",
+    "count_heartbeats": "`count_heartbeats in` (and `count_heartbeats!`) lifts the heartbeat limit for what follows",
+    "whatsnew": "`whatsnew in` runs meta code around the command that follows",
+    "universe": "`universe` declares universe variables the theorem's statement could pick up",
+    "export": "`export` changes how names in the statement resolve",
+    "meta": "`meta` declarations are compiled code for the elaborator",
+    "module": "module system commands are not accepted",
+    "public": "module system commands are not accepted",
+})
 DECLARATIONS = frozenset({"theorem", "lemma", "def", "abbrev"})
 MODIFIERS = frozenset({"private", "protected", "noncomputable"})
 ATTRIBUTES = frozenset({"simp", "reducible", "irreducible", "inline", "noinline", "specialize", "local"})
@@ -201,12 +259,24 @@ def normalize(text: str) -> str:
     return _UNICODE_SPACE.sub(" ", text.replace("\r\n", "\n"))
 
 
-def check_unicode(text: str) -> None:
-    """Refuse control, format (bidi, zero-width), private-use, unassigned and invisible characters."""
+# Emoji sequences: variation selectors 15/16, the zero-width joiner and the tag characters of flag
+# sequences. Inert inside a string or character literal (data, never read as code); refused elsewhere.
+_EMOJI_PARTS = frozenset({0x200D, 0xFE0E, 0xFE0F, *range(0xE0020, 0xE0080)})
+
+
+def check_unicode(text: str, literals: list[tuple[int, int]] = ()) -> None:
+    """Refuse control, format (bidi, zero-width), private-use, unassigned and invisible characters.
+
+    `literals` are the (start, end) spans of string and character literals, where the parts of emoji
+    sequences are allowed. Comments are removed before this check: they never reach Lean.
+    """
+    spans = sorted(literals)
     for match in _NOT_PLAIN.finditer(text):
         offset, ch = match.start(), match.group()
         cat = unicodedata.category(ch)
         code = ord(ch)
+        if code in _EMOJI_PARTS and any(a < offset < b for a, b in spans):
+            continue
         if cat in ("Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp") or code in _INVISIBLE or 0xFE00 <= code <= 0xFE0F or 0xE0100 <= code <= 0xE01EF:
             line = text.count("\n", 0, offset) + 1
             name = unicodedata.name(ch, "unnamed")
@@ -220,6 +290,34 @@ def _line(text: str, offset: int) -> int:
 def _keyword(token: Token) -> str | None:
     """The token's text if it is a keyword-shaped word (not `«escaped»`), else None."""
     return token.text if token.kind == "word" and not token.escaped else None
+
+
+def _command(token: Token) -> str | None:
+    """The command keyword this word may start, judged by its stem: identifiers may end in `?` or `!`,
+    and Mathlib defines commands spelled so (`variable?`, `count_heartbeats!`), so a word whose stem
+    without trailing `?`/`!` is a command keyword is read as that command."""
+    word = _keyword(token)
+    if word is None:
+        return None
+    stem = word.rstrip("?!")
+    return stem if stem in COMMAND_KEYWORDS else None
+
+
+def _meta(token: Token) -> str | None:
+    """Why this word reaches Lean's meta level (None if it does not)."""
+    if token.kind != "word":
+        return None
+    parts = token.parts[1:] if token.parts and token.parts[0] == "_root_" else token.parts
+    for n in (2, 1):
+        root = ".".join(parts[:n])
+        if len(parts) >= n and root in META_ROOTS:
+            return META_ROOTS[root]
+    for part in parts:
+        if part in META_NAMES:
+            return META_NAMES[part]
+    if not token.escaped and token.text in META_WORDS:
+        return META_WORDS[token.text]
+    return None
 
 
 def _scan(tokens: list[Token], text: str, how: str = "") -> None:
@@ -244,10 +342,21 @@ def _scan(tokens: list[Token], text: str, how: str = "") -> None:
             raise Rejected(f"banned construct `eval%`{where}: it runs arbitrary code while elaborating")
         if t.text == "native" and ((prev is not None and prev.text == "+") or (nxt is not None and nxt.text == ":=")):
             raise Rejected(f"banned construct `decide +native`{where}: it trusts compiled code instead of the kernel")
+        if t.text == "config" and nxt is not None and nxt.text == ":=" and k + 2 < len(tokens) and tokens[k + 2].text == "⟨":
+            raise Rejected(f"`(config := ⟨...⟩)`{where}: an anonymous-constructor config sets flags by position "
+                           "(`decide`'s native evaluation among them); write `(config := {{ field := value }})`")
+
+
+def _scan_meta(tokens: list[Token], text: str) -> None:
+    """Refuse every word that reaches Lean's meta level (after the command checks, whose reasons are more specific)."""
+    for k, t in enumerate(tokens):
+        why = _meta(t)
+        if why and not (k and _keyword(tokens[k - 1]) == "import"):  # a module name, checked against the header
+            raise Rejected(f"`{t.text}` on line {_line(text, t.start)}: meta code is not accepted in a proof ({why})")
 
 
 def _suspect(t: Token) -> bool:
-    return t.text in ("eval", "native") or any(p in BANNED_NAMES for p in t.parts)
+    return t.text in ("eval", "native", "config") or any(p in BANNED_NAMES for p in t.parts) or _meta(t) is not None
 
 
 def _scan_interpolation(t: Token, text: str, where: str) -> None:
@@ -259,8 +368,9 @@ def _scan_interpolation(t: Token, text: str, where: str) -> None:
             inner.kind == "hash"
             or inner.text == "@["
             or (inner.kind == "word" and any(p in BANNED_NAMES for p in inner.parts))
-            or word in COMMAND_KEYWORDS
-            or word in ("set_option", "open", "eval")
+            or _command(inner) is not None
+            or word in ("set_option", "open", "eval", "native", "config")
+            or _meta(inner) is not None
         )
         if bad:
             raise Rejected(f"`{inner.text}` inside a string literal with `{{`{where}: `s!\"{{...}}\"` reads it as code")
@@ -281,27 +391,43 @@ class Submission:
     audit_line: int
     nonce_line: int
     header_lines: int
+    reference: str = ""
+    """The trusted header and the statement sent, proved by `sorry`: what the out-of-process re-check
+    compares the theorem's type with."""
 
     @property
     def marker(self) -> str:
         return f"vrl audit {self.nonce}"
 
 
-def prepare(completion: str, theorem: Theorem, max_heartbeats: int = DEFAULT_MAX_HEARTBEATS, *, nonce: str | None = None) -> Submission:
+def prepare(
+    completion: str,
+    theorem: Theorem,
+    max_heartbeats: int = DEFAULT_MAX_HEARTBEATS,
+    *,
+    nonce: str | None = None,
+    rechecked: bool = False,
+    target: str | None = None,
+) -> Submission:
     """The file to send to Lean for this completion, or `Rejected` with the reason.
 
     The file is the trusted header, then the model's accepted commands in order (comments removed:
     exactly the text that was scanned; its `import`s and global `set_option maxHeartbeats` replaced
     by the header), with the theorem's statement replaced by the original, then the trailer.
-    `nonce` is for tests only; by default every call draws a fresh one.
+    `rechecked`: every pass will be re-checked out of process against the trusted statement's type
+    (`vrl_lean.recheck`), so an `open` in force at the theorem is accepted: the re-check refuses it
+    if it changed the statement's meaning. `target`: a statement (`theorem NAME ...`) written in place
+    of the original, for canaries (`vrl_lean.canary`). `nonce` is for tests only; by default every
+    call draws a fresh one.
     """
     code = normalize(extract_code(completion))
-    check_unicode(code)
     try:
         code = strip_comments(code, tokenize(code).comments)
         tokens = tokenize(code).tokens
     except LexError as exc:
+        check_unicode(code)  # a stray control character explains a lexing failure better
         raise Rejected(str(exc)) from None
+    check_unicode(code, [(t.start, t.end) for t in tokens if t.kind in ("string", "char")])
     _scan(tokens, code)
     normal = unicodedata.normalize("NFKC", code)
     if normal != code:
@@ -309,7 +435,9 @@ def prepare(completion: str, theorem: Theorem, max_heartbeats: int = DEFAULT_MAX
             _scan(tokenize(normal, strict=False).tokens, normal, " (written with look-alike Unicode characters)")
         except LexError:
             pass  # what Lean reads is `code`, scanned above; the normal form is a second look only
-    body = _Rebuild(code, tokens, theorem, max_heartbeats).body()
+    written = Theorem(theorem.name, theorem.header, target) if target is not None else theorem
+    body = _Rebuild(code, tokens, theorem, max_heartbeats, rechecked=rechecked, written=written.statement).body()
+    _scan_meta(tokens, code)
 
     nonce = nonce or secrets.token_hex(16)
     header = theorem.trusted_header(max_heartbeats)
@@ -322,14 +450,18 @@ def prepare(completion: str, theorem: Theorem, max_heartbeats: int = DEFAULT_MAX
     while header_lines < len(lines) and (not lines[header_lines].strip() or lines[header_lines].strip().startswith("import ")):
         header_lines += 1
     audit_line = head.count("\n") + 1
-    return Submission(theorem.name, file, nonce, audit_line, audit_line + 1, header_lines)
+    reference = f"{header}\n{_statement_tail(written.statement, theorem.name)[0]} := by\n  sorry\n"
+    return Submission(theorem.name, file, nonce, audit_line, audit_line + 1, header_lines, reference)
 
 
 class _Rebuild:
     """Checks the model's commands against the allow-list and rebuilds the text to send."""
 
-    def __init__(self, code: str, tokens: list[Token], theorem: Theorem, max_heartbeats: int):
+    def __init__(self, code: str, tokens: list[Token], theorem: Theorem, max_heartbeats: int, *,
+                 rechecked: bool = False, written: str | None = None):
         self.code, self.tokens, self.theorem, self.limit = code, tokens, theorem, max_heartbeats
+        self.rechecked = rechecked
+        self.written = written if written is not None else theorem.statement
         self.edits: list[tuple[int, int, str]] = []
         self.aesop = self._aesop_unsafe()
 
@@ -347,7 +479,7 @@ class _Rebuild:
                 stack.pop()
             elif t.text == "unsafe" and stack and self.tokens[stack[-1]].text == "(" and _keyword(self.tokens[stack[-1] + 1]) == "add":
                 nxt = self.tokens[k + 1] if k + 1 < len(self.tokens) else None
-                if nxt is None or _keyword(nxt) not in COMMAND_KEYWORDS:
+                if nxt is None or _command(nxt) is None:
                     found.add(k)
         return found
 
@@ -355,8 +487,8 @@ class _Rebuild:
         t = self.tokens[k]
         if t.text == "@[" and t.kind == "symbol":
             return True
-        word = _keyword(t)
-        if word not in COMMAND_KEYWORDS:
+        word = _command(t)
+        if word is None:
             return False
         if word == "scoped" and k and _keyword(self.tokens[k - 1]) == "open":
             return False
@@ -513,16 +645,19 @@ class _Rebuild:
                 continue
             seen_other = True
             k, modifiers = start, []
-            while k < end and (tokens[k].text == "@[" or _keyword(tokens[k]) in COMMAND_KEYWORDS - DECLARATIONS):
+            while k < end and (tokens[k].text == "@[" or _command(tokens[k]) is not None):
                 if tokens[k].text == "@[":
                     j = self._attribute_end(k)
                     modifiers.append("@[...]")
                     k = j
                     continue
-                word = _keyword(tokens[k])
+                word, stem = _keyword(tokens[k]), _command(tokens[k])
+                if word in DECLARATIONS:
+                    break
                 if word not in MODIFIERS:
-                    reason = COMMAND_REASONS.get(word, "only theorem/lemma/def/abbrev declarations, `open` and `set_option` are accepted")
-                    raise Rejected(f"`{word}` on line {self.line(tokens[k])} is not accepted: {reason}")
+                    reason = COMMAND_REASONS.get(stem, "only theorem/lemma/def/abbrev declarations, `open` and `set_option` are accepted")
+                    spelled = f" (Lean and Mathlib read `{word}` as the command `{stem}`)" if word != stem else ""
+                    raise Rejected(f"`{word}` on line {self.line(tokens[k])} is not accepted{spelled}: {reason}")
                 modifiers.append(word)
                 k += 1
             keyword = _keyword(tokens[k]) if k < end else None
@@ -548,13 +683,14 @@ class _Rebuild:
         self.options(header)
 
         k, end = mains[0]
-        expected, rest = _statement_tail(self.theorem.statement, name)
+        _, rest = _statement_tail(self.theorem.statement, name)
         assign = _match_statement(code, tokens[k + 1].end, rest)
         stop = tokens[end].start if end < len(tokens) else len(code)
         if assign > stop or code[assign:stop].strip() in ("", "by"):
             raise Rejected("empty proof after `:=`")
-        self.edits.append((tokens[k].start, assign, f"{expected} :="))
-        self.opens_before(k)
+        self.edits.append((tokens[k].start, assign, f"{_statement_tail(self.written, name)[0]} :="))
+        if not self.rechecked:
+            self.opens_before(k)
 
         out, last = [], 0
         for s, e, text in sorted(self.edits):

@@ -29,6 +29,8 @@ class ServerSpec:
     port: int = 8000
     workdir: str = "/root/kimina-lean-server"
     lean_version: str = "v4.15.0"
+    lean_project: str = "/mathlib4"
+    """The Lake project with Mathlib built, inside the image (where `lake env lean` finds Mathlib)."""
 
     def environment(self, repls: int, api_key: str | None = None, max_wait_s: int = 60) -> dict[str, str]:
         """The server's settings (LEAN_SERVER_* variables) for `repls` REPLs."""

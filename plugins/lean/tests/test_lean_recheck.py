@@ -1,0 +1,383 @@
+"""The out-of-process re-check of every pass, and the canary false theorems.
+
+What runs here and what does not. Lean + Mathlib cannot run on the test machine. The re-check host
+(`recheck_host.py`) runs for real, in its own processes and as an HTTP server, but `lake env lean` is
+replaced by `fake_lean.py` (a separate process that acts out a compile and a check), and the
+checker's JSON lines are written by hand in `VrlCheck.lean`'s format (fixtures/recheck/README.md).
+`VrlCheck.lean` itself has not run; docs/plugins/lean.md gives the command that checks it on a real
+server. The kimina server is `lean_replay` (recorded answers, canary answers synthesised).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from lean_replay import FIXTURE, ReplayServer, fixture_responder
+from vrl_lean import recheck_host
+from vrl_lean.canary import CanaryPlan, planted
+from vrl_lean.client import KiminaClient
+from vrl_lean.data import load_local
+from vrl_lean.policy import Rejected, Theorem, prepare
+from vrl_lean.recheck import HttpRechecker, LocalRechecker, interpret, job
+from vrl_lean.verifier import LeanVerifier
+
+from vrl.types import Attempt, Completion, Status, Task
+
+HERE = Path(__file__).parent
+FAKE_LEAN = [sys.executable, str(HERE / "fake_lean.py")]
+RECORDS = HERE / "fixtures" / "recheck"
+HEADER = "import Mathlib\nimport Aesop\n\nset_option maxHeartbeats 400000\n\nopen BigOperators Real Nat Topology Rat\n"
+STATEMENT = "theorem lean_workbook_101 (x : ℕ) (hx : x = 2^9 + 1) : x = 513"
+THM = Theorem(name="lean_workbook_101", header=HEADER, statement=STATEMENT)
+PROBLEMS = {p.name: p for p in load_local(FIXTURE / "input")}
+
+
+def completion(statement: str = STATEMENT, proof: str = "  rw [hx]", prelude: str = "") -> str:
+    return f"<think>ok</think>\n```lean4\n{HEADER}\n{prelude}{statement} := by\n{proof}\n```"
+
+
+def record(name: str) -> dict:
+    return {"status": "checked", "detail": "", "check": json.loads((RECORDS / f"{name}.json").read_text()), "elapsed_s": 3.0}
+
+
+@pytest.fixture
+def fake_lean(tmp_path, monkeypatch):
+    """Script what the fake Lean does: `fake_lean(candidate=..., reference=..., check=...)`."""
+
+    def script(**acts: str) -> list[str]:
+        path = tmp_path / "fake_lean_script.json"
+        path.write_text(json.dumps(acts))
+        monkeypatch.setenv("FAKE_LEAN_SCRIPT", str(path))
+        return FAKE_LEAN
+
+    script()
+    return script
+
+
+# -- what each checker answer means ------------------------------------------------------------------------
+
+PATHS = [
+    ("agree", "agree", Status.PASSED, "type and axioms agree"),
+    ("type_mismatch", "type_mismatch", Status.FAILED, "differs from the trusted statement"),
+    ("unchecked", "unchecked_declaration", Status.FAILED, "the kernel refuses a declaration"),
+    ("extra_axiom", "extra_axiom", Status.FAILED, "sorryAx"),
+    ("declared_axiom", "extra_axiom", Status.FAILED, "cheat"),
+    ("unsafe", "unchecked_declaration", Status.FAILED, "unsafe or partial code: loop"),
+    ("not_theorem", "not_a_theorem", Status.FAILED, "is a definition"),
+    ("heartbeats", "timeout", Status.TIMEOUT, "ran out of its limit"),
+]
+
+
+@pytest.mark.parametrize("name,outcome,status,words", PATHS, ids=[p[0] for p in PATHS])
+def test_each_checker_answer_has_its_verdict(name, outcome, status, words):
+    decision = interpret(record(name), "lean_workbook_101")
+    assert (decision.outcome, decision.status, decision.agrees) == (outcome, status, outcome == "agree")
+    assert words in decision.detail
+
+
+@pytest.mark.parametrize("raw,outcome,status", [
+    ({"status": "compile_error", "detail": "unknown identifier"}, "compile_error", Status.FAILED),
+    ({"status": "timeout", "detail": "the checker did not finish within 300 s"}, "timeout", Status.TIMEOUT),
+    ({"status": "error", "detail": "checker crashed"}, "unavailable", Status.CRASHED),
+    ({"status": "reference_error", "detail": "bad statement"}, "unavailable", Status.CRASHED),
+    ({"status": "unavailable", "detail": "ConnectError"}, "unavailable", Status.CRASHED),
+    ({"status": "checked", "check": {**json.loads((RECORDS / "agree.json").read_text()), "name": "other"}}, "unavailable", Status.CRASHED),
+    ({}, "unavailable", Status.CRASHED),
+], ids=["compile error", "timeout", "checker error", "reference error", "host down", "answer for another theorem", "empty"])
+def test_host_failures_never_pass(raw, outcome, status):
+    decision = interpret(raw, "lean_workbook_101")
+    assert (decision.outcome, decision.status) == (outcome, status) and not decision.agrees
+
+
+# -- the host: fresh processes, stage by stage ----------------------------------------------------------------
+
+
+def run_host(tmp_path, lean, sub=None, timeout_s=30.0):
+    sub = sub or prepare(completion(), THM)
+    return recheck_host.recheck(job(sub, timeout_s), str(tmp_path), lean)
+
+
+def test_host_compiles_reference_then_candidate_then_runs_the_checker(tmp_path, fake_lean):
+    raw = run_host(tmp_path, fake_lean(check="agree"))
+    assert raw["status"] == "checked" and raw["check"]["name"] == "lean_workbook_101"
+    assert list(raw["stages"]) == ["compile_reference_s", "compile_candidate_s", "check_s"]
+    assert interpret(raw, "lean_workbook_101").agrees
+
+
+def test_the_reference_is_the_trusted_statement_proved_by_sorry():
+    sub = prepare(completion(prelude="open Finset in\n"), THM, rechecked=True)
+    assert sub.reference == f"{THM.trusted_header()}\n{STATEMENT} := by\n  sorry\n"
+    assert "open Finset in" in sub.code and "open Finset" not in sub.reference
+
+
+@pytest.mark.parametrize("acts,status,words", [
+    ({"candidate": "error"}, "compile_error", "unknown identifier"),
+    ({"reference": "error"}, "reference_error", "compiling the reference"),
+    ({"check": "crash"}, "error", "could not run"),
+    ({"check": "garbage"}, "error", "without its JSON line"),
+    ({"candidate": "tamper"}, "error", "reference.olean changed while the candidate compiled"),
+], ids=["candidate compile error", "reference compile error", "checker crash", "checker garbage", "candidate tampers"])
+def test_host_stage_failures(tmp_path, fake_lean, acts, status, words):
+    raw = run_host(tmp_path, fake_lean(**acts))
+    assert raw["status"] == status and words in raw["detail"], raw
+    assert not interpret(raw, "lean_workbook_101").agrees
+
+
+@pytest.mark.parametrize("acts", [{"candidate": "hang"}, {"check": "hang"}], ids=["compile hangs", "checker hangs"])
+def test_host_kills_a_stage_that_outlives_the_job(tmp_path, fake_lean, acts):
+    raw = run_host(tmp_path, fake_lean(**acts), timeout_s=1.5)
+    assert raw["status"] == "timeout" and "1.5 s" in raw["detail"]
+    assert interpret(raw, "lean_workbook_101").status is Status.TIMEOUT
+
+
+def test_host_refuses_bad_jobs_and_a_missing_project(tmp_path, fake_lean):
+    lean = fake_lean()
+    assert "bad job" in recheck_host.recheck({"name": "x"}, str(tmp_path), lean)["detail"]
+    assert "not a plain theorem name" in recheck_host.recheck({"name": "a b", "code": "c", "reference": "r"}, str(tmp_path), lean)["detail"]
+    sub = prepare(completion(), THM)
+    assert "no Lean project" in recheck_host.recheck(job(sub, 10), str(tmp_path / "nope"), lean)["detail"]
+
+
+# -- the host over HTTP ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def host(tmp_path, fake_lean):
+    servers = []
+
+    def start(api_key: str | None = None, **acts: str) -> str:
+        server = recheck_host.serve(str(tmp_path), port=0, host="127.0.0.1", lean=fake_lean(**acts), api_key=api_key)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_port}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_http_host_round_trip_and_key(host):
+    url = host(api_key="k", check="type_mismatch")
+    sub = prepare(completion(), THM)
+    checker = HttpRechecker(url, "k", timeout_s=30)
+    assert await checker.probe() is None
+    decision = await checker.recheck(sub)
+    assert decision.outcome == "type_mismatch" and "Fact False" in decision.detail
+    wrong = HttpRechecker(url, "nope", timeout_s=30)
+    refused = await wrong.recheck(sub)
+    assert refused.outcome == "unavailable" and "401" in refused.detail
+    await checker.aclose()
+    await wrong.aclose()
+
+
+async def test_an_unreachable_host_withholds_the_pass():
+    checker = HttpRechecker("http://127.0.0.1:9", timeout_s=5)
+    decision = await checker.recheck(prepare(completion(), THM))
+    assert decision.status is Status.CRASHED and "withheld" in decision.detail
+    assert "ConnectError" in (await checker.probe())
+    await checker.aclose()
+
+
+# -- the verifier: a pass stands only after the re-check agrees --------------------------------------------
+
+
+def attempt(name: str, text: str | None = None) -> Attempt:
+    theorem = PROBLEMS[name].theorem
+    task = Task(id=name, prompt="", data={"name": name, "header": theorem.header, "statement": theorem.statement})
+    if text is None:
+        source = next(p for p in (FIXTURE / "input").glob("*.lean") if re.search(rf"theorem {name}\b", p.read_text()))
+        text = f"<think>\nok\n</think>\n```lean4\n{source.read_text()}\n```"
+    return Attempt(task=task, completion=Completion(task_id=name, text=text))
+
+
+NAMES = ["lean_workbook_10009", "lean_workbook_10012", "lean_workbook_10090"]  # two proofs, one recorded timeout
+
+
+def lean_verifier(url: str, **kw) -> LeanVerifier:
+    return LeanVerifier(client=KiminaClient(url, repls=4, timeout_s=30, max_retries=1, backoff_s=0.01), **kw)
+
+
+@pytest.mark.parametrize("check,status,words", [
+    ("agree", Status.PASSED, "re-checked out of process"),
+    ("type_mismatch", Status.FAILED, "differs from the trusted statement"),
+    ("extra_axiom", Status.FAILED, "sorryAx"),
+])
+async def test_passes_go_through_the_recheck(tmp_path, fake_lean, check, status, words):
+    rechecker = LocalRechecker(str(tmp_path), lean=fake_lean(check=check), timeout_s=30)
+    with ReplayServer(fixture_responder()) as server:
+        v = lean_verifier(server.url, recheck=rechecker)
+        verdicts = await v.verify([attempt(n) for n in NAMES])
+        await v.aclose()
+    assert [x.status for x in verdicts[:2]] == [status, status] and verdicts[2].status is Status.TIMEOUT
+    assert all(words in x.detail for x in verdicts[:2])
+    assert [x.metrics.get("lean/rechecks") for x in verdicts] == [1, 1, None]  # positives only
+    assert all(x.metrics["lean/recheck_s"] > 0 for x in verdicts[:2])
+    overturned = [x.metrics.get("lean/recheck_overturned", 0) for x in verdicts[:2]]
+    assert overturned == ([0, 0] if status is Status.PASSED else [1, 1])
+
+
+async def test_no_pass_reaches_the_reward_when_the_recheck_cannot_run():
+    with ReplayServer(fixture_responder()) as server:
+        v = lean_verifier(server.url, recheck=HttpRechecker("http://127.0.0.1:9", timeout_s=5))
+        verdicts = await v.verify([attempt(n) for n in NAMES])
+        await v.aclose()
+    assert not any(x.passed for x in verdicts) and all(x.score == 0 for x in verdicts)
+    assert [x.status for x in verdicts] == [Status.CRASHED, Status.CRASHED, Status.TIMEOUT]
+    assert "the Lean server had accepted it" in verdicts[0].detail
+
+
+async def test_open_in_before_the_theorem_is_sent_when_rechecked_and_judged_by_the_type(tmp_path, fake_lean):
+    name = "lean_workbook_10009"
+    text = attempt(name).completion.text.replace(f"theorem {name}", f"open Finset in\ntheorem {name}", 1)
+    with pytest.raises(Rejected, match="could change how the original statement is read"):
+        prepare(text, PROBLEMS[name].theorem)
+    rechecker = LocalRechecker(str(tmp_path), lean=fake_lean(check="type_mismatch"), timeout_s=30)
+    with ReplayServer(fixture_responder()) as server:
+        v = lean_verifier(server.url, recheck=rechecker)
+        (verdict,) = await v.verify([attempt(name, text)])
+        await v.aclose()
+    assert "open Finset in" in server.requests[0]["snippets"][0]["code"]
+    assert verdict.status is Status.FAILED and "differs from the trusted statement" in verdict.detail
+
+
+# -- canaries ------------------------------------------------------------------------------------------------
+
+
+def test_every_planted_attack_is_refused_by_the_policy():
+    for name in ("lean_workbook_101",):
+        for label, text in planted(THM):
+            with pytest.raises(Rejected):
+                prepare(text, THM, target=f"theorem {name} : False")
+            assert label
+
+
+def test_a_canary_is_the_attempt_re_targeted_at_false():
+    sub = prepare(completion(), THM, target="theorem lean_workbook_101 : False")
+    assert "theorem lean_workbook_101 : False := by" in sub.code and STATEMENT not in sub.code
+    assert sub.reference.endswith("theorem lean_workbook_101 : False := by\n  sorry\n")
+
+
+async def test_canaries_hold_on_an_honest_server():
+    with ReplayServer(fixture_responder()) as server:
+        v = lean_verifier(server.url, canary_rate=1.0, canary_seed=1)
+        verdicts = await v.verify([attempt(n) for n in NAMES])
+        await v.aclose()
+    assert [x.passed for x in verdicts] == [True, True, False]
+    assert all(x.alarm is None for x in verdicts)
+    # rate 1: each attempt gets a re-targeted and a planted canary; the planted ones never reach Lean
+    assert [x.metrics["lean/canaries"] for x in verdicts] == [2, 2, 2]
+    assert [x.metrics["lean/canaries_refused"] for x in verdicts] == [1, 1, 1]
+    assert not any(x.metrics.get("lean/canary_exploits") for x in verdicts)
+    sent = [s["code"] for r in server.requests for s in r["snippets"]]
+    assert sum(": False :=" in code for code in sent) == 3
+
+
+async def test_every_pass_gets_a_canary_even_at_rate_zero_plus():
+    """A tiny rate still watches every pass: the canary for a pass is added after Lean's answer."""
+    with ReplayServer(fixture_responder()) as server:
+        v = lean_verifier(server.url, canary_rate=1e-9, canary_seed=3)
+        verdicts = await v.verify([attempt(n) for n in NAMES])
+        await v.aclose()
+    assert [x.metrics.get("lean/canaries", 0) for x in verdicts] == [1, 1, 0]
+    assert len(server.requests) == 2  # the attempts, then the passes' canaries
+
+
+@pytest.mark.parametrize("on_exploit", ["stop", "count"])
+async def test_a_server_fooled_into_passing_anything_trips_the_canary(on_exploit):
+    with ReplayServer(fixture_responder(canary=False)) as server:  # Lean accepts `theorem NAME : False` too
+        v = lean_verifier(server.url, canary_rate=1e-9, canary_seed=3, on_exploit=on_exploit)
+        verdicts = await v.verify([attempt(n) for n in NAMES])
+        await v.aclose()
+    assert [x.metrics.get("lean/canary_exploits", 0) for x in verdicts] == [1, 1, 0]
+    if on_exploit == "stop":
+        assert all("a canary passed" in x.alarm and ": False" in x.alarm for x in verdicts[:2])
+    else:
+        assert all(x.alarm is None for x in verdicts)
+
+
+def test_canary_plan_rate_bounds_and_unpredictability():
+    with pytest.raises(ValueError):
+        CanaryPlan(1.5)
+    plan = CanaryPlan(0.25, seed=0)
+    assert 150 < sum(plan.draw() for _ in range(1000)) < 350
+    assert not any(CanaryPlan(0.0).draw() for _ in range(100))
+
+
+# -- the loop: canary metrics in metrics.jsonl, and an exploit stops the run ----------------------------------
+
+
+class WritesFixtureProofs:
+    """The local runtime, with the tiny model's text replaced by the fixture's proof of each task: a
+    model that has learned to prove these theorems (the tiny random model cannot write Lean)."""
+
+    def __new__(cls):
+        from vrl.runtime.local import LocalRuntime
+
+        class Runtime(LocalRuntime):
+            def policy(self, config, needs=None):
+                host = super().policy(config, needs)
+                original = host.sample
+
+                def sample(tasks, variants, seed=None):
+                    for batch in original(tasks, variants, seed=seed):
+                        yield [c.model_copy(update={"text": attempt(c.task_id).completion.text}) for c in batch]
+
+                host.sample = sample
+                return host
+
+        return Runtime()
+
+
+def lean_run(tmp_path, server_url: str, **options):
+    from vrl.config import build
+    from vrl.trainer import Trainer
+    from vrl_lean.environment import LeanEnvironment
+
+    data = tmp_path / "problems"
+    data.mkdir()
+    for name in NAMES[:2]:
+        src = next(p for p in (FIXTURE / "input").glob("*.lean") if re.search(rf"theorem {name}\b", p.read_text()))
+        (data / src.name).write_text(src.read_text())
+    env = LeanEnvironment(server=server_url, data=str(data), test_fraction=0.0, **options)
+    cfg = build({"plugin": "lean", "iterations": 2, "tasks_per_iteration": 2, "es": {"population_size": 2},
+                 "sampling": {"max_new_tokens": 4, "batch_size": 4},
+                 "logging": {"runs_dir": str(tmp_path / "runs"), "name": "lean"}})
+    return Trainer(cfg, environment=env, runtime=WritesFixtureProofs())
+
+
+def test_canary_and_recheck_metrics_reach_metrics_jsonl(tmp_path, fake_lean):
+    lean = fake_lean(check="agree")
+    with ReplayServer(fixture_responder()) as server:
+        trainer = lean_run(tmp_path, server.url, recheck="local", lean_project=str(tmp_path), lean_command=shlex.join(lean),
+                           canary_rate=0.01)
+        summary = trainer.run()
+    assert summary["status"] == "finished"
+    for m in trainer.run_dir.metrics():
+        assert m["pass_rate"] == 1.0 and m["lean/rechecks"] == 4 and m["lean/recheck_s_mean"] > 0
+        assert m["lean/canaries"] >= 4 and m["lean/canary_exploits"] == 0 and m["lean/exploit_rate"] == 0.0
+    from vrl.report import render
+
+    page = render([trainer.run_dir.path], tmp_path / "report").read_text()
+    assert "Verifier counters" in page and "lean/exploit_rate" in page and "<td>lean/rechecks</td><td>8</td>" in page
+
+
+def test_an_exploit_caught_by_a_canary_stops_the_run_before_the_update(tmp_path):
+    """Lean fooled into accepting `theorem NAME : False` (the planted exploit): the run stops at iteration
+    0 with a one-line reason, keeps the attempts in alarms.jsonl, and never updates on them."""
+    from vrl.errors import IntegrityAlarm
+
+    with ReplayServer(fixture_responder(canary=False)) as server:
+        trainer = lean_run(tmp_path, server.url, recheck="off", canary_rate=0.01)
+        with pytest.raises(IntegrityAlarm, match="broke the verifier's integrity") as info:
+            trainer.run()
+    assert "a canary passed" in str(info.value) and "alarms.jsonl" in str(info.value)
+    rows = [json.loads(x) for x in (trainer.run_dir.path / "alarms.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["iteration"] == 0 and "```lean4" in r["completion"] for r in rows)
+    assert trainer.run_dir.completed_iterations() == 0
