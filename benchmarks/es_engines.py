@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--memory", type=float, default=0.3, help="gpu_memory_utilization of each pool, per GPU")
     ap.add_argument("--small", action="store_true", help="a 2-layer model, for a quick check")
     ap.add_argument("--eager", action="store_true", help="enforce_eager engines (fast start, slow decode)")
-    ap.add_argument("--max-num-seqs", type=int, default=None, help="generator.max_num_seqs (default: vrl's)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="generator.vllm.max_num_seqs (default: vrl's)")
     ap.add_argument("--path", default="/tmp/vrl-bench-model")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -88,9 +88,10 @@ def main() -> None:
         cfg = build({"model": args.path, "optimizer": "es", "seed": 1,
                      "sampling": {"temperature": 1.0, "max_new_tokens": args.new_tokens, "batch_size": 32},
                      "es": es_section,
-                     "generator": {"backend": "vllm", "gpu_memory_utilization": args.memory, "max_model_len": 1024,
-                                   "enforce_eager": args.eager, "engines": k, "gpus": args.gpus,
-                                   **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {})}})
+                     "generator": {"backend": "vllm", "vllm": {
+                         "gpu_memory_utilization": args.memory, "max_model_len": 1024, "enforce_eager": args.eager,
+                         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {})}},
+                     "runtime": {"local": {"engines": k, "gpus": args.gpus}}})
         t0 = time.perf_counter()
         es = ES(cfg.es, seed=1, base={"model": args.path})
         host = LocalRuntime().policy(cfg, es.needs())

@@ -21,8 +21,11 @@ from typing import Any
 
 import torch
 
-from vrl.optim import lowrank as lr
-from vrl.optim.es import FlatParams, IterationRecord, member_seeds, update_terms
+from vrl.generate.hf_population import population
+from vrl.optim.es import IterationRecord, member_seeds, update_terms
+from vrl.weights.flat import FlatParams
+from vrl.weights.lowrank import LowRankParams, select_linear
+from vrl.weights.update import LowRankUpdate
 
 
 def build(kind: str, device: str) -> torch.nn.Module:
@@ -61,9 +64,9 @@ def measure(kind: str, device: str, n: int, rank: int, repeats: int) -> dict[str
     members = member_seeds(record, antithetic=False)
 
     model = build(kind, device)
-    layers = lr.select_linear(model, ["*"], [])
-    low = lr.LowRankParams.from_model(model, ["*"], [], rank)
-    update = lr.update_for(members, record.z, alpha, rank)
+    layers = select_linear(model, ["*"], [])
+    low = LowRankParams.from_model(model, ["*"], [], rank)
+    update = LowRankUpdate.from_members(members, record.z, alpha, rank)
     shapes = [tuple(m.weight.shape) for _, m in layers]
     out: dict[str, Any] = {
         "model": kind, "device": device, "members": n, "rank": rank, "matrices": len(shapes),
@@ -76,11 +79,11 @@ def measure(kind: str, device: str, n: int, rank: int, repeats: int) -> dict[str
     batch = torch.randint(0, 256, (n, 16), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         out["forward_base_s"] = timed(lambda: model(input_ids=batch), device, repeats)
-        with lr.population(layers, members, sigma, rank, list(range(n))):
+        with population(layers, members, sigma, rank, list(range(n))):
             out["forward_population_s"] = timed(lambda: model(input_ids=batch), device, repeats)
 
     model = build(kind, device)  # the same tensors, full-rank
-    full = FlatParams([(name, m.weight) for name, m in lr.select_linear(model, ["*"], [])])
+    full = FlatParams([(name, m.weight) for name, m in select_linear(model, ["*"], [])])
     terms = update_terms(record, antithetic=False, alpha=alpha)
     out["full_update_s"] = timed(lambda: full.update(terms), device, repeats)
     out["full_perturb_s"] = timed(lambda: (full.perturb(7, 1, sigma), full.restore()), device, repeats)

@@ -7,12 +7,12 @@ one iteration's update of N members (ES's default: N terms; `--antithetic`: pair
 z-scores as ES stores them. Paths, interleaved over `--repeats` rounds (medians reported), each from
 the same θ:
 
-* `triton`: `lowrank.update_triton` (`lowrank_triton.update`, one launch per matrix; every tile
+* `triton`: `lowrank_kernels.update_triton` (`lowrank_triton.update`, one launch per matrix; every tile
   regenerates its factors and accumulates Σ multₜ·aₜ·bₜᵀ in int64);
-* `matmul_chunk<c>`: `lowrank.update_reference` on the GPU: the factors of all terms generated once
+* `matmul_chunk<c>`: `lowrank_kernels.update_reference` on the GPU: the factors of all terms generated once
   per matrix, the exact integer sum as one float64 matmul (exact below 2⁵³), in row blocks of `c`
   elements, one matrix at a time;
-* `batched`: `lowrank.update_batched`: the matrices of one shape together, one float64 `bmm` per
+* `batched`: `lowrank_kernels.update_batched`: the matrices of one shape together, one float64 `bmm` per
   batch of up to 2²⁵ output elements.
 
 `--profile` prints the CUDA kernels each path spends its time in (torch.profiler, one round).
@@ -30,9 +30,12 @@ import time
 
 import torch
 
-from vrl.optim import lowrank as lr
 from vrl.optim.es import IterationRecord, member_seeds
-from vrl.optim.params import FlatParams
+from vrl.weights import lowrank_kernels
+from vrl.weights.flat import FlatParams
+from vrl.weights.lowrank import LowRankParams
+from vrl.weights.lowrank_kernels import update_batched, update_reference, update_triton
+from vrl.weights.update import LowRankUpdate
 
 QWEN_1_5B = {"q_proj": (1536, 1536), "k_proj": (256, 1536), "v_proj": (256, 1536), "o_proj": (1536, 1536),
              "gate_proj": (8960, 1536), "up_proj": (8960, 1536), "down_proj": (1536, 8960)}
@@ -53,29 +56,29 @@ def main() -> None:
     named = [(f"model.layers.{i}.{'mlp' if k.endswith(('gate_proj', 'up_proj', 'down_proj')) else 'self_attn'}.{k}.weight",
               torch.nn.Parameter((torch.randn(*shape, device="cuda") * 0.02).to(torch.bfloat16)))
              for i in range(args.layers) for k, shape in QWEN_1_5B.items()]
-    params = lr.LowRankParams(FlatParams(named), args.rank)
+    params = LowRankParams(FlatParams(named), args.rank)
     assert params.flat.use_triton, "the Triton path needs a CUDA device and triton"
     rng = random.Random(0)
     record = IterationRecord(seed=12345, z=[round(rng.gauss(0, 1), 4) for _ in range(args.members)])
     members = member_seeds(record, antithetic=args.antithetic)
-    update = lr.update_for(members, record.z, 5e-4, args.rank)
+    update = LowRankUpdate.from_members(members, record.z, 5e-4, args.rank)
     names, masters, weights = zip(*params._tensors())
     start = {k: v.clone() for k, v in params.state().items()}
 
     def run_triton() -> None:
-        lr.update_triton(masters, weights, names, update)
+        update_triton(masters, weights, names, update)
 
     def run_matmul(chunk: int):
         def go() -> None:
-            old, lr._CHUNK = lr._CHUNK, chunk
+            old, lowrank_kernels._CHUNK = lowrank_kernels._CHUNK, chunk
             try:
-                lr.update_reference(masters, weights, names, update)
+                update_reference(masters, weights, names, update)
             finally:
-                lr._CHUNK = old
+                lowrank_kernels._CHUNK = old
         return go
 
     def run_batched() -> None:
-        lr.update_batched(masters, weights, names, update)
+        update_batched(masters, weights, names, update)
 
     paths = {"triton": run_triton, "batched": run_batched, **{f"matmul_chunk{c}": run_matmul(c) for c in args.chunks}}
     times: dict[str, list[float]] = {k: [] for k in paths}

@@ -77,7 +77,7 @@ def main() -> None:
     tasks = [Task(id=f"p{i}", prompt=t) for i, t in enumerate(texts)]
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, batch_size=32)
     cfg = build({"model": args.path, "optimizer": "es", "sampling": sampling.model_dump(),
-                 "generator": {"backend": "vllm", "gpu_memory_utilization": 0.6, "max_model_len": 1024}})
+                 "generator": {"backend": "vllm", "vllm": {"gpu_memory_utilization": 0.6, "max_model_len": 1024}}})
 
     t0 = time.perf_counter()
     gen = VLLMGenerator.from_config(cfg)

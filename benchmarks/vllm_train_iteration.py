@@ -34,14 +34,14 @@ def main() -> None:
     build_model(args.path, small=False)
     runs = Path(tempfile.mkdtemp(prefix="vrl-iter-"))
     common = ["--model", args.path, "--iterations", str(args.iterations), "--set", f"logging.runs_dir={runs}",
-              "--set", "generator.backend=vllm", "--set", "generator.max_model_len=1024",
+              "--set", "generator.backend=vllm", "--set", "generator.vllm.max_model_len=1024",
               "--set", f"sampling.max_new_tokens={args.new_tokens}", "--set", "tasks_per_iteration=8"]
     jobs = {
         "es": ["--optimizer", "es", "--set", "es.population_size=30"],
         "grpo_colocated_sleep": ["--optimizer", "grpo", "--set", "grpo.num_generations=8",
-                                 "--set", "generator.sleep=true", "--set", "grpo.gradient_checkpointing=true"],
+                                 "--set", "generator.vllm.sleep=true", "--set", "grpo.gradient_checkpointing=true"],
         "grpo_colocated_sleep_save_every_3": ["--optimizer", "grpo", "--set", "grpo.num_generations=8",
-                                              "--set", "generator.sleep=true", "--set", "grpo.gradient_checkpointing=true",
+                                              "--set", "generator.vllm.sleep=true", "--set", "grpo.gradient_checkpointing=true",
                                               "--set", "grpo.save_every=3"],
     }
     if args.only:

@@ -118,7 +118,7 @@ def test_config_takes_trains_flags_and_prints_what_train_uses(tmp_path):
 
 
 def test_hf_generator_sets_cpu_threads_from_config(monkeypatch):
-    """generator.threads is applied when the model loads; None means 1 for the tiny model on CPU only."""
+    """generator.hf.threads is applied when the model loads; None means 1 for the tiny model on CPU only."""
     import torch
 
     from vrl.config import build
@@ -133,7 +133,7 @@ def test_hf_generator_sets_cpu_threads_from_config(monkeypatch):
         torch.set_num_threads(2)
         HFGenerator.from_config(build({"generator": {"device": "cpu"}}))
         assert torch.get_num_threads() == 1
-        HFGenerator.from_config(build({"generator": {"device": "cpu", "threads": 2}}))
+        HFGenerator.from_config(build({"generator": {"device": "cpu", "hf": {"threads": 2}}}))
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -139,7 +139,7 @@ def test_grpo_with_greedy_sampling_is_refused_before_the_run_starts(tmp_path, mo
 
 
 def test_devices_this_machine_lacks_are_refused_before_the_run_starts(tmp_path, monkeypatch):
-    """generator.device / generator.gpus naming GPUs that are not here: one line in the preflight, no
+    """generator.device / runtime.local.gpus naming GPUs that are not here: one line in the preflight, no
     run directory (before: a RuntimeError, exit 1, once the run directory existed)."""
     import torch
 
@@ -148,8 +148,8 @@ def test_devices_this_machine_lacks_are_refused_before_the_run_starts(tmp_path, 
     line = cli("train", "--set", f"generator.device=cuda:{count}")
     assert f"generator.device='cuda:{count}'" in line and "'auto'" in line
     assert "is not a device" in cli("train", "--set", "generator.device=gpu")
-    line = cli("eval", "--set", f"generator.gpus=[{count}]")
-    assert f"names GPU {count}, but this machine has" in line and "leave generator.gpus unset" in line
+    line = cli("eval", "--set", f"runtime.local.gpus=[{count}]")
+    assert f"names GPU {count}, but this machine has" in line and "leave runtime.local.gpus unset" in line
     assert not (tmp_path / "runs").exists()
 
 

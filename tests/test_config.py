@@ -1,5 +1,7 @@
 """TrainConfig: layered loading and errors that name the field and what is allowed."""
 
+import json
+
 import pytest
 
 from vrl.config import ConfigError, build, load_file, parse_override
@@ -37,12 +39,13 @@ def test_override_values_are_typed():
 @pytest.mark.parametrize(
     "layer, expected",
     [
-        ({"optimizer": "ppo"}, ["optimizer:", "'es' or 'grpo'", "'ppo'"]),
+        ({"optimizer": "ppo"}, ["optimizer: unknown optimizer 'ppo'; installed: es, grpo"]),
         ({"sampling": {"temperature": -1}}, ["sampling.temperature:", "greater than or equal to 0", "-1"]),
         ({"sampling": {"temprature": 1}}, ["sampling.temprature: unknown field", "known fields:", "temperature"]),
         ({"iterations": "many"}, ["iterations:", "valid integer", "'many'"]),
         ({"generator": {"dtype": "fp8"}}, ["generator.dtype:", "'auto', 'float32', 'bfloat16' or 'float16'"]),
-        ({"runtime": {"kind": "cluster"}}, ["runtime.kind:", "'local'"]),
+        ({"runtime": {"kind": "cluster"}}, ["runtime.kind: unknown runtime 'cluster'; installed: local, modal"]),
+        ({"generator": {"backend": "sglang"}}, ["generator.backend: unknown generator backend 'sglang'; installed: hf, vllm"]),
     ],
 )
 def test_validation_errors_name_field_and_allowed_values(layer, expected):
@@ -75,3 +78,97 @@ def test_a_dumped_config_loads_again():
     for layer in ({}, {"optimizer": "grpo"}, {"sampling": {"stop": ["\n"]}, "logging": {"name": "x"}}):
         cfg = build(layer)
         assert build(dump(cfg)) == cfg
+
+
+# -- sections nested by kind (issue 28) ------------------------------------------------------------------
+
+
+def test_backend_and_runtime_settings_live_in_their_own_sections():
+    from vrl.config import build
+
+    cfg = build({"generator": {"backend": "vllm", "vllm": {"sleep": True, "sync_every": 2}},
+                 "runtime": {"kind": "local", "local": {"engines": 2}, "modal": {"gpu": "L40S"}}})
+    assert (cfg.generator.vllm.sleep, cfg.generator.vllm.sync_every, cfg.generator.hf.threads) == (True, 2, None)
+    assert (cfg.runtime.local.engines, cfg.runtime.modal.gpu) == (2, "L40S")
+    with pytest.raises(ConfigError, match=r"generator.vllm.sync_every > 1 .* keep generator.vllm.sampling_logprobs=true"):
+        build({"generator": {"vllm": {"sync_every": 2, "sampling_logprobs": False}}})
+    with pytest.raises(ConfigError, match=r"runtime.modal.gpux: unknown field; known fields: .*gpu"):
+        build({"runtime": {"modal": {"gpux": "A100"}}})
+
+
+@pytest.mark.parametrize("old, new", [("runtime.gpu", "runtime.modal.gpu"), ("generator.sleep", "generator.vllm.sleep"),
+                                      ("generator.threads", "generator.hf.threads"),
+                                      ("generator.engines", "runtime.local.engines")])
+def test_a_moved_key_is_a_one_line_error_naming_its_new_key(old, new, tmp_path):
+    from click.testing import CliRunner
+
+    from vrl.cli import main
+    from vrl.config import MOVED, nest
+
+    assert MOVED[old] == new
+    with pytest.raises(ConfigError, match=rf"^invalid configuration: {old}: moved to {new}$"):
+        build(nest({old: 1}))
+    section, key = old.split(".")
+    (tmp_path / "old.yaml").write_text(f"{section}:\n  {key}: 1\n")
+    (tmp_path / "old.toml").write_text(f"[{section}]\n{key} = 1\n")
+    for args in (["--set", f"{old}=1"], ["--config", str(tmp_path / "old.yaml")], ["--config", str(tmp_path / "old.toml")]):
+        for command in ("config", "train"):
+            res = CliRunner().invoke(main, [command, *args])
+            lines = [line for line in res.stderr.splitlines() if line.strip()]
+            assert res.exit_code == 2 and lines == [f"error: invalid configuration: {old}: moved to {new}"], res.output
+
+
+def flat(data: dict) -> dict:
+    """`data` (a dumped config) with every moved key put back where it was before issue 28."""
+    from vrl.config import MOVED, _get, _pop, merge, nest
+
+    out = json.loads(json.dumps(data))
+    for old, new in MOVED.items():
+        value = _get(out, new)
+        _pop(out, new)
+        out = merge(out, nest({old: value}))
+    for section, kinds in (("generator", ("hf", "vllm")), ("runtime", ("local", "modal"))):
+        for kind in kinds:
+            assert out[section].pop(kind) == {}
+    return out
+
+
+def test_migrate_puts_old_keys_where_they_are_now():
+    from vrl.config import build, dump, migrate
+
+    cfg = build({"generator": {"vllm": {"max_model_len": 512}}, "runtime": {"local": {"gpus": [0, 1]},
+                                                                            "modal": {"secrets": ["hf"]}}})
+    old = flat(dump(cfg))
+    assert old["generator"]["max_model_len"] == 512 and old["generator"]["gpus"] == [0, 1]
+    assert old["runtime"]["secrets"] == ["hf"] and "modal" not in old["runtime"]
+    assert build(migrate(old)) == cfg
+    assert migrate(dump(cfg)) == dump(cfg)  # a current config is left as it is
+
+
+def test_an_old_run_directory_resumes(tmp_path):
+    """A run recorded with flat keys (before issue 28) continues with `vrl train --resume`."""
+    from click.testing import CliRunner
+
+    from vrl.cli import main
+
+    args = ["train", "--plugin", "letters", "--name", "old", "--set", f"logging.runs_dir={tmp_path}",
+            "--set", "tasks_per_iteration=2", "--set", "es.population_size=2", "--set", "sampling.max_new_tokens=4"]
+    res = CliRunner().invoke(main, [*args, "--iterations", "1"])
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "old"
+    recorded = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps(flat(recorded)))
+    res = CliRunner().invoke(main, ["train", "--resume", str(run), "--iterations", "2"])
+    assert res.exit_code == 0, res.output
+    assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+
+
+def test_the_field_docs_are_grouped_by_section():
+    from vrl.config import builtin_config_model, field_table
+
+    text = field_table(builtin_config_model())
+    headings = [line for line in text.splitlines() if line.startswith("### ")]
+    assert headings == ["### The run", "### `sampling`", "### `generator`", "### `generator.hf`", "### `generator.vllm`",
+                        "### `verifier`", "### `runtime`", "### `runtime.local`", "### `runtime.modal`", "### `logging`",
+                        "### `es`", "### `grpo`"]
+    assert "| `runtime.modal.gpu` | str | `'H100'` |" in text

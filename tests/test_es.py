@@ -14,9 +14,9 @@ from vrl.config import SamplingConfig
 from vrl.errors import SelectionError
 from vrl.generate import tiny
 from vrl.generate.hf import HFGenerator
-from vrl.optim import noise as nz
 from vrl.optim.es import ES, ESConfig, ESHistory, normalize
 from vrl.types import Completion, Result, Task, Verdict
+from vrl.weights import noise as nz
 
 BASE = {"model": "tiny", "revision": None}
 

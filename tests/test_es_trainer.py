@@ -100,7 +100,7 @@ def test_worker_body_reproduces_the_loops_members_from_the_update_list(tmp_path:
     iteration = 2
     tasks = workers.tasks_to_wire(trainer.tasks_for(LettersEnvironment().tasks(), iteration))
     sample_seed = random.Random(f"{config.seed}-sampling-{iteration}").randrange(2**31)  # the trainer's rule
-    updates = [update_terms(r, history.antithetic, history.alpha) for r in history.iterations]
+    updates = [update_terms(r, history.antithetic, history.alpha).to_wire() for r in history.iterations]
     es = config.es
     spec = workers.spec_to_wire(PerturbationSpec(tuple(es.include), tuple(es.exclude), es.sigma))
     engine = workers.engine_config(config)

@@ -16,14 +16,17 @@ from rich.console import Console
 from vrl.config import TrainConfig
 from vrl.envs.letters import LettersEnvironment
 from vrl.generate.hf import HFGenerator
-from vrl.optim import lowrank as lr
-from vrl.optim.es import ES, ESHistory, iteration_terms, replay, update_terms
+from vrl.generate.vllm_lora import lora_factors
+from vrl.optim.es import ES, ESHistory, iteration_update, replay, update_terms
 from vrl.policy import PerturbationSpec, Unsupported, Variant
 from vrl.rundir import RunDir
 from vrl.runtime.local import LocalRuntime
 from vrl.runtime.modal import workers
 from vrl.runtime.pool import HostPool
 from vrl.trainer import Trainer
+from vrl.weights.factors import factors
+from vrl.weights.lowrank import LowRankParams
+from vrl.weights.update import FullRankUpdate, LowRankUpdate, update_from_wire
 
 INCLUDE = ["model.layers.*proj.weight", "lm_head.weight"]  # attention/MLP projections and the (untied) output layer
 
@@ -44,7 +47,8 @@ def _config(tmp_path: Path, name: str, iterations: int, engines: int = 1, **es: 
         tasks_per_iteration=3,
         seed=3,
         sampling={"max_new_tokens": 4, "temperature": 1.0, "batch_size": 2},
-        generator={"device": "cpu", "dtype": "float32", "engines": engines},
+        generator={"device": "cpu", "dtype": "float32"},
+        runtime={"local": {"engines": engines}},
         logging={"runs_dir": str(tmp_path), "name": name, "samples_per_iteration": 100},
         es={"population_size": 4, "sigma": 0.2, "alpha": 0.5, "noise": "lowrank", "rank": 2, "antithetic": True,
             "include": INCLUDE, **es},
@@ -138,22 +142,23 @@ def test_greedy_lowrank_rows_follow_each_members_materialised_weights() -> None:
 
 
 def test_lowrank_terms_round_trip_and_a_host_refuses_full_rank_terms() -> None:
-    upd = lr.update_for([(7, 1), (7, -1), (8, 1)], [0.5, -0.25, 0.1], alpha=0.3, rank=2)
-    terms = lr.to_terms(upd)
-    assert terms[0] == (lr.COEFF_SEED, upd.coeff)
-    wire = json.loads(json.dumps(terms))  # what ModalPolicy stores and the worker gets back
-    assert lr.from_terms([(int(s), float(c)) for s, c in wire], 2) == upd
-    assert lr.to_terms(lr.update_for([(7, 1)], [0.0], 0.3, 2)) == []
+    upd = LowRankUpdate.from_members([(7, 1), (7, -1), (8, 1)], [0.5, -0.25, 0.1], alpha=0.3, rank=2)
+    wire = json.loads(json.dumps(upd.to_wire()))  # what ModalPolicy stores and the worker gets back
+    assert wire == {"kind": "lowrank", "rank": 2, "coeff": upd.coeff, "terms": [[7, 7500], [8, 1000]]}
+    assert update_from_wire(wire) == upd
+    assert not LowRankUpdate.from_members([(7, 1)], [0.0], 0.3, 2)  # nothing to apply: a host skips it
+    full = FullRankUpdate(((7, 0.01), (8, -0.02)))
+    assert update_from_wire(json.loads(json.dumps(full.to_wire()))) == full
     host = _host()
     with pytest.raises(ValueError, match="not low-rank terms"):
-        host.update([(7, 0.01), (8, -0.02)])
+        host.update(full)
 
 
 def test_a_vllm_engine_without_lora_slots_refuses_lowrank_with_the_fix() -> None:
     from vrl.generate.vllm import VLLMGenerator
 
     gen = VLLMGenerator.__new__(VLLMGenerator)  # no engine needed: the refusal comes before any RPC
-    gen.sleep, gen.tensor_parallel_size, gen.model, gen.lora_slots = False, 1, None, 0
+    gen.sleep, gen.tensor_parallel_size, gen.mode, gen.lora_slots = False, 1, "lowrank", 0
     with pytest.raises(Unsupported, match=r"without LoRA slots.*needs"):
         gen._perturbable(PerturbationSpec(("*",), (), 0.1, noise="lowrank", rank=4))
 
@@ -223,10 +228,10 @@ def test_lora_slices_place_each_weight_in_its_fused_slice_and_refuse_what_lora_c
 def test_lora_factors_multiply_to_the_member_perturbation() -> None:
     """lora_b·lora_a equals σ·sign·A·Bᵀ/√r (exact fp32 factors; the two scale roundings differ < 2⁻¹⁴)."""
     members = [(17, 1), (17, -1), (3, 1)]
-    la, lb = lr.lora_factors(members, "w", (6, 5), 4, 0.02)
+    la, lb = lora_factors(members, "w", (6, 5), 4, 0.02)
     assert la.shape == (3, 4, 5) and lb.shape == (3, 6, 4) and la.dtype == lb.dtype == torch.float32
     for p, (seed, sign) in enumerate(members):
-        a, b = lr.factors(seed, "w", (6, 5), 4)
+        a, b = factors(seed, "w", (6, 5), 4)
         exact = sign * 0.02 * (a.double() @ b.double().T) / 2
         got = lb[p].double() @ la[p].double()
         assert (got - exact).abs().max() <= 2**-13 * exact.abs().max()
@@ -250,7 +255,7 @@ def test_engine_writes_each_member_into_its_lora_slot_as_the_reference_factors(m
     monkeypatch.setattr(LowRankEngine, "CHUNK", len(members) * rank * 6 * 2)  # two q matrices per chunk
     engine.load_members(members, 0.02)
     for name, shape in shapes.items():
-        ref_a, ref_b = lr.lora_factors(members, name, shape, rank, 0.02)
+        ref_a, ref_b = lora_factors(members, name, shape, rank, 0.02)
         a_stack, b_stack = layers[name]
         for p, slot in enumerate(slots[:2]):
             assert torch.equal(a_stack[slot, 0, :rank], ref_a[p].to(torch.bfloat16)), (name, p)
@@ -309,7 +314,7 @@ def test_vrl_train_lowrank_resumes_bit_exactly_and_replays_the_history(tmp_path:
     assert all(torch.equal(p, a[n]) for n, p in _weights(fresh).items())
     # ... and onto bare LowRankParams, in two pieces; the full-rank replay refuses a low-rank history.
     model = _host(sigma=0.2).model
-    params = lr.LowRankParams.from_model(model, INCLUDE, [], 2)
+    params = LowRankParams.from_model(model, INCLUDE, [], 2)
     replay(history, params, 0, 1)
     replay(history, params, 1)
     assert all(torch.equal(p, a[n]) for n, p in model.named_parameters())
@@ -319,7 +324,7 @@ def test_vrl_train_lowrank_resumes_bit_exactly_and_replays_the_history(tmp_path:
         replay(history.model_copy(update={"perturbation": "full", "rank": None}), params)
     # Full-rank terms are unchanged by this mode's existence (histories and replays stay bit-identical).
     full = history.model_copy(update={"perturbation": "full", "rank": None})
-    assert iteration_terms(full, full.iterations[0]) == update_terms(full.iterations[0], True, full.alpha)
+    assert iteration_update(full, full.iterations[0]) == update_terms(full.iterations[0], True, full.alpha)
 
 
 def test_two_hf_engines_write_the_same_lowrank_run_as_one(tmp_path: Path) -> None:
@@ -342,7 +347,7 @@ def test_modal_worker_body_replays_a_lowrank_update_list_like_the_local_host(tmp
     config = _config(tmp_path, "run", 2)
     _train(config)
     history = ESHistory.read(tmp_path / "run" / "es_history.json")
-    updates = json.loads(json.dumps([iteration_terms(history, r) for r in history.iterations]))
+    updates = json.loads(json.dumps([iteration_update(history, r).to_wire() for r in history.iterations]))
     es = config.es
     spec = PerturbationSpec(tuple(es.include), tuple(es.exclude), es.sigma, noise="lowrank", rank=es.rank)
     engine = workers.engine_config(config)

@@ -8,8 +8,11 @@ import random
 import pytest
 import torch
 
-from vrl.optim import lowrank as lr
-from vrl.optim.es import FlatParams
+from vrl.generate.vllm_lora import lora_factors
+from vrl.weights.exact import F64_EXACT, PRODUCT_MAX
+from vrl.weights.flat import FlatParams
+from vrl.weights.lowrank import LowRankParams
+from vrl.weights.update import LowRankUpdate
 
 pytestmark = pytest.mark.gpu
 
@@ -30,19 +33,19 @@ SHAPES = {
 MEMBERS = [(0, 1), (0, -1), (2**40 + 3, 1), (123456789, -1), (17, 1)]
 
 
-def _build(dtype: torch.dtype, device: str, use_triton: bool, rank: int) -> lr.LowRankParams:
+def _build(dtype: torch.dtype, device: str, use_triton: bool, rank: int) -> LowRankParams:
     g = torch.Generator().manual_seed(0)
     named = [(n, torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(dtype).to(device))) for n, s in SHAPES.items()]
     flat = FlatParams(named)
     flat.use_triton = use_triton
-    return lr.LowRankParams(flat, rank)
+    return LowRankParams(flat, rank)
 
 
-def _weights(p: lr.LowRankParams) -> list[torch.Tensor]:
+def _weights(p: LowRankParams) -> list[torch.Tensor]:
     return [w.cpu() for g in p.flat.groups for w in g.weight_views]
 
 
-def _master(p: lr.LowRankParams) -> list[torch.Tensor]:
+def _master(p: LowRankParams) -> list[torch.Tensor]:
     return [m.cpu() for g in p.flat.groups for m in g.master_views]
 
 
@@ -74,7 +77,7 @@ def test_gpu_lowrank_perturb_and_update_match_the_reference(dtype: torch.dtype, 
     rng = random.Random(rank)
     for it in range(3):
         z = [round(rng.gauss(0, 1), 4) for _ in MEMBERS]
-        update = lr.update_for(MEMBERS, z, alpha=1e-2 * (it + 1), rank=rank)
+        update = LowRankUpdate.from_members(MEMBERS, z, alpha=1e-2 * (it + 1), rank=rank)
         for p in (fast, ref_gpu, ref_cpu):
             p.update(update)
     torch.cuda.synchronize()
@@ -90,8 +93,8 @@ def test_triton_update_with_sums_beyond_2_pow_53_matches_the_int64_reference(ran
     accumulator and cvt.rn must give the same bits."""
     # Σ|mult|·r·510² must pass 2⁵³ at the smallest rank tested (8) to force the reference's int64 path;
     # the earlier multipliers (2³⁰+7, −2³¹+5, 2²⁹+1) gave 7.8·10¹⁵ < 2⁵³ at rank 8, so this line failed there.
-    update = lr.LowRankUpdate(terms=((5, 2**31 + 7), (6, -(2**32) + 5), (2**33, 2**30 + 1)), coeff=2.0**-60, rank=rank)
-    assert sum(abs(w) for _, w in update.terms) * rank * lr.PRODUCT_MAX > lr._F64_EXACT
+    update = LowRankUpdate(terms=((5, 2**31 + 7), (6, -(2**32) + 5), (2**33, 2**30 + 1)), coeff=2.0**-60, rank=rank)
+    assert sum(abs(w) for _, w in update.terms) * rank * PRODUCT_MAX > F64_EXACT
     fast, ref_cpu = _build(torch.float32, "cuda", True, rank), _build(torch.float32, "cpu", False, rank)
     for p in (fast, ref_cpu):
         p.update(update)
@@ -106,15 +109,15 @@ def test_triton_lowrank_writes_rows_of_a_larger_tensor_in_place() -> None:
     g = torch.Generator().manual_seed(1)
     host[:40] = (torch.randn(40, 96, generator=g) * 0.02).to(torch.bfloat16)
     host[40:64] = (torch.randn(24, 96, generator=g) * 0.02).to(torch.bfloat16)
-    fast = lr.LowRankParams(FlatParams.over({"q.weight": host[:40], "k.weight": host[40:64]}), 8)
+    fast = LowRankParams(FlatParams.over({"q.weight": host[:40], "k.weight": host[40:64]}), 8)
     assert fast.flat.use_triton
     cpu_named = [("q.weight", torch.nn.Parameter(host[:40].cpu())), ("k.weight", torch.nn.Parameter(host[40:64].cpu()))]
-    ref = lr.LowRankParams(FlatParams(cpu_named), 8)
+    ref = LowRankParams(FlatParams(cpu_named), 8)
     fast.perturb(9, -1, 0.05)
     ref.perturb(9, -1, 0.05)
     torch.cuda.synchronize()
     assert _equal([host[:40].cpu(), host[40:64].cpu()], _weights(ref))
-    update = lr.update_for([(9, 1), (9, -1)], [1.5, -0.25], 0.1, 8)
+    update = LowRankUpdate.from_members([(9, 1), (9, -1)], [1.5, -0.25], 0.1, 8)
     for p in (fast, ref):
         p.restore()
         p.update(update)
@@ -151,7 +154,7 @@ def test_triton_member_load_writes_the_lora_slots_of_the_torch_path(rank: int, m
     for name, shape in shapes.items():
         (fa, fb), (ra, rb) = fast_layers[name], ref_layers[name]
         assert _equal([fa.cpu(), fb.cpu()], [ra.cpu(), rb.cpu()]), name
-        cpu_a, cpu_b = lr.lora_factors(members, name, shape, rank, 0.03)
+        cpu_a, cpu_b = lora_factors(members, name, shape, rank, 0.03)
         for p, slot in enumerate(slots[:len(members)]):
             assert _equal([fa[slot, 0, :rank].cpu(), fb[slot, 0, :, :rank].cpu()],
                           [cpu_a[p].to(torch.bfloat16), cpu_b[p].to(torch.bfloat16)]), (name, p)

@@ -14,9 +14,14 @@ import torch
 
 from vrl.config import SamplingConfig, build
 from vrl.generate.hf import load_model_and_tokenizer
-from vrl.optim import lowrank
+from vrl.generate.hf_population import population
+from vrl.generate.vllm_lora import lora_factors
 from vrl.policy import HostNeeds, PerturbationSpec, Unsupported, Variant
 from vrl.types import Task
+from vrl.weights import noise as nz
+from vrl.weights.factors import factors_int_many
+from vrl.weights.lowrank import LowRankParams, select_linear
+from vrl.weights.update import LowRankUpdate
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,8 +55,8 @@ def gen(model_dir):
     cfg = build({"model": model_dir, "optimizer": "es", "seed": 3,
                  "es": {"noise": "lowrank", "rank": RANK, "population_size": len(MEMBERS)},
                  "sampling": {"temperature": 0.0, "max_new_tokens": 16, "batch_size": 3},
-                 "generator": {"backend": "vllm", "enforce_eager": True, "gpu_memory_utilization": 0.2,
-                               "max_model_len": 256, "dtype": "bfloat16"}})
+                 "generator": {"backend": "vllm", "dtype": "bfloat16", "vllm": {
+                     "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_model_len": 256}}})
     g = make_generator(cfg, HostNeeds("perturbations", SPEC, variants=len(MEMBERS)))
     yield g
     g.close()
@@ -73,8 +78,8 @@ def test_slots_hold_the_reference_factors_and_the_update_is_exact(gen, model_dir
     gen._params.load(MEMBERS)
     for name in NAMES:
         shape = gen._params.hf_shapes[name]
-        ref_a, ref_b = lowrank.lora_factors(MEMBERS, name, shape, RANK, SIGMA)
-        a_int, b_int = lowrank.factors_int_many([s for s, _ in MEMBERS], name, shape, RANK)
+        ref_a, ref_b = lora_factors(MEMBERS, name, shape, RANK, SIGMA)
+        a_int, b_int = factors_int_many([s for s, _ in MEMBERS], name, shape, RANK)
         for p, (_, sign) in enumerate(MEMBERS):
             slot_a, slot_b = gen._params.slot(name, p)
             assert slot_a.shape[0] == 8 and slot_b.shape[1] == 8  # max_lora_rank 8 serves rank 4
@@ -82,17 +87,17 @@ def test_slots_hold_the_reference_factors_and_the_update_is_exact(gen, model_dir
             assert torch.equal(slot_b[:, :RANK], ref_b[p].to(torch.bfloat16)), name
             assert not slot_a[RANK:].any() and not slot_b[:, RANK:].any()
             served = slot_b[:, :RANK].double() @ slot_a[:RANK].double()
-            exact = sign * SIGMA * (a_int[p].double() * lowrank.nz.C) @ (b_int[p].double() * lowrank.nz.C).T / RANK**0.5
+            exact = sign * SIGMA * (a_int[p].double() * nz.C) @ (b_int[p].double() * nz.C).T / RANK**0.5
             bound = (2**-7 + 2**-14) * (slot_b[:, :RANK].double().abs() @ slot_a[:RANK].double().abs())
             assert ((served - exact).abs() <= bound).all(), name
             assert (served - exact).abs().max() < 0.01 * exact.abs().max()
 
     hf, _ = load_model_and_tokenizer(model_dir, "cpu", "bfloat16")
-    reference = lowrank.LowRankParams.from_model(hf, ["*"], ["lm_head*"], RANK)
+    reference = LowRankParams.from_model(hf, ["*"], ["lm_head*"], RANK)
     assert reference.names == list(gen._params.hf_shapes)
     theta0 = gen.state()
-    update = lowrank.update_for(MEMBERS, [0.8, -1.3, 0.25, 2.0], alpha=0.03, rank=RANK)
-    gen.update(lowrank.to_terms(update))
+    update = LowRankUpdate.from_members(MEMBERS, [0.8, -1.3, 0.25, 2.0], alpha=0.03, rank=RANK)
+    gen.update(update)
     reference.update(update)
     hf_params = dict(hf.named_parameters())
     engine = gen._params.engine_weights(NAMES)
@@ -105,7 +110,7 @@ def test_slots_hold_the_reference_factors_and_the_update_is_exact(gen, model_dir
     assert all(torch.equal(state[n], reference.state()[n]) for n in NAMES)
     gen.load_state(theta0)
     assert not torch.equal(gen._params.engine_weights(NAMES[:1])[NAMES[0]], engine[NAMES[0]])
-    gen.update(lowrank.to_terms(update))  # replay from θ₀: the same bits
+    gen.update(update)  # replay from θ₀: the same bits
     again = gen._params.engine_weights(NAMES)
     assert all(torch.equal(again[n], engine[n]) for n in NAMES)
     gen.load_state(theta0)
@@ -114,7 +119,7 @@ def test_slots_hold_the_reference_factors_and_the_update_is_exact(gen, model_dir
 def _teacher_forced_logprobs(model, layers, prompt_ids, completion_ids, member, members) -> torch.Tensor:
     """Log-probs of `completion_ids` after `prompt_ids` under `member` (index into members; −1: θ)."""
     ids = torch.tensor([prompt_ids + completion_ids], device=model.device)
-    with torch.no_grad(), lowrank.population(layers, members, SIGMA, RANK, [member]):
+    with torch.no_grad(), population(layers, members, SIGMA, RANK, [member]):
         logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
     return logits.log_softmax(-1).gather(1, torch.tensor(completion_ids, device=model.device)[:, None])[:, 0]
 
@@ -137,8 +142,8 @@ def test_an_mlp_only_selection_puts_lora_layers_on_the_mlp_alone(model_dir):
     cfg = build({"model": model_dir, "optimizer": "es", "seed": 3,
                  "es": {"noise": "lowrank", "rank": RANK, "population_size": len(MEMBERS), "include": list(SPEC_MLP.include)},
                  "sampling": {"temperature": 0.0, "max_new_tokens": 16, "batch_size": 3},
-                 "generator": {"backend": "vllm", "enforce_eager": True, "gpu_memory_utilization": 0.2,
-                               "max_model_len": 256, "dtype": "bfloat16"}})
+                 "generator": {"backend": "vllm", "dtype": "bfloat16", "vllm": {
+                     "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_model_len": 256}}})
     g = make_generator(cfg, HostNeeds("perturbations", SPEC_MLP, variants=len(MEMBERS)))
     try:
         with pytest.raises(Unsupported, match=r"does not serve .*self_attn"):
@@ -162,7 +167,7 @@ def _members_agree_with_the_hf_population(gen, model_dir, spec: PerturbationSpec
     assert by_member[0] != by_member[1] != by_member[2]  # members differ from each other
 
     hf, _ = load_model_and_tokenizer(model_dir, "cuda", "float32")
-    layers = lowrank.select_linear(hf, list(spec.include), list(spec.exclude))
+    layers = select_linear(hf, list(spec.include), list(spec.exclude))
     right, wrong, base = [], [], []
     for c in out:
         engine_lp = torch.tensor(c.logprobs, device=hf.device)

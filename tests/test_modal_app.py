@@ -36,7 +36,7 @@ def modal_token(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def built():
-    cfg = build({"runtime": {"kind": "modal", **CUSTOM}})
+    cfg = build({"runtime": {"kind": "modal", "modal": CUSTOM}})
     return cfg, build_app(cfg)
 
 
@@ -108,8 +108,9 @@ def test_verifier_image_builds_on_the_plugin_image():
 
 
 def test_sandboxes_get_the_configured_limits_and_no_network():
-    cfg = build({"runtime": {"kind": "modal", "sandbox_cpu": 3.0, "sandbox_memory_mb": 4096, "sandbox_timeout_s": 900,
-                             "sandbox_start_timeout_s": 42.0, "sandboxes": 5, "sandbox_mode": "per_attempt"}})
+    cfg = build({"runtime": {"kind": "modal", "modal": {
+        "sandbox_cpu": 3.0, "sandbox_memory_mb": 4096, "sandbox_timeout_s": 900, "sandbox_start_timeout_s": 42.0,
+        "sandboxes": 5, "sandbox_mode": "per_attempt"}}})
     runtime = ModalRuntime(cfg, app=build_app(cfg))  # execute="modal": nothing starts until used
     pool = runtime.sandboxes(cfg)
     assert (pool.size, pool.mode, pool.start_timeout_s, pool.lifetime_s) == (5, "per_attempt", 42.0, 840.0)
@@ -120,7 +121,7 @@ def test_sandboxes_get_the_configured_limits_and_no_network():
     assert "secrets" not in handle.options  # model-written code never sees credentials
     assert handle.argv[:3] == ["python", "-m", "vrl.runtime.modal.verify_server"]
 
-    open_net = build({"runtime": {"kind": "modal", "block_network": False}})
+    open_net = build({"runtime": {"kind": "modal", "modal": {"block_network": False}}})
     assert ModalRuntime(open_net, app=build_app(open_net)).sandboxes(open_net).factory().options["block_network"] is False
 
 
@@ -134,7 +135,7 @@ def test_pool_is_sized_from_the_iteration_when_not_fixed():
 def test_verify_in_local_keeps_the_verifier_in_the_orchestrator(tmp_path):
     from vrl.plugins import registry
 
-    cfg = build({"runtime": {"kind": "modal", "verify_in": "local"}})
+    cfg = build({"runtime": {"kind": "modal", "modal": {"verify_in": "local"}}})
     runtime = ModalRuntime(cfg, app=build_app(cfg), execute="local", volume_root=tmp_path)
     verifier = registry().environment("countdown").verifier()
     pool = runtime.verification(verifier, cfg)
@@ -147,7 +148,7 @@ def test_verify_in_local_keeps_the_verifier_in_the_orchestrator(tmp_path):
     pool = runtime.verification(registry().environment("countdown").verifier(), cfg)
     try:
         assert pool.verifier is runtime.sandbox_pool
-        assert pool.timeout_s == cfg.verifier.timeout_s + cfg.runtime.sandbox_start_timeout_s
+        assert pool.timeout_s == cfg.verifier.timeout_s + cfg.runtime.modal.sandbox_start_timeout_s
     finally:
         pool.close()
 
@@ -159,15 +160,15 @@ def test_make_runtime_builds_the_modal_runtime():
 
 
 def test_unknown_runtime_kind_names_both_choices():
-    with pytest.raises(ConfigError, match="'local' or 'modal'"):
+    with pytest.raises(ConfigError, match="unknown runtime 'cluster'; installed: local, modal"):
         build({"runtime": {"kind": "cluster"}})
 
 
 def test_secrets_are_names_only_in_the_recorded_config(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_supersecretvalue")
-    cfg = build({"runtime": {"kind": "modal", "secrets": ["huggingface"]}})
+    cfg = build({"runtime": {"kind": "modal", "modal": {"secrets": ["huggingface"]}}})
     assert "hf_supersecretvalue" not in repr(dump(cfg))
-    assert dump(cfg)["runtime"]["secrets"] == ["huggingface"]
+    assert dump(cfg)["runtime"]["modal"]["secrets"] == ["huggingface"]
 
 
 class FakeMappable:

@@ -44,7 +44,7 @@ def run_pair(tmp_path, extra=None):
     """The same ES run twice: local runtime, then the Modal runtime executing its bodies locally."""
     layers = [BASE, {"logging": {"runs_dir": str(tmp_path)}}, extra or {}]
     local_cfg = build(*layers, {"logging": {"name": "local"}})
-    modal_cfg = build(*layers, {"logging": {"name": "modal"}, "runtime": {"kind": "modal", "verify_in": "local"}})
+    modal_cfg = build(*layers, {"logging": {"name": "modal"}, "runtime": {"kind": "modal", "modal": {"verify_in": "local"}}})
     Trainer(local_cfg, environment=LettersEnvironment(), runtime=LocalRuntime()).run()
     runtime = modal_local(modal_cfg, tmp_path)
     Trainer(modal_cfg, environment=LettersEnvironment(), runtime=runtime).run()
@@ -76,7 +76,8 @@ def _worker_call(worker, variant, tasks, cfg, seed, spec=None, updates=None, wei
     engine = workers.engine_config(cfg)
     out = worker.sample.local(workers.variant_to_wire(variant), start, len(tasks) if stop is None else stop,
                               config=engine, tasks=workers.tasks_to_wire(tasks), seed=seed,
-                              spec=workers.spec_to_wire(spec), updates=updates, weights=weights)
+                              spec=workers.spec_to_wire(spec), weights=weights,
+                              updates=None if updates is None else [u.to_wire() for u in updates])
     return [workers.completion_from_wire(c) for c in out]
 
 
@@ -166,13 +167,11 @@ def test_the_modal_policy_keeps_no_weights_and_refuses_snapshots(tmp_path):
     snap = build(BASE, {"runtime": {"kind": "modal"}, "es": {"snapshot_every": 2}})
     with pytest.raises(ValueError, match="es.snapshot_every=0"):
         ES(snap.es, base={"model": "tiny"}).setup(runtime.policy(snap, HostNeeds("perturbations")))
-    with pytest.raises(ValueError, match="each worker container is an engine"):
-        runtime.policy(build(BASE, {"runtime": {"kind": "modal"}, "generator": {"engines": 2}}))
     runtime.close()
 
 
 def test_remote_es_resume_continues_the_history_exactly(tmp_path):
-    layers = [BASE, {"logging": {"runs_dir": str(tmp_path), "name": "r"}, "runtime": {"kind": "modal", "verify_in": "local"}}]
+    layers = [BASE, {"logging": {"runs_dir": str(tmp_path), "name": "r"}, "runtime": {"kind": "modal", "modal": {"verify_in": "local"}}}]
     cfg1 = build(*layers, {"iterations": 1})
     Trainer(cfg1, environment=LettersEnvironment(), runtime=modal_local(cfg1, tmp_path)).run()
     from vrl.rundir import RunDir
@@ -242,7 +241,7 @@ def test_detached_orchestrator_body_writes_to_the_volume_and_resumes(tmp_path):
     from vrl.runtime.modal.launch import recorded_config
 
     volume = tmp_path / "volume"
-    layers = [BASE, {"logging": {"name": "d"}, "runtime": {"kind": "modal", "verify_in": "local"}}]
+    layers = [BASE, {"logging": {"name": "d"}, "runtime": {"kind": "modal", "modal": {"verify_in": "local"}}}]
     first = build(*layers, {"iterations": 1})
     worker = build_app(first).worker(str(volume))
     commits: list = []
@@ -254,8 +253,8 @@ def test_detached_orchestrator_body_writes_to_the_volume_and_resumes(tmp_path):
         return (volume / path).read_bytes()
 
     resumed = recorded_config("d", "vrl", 2, read=read)
-    assert resumed.iterations == 2 and resumed.runtime.detach and resumed.es == first.es
-    with pytest.raises(ValueError, match="recorded runtime.volume='vrl'"):
+    assert resumed.iterations == 2 and resumed.runtime.modal.detach and resumed.es == first.es
+    with pytest.raises(ValueError, match="recorded runtime.modal.volume='vrl'"):
         recorded_config("d", "other", 2, read=lambda _v, p: (volume / p).read_bytes())
     summary = orchestrate(dump(resumed), volume, worker, resume=True, execute="local")
     run = volume / "runs" / "d"

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from vrl.optim import noise as nz
+from vrl.weights import noise as nz
 
 M = 0xFFFFFFFF
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vrl.optim.es import FlatParams
+from vrl.weights.flat import FlatParams
+from vrl.weights.update import FullRankUpdate
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +24,8 @@ SHAPES = {
     "odd.weight": (7, 13),
     "one": (1,),
 }
-TERMS = [(2**33 + 5, 3.0517578125e-05), (17, -1.52587890625e-05), (2**31 + 1, 7.62939453125e-06), (99, 1.1920928955078125e-07)]
+TERMS = FullRankUpdate(((2**33 + 5, 3.0517578125e-05), (17, -1.52587890625e-05), (2**31 + 1, 7.62939453125e-06),
+                        (99, 1.1920928955078125e-07)))
 SEEDS = [(0, 1), (123456789, -1), (2**40 + 3, 1)]
 
 

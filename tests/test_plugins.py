@@ -30,10 +30,6 @@ GOOD = """
     @vrl.hookimpl
     def register_environments(register):
         register("small-countdown", Small)
-
-    @vrl.hookimpl
-    def register_shapers(register):
-        register("always-one", lambda: (lambda task, completion, verdict: 1.0))
 """
 
 
@@ -43,7 +39,6 @@ def test_installed_plugins_are_discovered():
     assert reg.plugins["lean"].distribution == "vrl-lean"
     assert reg.plugins["python-tests"].distribution == "vrl-python-tests"
     assert reg.plugins["builtin"].registered["environments"] == ["countdown", "letters"]
-    assert "binary" in reg.names("shapers")
 
 
 def test_third_party_entry_point_and_namespacing(tmp_path, monkeypatch):

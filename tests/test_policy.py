@@ -22,6 +22,7 @@ from vrl.runtime.local import LocalRuntime
 from vrl.runtime.pool import HostPool
 from vrl.trainer import Trainer
 from vrl.types import Result, Verdict
+from vrl.weights.update import FullRankUpdate
 
 BASE = {"plugin": "letters", "seed": 3, "tasks_per_iteration": 5,
         "sampling": {"max_new_tokens": 6, "temperature": 1.0, "batch_size": 2},
@@ -72,7 +73,7 @@ def test_a_pool_deals_members_and_returns_what_one_host_returns():
     assert [[v.index for _, vs, _ in calls for v in vs] for calls in work] == [[0, 2, 4], [1, 3]]  # dealt round-robin
     assert _key(pool.sample(tasks, members, seed=9)) == _key(one.sample(tasks, members, seed=9))
     # An update reaches every copy: the pool's engines stay identical to the single host.
-    terms = [(100, 0.01), (101, -0.02)]
+    terms = FullRankUpdate(((100, 0.01), (101, -0.02)))
     one.update(terms)
     pool.update(terms)
     a, b = one.state(), pool.hosts[1].state()
@@ -121,11 +122,11 @@ def test_an_error_on_one_engine_stops_the_iteration_with_that_error():
 
 @pytest.mark.parametrize("optimizer", ["es", "grpo"])
 def test_vrl_train_with_two_engines_matches_one_engine(tmp_path: Path, optimizer: str):
-    """The whole loop with generator.engines=2 (two hf engines on this CPU) writes the same samples,
+    """The whole loop with runtime.local.engines=2 (two hf engines on this CPU) writes the same samples,
     metrics and ES history as with one engine: where a member or a shard ran does not matter."""
     rows = {}
     for engines in (1, 2):
-        cfg = build(BASE, {"optimizer": optimizer, "iterations": 2, "generator": {"engines": engines},
+        cfg = build(BASE, {"optimizer": optimizer, "iterations": 2, "runtime": {"local": {"engines": engines}},
                            "grpo": {"num_generations": 3, "learning_rate": 1e-2, "lr_scheduler_type": "constant"},
                            "logging": {"runs_dir": str(tmp_path), "name": f"{optimizer}-{engines}"}})
         Trainer(cfg, environment=LettersEnvironment(), runtime=LocalRuntime(), console=Console(file=io.StringIO())).run()

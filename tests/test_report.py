@@ -130,3 +130,15 @@ def test_labels_are_cut_in_the_middle_and_keep_their_ends():
     short = shorten(long, 36)
     assert len(short) == 36 and short.startswith("letters-es-sigma") and short.endswith("160507 (es)") and "…" in short
     assert shorten("short (es)", 36) == "short (es)"
+
+
+def test_each_rule_labels_its_runs_from_the_recorded_config(tmp_path):
+    from vrl.report import Run
+
+    def method(config):
+        return Run(path=tmp_path / "r", config=config, metrics=[], samples=[], summary={}).method
+
+    assert method({"optimizer": "es", "es": {"noise": "lowrank", "rank": 8}}) == "es lowrank r=8"
+    assert method({"optimizer": "es", "es": {"noise": "full", "rank": 8}}) == "es"
+    assert method({"optimizer": "grpo", "grpo": {"use_peft": True}}) == "grpo"
+    assert method({"optimizer": "random-search"}) == "random-search"  # a rule not installed here: its name

@@ -22,9 +22,11 @@ pytestmark = [
 
 from vrl.config import SamplingConfig, build
 from vrl.generate.hf import HFGenerator, load_model_and_tokenizer
-from vrl.optim.es import ES, ESConfig, FlatParams, replay, select_parameters
+from vrl.optim.es import ES, ESConfig, replay
 from vrl.policy import HostNeeds
 from vrl.types import Result, Task, Verdict
+from vrl.weights.flat import FlatParams, select_parameters
+from vrl.weights.update import FullRankUpdate
 
 PROMPTS = ["Hello there", "2 + 2 =", "def f(x):", "The quick brown fox", "Lean 4 theorem", "abc", "xyz 123", "Q:"]
 
@@ -38,11 +40,14 @@ def tasks(k: int = len(PROMPTS)) -> list[Task]:
     return [Task(id=f"t{i}", prompt=p) for i, p in enumerate(PROMPTS[:k])]
 
 
-def config(model_dir: str, **generator):
-    return build({"model": model_dir, "optimizer": generator.pop("optimizer", "grpo"), "seed": 3,
+def config(model_dir: str, *, optimizer: str = "grpo", engines: int = 1, dtype: str = "auto", device: str = "auto",
+           **vllm):
+    """A vllm run's config: `vllm` are generator.vllm settings, `engines` runtime.local.engines."""
+    return build({"model": model_dir, "optimizer": optimizer, "seed": 3,
                   "sampling": {"temperature": 1.0, "max_new_tokens": 24, "batch_size": 3},
-                  "generator": {"backend": "vllm", "enforce_eager": True, "gpu_memory_utilization": 0.2,
-                                "max_model_len": 256, **generator}})
+                  "generator": {"backend": "vllm", "dtype": dtype, "device": device, "vllm": {
+                      "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_model_len": 256, **vllm}},
+                  "runtime": {"local": {"engines": engines}}})
 
 
 def greedy(max_new_tokens: int = 24, stop=()) -> SamplingConfig:
@@ -260,8 +265,8 @@ def test_sleep_mode_frees_memory_and_sync_wakes_the_engine(model_dir, es_gen):
 def test_lora_training_pushes_merged_weights(model_dir, es_gen):
     """grpo.use_peft: after a step the engine holds W + ΔW (out-of-place merge), bit for bit."""
     pytest.importorskip("peft", reason="LoRA needs peft")
-    from vrl.generate.vllm import weights_for_engine
     from vrl.optim.grpo import GRPO, GRPOConfig
+    from vrl.weights.export import weights_for_engine
 
     es_gen.close()
     gen = trained_engine(config(model_dir, dtype="float32"))
@@ -298,8 +303,8 @@ def test_vrl_train_on_the_vllm_backend_and_resume(model_dir, es_gen, tmp_path, o
 
     es_gen.close()
     cli = [sys.executable, "-m", "vrl.cli", "train"]
-    common = ["--set", "generator.enforce_eager=true", "--set", "generator.gpu_memory_utilization=0.2",
-              "--set", "generator.max_model_len=1024"]  # countdown prompts: ~300 byte tokens
+    common = ["--set", "generator.vllm.enforce_eager=true", "--set", "generator.vllm.gpu_memory_utilization=0.2",
+              "--set", "generator.vllm.max_model_len=1024"]  # countdown prompts: ~300 byte tokens
     if optimizer == "es-lowrank":  # the model's lm_head is untied: vLLM's LoRA path does not serve it
         optimizer, common = "es", [*common, "--set", "es.noise=lowrank", "--set", "es.rank=4",
                                    "--set", 'es.exclude=["lm_head*"]']
@@ -391,7 +396,7 @@ def _by_member(batches):
 
 
 def test_two_engines_on_one_gpu_sample_what_one_engine_samples(model_dir, es_gen):
-    """generator.engines=2 on one GPU (memory split): ES members dealt over both engines, each
+    """runtime.local.engines=2 on one GPU (memory split): ES members dealt over both engines, each
     perturbed in its own engine, give the completions one engine gives for the same seeds (greedy and
     seeded sampling); an update reaches both engines; GRPO shards the tasks and publishes to both."""
     from vrl.generate import make_generator
@@ -415,7 +420,7 @@ def test_two_engines_on_one_gpu_sample_what_one_engine_samples(model_dir, es_gen
             a = _by_member(one.sample(tasks(), _members(), seed=seed))
             b = _by_member(pool.sample(tasks(), _members(), seed=seed))
             assert a == b and len({x[0] for x in a}) == 4
-        terms = [(500, 0.02), (501, -0.01)]
+        terms = FullRankUpdate(((500, 0.02), (501, -0.01)))
         one.update(terms)
         pool.update(terms)
         names = ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight"]
@@ -464,7 +469,7 @@ def test_modal_worker_body_on_vllm_equals_the_local_vllm_host(model_dir, es_gen)
     es_gen.close()
     cfg = config(model_dir, optimizer="es", dtype="bfloat16", gpu_memory_utilization=0.15)
     spec = PerturbationSpec(("*",), ("*norm*",), 0.05)
-    updates = [[(41, 0.003), (42, -0.002)], [(43, 0.001)]]
+    updates = [FullRankUpdate(((41, 0.003), (42, -0.002))), FullRankUpdate(((43, 0.001),))]
     local = make_generator(cfg, HostNeeds("perturbations"))
     try:
         local.perturbations(spec)
@@ -475,7 +480,7 @@ def test_modal_worker_body_on_vllm_equals_the_local_vllm_host(model_dir, es_gen)
         for v in _members(3):
             got = workers.sample(workers.variant_to_wire(v), 0, len(tasks()), config=engine_cfg,
                                  tasks=workers.tasks_to_wire(tasks()), seed=9, spec=workers.spec_to_wire(spec),
-                                 updates=updates)
+                                 updates=[u.to_wire() for u in updates])
             expected = _by_member(local.sample(tasks(), [v], seed=9))
             assert sorted((c["variant"], c["task_id"], c["sample"], tuple(c["token_ids"])) for c in got) == expected
         assert workers._WARM.host.name == "vllm" and len(workers._WARM.applied) == 2

@@ -21,9 +21,10 @@ from vrl.generate import make_generator
 from vrl.generate.base import Generator, cut_at_stop
 from vrl.generate.vllm import WORKER_EXTENSION, engine_kwargs, sampled_logprobs
 from vrl.generate.vllm_worker import EngineES, engine_layout, slot_views
-from vrl.optim.es import ES, ESConfig, FlatParams, IterationRecord, select_parameters, update_terms
+from vrl.optim.es import ES, ESConfig, IterationRecord, update_terms
 from vrl.policy import HostNeeds
 from vrl.runtime.local import LocalRuntime
+from vrl.weights.flat import FlatParams, select_parameters
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB, PADDED_VOCAB, LAYERS = 4, 2, 8, 32, 48, 257, 320, 2
@@ -185,9 +186,9 @@ def test_es_setup_goes_through_the_hosts_perturbable_weights():
 
 def test_engine_kwargs_read_every_vllm_field():
     cfg = build({"model": "/models/m", "seed": 5, "generator": {
-        "backend": "vllm", "dtype": "float32", "revision": "abc", "gpu_memory_utilization": 0.3,
+        "backend": "vllm", "dtype": "float32", "revision": "abc", "vllm": {"gpu_memory_utilization": 0.3,
         "max_model_len": 2048, "enforce_eager": True, "max_num_seqs": 64, "tensor_parallel_size": 2, "sleep": True,
-        "sync_every": 3}})
+        "sync_every": 3}}})
     kw = engine_kwargs(cfg, "/models/m")
     assert kw == {"model": "/models/m", "revision": "abc", "dtype": "float32", "gpu_memory_utilization": 0.3,
                   "max_model_len": 2048, "enforce_eager": True, "max_num_seqs": 64, "tensor_parallel_size": 2,
@@ -202,29 +203,29 @@ def test_engine_kwargs_read_every_vllm_field():
 def test_config_rejects_bad_vllm_values():
     from vrl.config import ConfigError
 
-    with pytest.raises(ConfigError, match="generator.gpu_memory_utilization"):
-        build({"generator": {"gpu_memory_utilization": 1.5}})
-    with pytest.raises(ConfigError, match="generator.sync_every"):
-        build({"generator": {"sync_every": 0}})
-    with pytest.raises(ConfigError, match="generator.max_num_seqs"):
-        build({"generator": {"max_num_seqs": 0}})
-    with pytest.raises(ConfigError, match="generator.tensor_parallel_size"):
-        build({"generator": {"tensor_parallel_size": 0}})
-    with pytest.raises(ConfigError, match="sampling_logprobs=true or set generator.sync_every=1"):
-        build({"generator": {"sync_every": 2, "sampling_logprobs": False}})
-    assert not build({"generator": {"sampling_logprobs": False}}).generator.sampling_logprobs
+    with pytest.raises(ConfigError, match="generator.vllm.gpu_memory_utilization"):
+        build({"generator": {"vllm": {"gpu_memory_utilization": 1.5}}})
+    with pytest.raises(ConfigError, match="generator.vllm.sync_every"):
+        build({"generator": {"vllm": {"sync_every": 0}}})
+    with pytest.raises(ConfigError, match="generator.vllm.max_num_seqs"):
+        build({"generator": {"vllm": {"max_num_seqs": 0}}})
+    with pytest.raises(ConfigError, match="generator.vllm.tensor_parallel_size"):
+        build({"generator": {"vllm": {"tensor_parallel_size": 0}}})
+    with pytest.raises(ConfigError, match="sampling_logprobs=true or set generator.vllm.sync_every=1"):
+        build({"generator": {"vllm": {"sync_every": 2, "sampling_logprobs": False}}})
+    assert not build({"generator": {"vllm": {"sampling_logprobs": False}}}).generator.vllm.sampling_logprobs
 
 
 def test_sleep_needs_grpo():
-    cfg = build({"generator": {"backend": "vllm", "sleep": True}, "optimizer": "es"})
-    with pytest.raises(ValueError, match="generator.sleep .* only helps optimizer=grpo"):
+    cfg = build({"generator": {"backend": "vllm", "vllm": {"sleep": True}}, "optimizer": "es"})
+    with pytest.raises(ValueError, match="generator.vllm.sleep .* only helps optimizer=grpo"):
         make_generator(cfg, HostNeeds("perturbations"))  # raised before vLLM is imported: no engine, no GPU needed
-    with pytest.raises(ValueError, match="generator.sleep .* only helps optimizer=grpo"):
-        LocalRuntime().policy(build(cfg.model_dump(), {"generator": {"engines": 2}}), HostNeeds("perturbations"))
+    with pytest.raises(ValueError, match="generator.vllm.sleep .* only helps optimizer=grpo"):
+        LocalRuntime().policy(build(cfg.model_dump(), {"runtime": {"local": {"engines": 2}}}), HostNeeds("perturbations"))
 
 
 def test_in_engine_es_refuses_tensor_parallel_before_starting_an_engine():
-    cfg = build({"generator": {"backend": "vllm", "tensor_parallel_size": 2}, "optimizer": "es"})
+    cfg = build({"generator": {"backend": "vllm", "vllm": {"tensor_parallel_size": 2}}, "optimizer": "es"})
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         make_generator(cfg, HostNeeds("perturbations"))  # raised before vLLM is imported: no engine, no GPU needed
 
@@ -352,7 +353,7 @@ def test_engine_es_defers_restores_until_the_engine_is_read(tmp_path, monkeypatc
     engine_model = _EngineModel(fuse(model))
     original = {n: p.detach().clone() for n, p in engine_model.named_parameters()}
     llm = _InProcessLLM(engine_model)
-    gen = VLLMGenerator(llm, tiny.build_tokenizer(), build({}).sampling, model_path=str(tmp_path))
+    gen = VLLMGenerator(llm, tiny.build_tokenizer(), build({}).sampling, mode="perturb", model_path=str(tmp_path))
     opt = ES(ESConfig(population_size=4, sigma=0.05, exclude=["*norm*"]), seed=3)
     opt.setup(gen)
     flat = FlatParams(select_parameters(reference, ["*"], ["*norm*"]))
@@ -408,7 +409,7 @@ def test_lora_weights_reach_the_engine_merged_and_the_base_stays_untouched(dtype
     """GRPO with LoRA: the engine gets W + ΔW under the checkpoint's names (what peft's own
     merge_and_unload gives), computed out of place, so the trainable base keeps its bits."""
     peft = pytest.importorskip("peft", reason="LoRA needs peft (pip install 'vrl-core[lora]')")
-    from vrl.generate.vllm import weights_for_engine
+    from vrl.weights.export import weights_for_engine
 
     model = hf_model(dtype)
     expected_names = [n for n, _ in model.named_parameters()]
@@ -446,9 +447,9 @@ def test_an_engine_that_cannot_wake_after_training_says_what_to_change():
             raise Exception(self.message)
 
     gen = VLLMGenerator(Sleepy("Call to wake_up method failed: CUDA Error: out of memory at cumem_allocator.cpp:163"),
-                        None, build({}).sampling, sleep=True)
+                        None, build({}).sampling, mode="trained", sleep=True)
     gen._asleep = 2
-    with pytest.raises(RuntimeError, match="Lower generator.gpu_memory_utilization.*gradient_checkpointing"):
+    with pytest.raises(RuntimeError, match="Lower generator.vllm.gpu_memory_utilization.*gradient_checkpointing"):
         gen._wake()
     gen.llm = Sleepy("engine core died")
     with pytest.raises(Exception, match="engine core died"):

@@ -1,4 +1,5 @@
-"""The core's own plugin: built-in environments and reward shapers, registered like any plugin's."""
+"""vrl's own plugin: the built-in environments, update rules, generator backends, runtimes and
+commands, registered through the same hooks (`vrl.hookspecs`) as any third-party plugin's."""
 
 from __future__ import annotations
 
@@ -15,19 +16,35 @@ def register_environments(register):
 
 
 @hookimpl
-def register_verifiers(register):
-    from vrl.envs.countdown import CountdownVerifier
-    from vrl.envs.letters import LettersVerifier
+def register_optimizers(register):
+    from vrl.optim.es import ES
+    from vrl.optim.grpo import GRPO
 
-    register("countdown", CountdownVerifier)
-    register("letters", LettersVerifier)
+    register("es", ES)
+    register("grpo", GRPO)
 
 
 @hookimpl
-def register_shapers(register):
-    from vrl import reward
+def register_generators(register):
+    from vrl.generate.hf import HFGenerator
+    from vrl.generate.vllm import VLLMGenerator
 
-    register("binary", reward.Binary)
-    register("partial_credit", reward.PartialCredit)
-    register("length_penalty", reward.LengthPenalty)
-    register("format_bonus", reward.FormatBonus)
+    register("hf", HFGenerator)
+    register("vllm", VLLMGenerator)
+
+
+@hookimpl
+def register_runtimes(register):
+    from vrl.runtime.local import LocalRuntime
+    from vrl.runtime.modal.runtime import ModalRuntime
+
+    register("local", LocalRuntime)
+    register("modal", ModalRuntime)
+
+
+@hookimpl
+def register_commands(cli):
+    from vrl.cli import COMMANDS
+
+    for command in COMMANDS:
+        cli.add_command(command)

@@ -1,5 +1,8 @@
 """The `vrl` command line: train, eval, export, verify, config, report, plugins, modal.
 
+The commands are registered like a plugin's (`vrl.builtin`'s `register_commands` adds `COMMANDS`),
+so plugins add theirs the same way; the group collects them the first time it is asked for one.
+
 Errors: a problem the user can fix (a `UsageError`, or a bad value found while checking the input)
 prints one line, `error: what is wrong; how to fix it`, and exits with 2; anything else is
 unexpected and exits with 1 (`vrl -v ...` shows its traceback). Ctrl-C exits with 130.
@@ -24,11 +27,8 @@ from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
 
-from vrl.config import build, load_file, merge, nest, parse_override
 from vrl.errors import RunDirError, UsageError
 from vrl.meta import DISTRIBUTION
-from vrl.optim import OPTIMIZERS
-from vrl.runtime import RUNTIMES
 
 console = Console(stderr=True, log_path=False)
 
@@ -76,7 +76,26 @@ def _checking_input() -> Iterator[None]:
 
 
 class _Main(click.Group):
-    """The command group: turns errors into one line and an exit status (see the module docstring)."""
+    """The command group: turns errors into one line and an exit status (see the module docstring).
+
+    Its commands come from the plugins' `register_commands` hooks (vrl's own from `vrl.builtin`),
+    collected the first time the group is asked for its commands.
+    """
+
+    _collected = False
+
+    @property
+    def commands(self) -> dict[str, click.Command]:
+        if not self._collected:
+            self._collected = True  # before the hooks run: they add commands through this property
+            from vrl.plugins import registry
+
+            registry().add_commands(self)
+        return self._commands
+
+    @commands.setter
+    def commands(self, value: dict[str, click.Command]) -> None:
+        self._commands = value
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -98,6 +117,8 @@ class _Main(click.Group):
 
 def _options(pairs: tuple[str, ...]) -> dict[str, Any]:
     """KEY=VALUE pairs (dotted keys allowed) merged into one nested mapping."""
+    from vrl.config import merge, parse_override  # here, not at the top: `vrl --help` needs none of it
+
     out: dict[str, Any] = {}
     for pair in pairs:
         out = merge(out, parse_override(pair))
@@ -107,9 +128,15 @@ def _options(pairs: tuple[str, ...]) -> dict[str, Any]:
 def _resolve_config(
     config_file: Path | None, flags: dict[str, Any], overrides: tuple[str, ...], env_options: tuple[str, ...], base: dict | None = None
 ):
-    """Layers: defaults < environment defaults < base (resumed run) < file < flags < --set overrides."""
+    """Layers: defaults < environment defaults < base (resumed run) < file < flags < --set overrides.
+
+    A resumed run's recorded config (`base`) may use keys that have moved since (`vrl.config.MOVED`):
+    it is migrated; the user's own layers must use the new keys (the error names them).
+    """
+    from vrl.config import build, load_file, merge, migrate, nest  # here, not at the top: see `_options`
     from vrl.plugins import registry
 
+    base = migrate(base) if base else base
     file_layer = load_file(config_file) if config_file else {}
     flag_layer = nest({k: v for k, v in flags.items() if v is not None})
     set_layer = _options(overrides)
@@ -148,19 +175,41 @@ _set_help = "Override any config field, e.g. --set sampling.temperature=0.7 --se
 _opt_help = "Environment option KEY=VALUE passed to the plugin, e.g. -o server=http://localhost:8000 (repeatable)."
 
 
-@main.command()
-@click.option("--plugin", "-p", help="Environment to train on (see `vrl plugins`). Default: countdown.")
-@click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), help="Update rule. Default: es.")
-@click.option("--model", "-m", help="Hugging Face id or local path; 'tiny' builds a small local model. Default: tiny.")
-@click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields.")
-@click.option("--iterations", "-n", type=int, help="Training iterations.")
-@click.option("--name", help="Run name (directory under logging.runs_dir).")
+def _run_options(command: Any) -> Any:
+    """The options `vrl train` and `vrl config` share (one definition, so their help never drifts)."""
+    options = [
+        click.option("--plugin", "-p", help="Environment to train on (see `vrl plugins`). Default: countdown."),
+        click.option("--optimizer", help="Update rule: es, grpo, or one a plugin registers (see `vrl plugins`). Default: es."),
+        click.option("--model", "-m", help="Hugging Face id or local path; 'tiny' builds a small local model. Default: tiny."),
+        click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields."),
+        click.option("--iterations", "-n", type=int, help="Training iterations."),
+        click.option("--name", help="Run name (directory under logging.runs_dir)."),
+        click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_set_help),
+        click.option("-o", "--option", "env_options", multiple=True, metavar="KEY=VALUE", help=_opt_help),
+        click.option("--runtime", help="Where generation and verification run: local, modal, or one a plugin registers. "
+                     "Default: local."),
+        click.option("--detach", is_flag=True, default=None,
+                     help="With --runtime modal: run the loop itself on Modal (runtime.modal.detach; needs --name)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+_FLAG_OF = {"plugin": "--plugin", "optimizer": "--optimizer", "model": "--model", "iterations": "--iterations",
+            "logging.name": "--name", "runtime.kind": "--runtime", "runtime.modal.detach": "--detach"}
+
+
+def _run_flags(plugin, optimizer, model, iterations, name, runtime, detach) -> dict[str, Any]:
+    """The shared flags as dotted config keys (None: not given)."""
+    return {"plugin": plugin, "optimizer": optimizer, "model": model, "iterations": iterations, "logging.name": name,
+            "runtime.kind": runtime, "runtime.modal.detach": detach}
+
+
+@click.command()
+@_run_options
 @click.option("--resume", type=click.Path(path_type=Path), help="Continue the run in this directory.")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_set_help)
-@click.option("-o", "--option", "env_options", multiple=True, metavar="KEY=VALUE", help=_opt_help)
-@click.option("--runtime", type=click.Choice(list(RUNTIMES)), help="Where generation and verification run. Default: local.")
-@click.option("--detach", is_flag=True, default=None, help="With --runtime modal: run the loop itself on Modal (needs --name).")
-def train(plugin, optimizer, model, config_file, iterations, name, resume, overrides, env_options, runtime, detach) -> None:
+def train(plugin, optimizer, model, config_file, iterations, name, overrides, env_options, runtime, detach, resume) -> None:
     """Train a model against a verifier.
 
     Writes runs/<name>/ (config, metrics.jsonl, samples.jsonl, optimizer state, summary.json).
@@ -170,8 +219,7 @@ def train(plugin, optimizer, model, config_file, iterations, name, resume, overr
     from vrl.runtime import make_runtime
     from vrl.trainer import Trainer
 
-    flags = {"plugin": plugin, "optimizer": optimizer, "model": model, "iterations": iterations, "logging.name": name,
-             "runtime.kind": runtime, "runtime.detach": detach}
+    flags = _run_flags(plugin, optimizer, model, iterations, name, runtime, detach)
     run_dir = None
     try:
         with _checking_input():
@@ -180,19 +228,19 @@ def train(plugin, optimizer, model, config_file, iterations, name, resume, overr
                 run_dir.acquire()  # a live writer is refused before anything else happens
                 fixed = [k for k, v in flags.items() if v is not None and k != "iterations"]
                 if fixed or config_file:
-                    given = ", ".join(["--" + k.split(".")[-1] for k in fixed] + (["--config"] if config_file else []))
+                    given = ", ".join([_FLAG_OF[k] for k in fixed] + (["--config"] if config_file else []))
                     raise UsageError(f"--resume continues {resume} with its recorded config, so {given} cannot be "
                                      "given; only --iterations, --set and -o may change")
                 cfg = _resolve_config(None, flags, overrides, env_options, base=run_dir.config())
                 _check_resume_iterations(run_dir, cfg.iterations, iterations)
             else:
                 cfg = _resolve_config(config_file, flags, overrides, env_options)
-            if cfg.runtime.detach:
+            if cfg.runtime.modal.detach:
                 from vrl.runtime.modal.launch import launch_detached
 
                 call = launch_detached(cfg)
                 console.print(f"detached run {cfg.logging.name!r} started on Modal (call {call}); its run directory is "
-                              f"runs/{cfg.logging.name} on the Volume {cfg.runtime.volume!r}")
+                              f"runs/{cfg.logging.name} on the Volume {cfg.runtime.modal.volume!r}")
                 return
             trainer = Trainer(cfg, run_dir=run_dir, console=console, runtime=make_runtime(cfg))
     except BaseException:
@@ -227,7 +275,7 @@ def _kept(run_dir) -> str:
     return f" ({done} finished iterations are kept in {run_dir.path}; continue with `vrl train --resume {run_dir.path}`)"
 
 
-@main.command(name="eval")
+@click.command(name="eval")
 @click.option("--plugin", "-p", help="Environment (see `vrl plugins`). Default: countdown, or the run's with a run directory.")
 @click.option("--model", "-m", help="Hugging Face id, local path, a run directory (its trained model), or 'tiny'.")
 @click.option("--split", default="test", show_default=True, help="Environment split to evaluate on.")
@@ -278,7 +326,7 @@ def eval_(plugin, model, split, k, limit, config_file, overrides, env_options, a
     Console().print(table)
 
 
-@main.command()
+@click.command()
 @click.argument("run", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="New (or empty) directory for the model.")
 @click.option("--device", default="auto", show_default=True, help="Where to rebuild the weights: auto (a GPU if any), cpu, cuda.")
@@ -300,7 +348,7 @@ def export(run, out, device) -> None:
                   f"(base {info['base_model']}{', LoRA merged' if info.get('lora') else ''})")
 
 
-@main.command()
+@click.command()
 @click.argument("attempts", type=click.Path(path_type=Path, allow_dash=True))
 @click.option("--plugin", "-p", default="countdown", show_default=True, help="Environment whose verifier judges.")
 @click.option("--split", "splits", multiple=True, help="Splits searched for task ids (default: all).")
@@ -359,18 +407,9 @@ def _check_writable(out: Path) -> None:
         raise UsageError(f"--out {out} is not writable; choose another path")
 
 
-@main.command()
-@click.option("--plugin", "-p", help="Environment whose defaults apply. Default: countdown.")
-@click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), help="Update rule.")
-@click.option("--model", "-m", help="Model id or path.")
-@click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields.")
-@click.option("--iterations", "-n", type=int, help="Training iterations.")
-@click.option("--name", help="Run name (directory under logging.runs_dir).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_set_help)
-@click.option("-o", "--option", "env_options", multiple=True, metavar="KEY=VALUE", help=_opt_help)
-@click.option("--runtime", type=click.Choice(list(RUNTIMES)), help="Where generation and verification run.")
-@click.option("--detach", is_flag=True, default=None, help="With --runtime modal: the loop itself runs on Modal.")
-@click.option("--fields", is_flag=True, help="Print the table of all fields (markdown) instead.")
+@click.command()
+@_run_options
+@click.option("--fields", is_flag=True, help="Print every field, grouped by section (markdown), instead.")
 def config(plugin, optimizer, model, config_file, iterations, name, overrides, env_options, runtime, detach, fields) -> None:
     """Print the resolved configuration as YAML: what `vrl train` with the same flags would use.
 
@@ -384,13 +423,12 @@ def config(plugin, optimizer, model, config_file, iterations, name, overrides, e
         click.echo(field_table(), nl=False)
         return
     with _checking_input():
-        flags = {"plugin": plugin, "optimizer": optimizer, "model": model, "iterations": iterations, "logging.name": name,
-                 "runtime.kind": runtime, "runtime.detach": detach}
+        flags = _run_flags(plugin, optimizer, model, iterations, name, runtime, detach)
         cfg = _resolve_config(config_file, flags, overrides, env_options)
     click.echo(yaml.safe_dump(dump(cfg), sort_keys=False), nl=False)
 
 
-@main.command()
+@click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), default=Path("report"), show_default=True,
               help="Directory for the PNG plots and report.html.")
@@ -409,7 +447,7 @@ def report(runs, out) -> None:
     console.print(f"wrote {page} and {len(list(Path(out).glob('*.png')))} plots")
 
 
-@main.group()
+@click.group()
 def modal() -> None:
     """Run on Modal: prepare the Volume once, then `vrl train --runtime modal` (docs/modal.md)."""
 
@@ -418,18 +456,19 @@ def modal() -> None:
 @click.option("--model", "-m", required=True, help="Hugging Face model id to put on the Volume.")
 @click.option("--revision", help="Branch, tag or commit (default: main).")
 @click.option("--secret", "secrets", multiple=True, help="Modal Secret name to mount, e.g. huggingface (repeatable).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="runtime.* overrides, e.g. runtime.volume=vrl2.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="runtime.modal.* overrides, e.g. runtime.modal.volume=vrl2.")
 def prepare(model, revision, secrets, overrides) -> None:
     """Download base weights and tokenizer onto the Modal Volume once; workers load them from there."""
     from vrl.runtime.modal.launch import prepare as run_prepare
 
     with _checking_input():
         cfg = _resolve_config(None, {"model": model, "runtime.kind": "modal",
-                                     "runtime.secrets": list(secrets) or None}, overrides, ())
+                                     "runtime.modal.secrets": list(secrets) or None}, overrides, ())
     with _checking_input():  # Modal's own refusals (no token, no such model) are the user's to fix
         info = run_prepare(cfg, model, revision)
     console.print(f"{model}: {len(info['files'])} files, {info['bytes'] / 1e9:.2f} GB on Volume "
-                  f"{cfg.runtime.volume!r} ({'downloaded' if info['downloaded'] else 'already there'})")
+                  f"{cfg.runtime.modal.volume!r} ({'downloaded' if info['downloaded'] else 'already there'})")
 
 
 @modal.command(name="resume")
@@ -446,35 +485,39 @@ def modal_resume(name, iterations, volume) -> None:
                   f"its run directory is runs/{name} on the Volume {volume!r}")
 
 
-@main.command()
+@click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def plugins(as_json: bool) -> None:
-    """List installed plugins, their versions and what they register."""
-    from vrl.plugins import registry
+    """List installed plugins, their versions and what they register.
 
-    reg = registry()
+    `VRL_PLUGINS=a,b` loads only those plugins (`VRL_PLUGINS=` none: the built-ins alone).
+    """
+    from vrl.plugins import KINDS, registry
+
+    reg = registry().collect_all()
     infos = list(reg.plugins.values())
     if as_json:
         click.echo(json.dumps([vars(i) for i in infos], indent=2))
         return
     table = Table(title="vrl plugins")
-    for col in ("plugin", "distribution", "version", "environments", "verifiers", "shapers", "status"):
+    for col in ("plugin", "distribution", "version", "registers", "status"):
         table.add_column(col, overflow="fold")  # a narrow terminal wraps names; it never cuts them
+    labels = {**KINDS, "commands": "command"}
     for info in infos:
-        status = f"[red]failed: {info.error}" if info.error else "[green]ok"
-        table.add_row(
-            info.name,
-            info.distribution or "",
-            info.version or "",
-            "\n".join(info.registered["environments"]),
-            "\n".join(info.registered["verifiers"]),
-            "\n".join(info.registered["shapers"]),
-            status,
-        )
+        status = f"[red]failed: {escape(info.error)}" if info.error else "[green]ok"
+        registers = "\n".join(f"{labels[kind]}: {', '.join(names)}" for kind, names in info.registered.items() if names)
+        table.add_row(info.name, info.distribution or "", info.version or "", registers, status)
     Console().print(table)
     for conflict in reg.conflicts:
-        console.print(f"[yellow]warning:[/] {conflict}")
+        console.print(f"[yellow]warning:[/] {escape(conflict)}")
+
+
+#: The built-in commands, added to the group by `vrl.builtin`'s `register_commands` (as a plugin adds its own).
+COMMANDS = (train, eval_, export, verify, config, report, modal, plugins)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    # `python -m vrl.cli`: run the group of the importable module, the one `vrl.builtin` adds COMMANDS to.
+    from vrl.cli import main as _main
+
+    _main()

@@ -10,16 +10,20 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
+import copy
 import re
-import types
+import weakref
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from vrl.environment import type_name
 from vrl.errors import UsageError
-from vrl.optim import OPTIMIZERS, optimizer_class
+
+if TYPE_CHECKING:  # at run time `TrainConfig` is built from the plugins on first use (`__getattr__` below)
+    TrainConfig = BaseModel
 
 RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}")
 RUN_NAME_RULE = (
@@ -28,11 +32,16 @@ RUN_NAME_RULE = (
 )
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """A config section: unknown keys and values of the wrong type are errors; assignments are checked too.
+
+    Base of the sections optimizers, generator backends and runtimes define (their `Config`).
+    """
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class SamplingConfig(_Section):
+class SamplingConfig(Section):
     """How completions are sampled."""
 
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy decoding.")
@@ -44,81 +53,29 @@ class SamplingConfig(_Section):
     )
 
 
-class GeneratorConfig(_Section):
-    """Which backend generates, and where."""
+class GeneratorConfig(Section):
+    """Which backend generates, and the model settings every backend reads. A backend's own settings
+    are its section, `generator.<backend>` (defined by the backend's class: `Generator.Config`)."""
 
-    backend: Literal["hf", "vllm"] = Field("hf", description="'hf' (transformers, CPU or GPU) or 'vllm' (GPU).")
+    backends: ClassVar[tuple[str, ...]] = ()  # the registered backends (`build_config_model` sets them)
+
+    backend: str = Field(
+        "hf", description="'hf' (transformers, CPU or GPU), 'vllm' (GPU), or a backend a plugin registers "
+        "(`vrl plugins` lists them)."
+    )
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="'auto': bfloat16 on GPU, float32 on CPU."
     )
     revision: str | None = Field(None, description="Model revision (branch, tag or commit) on the Hugging Face Hub.")
-    threads: int | None = Field(
-        None, ge=1,
-        description="hf: torch's intra-op CPU threads, set process-wide when the model loads. None: 1 for the "
-        "tiny model on CPU (its matrices gain nothing from more, and one thread per core is many times slower "
-        "when other processes keep the cores busy; docs/config.md); other models keep torch's default (one per "
-        "core), as does GPU generation.",
-    )
-    gpu_memory_utilization: float = Field(
-        0.6, gt=0.0, le=1.0,
-        description="vllm: fraction of GPU memory the engine may take (weights + KV cache); leave room for "
-        "in-engine ES state (4 bytes per selected parameter) or GRPO training on the same GPU.",
-    )
-    max_model_len: int | None = Field(
-        None, ge=1, description="vllm: longest prompt + completion in tokens; None: the model's own limit."
-    )
-    enforce_eager: bool = Field(
-        False, description="vllm: skip torch.compile and CUDA graphs (starts ~3x faster, generates ~3x slower)."
-    )
-    max_num_seqs: int = Field(
-        512, ge=1,
-        description="vllm: most sequences one engine step decodes. 512 is the largest batch vLLM captures in a "
-        "CUDA graph by default; steps above it run without graphs (vLLM's own default on 80 GB GPUs is 1024: "
-        "2.5x slower for a 1920-request low-rank ES pass on one H100, docs/benchmarks.md).",
-    )
-    tensor_parallel_size: int = Field(
-        1, ge=1, description="vllm: GPUs one engine shards the model over (in-engine ES needs 1)."
-    )
-    sleep: bool = Field(
-        False,
-        description="vllm + grpo: the engine frees its GPU memory after each generation pass so training can use "
-        "it (colocated mode), and wakes for the weight sync.",
-    )
-    sync_every: int = Field(
-        1, ge=1,
-        description="vllm + grpo: push the trained weights into the engine every k updates; in between the engine "
-        "samples slightly stale weights and GRPO's importance ratio uses the engine's log-probs.",
-    )
-    sampling_logprobs: bool = Field(
-        True,
-        description="vllm + grpo: the engine returns each sampled token's log-prob and GRPO's importance ratio "
-        "uses it (corrects for sampler/trainer numerics and stale weights). Costs about 40% of generation "
-        "throughput at 1.5B (docs/benchmarks.md); false: the ratio uses the trainer's own log-probs.",
-    )
 
-    engines: int = Field(
-        1, ge=1,
-        description="Sampling engines, each with its own copy of the weights: ES deals its members over them, "
-        "GRPO shards the tasks and publishes trained weights to all. Local runtime only.",
-    )
-    gpus: list[int] | None = Field(
-        None,
-        description="GPU indices the engines are dealt over (round-robin); engines sharing a GPU split "
-        "gpu_memory_utilization evenly. None: one GPU (vllm) or generator.device (hf).",
-    )
-
-    @model_validator(mode="after")
-    def _check_logprobs(self) -> GeneratorConfig:
-        if self.sync_every > 1 and not self.sampling_logprobs:
-            raise ValueError(
-                "generator.sync_every > 1 samples from weights up to k-1 updates old, which only the engine's own "
-                "log-probs can correct for; keep generator.sampling_logprobs=true or set generator.sync_every=1"
-            )
-        return self
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        return _registered(value, cls.backends, "generator backend")
 
 
-class VerifierConfig(_Section):
+class VerifierConfig(Section):
     """How attempts are sent to the verifier."""
 
     batch_size: int = Field(64, ge=1, description="Attempts per verify() call.")
@@ -128,66 +85,31 @@ class VerifierConfig(_Section):
     )
 
 
-class RuntimeConfig(_Section):
-    """Where generation and verification run. The fields after `kind` apply to `kind: modal` (docs/modal.md)."""
+class RuntimeConfig(Section):
+    """Where generation and verification run. A runtime's own settings are its section,
+    `runtime.<kind>` (defined by the runtime's class: `Runtime.Config`)."""
+
+    kinds: ClassVar[tuple[str, ...]] = ()  # the registered runtimes (`build_config_model` sets them)
 
     kind: str = Field(
-        "local", description="'local': this machine; 'modal': GPU functions and verifier sandboxes on Modal "
-        "(the list: vrl.runtime.RUNTIMES)."
+        "local", description="'local': this machine; 'modal': GPU functions and verifier sandboxes on Modal; or a "
+        "runtime a plugin registers (`vrl plugins` lists them)."
     )
-    app_name: str = Field("vrl", min_length=1, description="Modal app name (shown in the Modal dashboard).")
-    gpu: str = Field("H100", min_length=1, description="GPU type of the generation functions, e.g. 'H100', 'A100-80GB', 'L40S'.")
-    cpu: float = Field(4.0, gt=0, description="CPU cores reserved per GPU container.")
-    memory_mb: int = Field(65536, ge=1024, description="Memory (MiB) reserved per GPU container.")
-    timeout_s: int = Field(3600, ge=10, description="Wall-clock cap for one GPU call (an ES member or a generation shard).")
-    retries: int = Field(2, ge=0, le=10, description="Retries of a failed GPU call (preemption, OOM) before the run fails.")
-    max_containers: int = Field(
-        30, ge=1, description="GPU containers at most (ES: members evaluated at once; GRPO: shards at once)."
-    )
-    scaledown_window_s: int = Field(
-        300, ge=2, description="Seconds an idle GPU container stays warm (keeps the base weights and replayed ES state)."
-    )
-    volume: str = Field("vrl", min_length=1, description="Modal Volume holding base weights, the HF cache and run directories.")
-    secrets: list[str] = Field(
-        default_factory=list,
-        description="Modal Secret names (e.g. 'huggingface'), mounted on `vrl modal prepare` and the detached "
-        "orchestrator only; never on GPU workers or verifier sandboxes, never logged.",
-    )
-    detach: bool = Field(False, description="Run the orchestrator itself on Modal; the run directory lives on the Volume.")
-    orchestrator_gpu: str | None = Field(
-        None, description="GPU for the detached orchestrator (GRPO trains there); None: CPU only (ES needs none)."
-    )
-    verify_in: Literal["sandbox", "local"] = Field(
-        "sandbox", description="'sandbox': verifiers run in Modal Sandboxes; 'local': in the orchestrator process."
-    )
-    sandboxes: int = Field(0, ge=0, description="Verifier sandboxes in the pool; 0: sized from the batch.")
-    sandbox_mode: Literal["pool", "per_attempt"] = Field(
-        "pool", description="'pool': long-lived warm sandboxes; 'per_attempt': a fresh sandbox for every attempt."
-    )
-    sandbox_cpu: float = Field(2.0, gt=0, description="CPU cores per verifier sandbox.")
-    sandbox_memory_mb: int = Field(8192, ge=256, description="Memory (MiB) per verifier sandbox.")
-    sandbox_timeout_s: int = Field(3600, ge=60, description="Lifetime of a verifier sandbox; the pool replaces expired ones.")
-    sandbox_start_timeout_s: float = Field(
-        600.0, gt=0, description="How long a sandbox may take to become healthy (a Lean server imports Mathlib)."
-    )
-    block_network: bool = Field(True, description="Verifier sandboxes get no network (model-written code runs there).")
 
     @field_validator("kind")
     @classmethod
     def _known_kind(cls, value: str) -> str:
-        from vrl.runtime import RUNTIMES
-
-        return _one_of(value, RUNTIMES)
+        return _registered(value, cls.kinds, "runtime")
 
 
-def _one_of(value: str, registry: dict[str, str]) -> str:
-    """`value` if it names an entry of `registry` (an update rule, a runtime); else the choices."""
-    if value not in registry:
-        raise ValueError(f"Input should be {' or '.join(map(repr, registry))}")
+def _registered(value: str, names: tuple[str, ...], what: str) -> str:
+    """`value` if it names a registered update rule, backend or runtime; else one line listing them."""
+    if value not in names:
+        raise ValueError(f"unknown {what} {value!r}; installed: {', '.join(names) or 'none'} (`vrl plugins` lists them)")
     return value
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     """Run directory and what goes in it."""
 
     runs_dir: Path = Field(Path("runs"), description="Parent directory of run directories.")
@@ -219,15 +141,20 @@ class LoggingConfig(_Section):
         return name
 
 
-class _RunConfig(_Section):
+class _RunConfig(Section):
     """Everything a training run needs. `vrl train --help` lists the flags that set these."""
+
+    optimizers: ClassVar[tuple[str, ...]] = ()  # the registered update rules (`build_config_model` sets them)
 
     plugin: str = Field("countdown", description="Environment name, as listed by `vrl plugins`.")
     env_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword options passed to the environment (e.g. a server URL)."
     )
     model: str = Field("tiny", description="Hugging Face model id or local path; 'tiny' builds a small local model.")
-    optimizer: str = Field("es", description="Update rule: 'es' or 'grpo' (the list: vrl.optim.OPTIMIZERS).")
+    optimizer: str = Field(
+        "es", description="Update rule: 'es', 'grpo', or a rule a plugin registers (`vrl plugins` lists them); its "
+        "settings are the section named after it."
+    )
     iterations: int = Field(10, ge=1, description="Training iterations.")
     tasks_per_iteration: int = Field(8, ge=1, description="Tasks drawn per iteration.")
     split: str = Field("train", description="Environment split to train on.")
@@ -241,7 +168,7 @@ class _RunConfig(_Section):
     @field_validator("optimizer")
     @classmethod
     def _known_optimizer(cls, value: str) -> str:
-        return _one_of(value, OPTIMIZERS)
+        return _registered(value, cls.optimizers, "optimizer")
 
     @model_validator(mode="after")
     def _check_plugin(self) -> _RunConfig:
@@ -250,18 +177,123 @@ class _RunConfig(_Section):
         return self
 
 
-def _optimizer_sections() -> dict[str, Any]:
-    """One section per registered update rule, named after it (`es`, `grpo`), holding its settings."""
-    out: dict[str, Any] = {}
-    for name in OPTIMIZERS:
-        section = optimizer_class(name).Config
-        out[name] = (section, Field(default_factory=section, description=(section.__doc__ or "").strip()))
+_MODELS: weakref.WeakKeyDictionary[Any, type[BaseModel]] = weakref.WeakKeyDictionary()
+
+
+def config_model(registry: Any) -> type[BaseModel]:
+    """The `TrainConfig` class of a registry of plugins (`vrl.plugins.Registry`), built once per registry."""
+    if registry not in _MODELS:
+        _MODELS[registry] = build_config_model(registry)
+    return _MODELS[registry]
+
+
+def build_config_model(registry: Any) -> type[BaseModel]:
+    """The `TrainConfig` class for a registry of plugins (`config_model` keeps one per registry).
+
+    The run's fields, plus one section per registered update rule (`es`, `grpo`: the class's
+    `Config`), per generator backend (`generator.hf`, `generator.vllm`) and per runtime
+    (`runtime.local`, `runtime.modal`). Adding any of them needs no edit here.
+    """
+
+    def sections(kind: str, base: type[BaseModel], where: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in registry.names(kind):
+            if name in base.model_fields:  # a section may not shadow a field (an optimizer named 'seed')
+                registry._conflicts.append(f"{kind[:-1]} {name!r} cannot be configured: {where}{name} is already "
+                                          "a field; it was left out")
+                continue
+            section = registry.factory(kind, name).Config
+            out[name] = (section, Field(default_factory=section, description=(section.__doc__ or "").strip()))
+        return out
+
+    generator = create_model("GeneratorConfig", __base__=GeneratorConfig, __module__=__name__,
+                             **sections("generators", GeneratorConfig, "generator."))
+    generator.backends = tuple(n for n in generator.model_fields if n not in GeneratorConfig.model_fields)
+    generator.__doc__ = GeneratorConfig.__doc__
+    runtime = create_model("RuntimeConfig", __base__=RuntimeConfig, __module__=__name__,
+                           **sections("runtimes", RuntimeConfig, "runtime."))
+    runtime.kinds = tuple(n for n in runtime.model_fields if n not in RuntimeConfig.model_fields)
+    runtime.__doc__ = RuntimeConfig.__doc__
+    rules = sections("optimizers", _RunConfig, "")
+    model = create_model("TrainConfig", __base__=_RunConfig, __module__=__name__,
+                         generator=(generator, Field(default_factory=generator)),
+                         runtime=(runtime, Field(default_factory=runtime)), **rules)
+    model.optimizers = tuple(rules)
+    model.__doc__ = _RunConfig.__doc__
+    return model
+
+
+def train_config() -> type[BaseModel]:
+    """The `TrainConfig` class of the installed plugins (`vrl.config.TrainConfig` is the same class)."""
+    from vrl.plugins import registry  # here: the registry loads plugins, which import vrl.config
+
+    return config_model(registry())
+
+
+def __getattr__(name: str) -> Any:
+    # `TrainConfig` depends on the registered plugins, so it is built on first use, not on import.
+    if name == "TrainConfig":
+        return train_config()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+#: Keys that moved when sections began to nest by kind (issue 28): old dotted key -> new dotted key.
+#: A config file or `--set` that uses an old key is an error naming the new one; a run directory
+#: recorded with old keys is migrated when it is loaded (`migrate`), so old runs still resume.
+MOVED: dict[str, str] = {
+    "generator.threads": "generator.hf.threads",
+    **{f"generator.{k}": f"generator.vllm.{k}" for k in (
+        "gpu_memory_utilization", "max_model_len", "enforce_eager", "max_num_seqs", "tensor_parallel_size", "sleep",
+        "sync_every", "sampling_logprobs")},
+    "generator.engines": "runtime.local.engines",
+    "generator.gpus": "runtime.local.gpus",
+    **{f"runtime.{k}": f"runtime.modal.{k}" for k in (
+        "app_name", "gpu", "cpu", "memory_mb", "timeout_s", "retries", "max_containers", "scaledown_window_s", "volume",
+        "secrets", "detach", "orchestrator_gpu", "verify_in", "sandboxes", "sandbox_mode", "sandbox_cpu",
+        "sandbox_memory_mb", "sandbox_timeout_s", "sandbox_start_timeout_s", "block_network")},
+}
+
+
+def moved_keys(data: dict[str, Any]) -> list[str]:
+    """The old keys (`MOVED`) that `data` (a nested config mapping) still uses."""
+    return [old for old in MOVED if _get(data, old) is not _ABSENT]
+
+
+def check_moved(data: dict[str, Any]) -> None:
+    """A `ConfigError` naming the new key of every moved key `data` uses (one line)."""
+    old = moved_keys(data)
+    if old:
+        raise ConfigError("invalid configuration: " + " | ".join(f"{k}: moved to {MOVED[k]}" for k in old))
+
+
+def migrate(data: dict[str, Any]) -> dict[str, Any]:
+    """A recorded config (a run directory's config.json) with its moved keys put where they are now."""
+    out = copy.deepcopy(data)
+    for old in moved_keys(out):
+        value = _pop(out, old)
+        if _get(out, MOVED[old]) is _ABSENT:
+            out = merge(out, nest({MOVED[old]: value}))
     return out
 
 
-# The run's settings plus one section per update rule: a new rule needs no edit here.
-TrainConfig = create_model("TrainConfig", __base__=_RunConfig, __module__=__name__, **_optimizer_sections())
-TrainConfig.__doc__ = _RunConfig.__doc__
+_ABSENT = object()
+
+
+def _get(data: dict[str, Any], dotted: str) -> Any:
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
+
+
+def _pop(data: dict[str, Any], dotted: str) -> Any:
+    *parents, last = dotted.split(".")
+    node = data
+    for part in parents:
+        node = node[part]
+    return node.pop(last)
 
 
 class ConfigError(UsageError, ValueError):
@@ -326,12 +358,14 @@ def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 def build(*layers: dict[str, Any]) -> TrainConfig:
-    """Validate merged layers into a TrainConfig; errors name each bad field and what is allowed."""
+    """Validate merged layers into a TrainConfig; errors name each bad field and what is allowed
+    (a key that moved names its new place: `runtime.gpu: moved to runtime.modal.gpu`)."""
     merged: dict[str, Any] = {}
     for layer in layers:
         merged = merge(merged, layer)
+    check_moved(merged)
     try:
-        return TrainConfig.model_validate(merged)
+        return train_config().model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
 
@@ -348,13 +382,13 @@ def format_validation_error(exc: ValidationError) -> str:
             if parent is not None:
                 msg += f"; known fields: {', '.join(sorted(parent.model_fields))}"
         value = err.get("input")
-        shown = "" if err["type"] in ("missing",) or isinstance(value, dict) else f" (got {value!r})"
+        shown = "" if err["type"] in ("missing",) or isinstance(value, dict) or repr(value) in msg else f" (got {value!r})"
         lines.append(f"{field}: {msg}{shown}")
     return "invalid configuration: " + " | ".join(lines)
 
 
 def _section_for(loc: tuple) -> type[BaseModel] | None:
-    model: type[BaseModel] = TrainConfig
+    model: type[BaseModel] = train_config()
     for part in loc:
         field = model.model_fields.get(str(part))
         ann = getattr(field, "annotation", None)
@@ -369,42 +403,50 @@ def dump(config: TrainConfig) -> dict[str, Any]:
     return config.model_dump(mode="json")
 
 
-def field_table() -> str:
-    """A markdown table of every config field (dotted name, type, default, description)."""
-    rows = ["| field | type | default | description |", "|---|---|---|---|"]
+def field_table(model: type[BaseModel] | None = None) -> str:
+    """Every config field of `model` (default: this installation's `TrainConfig`), grouped by section
+    as TRL's docs are: a heading and the section's own description, then a markdown table (dotted
+    name, type, default, description)."""
+    out: list[str] = []
 
-    def walk(model: type[BaseModel], prefix: str) -> None:
+    def section(model: type[BaseModel], prefix: str, title: str, doc: str) -> None:
+        rows, nested = [], []
         for name, field in model.model_fields.items():
             ann = field.annotation
             if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, f"{prefix}{name}.")
+                nested.append((ann, f"{prefix}{name}"))
                 continue
             default = field.get_default(call_default_factory=True)
             shown = str(default) if not isinstance(default, str) else repr(default)
-            kind = _type_name(ann)
+            kind = type_name(ann)
             desc, kind = (field.description or "").replace("|", "\\|"), kind.replace("|", "\\|")
             rows.append(f"| `{prefix}{name}` | {kind} | `{shown}` | {desc} |")
+        out.append(f"### {title}\n")
+        if doc:
+            out.append(" ".join(doc.split()) + "\n")
+        if rows:
+            out.append("\n".join(["| field | type | default | description |", "|---|---|---|---|", *rows]) + "\n")
+        else:
+            out.append("No settings.\n")
+        for sub, name in nested:
+            section(sub, f"{name}.", f"`{name}`", (sub.__doc__ or "").strip())
 
-    walk(TrainConfig, "")
-    return "\n".join(rows) + "\n"
-
-
-def _type_name(ann: Any) -> str:
-    origin, args = get_origin(ann), get_args(ann)
-    if origin is Literal:
-        return " or ".join(repr(a) for a in args)
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in args)
-    if origin is not None:
-        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
-    return "None" if ann is type(None) else getattr(ann, "__name__", str(ann))
+    section(model or train_config(), "", "The run", "The top-level fields.")
+    return "\n".join(out)
 
 
-if __name__ == "__main__":  # python -m vrl.config: refresh the field table in docs/config.md
+def builtin_config_model() -> type[BaseModel]:
+    """The `TrainConfig` of vrl alone, without installed plugins (what docs/config.md documents)."""
+    from vrl.plugins import Registry
+
+    return config_model(Registry().load(entry_points=False))
+
+
+if __name__ == "__main__":  # python -m vrl.config: refresh the field tables in docs/config.md
     import sys
 
     doc = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/config.md")
     text = doc.read_text()
     start, end = "<!-- fields:start -->\n", "<!-- fields:end -->"
     head, tail = text[: text.index(start) + len(start)], text[text.index(end) :]
-    doc.write_text(head + field_table() + tail)
+    doc.write_text(head + field_table(builtin_config_model()) + tail)

@@ -7,10 +7,11 @@ its verifier, its reward shaper, and defaults for the run (model, sampling, opti
 from __future__ import annotations
 
 import inspect
+import types
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic.fields import FieldInfo
@@ -19,6 +20,9 @@ from vrl.errors import OptionsError, UnknownSplitError
 from vrl.reward import Binary, RewardShaper
 from vrl.types import Task
 from vrl.verifier import Verifier
+
+if TYPE_CHECKING:  # a type only: the Modal runtime sits above this module
+    from vrl.runtime.modal.sandbox import SandboxSpec
 
 
 class EnvOptions(BaseModel):
@@ -63,6 +67,16 @@ class Environment(ABC):
         Default: the sums as they are. Override to add rates (the lean plugin adds `lean/exploit_rate`).
         """
         return dict(sums)
+
+    def modal_sandbox(self) -> SandboxSpec | Mapping[str, Any] | None:
+        """How the Modal runtime runs this environment's verifier in a sandbox (`runtime.modal.verify_in: sandbox`).
+
+        None (the default): the verifier, with the run's options, on a plain image with no network.
+        Return a `vrl.runtime.modal.sandbox.SandboxSpec`, or a dict of its fields, to change that: the
+        Lean plugin names the kimina-lean-server image, starts it as a sidecar and points the verifier
+        at it. Called in the orchestrator, on the environment built from the run's options.
+        """
+        return None
 
     def parse_options(self, options: Mapping[str, Any]) -> Any:
         """`options` validated by this environment's `Options` (an `OptionsError` names what is wrong and allowed)."""
@@ -110,11 +124,9 @@ def allowed_options(model: type[BaseModel]) -> str:
 
 def describe_option(field: FieldInfo) -> str:
     """An option's type, bounds and default, short: `int >= 1, default 1000`."""
-    from vrl.config import _type_name
-
     bounds = [f"{sign} {getattr(meta, attr)}" for meta in field.metadata
               for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if getattr(meta, attr, None) is not None]
-    text = _type_name(field.annotation) + (f" {' and '.join(bounds)}" if bounds else "")
+    text = type_name(field.annotation) + (f" {' and '.join(bounds)}" if bounds else "")
     if field.is_required():
         return f"{text}, required"
     return f"{text}, default {field.get_default(call_default_factory=True)!r}"
@@ -148,3 +160,15 @@ def options_model(factory: Callable[..., Any]) -> type[BaseModel] | None:
         default = ... if param.default is inspect.Parameter.empty else param.default
         fields[name] = (hints.get(name, Any), default)
     return create_model(f"{getattr(factory, '__name__', 'Factory')}Options", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+def type_name(ann: Any) -> str:
+    """A type annotation as docs and error messages show it: `int or None`, `'a' or 'b'`, `list[str]`."""
+    origin, args = get_origin(ann), get_args(ann)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " or ".join(type_name(a) for a in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(type_name(a) for a in args)}]"
+    return "None" if ann is type(None) else getattr(ann, "__name__", str(ann))

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from math import comb
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import Progress
 
-from vrl.config import TrainConfig
 from vrl.environment import Environment
 from vrl.errors import UsageError
 from vrl.policy import Variant
 from vrl.types import Attempt
+
+if TYPE_CHECKING:
+    from vrl.config import TrainConfig
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -18,10 +18,13 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vrl.optim import optimizer_class
 from vrl.rundir import RunDir
+
+if TYPE_CHECKING:
+    from vrl.weights.export import ModelLoader
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ def export_run(run: str | Path, out: str | Path, device: str = "auto") -> dict[s
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if out.parent.exists() else None))
     try:
         try:
-            info = optimizer_class(config["optimizer"]).export(run, config, finished, tmp, device)
+            info = optimizer_class(config["optimizer"]).export(run, config, finished, tmp, _loader(device))
         except NotImplementedError:
             raise ExportError(f"{run} was trained with optimizer {config['optimizer']!r}, which cannot export") from None
         except (ValueError, FileNotFoundError) as exc:  # an incomplete or inconsistent run directory
@@ -67,6 +70,13 @@ def export_run(run: str | Path, out: str | Path, device: str = "auto") -> dict[s
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {**info, "out": str(out)}
+
+
+def _loader(device: str) -> ModelLoader:
+    """The base-model loader an optimizer's `export` gets: the hf backend's, on `device` (it also builds `tiny`)."""
+    from vrl.generate.hf import load_model_and_tokenizer  # imports torch: only when a run is exported
+
+    return lambda name, dtype, revision: load_model_and_tokenizer(name, device, dtype, revision)
 
 
 def _check_run(run: Path) -> tuple[dict[str, Any], int]:

@@ -1,19 +1,29 @@
-"""Plugin discovery and the registry of environments, verifiers and reward shapers.
+"""Plugin discovery and the registries filled through the hooks of `vrl.hookspecs`.
 
-Plugins are found through the `vrl` entry-point group and loaded with pluggy. A plugin that fails to
-import, or whose hook raises, is recorded with its error and skipped: it never takes the CLI down.
+Plugins are found through the `vrl` entry-point group and loaded with pluggy; `vrl.builtin` (vrl's
+own environments, update rules, backends, runtimes and commands) is registered first, through the
+same hooks. A plugin that fails to import, implements a hook that does not exist (a typo), or whose
+hook raises, is recorded with its error and skipped: it never takes the CLI down.
+
 Names are registered per plugin; a name claimed twice keeps the first and records a conflict, and
-`plugin:name` always reaches a specific plugin's entry.
+`plugin:name` always reaches a specific plugin's entry. Each kind is collected the first time a name
+of that kind is needed, so `vrl --help` calls no registration hook but `register_commands`.
+
+`VRL_PLUGINS` limits which entry points load, for hermetic runs: unset, every installed plugin;
+`VRL_PLUGINS=lean,python-tests`, those entry-point names only; `VRL_PLUGINS=` (empty), none: the
+built-ins alone.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import importlib.metadata as md
 import logging
+import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +37,21 @@ log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "vrl"
 BUILTIN_PLUGIN = "vrl.builtin"
-KINDS = ("environments", "verifiers", "shapers")
+PLUGINS_ENV = "VRL_PLUGINS"
+#: What each registration hook fills, in the order `vrl plugins` lists them (singular, for messages).
+KINDS: dict[str, str] = {
+    "environments": "environment",
+    "optimizers": "optimizer",
+    "generators": "generator backend",
+    "runtimes": "runtime",
+}
+HOOKS = tuple(f"register_{kind}" for kind in KINDS) + ("register_commands",)
+#: Hooks that existed once, with what replaced them (named in the error of a plugin that still has one).
+REMOVED_HOOKS = {
+    "register_verifiers": "an Environment returns its verifier from `verifier()`; register the environment",
+    "register_shapers": "an Environment returns its reward shaper from `shaper()` (compose shapers there: "
+                        "`Binary() + 0.1 * FormatBonus(...)`)",
+}
 
 
 @dataclass
@@ -39,7 +63,7 @@ class PluginInfo:
     distribution: str | None = None
     version: str | None = None
     error: str | None = None
-    registered: dict[str, list[str]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    registered: dict[str, list[str]] = field(default_factory=lambda: {k: [] for k in (*KINDS, "commands")})
 
 
 class UnknownNameError(UsageError, LookupError):
@@ -52,83 +76,148 @@ class Registry:
     def __init__(self) -> None:
         self.pm = pluggy.PluginManager("vrl")
         self.pm.add_hookspecs(hookspecs)
-        self.plugins: dict[str, PluginInfo] = {}
-        self._factories: dict[str, dict[str, tuple[str, Callable[..., Any]]]] = {k: {} for k in KINDS}
-        self.conflicts: list[str] = []
+        self._plugins: dict[str, PluginInfo] = {}  # `plugins` shows them once every kind is collected
+        self._factories: dict[str, dict[str, tuple[str, Any]]] = {k: {} for k in KINDS}
+        self._collected: set[str] = set()
+        self._conflicts: list[str] = []
 
     # -- loading -----------------------------------------------------------------------------------
-    def load(self, entry_points: bool = True) -> Registry:
-        self._add_module("builtin", BUILTIN_PLUGIN, None)
+    def load(self, entry_points: bool = True, plugins: Mapping[str, Any] | None = None) -> Registry:
+        """Register the built-in plugin, the installed entry points (as `VRL_PLUGINS` allows) and
+        `plugins` (name -> module or object with hookimpls: how tests add one without installing it)."""
+        self._add("builtin", BUILTIN_PLUGIN, None)
         if entry_points:
-            for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-                dist = ep.dist
-                self._add_module(ep.name, ep.value, dist, loader=ep.load)
-        for kind in KINDS:
-            self._collect(kind)
+            found = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+            wanted = _wanted(os.environ.get(PLUGINS_ENV))
+            for ep in found:
+                if wanted is None or ep.name in wanted:
+                    self._add(ep.name, ep.value, ep.dist, loader=ep.load)
+            for name in sorted((wanted or set()) - {ep.name for ep in found}):
+                installed = ", ".join(ep.name for ep in found) or "none"
+                self._plugins[name] = PluginInfo(name=name, module="", error=f"{PLUGINS_ENV} names {name!r}, which is "
+                                                f"not installed (installed: {installed})")
+        for name, obj in (plugins or {}).items():
+            self._add(name, getattr(obj, "__name__", type(obj).__name__), None, loader=lambda obj=obj: obj)
         return self
 
-    def _add_module(self, name: str, module: str, dist: Any, loader: Callable[[], Any] | None = None) -> None:
+    def _add(self, name: str, module: str, dist: Any, loader: Callable[[], Any] | None = None) -> None:
         info = PluginInfo(
             name=name,
             module=module,
             distribution=dist.metadata["Name"] if dist is not None else DISTRIBUTION,
             version=dist.version if dist is not None else version(),
         )
-        if name in self.plugins:
-            info.error = f"entry point name {name!r} is already used by {self.plugins[name].module}; skipped"
-            self.plugins[f"{name} ({module})"] = info
+        if name in self._plugins:
+            info.error = f"entry point name {name!r} is already used by {self._plugins[name].module}; skipped"
+            self._plugins[f"{name} ({module})"] = info
             return
-        self.plugins[name] = info
+        self._plugins[name] = info
         try:
             obj = loader() if loader else importlib.import_module(module)
             self.pm.register(obj, name=name)
+            self._check_hooks(name)
         except Exception as exc:
+            if self.pm.has_plugin(name):
+                self.pm.unregister(name=name)
             info.error = _describe(exc)
             log.warning("plugin %r (%s) failed to load and was skipped: %s", name, module, info.error)
 
+    def _check_hooks(self, name: str) -> None:
+        """pluggy's `check_pending`: every hookimpl of the plugin just registered has a hookspec; a
+        typo is an error that names the plugin and the hook (and what was meant)."""
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError:
+            plugin = self.pm.get_plugin(name)
+            unknown = sorted(c.name for c in self.pm.get_hookcallers(plugin) or () if not c.has_spec())
+            if not unknown:
+                raise
+            hook = unknown[0]
+            if hook in REMOVED_HOOKS:
+                raise PluginHookError(f"plugin {name!r} implements {hook}, which vrl no longer has: "
+                                      f"{REMOVED_HOOKS[hook]}") from None
+            close = difflib.get_close_matches(hook, HOOKS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise PluginHookError(f"plugin {name!r} implements unknown hook {hook!r}; {hint}vrl's hooks: "
+                                  f"{', '.join(HOOKS)}") from None
+
+    # -- collecting a kind -------------------------------------------------------------------------
     def _collect(self, kind: str) -> None:
+        if kind in self._collected:
+            return
+        self._collected.add(kind)
         caller = getattr(self.pm.hook, f"register_{kind}")
         for impl in caller.get_hookimpls():  # in registration order: builtin first, then by name
             plugin = impl.plugin_name
-            info = self.plugins[plugin]
+            info = self._plugins[plugin]
 
-            def register(name: str, factory: Callable[..., Any], _plugin: str = plugin) -> None:
-                self._register(kind, _plugin, name, factory)
+            def register(name: str, obj: Any, _plugin: str = plugin) -> None:
+                self._register(kind, _plugin, name, obj)
 
             try:
                 impl.function(register=register)
             except Exception as exc:
-                info.error = f"register_{kind} raised {_describe(exc)}"
-                log.warning("plugin %r: %s; its %s were skipped", plugin, info.error, kind)
+                error = f"register_{kind} raised {_describe(exc)}"
+                info.error = f"{info.error}; {error}" if info.error else error
+                log.warning("plugin %r: %s; its %s were skipped", plugin, error, kind)
 
-    def _register(self, kind: str, plugin: str, name: str, factory: Callable[..., Any]) -> None:
+    def _register(self, kind: str, plugin: str, name: str, obj: Any) -> None:
+        what = KINDS[kind]
         if not isinstance(name, str) or not name or ":" in name:
-            raise ValueError(f"invalid {kind[:-1]} name {name!r}: use a non-empty name without ':'")
-        if not callable(factory):
-            raise TypeError(f"{kind[:-1]} {name!r}: factory must be callable, got {type(factory).__name__}")
+            raise ValueError(f"invalid {what} name {name!r}: use a non-empty name without ':'")
+        if kind == "environments":
+            if not callable(obj):
+                raise TypeError(f"{what} {name!r}: factory must be callable, got {type(obj).__name__}")
+        elif not (isinstance(obj, type) and _is_model(getattr(obj, "Config", None))):
+            raise TypeError(f"{what} {name!r}: register a class whose `Config` is a pydantic model (its config "
+                            f"section), got {obj!r}")
         table = self._factories[kind]
-        self._factories[kind][f"{plugin}:{name}"] = (plugin, factory)
+        table[f"{plugin}:{name}"] = (plugin, obj)
         if name in table:
             owner = table[name][0]
-            self.conflicts.append(f"{kind[:-1]} {name!r} registered by both {owner!r} and {plugin!r}; using {owner!r}")
+            self._conflicts.append(f"{what} {name!r} registered by both {owner!r} and {plugin!r}; using {owner!r}")
         else:
-            table[name] = (plugin, factory)
-        self.plugins[plugin].registered[kind].append(name)
+            table[name] = (plugin, obj)
+        self._plugins[plugin].registered[kind].append(name)
+
+    @property
+    def conflicts(self) -> list[str]:
+        """Names claimed twice (the first claim is kept): calls every registration hook first."""
+        self.collect_all()
+        return self._conflicts
+
+    @property
+    def plugins(self) -> dict[str, PluginInfo]:
+        """Every plugin (loaded or failed), with what it registered: calls every registration hook first."""
+        return self.collect_all()._plugins
+
+    def collect_all(self) -> Registry:
+        """Call every registration hook now (what `vrl plugins` shows)."""
+        for kind in KINDS:
+            self._collect(kind)
+        return self
 
     # -- lookup ------------------------------------------------------------------------------------
     def names(self, kind: str) -> list[str]:
+        self._collect(kind)
         return sorted(n for n in self._factories[kind] if ":" not in n)
 
-    def factory(self, kind: str, name: str) -> Callable[..., Any]:
+    def factory(self, kind: str, name: str) -> Any:
+        """What a plugin registered as `name` (or `plugin:name`); `UnknownNameError` lists the names there are."""
+        self._collect(kind)
         try:
             return self._factories[kind][name][1]
         except KeyError:
-            known = ", ".join(self.names(kind)) or "none"
-            hint = ""
-            broken = [p.name for p in self.plugins.values() if p.error]
-            if broken:
-                hint = f"; plugins that failed to load: {', '.join(broken)} (see `vrl plugins`)"
-            raise UnknownNameError(f"unknown {kind[:-1]} {name!r}; installed: {known}{hint}") from None
+            raise UnknownNameError(self.unknown(kind, name)) from None
+
+    def unknown(self, kind: str, name: str) -> str:
+        """One line: the name is not registered, what is, and which plugins failed to load."""
+        known = ", ".join(self.names(kind)) or "none"
+        hint = ""
+        broken = [p.name for p in self._plugins.values() if p.error]
+        if broken:
+            hint = f"; plugins that failed to load: {', '.join(broken)} (see `vrl plugins`)"
+        return f"unknown {KINDS[kind]} {name!r}; installed: {known}{hint}"
 
     def environment(self, name: str, **options: Any):
         """Instantiate a registered environment; its options are validated first (`OptionsError`)."""
@@ -147,11 +236,46 @@ class Registry:
             raise TypeError(f"environment factory {name!r} returned {type(env).__name__}, not a vrl.Environment")
         return env
 
-    def verifier(self, name: str, **options: Any):
-        return self.factory("verifiers", name)(**options)
+    # -- commands ----------------------------------------------------------------------------------
+    def add_commands(self, cli: Any) -> None:
+        """Call every plugin's `register_commands(cli)`; a name already taken keeps its first owner,
+        and a plugin whose hook raises adds nothing."""
+        for impl in self.pm.hook.register_commands.get_hookimpls():
+            plugin = impl.plugin_name
+            info = self._plugins[plugin]
+            before = dict(cli.commands)
+            try:
+                impl.function(cli=cli)
+            except Exception as exc:
+                cli.commands.clear()
+                cli.commands.update(before)
+                error = f"register_commands raised {_describe(exc)}"
+                info.error = f"{info.error}; {error}" if info.error else error
+                log.warning("plugin %r: %s; its commands were skipped", plugin, error)
+                continue
+            for name, command in list(cli.commands.items()):
+                if name in before and command is not before[name]:
+                    cli.commands[name] = before[name]
+                    self._conflicts.append(f"command {name!r} of plugin {plugin!r} is already taken; kept the first")
+                elif name not in before:
+                    info.registered["commands"].append(name)
 
-    def shaper(self, name: str, **options: Any):
-        return self.factory("shapers", name)(**options)
+
+class PluginHookError(UsageError, ValueError):
+    """A plugin implements a hook that vrl does not have."""
+
+
+def _wanted(value: str | None) -> set[str] | None:
+    """The entry-point names `VRL_PLUGINS` lets load (None: all)."""
+    if value is None:
+        return None
+    return {part.strip() for part in value.split(",") if part.strip()}
+
+
+def _is_model(obj: Any) -> bool:
+    from pydantic import BaseModel
+
+    return isinstance(obj, type) and issubclass(obj, BaseModel)
 
 
 def _describe(exc: BaseException) -> str:

@@ -7,13 +7,13 @@ transformers module, a vLLM engine, K engines on several GPUs, or Modal GPU work
     variants = optimizer.ask()                          # ES: N seeded members; GRPO: θ with G samples
     for batch in host.sample(tasks, variants, seed):    # every variant, on every engine, streamed
         ... verify, shape ...
-    optimizer.tell(results)                             # ES: host.update(terms); GRPO: train, host.publish(model)
+    optimizer.tell(results)                             # ES: host.update(update); GRPO: train, host.publish(model)
 
 A host offers two ways to move weights, one per family of update rules:
 
 - **Seeded perturbations** (ES): `perturbations(spec)` selects the parameters and the noise; a
   variant with a `seed` is sampled from θ + sign·σ·ε(seed) and θ is restored exactly afterwards;
-  `update(terms)` adds Σⱼ cⱼ·ε(seedⱼ) to θ on every copy. The state is replayable from seeds.
+  `update(update)` adds Σⱼ cⱼ·ε(seedⱼ) to θ on every copy. The state is replayable from seeds.
 - **Trained weights** (GRPO): `trainable()` is the in-process model a gradient step changes;
   `publish(model)` makes every sampling copy use that model's weights.
 
@@ -114,11 +114,12 @@ class PolicyHost(ABC):
         """Select the parameters seeded variants perturb and keep an fp32 master θ of them."""
         raise Unsupported(f"{self.name} cannot apply seeded perturbations")
 
-    def update(self, terms: Sequence[tuple[int, float]]) -> None:
-        """θ ← θ + Σⱼ cⱼ·s(seedⱼ) on every copy (`s`: the integer noise of `vrl.optim.noise`).
+    def update(self, update: Any) -> None:
+        """θ ← θ + Σⱼ cⱼ·s(seedⱼ) on every copy (`s`: the integer noise of `vrl.weights.noise`).
 
-        With `PerturbationSpec.noise == "lowrank"` the same list of pairs carries a low-rank update
-        (`vrl.optim.lowrank.to_terms`: a (−1, coefficient) head, then (seed, integer multiplier)).
+        `update` is a `vrl.weights.update.FullRankUpdate`, or with `PerturbationSpec.noise ==
+        "lowrank"` a `LowRankUpdate` (the weights layer sits above this contract, so the type is
+        named here, not imported); a host refuses the other mode's kind.
         """
         raise Unsupported(f"{self.name} cannot apply seeded updates")
 

@@ -22,6 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from vrl.optim import optimizer_class  # noqa: E402
 from vrl.rundir import read_jsonl  # noqa: E402
 
 STATUSES = ("passed", "failed", "timeout", "crashed", "rejected")
@@ -49,13 +50,14 @@ class Run:
 
     @property
     def method(self) -> str:
-        """The update rule, with ES's noise when it is low-rank: full-rank ES, low-rank ES and GRPO runs
-        stay apart in a comparison."""
-        optimizer = self.config.get("optimizer", "?")
-        es = self.config.get("es") or {}
-        if optimizer == "es" and es.get("noise") == "lowrank":
-            return f"es lowrank r={es.get('rank', '?')}"
-        return optimizer
+        """The update rule as it labels its own runs (`Optimizer.label` of the recorded section: low-rank
+        ES adds its rank), so runs of different methods stay apart in a comparison."""
+        name = self.config.get("optimizer", "?")
+        try:
+            rule = optimizer_class(name)
+        except (LookupError, ValueError, ImportError):  # a rule not installed here: its name is all we know
+            return name
+        return rule.label(self.config.get(name) or {})
 
     @property
     def short_label(self) -> str:

@@ -27,12 +27,16 @@ import secrets
 import shutil
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from vrl.config import RUN_NAME_RE, RUN_NAME_RULE, TrainConfig, dump
+from vrl.config import RUN_NAME_RE, RUN_NAME_RULE, dump
 from vrl.errors import RunDirError
+from vrl.fileio import write_text
 from vrl.meta import DISTRIBUTION
-from vrl.optim import OPTIMIZERS, optimizer_class
+from vrl.optim import optimizer_class, optimizer_names
+
+if TYPE_CHECKING:
+    from vrl.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +45,6 @@ LOCK_FILE = "lock"
 #: with the run's optimizer's own (`Optimizer.fixed_on_resume`: ES replays its history with those
 #: settings; a GRPO checkpoint holds LoRA weights of that shape).
 FIXED_ON_RESUME = ("plugin", "model", "optimizer", "seed", "generator.revision", "generator.dtype")
-
-
-def write_text(path: Path, text: str) -> None:
-    """Write a file atomically (temp file + rename), so a crash never leaves half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -187,7 +184,7 @@ class RunDir:
         """Refuse a resume that would change what the finished iterations mean (model, optimizer...)."""
         recorded, new = self.config(), dump(config)
         name = str(recorded.get("optimizer"))
-        own = optimizer_class(name).fixed_on_resume if name in OPTIMIZERS else ()
+        own = optimizer_class(name).fixed_on_resume if name in optimizer_names() else ()
         fields = FIXED_ON_RESUME + tuple(f"{name}.{f}" for f in own)
         for field in fields:
             before, after = _get(recorded, field, _MISSING), _get(new, field)
@@ -219,9 +216,7 @@ class RunDir:
         """Keep the rows of `filename` from iterations before `iterations` (written atomically)."""
         path = self.path / filename
         rows = [r for r in read_jsonl(path) if r["iteration"] < iterations]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.replace(tmp, path)
+        write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def rewind(self, iterations: int) -> None:
         """Forget every iteration from `iterations` on (the optimizer resumed from an older checkpoint)."""

@@ -17,26 +17,26 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from vrl.config import TrainConfig
 from vrl.environment import Environment
 from vrl.errors import IntegrityAlarm, PluginError, UsageError, describe
-from vrl.generate.hf import check_devices
-from vrl.generate.weights import meta_model
-from vrl.hub import check_model
 from vrl.optim import Optimizer, make_optimizer, optimizer_class
 from vrl.policy import PolicyHost
 from vrl.rundir import RunDir
+from vrl.runtime import runtime_class
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.sinks import Sinks
 from vrl.types import Attempt, Result, Status, Task, Verdict
 from vrl.verifier import VERIFIER_ERROR, VerifierUnavailable, ensure_ready, is_verifier_error
+
+if TYPE_CHECKING:
+    from vrl.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +80,9 @@ class Trainer:
                 environment = registry().environment(config.plugin, **config.env_options)
             self.env = environment
             if runtime is None:
-                if config.runtime.kind != "local":
-                    raise ValueError(f"runtime.kind={config.runtime.kind!r}: pass its runtime, e.g. "
-                                     "Trainer(config, runtime=vrl.runtime.make_runtime(config))")
-                from vrl.runtime.local import LocalRuntime
+                from vrl.runtime import make_runtime
 
-                runtime = LocalRuntime()
+                runtime = make_runtime(config)
             self.runtime = runtime
             self.sinks = Sinks.from_config(config.logging)  # a missing package fails here
             self._pool_tasks = self._task_pool()
@@ -378,18 +375,20 @@ class Trainer:
 
 def verifies_in_process(config: TrainConfig) -> bool:
     """Whether the verifier runs in this process (not in Modal sandboxes, which start their own server)."""
-    return config.runtime.kind == "local" or config.runtime.verify_in == "local"
+    return runtime_class(config.runtime.kind).verifies_in_process(config)
 
 
 def preflight(config: TrainConfig, env: Environment, *, training: bool = True) -> None:
-    """Seconds of checks before minutes of generation (train and eval): the model can be loaded, the
-    devices exist, the optimizer's settings fit the model (`training`), the verifier answers."""
-    local = config.runtime.kind == "local"  # on Modal the weights come from the Volume
-    if local:
-        check_model(config.model, config.generator.revision)
-        check_devices(config.generator)
+    """Seconds of checks before minutes of generation (train and eval): the runtime's own checks (the
+    local one: the model can be loaded, the devices exist), the optimizer's settings fit the model
+    (`training`), the verifier answers."""
+    runtime = runtime_class(config.runtime.kind)
+    runtime.check(config)
     if training:  # the weightless module tree is built only for a rule that asks for it
-        model = functools.partial(meta_model, config.model, config.generator.revision) if local else None
+        # Imported here, not at the top: it loads torch, which `import vrl` must not (issue 28).
+        from vrl.generate.hf import meta_model
+
+        model = functools.partial(meta_model, config.model, config.generator.revision) if runtime.weights_here else None
         optimizer_class(config.optimizer).check_fits(config, model)
     if verifies_in_process(config):
         ensure_ready(env.verifier())

@@ -1,22 +1,30 @@
-"""Generators: turn tasks into completions for one policy variant."""
+"""Generators: turn tasks into completions for one policy variant.
+
+Backends are registered by name through the `register_generators` hook (`hf` and `vllm` by
+`vrl.builtin`); `generator.backend` picks one and `generator.<backend>` holds its settings (the
+class's `Config`). A new backend is its module plus one `register(...)` line in its plugin.
+"""
+
+from __future__ import annotations
 
 from vrl.generate.base import Generator
 
-__all__ = ["Generator", "make_generator"]
+__all__ = ["Generator", "generator_class", "make_generator"]
 
 
-def make_generator(config, needs=None):
-    """Build the generator the run's config asks for (imports the backend lazily).
+def generator_class(name: str) -> type[Generator]:
+    """The `Generator` subclass registered as backend `name` (`UnknownNameError`: one line listing them)."""
+    from vrl.plugins import registry
+
+    cls = registry().factory("generators", name)
+    if not issubclass(cls, Generator):
+        raise TypeError(f"generator backend {name!r} is registered as {cls.__qualname__}, which is not a vrl.Generator")
+    return cls
+
+
+def make_generator(config, needs=None) -> Generator:
+    """One engine of the backend the run's config names (its module is imported when registered).
 
     `needs`: what the update rule will ask of it (`vrl.policy.HostNeeds`; None: sampling only).
     """
-    backend = config.generator.backend
-    if backend == "hf":
-        from vrl.generate.hf import HFGenerator
-
-        return HFGenerator.from_config(config)
-    if backend == "vllm":
-        from vrl.generate.vllm import VLLMGenerator
-
-        return VLLMGenerator.from_config(config, needs)
-    raise ValueError(f"unknown generator backend {backend!r}; choose hf or vllm")
+    return generator_class(config.generator.backend).from_config(config, needs)

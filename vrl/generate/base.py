@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
-import torch
+from pydantic import BaseModel
 
-from vrl.policy import PerturbationSpec, PolicyHost, Unsupported, Variant, WeightsInfo
+from vrl.config import Section
+from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Unsupported, Variant, WeightsInfo
 from vrl.types import Completion, Task
+from vrl.weights.update import Update
 
 
 class Generator(PolicyHost):
@@ -21,10 +23,38 @@ class Generator(PolicyHost):
     module, `EngineParams` inside a vLLM engine, `LowRankParams` / `EngineLowRank` for
     es.noise=lowrank); `sample` runs each variant in turn on them, except low-rank members, which
     share the base weights and go to the backend's `_population` all at once.
+
+    A backend is registered by name (the `register_generators` hook) and selected with
+    `generator.backend`; its `Config` is the config section `generator.<name>`, and
+    `from_config` / `engines` start it for a run.
     """
 
     name = "generator"
+    #: Its settings: the config section `generator.<name>` (a `vrl.config.Section`; none by default).
+    Config: ClassVar[type[BaseModel]] = Section
     _params: Any = None  # set by `perturbations`
+
+    @classmethod
+    def from_config(cls, config: Any, needs: HostNeeds | None = None, *, gpu: str | None = None) -> Generator:
+        """One engine for a run (a `TrainConfig`: the model, `generator.*`, its own `generator.<name>`,
+        `sampling`). `needs`: what the update rule will ask of it (None: sampling only, e.g. eval);
+        `gpu`: the CUDA device index to run on (None: `generator.device`)."""
+        raise NotImplementedError(f"generator backend {cls.name!r} does not implement from_config")
+
+    @classmethod
+    def engines(cls, config: Any, needs: HostNeeds | None, gpus: Sequence[str | None]) -> list[Generator]:
+        """One engine per entry of `gpus` (a GPU index, repeated where engines share a GPU; None: the
+        default device), for the local runtime's `runtime.local.engines`. A backend whose engines share
+        something (a model written to disk once, a split of GPU memory) overrides this."""
+        hosts: list[Generator] = []
+        try:
+            for gpu in gpus:
+                hosts.append(cls.from_config(config, needs, gpu=gpu))
+        except BaseException:
+            for host in hosts:
+                host.close()
+            raise
+        return hosts
 
     @abstractmethod
     def stream(
@@ -70,6 +100,8 @@ class Generator(PolicyHost):
         params, spec = self._perturbation_state()
         if variant.sign not in (1, -1):
             raise ValueError(f"variant {variant.index} has sign {variant.sign}; use +1 or -1")
+        import torch  # here, not at the top: `vrl plugins` imports the backends and must not load torch
+
         try:
             with torch.no_grad():
                 params.perturb(variant.seed, variant.sign, spec.sigma)
@@ -92,15 +124,19 @@ class Generator(PolicyHost):
             raise RuntimeError(f"{self.name}: call perturbations(spec) before sampling seeded variants")
         return self._params, self._spec
 
-    def update(self, terms: Sequence[tuple[int, float]]) -> None:
+    def update(self, update: Update) -> None:
+        import torch  # see `applied`
+
         params, _ = self._perturbation_state()
         with torch.no_grad():
-            params.update(terms)
+            params.update(update)
 
     def state(self) -> dict[str, Any]:
         return self._perturbation_state()[0].state()
 
     def load_state(self, state: dict[str, Any]) -> None:
+        import torch  # see `applied`
+
         with torch.no_grad():
             self._perturbation_state()[0].load_state(state)
 

@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from pydantic import Field
 
+from vrl.config import Section
 from vrl.errors import DeviceUnavailable
 from vrl.generate.base import Generator, cut_at_stop, shard_seed, tokens_covering
-from vrl.optim.params import FlatParams, select_parameters
-from vrl.policy import PerturbationSpec, Trainable, Variant
+from vrl.policy import HostNeeds, PerturbationSpec, Trainable, Variant
 from vrl.types import Completion, Prompt, Task
+
+# torch and the weights layer are imported in the functions that use them: the registry imports this
+# module for `HFGenerator.Config`, and `vrl plugins` must not load torch (issue 28).
+if TYPE_CHECKING:
+    import torch
 
 TINY = "tiny"
 _GLOBAL_RNG = threading.Lock()
@@ -26,6 +31,8 @@ _GLOBAL_RNG = threading.Lock()
 def resolve_device(device: str, setting: str = "generator.device") -> torch.device:
     """The torch device for a config value ('auto', 'cpu', 'cuda', 'cuda:1'); `DeviceUnavailable` (one
     line naming `setting` and the fix) for a GPU this machine does not have."""
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -40,18 +47,9 @@ def resolve_device(device: str, setting: str = "generator.device") -> torch.devi
     return dev
 
 
-def check_devices(g: Any) -> None:
-    """The generator section's devices exist on this machine (`vrl train`'s preflight, local runtime)."""
-    resolve_device(g.device)
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    missing = [i for i in g.gpus or () if not 0 <= i < count]
-    if missing:
-        have = f"{count} CUDA GPU(s), numbered 0..{count - 1}" if count else "no CUDA GPU"
-        raise DeviceUnavailable(f"generator.gpus={g.gpus} names GPU {missing[0]}, but this machine has {have}; "
-                                "list GPUs it has, or leave generator.gpus unset")
-
-
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    import torch
+
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
@@ -84,6 +82,21 @@ def load_model_and_tokenizer(name: str, device: str = "auto", dtype: str = "auto
     return model, tokenizer
 
 
+def meta_model(name: str, revision: str | None = None) -> torch.nn.Module:
+    """The model's module tree without its weights (on the meta device): parameter names and shapes,
+    no memory; `tiny` is built as it is (a few thousand parameters)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name == TINY:
+        from vrl.generate import tiny
+
+        return tiny.build_model()
+    cfg = AutoConfig.from_pretrained(name, revision=revision)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
 def render_prompt(tokenizer: Any, prompt: Prompt) -> str:
     """Text for the model: chat messages go through the tokenizer's chat template."""
     if isinstance(prompt, str):
@@ -107,20 +120,36 @@ def cpu_threads(threads: int | None, model: str, device: torch.device) -> int | 
     return None
 
 
+class HFConfig(Section):
+    """The `hf` backend (`generator.backend: hf`): transformers' `generate`, on CPU or GPU."""
+
+    threads: int | None = Field(
+        None, ge=1,
+        description="torch's intra-op CPU threads, set process-wide when the model loads. None: 1 for the "
+        "tiny model on CPU (its matrices gain nothing from more, and one thread per core is many times slower "
+        "when other processes keep the cores busy; docs/config.md); other models keep torch's default (one per "
+        "core), as does GPU generation.",
+    )
+
+
 class HFGenerator(Generator):
     """Sampling with `model.generate`. The model is the one optimizers train or perturb, in place."""
 
     name = "hf"
+    Config = HFConfig
 
     def __init__(self, model: Any, tokenizer: Any, sampling: Any):
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
 
     @classmethod
-    def from_config(cls, config: Any, device: str | None = None) -> HFGenerator:
-        """The run's model on `device` (default generator.device)."""
+    def from_config(cls, config: Any, needs: HostNeeds | None = None, *, gpu: str | None = None) -> HFGenerator:
+        """The run's model on GPU `gpu` (default generator.device); `needs` asks nothing of this backend."""
         g = config.generator
-        threads = cpu_threads(g.threads, config.model, resolve_device(device or g.device))
+        device = f"cuda:{gpu}" if gpu is not None else None
+        threads = cpu_threads(g.hf.threads, config.model, resolve_device(device or g.device))
         if threads is not None:  # process-wide: GRPO's training step on CPU runs with the same pool
+            import torch
+
             torch.set_num_threads(threads)
         model, tokenizer = load_model_and_tokenizer(config.model, device or g.device, g.dtype, g.revision)
         return cls(model, tokenizer, config.sampling)
@@ -131,12 +160,9 @@ class HFGenerator(Generator):
 
     # -- how optimizers move the weights ------------------------------------------------------------
     def _perturbable(self, spec: PerturbationSpec) -> Any:
-        if spec.noise == "lowrank":
-            from vrl.optim.lowrank import LowRankParams, select_linear
+        from vrl.weights.lowrank import perturbable
 
-            self._layers = select_linear(self.model, spec.include, spec.exclude)
-            return LowRankParams(FlatParams([(n, m.weight) for n, m in self._layers]), spec.rank)
-        return FlatParams(select_parameters(self.model, spec.include, spec.exclude))
+        return perturbable(self.model, spec)  # FlatParams, or LowRankParams (its `layers` serve `_population`)
 
     def trainable(self) -> Trainable:
         return Trainable(self.model, self.tokenizer, self.sampling)
@@ -146,12 +172,13 @@ class HFGenerator(Generator):
         checkpoint name, LoRA merged) are copied in."""
         if model is self.model:
             return
+        import torch
+
+        from vrl.weights.export import weights_for_engine
         if isinstance(model, Mapping):
             weights = dict(model)
         else:
-            from vrl.generate.weights import weights_for_engine  # checkpoint names, LoRA merged
-
-            weights = dict(weights_for_engine(model))
+            weights = dict(weights_for_engine(model))  # checkpoint names, LoRA merged
         own = dict(self.model.named_parameters())
         unknown = sorted(set(weights) - set(own))
         if unknown:
@@ -162,8 +189,10 @@ class HFGenerator(Generator):
 
     def _population(self, tasks: Sequence[Task], members: Sequence[Variant], seed: int | None
                     ) -> Iterator[list[Completion]]:
-        """All low-rank members in one `model.generate` per prompt batch (`lowrank.population`)."""
+        """All low-rank members in one `model.generate` per prompt batch (`hf_population.population`)."""
         if seed is None:  # still one seed for the whole call, so members share their random numbers
+            import torch
+
             seed = int(torch.randint(0, 2**31 - 1, ()).item())
         size = self.sampling.batch_size
         for start in range(0, len(tasks), size):
@@ -195,7 +224,6 @@ class HFGenerator(Generator):
             kwargs.update(stop_strings=list(s.stop), tokenizer=tok)
         return kwargs
 
-    @torch.inference_mode()
     def _generate_population(self, tasks: Sequence[Task], start: int, members: Sequence[Variant], seed: int
                              ) -> list[Completion]:
         """Every member on `tasks` (positions start, start+1, ... of the call) in one `model.generate`.
@@ -206,44 +234,49 @@ class HFGenerator(Generator):
         members, samples what one engine does (up to floating-point effects of the batch shape on
         the logits). Members share the per-(task, sample) random numbers, as full-rank members do.
         """
-        from vrl.optim.lowrank import population
+        import torch
 
-        enc = self._encode(tasks)
-        rows, row_member, row_seeds, meta = [], [], [], []
-        for p, v in enumerate(members):
-            for i in range(len(tasks)):
-                for j in range(v.samples_per_task):
-                    rows.append(i)
-                    row_member.append(p)
-                    row_seeds.append(seed + (start + i) * v.samples_per_task + j)
-                    meta.append((v.index, i, j))
-        index = torch.tensor(rows, device=self.device)
-        batch = {k: t.index_select(0, index) for k, t in enc.items()}
-        sampling = self.sampling.temperature > 0
-        kwargs = self._generate_kwargs(False)  # greedy over the row sampler's Gumbel-perturbed scores
-        if sampling:
-            from transformers import LogitsProcessorList
+        with torch.inference_mode():
+            from vrl.generate.hf_population import population
 
-            kwargs["logits_processor"] = LogitsProcessorList(
-                [_RowSampler(row_seeds, self.sampling.temperature, self.sampling.top_p, self.device)]
-            )
-        members_st = [(v.seed, v.sign) for v in members]
-        with population(self._layers, members_st, self._spec.sigma, self._spec.rank, row_member):
-            out = self.model.generate(**batch, **kwargs)
-        return self._completions(tasks, enc, out, meta)
+            enc = self._encode(tasks)
+            rows, row_member, row_seeds, meta = [], [], [], []
+            for p, v in enumerate(members):
+                for i in range(len(tasks)):
+                    for j in range(v.samples_per_task):
+                        rows.append(i)
+                        row_member.append(p)
+                        row_seeds.append(seed + (start + i) * v.samples_per_task + j)
+                        meta.append((v.index, i, j))
+            index = torch.tensor(rows, device=self.device)
+            batch = {k: t.index_select(0, index) for k, t in enc.items()}
+            sampling = self.sampling.temperature > 0
+            kwargs = self._generate_kwargs(False)  # greedy over the row sampler's Gumbel-perturbed scores
+            if sampling:
+                from transformers import LogitsProcessorList
 
-    @torch.inference_mode()
+                kwargs["logits_processor"] = LogitsProcessorList(
+                    [_RowSampler(row_seeds, self.sampling.temperature, self.sampling.top_p, self.device)]
+                )
+            members_st = [(v.seed, v.sign) for v in members]
+            with population(self._params.layers, members_st, self._spec.sigma, self._spec.rank, row_member):
+                out = self.model.generate(**batch, **kwargs)
+            return self._completions(tasks, enc, out, meta)
+
     def _generate_batch(self, tasks: Sequence[Task], n: int, variant: int, seed: int | None) -> list[Completion]:
-        enc = self._encode(tasks)
-        # n rows per prompt (rather than num_return_sequences, which greedy decoding refuses).
-        rows = {k: v.repeat_interleave(n, dim=0) for k, v in enc.items()}
-        kwargs = self._generate_kwargs(self.sampling.temperature > 0)
-        # transformers samples from torch's global RNG: hf engines of one process (a pool) take turns.
-        with _GLOBAL_RNG, torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = self.model.generate(**rows, **kwargs)
-        return self._completions(tasks, enc, out, [(variant, *divmod(row, n)) for row in range(out.shape[0])])
+        import torch
+
+        with torch.inference_mode():
+            enc = self._encode(tasks)
+            # n rows per prompt (rather than num_return_sequences, which greedy decoding refuses).
+            rows = {k: v.repeat_interleave(n, dim=0) for k, v in enc.items()}
+            kwargs = self._generate_kwargs(self.sampling.temperature > 0)
+            # transformers samples from torch's global RNG: hf engines of one process (a pool) take turns.
+            with _GLOBAL_RNG, torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                if seed is not None:
+                    torch.manual_seed(seed)
+                out = self.model.generate(**rows, **kwargs)
+            return self._completions(tasks, enc, out, [(variant, *divmod(row, n)) for row in range(out.shape[0])])
 
     def _completions(self, tasks: Sequence[Task], enc: Any, out: torch.Tensor, rows: Sequence[tuple[int, int, int]]
                      ) -> list[Completion]:
@@ -290,10 +323,14 @@ class _RowSampler:
     """
 
     def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, device: torch.device):
+        import torch
+
         self.temperature, self.top_p, self.device = temperature, top_p, device
         self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import torch
+
         scores = scores.to(torch.float64) / self.temperature
         if self.top_p < 1.0:
             ordered, order = scores.sort(dim=-1)

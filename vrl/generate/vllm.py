@@ -10,7 +10,7 @@
   with the noise of the `hf` backend (same seeds, same HF parameter names, same values).
 - GRPO: the trainable Hugging Face model lives in this process (`trainable()` loads it on
   `generator.device`); `publish` pushes it into the engine in place (CUDA IPC handles + the model's own
-  `load_weights`), every `generator.sync_every` updates. With `generator.sleep` the engine frees
+  `load_weights`), every `generator.vllm.sync_every` updates. With `generator.vllm.sleep` the engine frees
   its GPU memory between generation passes so training can use it (colocated mode).
 
 vLLM is imported lazily: `pip install 'vrl-core[vllm]'`, on a machine with a CUDA GPU.
@@ -26,21 +26,93 @@ import os
 import shutil
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+from pydantic import Field, model_validator
 
+from vrl.config import Section
 from vrl.errors import UsageError
 from vrl.generate.base import Generator, cut_at_stop, tokens_covering
-from vrl.generate.hf import TINY, load_model_and_tokenizer, render_prompt
-from vrl.generate.weights import meta_model, weights_for_engine
+from vrl.generate.hf import TINY, load_model_and_tokenizer, meta_model, render_prompt
 from vrl.policy import HostNeeds, PerturbationSpec, Trainable, Unsupported, Variant
 from vrl.types import Completion, Task
+from vrl.weights.update import Update
+
+# torch and the weights layer's tensor code are imported in the functions that use them: the registry
+# imports this module for `VLLMGenerator.Config`, and `vrl plugins` must not load torch (issue 28).
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "vrl.generate.vllm_worker.VRLWorkerExtension"
+
+
+class VLLMConfig(Section):
+    """The `vllm` backend (`generator.backend: vllm`): a vLLM engine on a CUDA GPU (docs/vllm.md)."""
+
+    gpu_memory_utilization: float = Field(
+        0.6, gt=0.0, le=1.0,
+        description="Fraction of GPU memory the engine may take (weights + KV cache); leave room for in-engine ES "
+        "state (4 bytes per selected parameter) or GRPO training on the same GPU.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + completion in tokens; None: the model's own limit."
+    )
+    enforce_eager: bool = Field(
+        False, description="Skip torch.compile and CUDA graphs (starts ~3x faster, generates ~3x slower)."
+    )
+    max_num_seqs: int = Field(
+        512, ge=1,
+        description="Most sequences one engine step decodes. 512 is the largest batch vLLM captures in a CUDA "
+        "graph by default; steps above it run without graphs (vLLM's own default on 80 GB GPUs is 1024: 2.5x "
+        "slower for a 1920-request low-rank ES pass on one H100, docs/benchmarks.md).",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs one engine shards the model over (in-engine ES needs 1)."
+    )
+    sleep: bool = Field(
+        False,
+        description="With grpo: the engine frees its GPU memory after each generation pass so training can use it "
+        "(colocated mode), and wakes for the weight sync.",
+    )
+    sync_every: int = Field(
+        1, ge=1,
+        description="With grpo: push the trained weights into the engine every k updates; in between the engine "
+        "samples slightly stale weights and GRPO's importance ratio uses the engine's log-probs.",
+    )
+    sampling_logprobs: bool = Field(
+        True,
+        description="With grpo: the engine returns each sampled token's log-prob and GRPO's importance ratio uses "
+        "it (corrects for sampler/trainer numerics and stale weights). Costs about 40% of generation throughput "
+        "at 1.5B (docs/benchmarks.md); false: the ratio uses the trainer's own log-probs.",
+    )
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> VLLMConfig:
+        if self.sync_every > 1 and not self.sampling_logprobs:
+            raise ValueError(
+                "generator.vllm.sync_every > 1 samples from weights up to k-1 updates old, which only the engine's own "
+                "log-probs can correct for; keep generator.vllm.sampling_logprobs=true or set generator.vllm.sync_every=1"
+            )
+        return self
+
+
+Mode = Literal["sample", "perturb", "lowrank", "trained"]
+"""How an engine's weights move, fixed when it starts: 'sample' (they do not, or only by `publish` of
+ready tensors: eval, Modal's GRPO workers), 'perturb' (seeded full-rank ES in place), 'lowrank'
+(low-rank ES members in LoRA slots), 'trained' (an in-process copy GRPO trains, pushed by `publish`)."""
+
+
+def mode_for(needs: HostNeeds | None) -> Mode:
+    """The engine mode for what the update rule will ask (`Optimizer.needs`; None: sampling only)."""
+    if needs is None:
+        return "sample"
+    if needs.moves == "trained":
+        return "trained"
+    return "lowrank" if needs.spec is not None and needs.spec.noise == "lowrank" else "perturb"
 
 
 class BackendUnavailable(UsageError, RuntimeError):
@@ -56,6 +128,8 @@ def import_vllm() -> Any:
             f"generator.backend=vllm needs vLLM, which cannot be imported ({exc}). Install it with "
             "`pip install 'vrl-core[vllm]'` on a machine with a CUDA GPU, or use generator.backend=hf."
         ) from exc
+    import torch
+
     if not torch.cuda.is_available():
         raise BackendUnavailable("generator.backend=vllm needs a CUDA GPU and none is visible; use generator.backend=hf")
     return vllm
@@ -85,7 +159,9 @@ def lora_targets(model: str, revision: str | None, spec: PerturbationSpec) -> li
     vLLM puts a LoRA layer on every module it supports unless told otherwise, and each one runs its
     LoRA kernels at every step whether the members' factors there are zero or not; an es.include of
     the MLP alone would still pay for the attention's LoRA layers."""
-    from vrl.optim.lowrank import select_linear
+    import torch
+
+    from vrl.weights.lowrank import select_linear
 
     tree = meta_model(model, revision)
     kinds = {name.rsplit(".", 1)[-1] for name, m in tree.named_modules() if isinstance(m, torch.nn.Linear)} - {"lm_head"}
@@ -96,18 +172,18 @@ def lora_targets(model: str, revision: str | None, spec: PerturbationSpec) -> li
 
 def engine_kwargs(config: Any, model_path: str, needs: HostNeeds | None = None) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for a run's config (one place where every vllm field is read)."""
-    g = config.generator
+    g, v = config.generator, config.generator.vllm
     return {**lora_settings(needs, config.model, None if config.model == TINY else g.revision),
         "model": model_path,
         "revision": None if config.model == TINY else g.revision,
         # As the hf backend on a GPU: 'auto' means bfloat16, not the checkpoint's dtype.
         "dtype": "bfloat16" if g.dtype == "auto" else g.dtype,
-        "gpu_memory_utilization": g.gpu_memory_utilization,
-        "max_model_len": g.max_model_len,
-        "enforce_eager": g.enforce_eager,
-        "max_num_seqs": g.max_num_seqs,
-        "tensor_parallel_size": g.tensor_parallel_size,
-        "enable_sleep_mode": g.sleep,
+        "gpu_memory_utilization": v.gpu_memory_utilization,
+        "max_model_len": v.max_model_len,
+        "enforce_eager": v.enforce_eager,
+        "max_num_seqs": v.max_num_seqs,
+        "tensor_parallel_size": v.tensor_parallel_size,
+        "enable_sleep_mode": v.sleep,
         "seed": config.seed,
         "worker_extension_cls": WORKER_EXTENSION,
         # Log-probs of the distribution tokens are drawn from (after temperature), as GRPO's ratio needs.
@@ -132,9 +208,13 @@ def sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> list[float]:
 
 
 class VLLMGenerator(Generator):
-    """Sampling with a vLLM engine; ES perturbs and GRPO syncs the engine's weights in place."""
+    """Sampling with a vLLM engine; ES perturbs and GRPO syncs the engine's weights in place.
+
+    `mode` (see `Mode`) says how its weights move; the caller passes it (`from_config` derives it from
+    the update rule's `needs`), and the engine refuses any other way."""
 
     name = "vllm"
+    Config = VLLMConfig
 
     def __init__(
         self,
@@ -142,6 +222,7 @@ class VLLMGenerator(Generator):
         tokenizer: Any,
         sampling: Any,
         *,
+        mode: Mode,
         model_path: str | None = None,
         revision: str | None = None,
         train_device: str = "cuda",
@@ -154,6 +235,7 @@ class VLLMGenerator(Generator):
         device_order: list[str] | None = None,
     ):
         self.llm, self.tokenizer, self.sampling = llm, tokenizer, sampling
+        self.mode = mode
         self.device_order = device_order  # the engine's GPU numbering (physical ids), when not this process's
         self.model: torch.nn.Module | None = None  # GRPO's trainable HF copy (`trainable`), pushed by `publish`
         self.model_path, self.revision = model_path, revision
@@ -173,9 +255,9 @@ class VLLMGenerator(Generator):
     @staticmethod
     def check(config: Any, needs: HostNeeds | None) -> None:
         """Refuse settings that cannot work with how the update rule moves weights, before an engine starts."""
-        g = config.generator
+        v = config.generator.vllm
         moves = needs.moves if needs is not None else None
-        problem = _perturbation_problem(g.sleep, g.tensor_parallel_size) if moves == "perturbations" else None
+        problem = _perturbation_problem(v.sleep, v.tensor_parallel_size) if moves == "perturbations" else None
         if problem:
             raise ValueError(problem)
 
@@ -185,11 +267,11 @@ class VLLMGenerator(Generator):
         """Start an engine for the run's model.
 
         `gpu`: the CUDA device index the engine runs on (default: the process's first visible GPU);
-        `memory_fraction`: its share of that GPU (default generator.gpu_memory_utilization), so that
+        `memory_fraction`: its share of that GPU (default generator.vllm.gpu_memory_utilization), so that
         several engines can share one GPU; `model_path`: a directory already holding the model
         (a pool writes the tiny model once for all its engines).
         """
-        g = config.generator
+        g, v = config.generator, config.generator.vllm
         cls.check(config, needs)
         vllm = import_vllm()
         cleanup = None
@@ -213,12 +295,40 @@ class VLLMGenerator(Generator):
             llm = vllm.LLM(**kwargs)
         log.info("vLLM engine ready in %.1f s%s", time.perf_counter() - t0, f" on GPU {gpu}" if gpu is not None else "")
         device = "cuda" if g.device == "auto" else g.device
-        gen = cls(llm, _load_tokenizer(path, kwargs["revision"]), config.sampling, model_path=path,
+        gen = cls(llm, _load_tokenizer(path, kwargs["revision"]), config.sampling, mode=mode_for(needs), model_path=path,
                   revision=kwargs["revision"], train_device=device, dtype=kwargs["dtype"],
-                  sampling_logprobs=g.sampling_logprobs, sync_every=g.sync_every, sleep=g.sleep,
-                  tensor_parallel_size=g.tensor_parallel_size, cleanup=cleanup, device_order=order)
+                  sampling_logprobs=v.sampling_logprobs, sync_every=v.sync_every, sleep=v.sleep,
+                  tensor_parallel_size=v.tensor_parallel_size, cleanup=cleanup, device_order=order)
         gen.lora_slots = kwargs.get("max_loras", 0)
         return gen
+
+    @classmethod
+    def engines(cls, config: Any, needs: HostNeeds | None, gpus: Sequence[str | None]) -> list[VLLMGenerator]:
+        """One engine per entry of `gpus` (None: GPU 0): engines on one GPU split
+        generator.vllm.gpu_memory_utilization evenly, and the tiny model is written once for all."""
+        cls.check(config, needs)  # before the tiny model is written for them
+        placement = [gpu if gpu is not None else "0" for gpu in gpus]
+        sharing = Counter(placement)
+        share = config.generator.vllm.gpu_memory_utilization
+        hosts: list[VLLMGenerator] = []
+        cleanup = None
+        try:
+            path = config.model
+            if path == TINY:  # written once for every engine
+                cleanup = path = save_tiny(tempfile.mkdtemp(prefix="vrl-tiny-"))
+            for gpu in placement:
+                hosts.append(cls.from_config(config, needs, gpu=gpu, memory_fraction=share / sharing[gpu], model_path=path))
+            if cleanup:  # the first engine may load a trainable copy from it later; it removes it on close
+                hosts[0].adopt(cleanup)
+                cleanup = None
+        except BaseException:
+            for host in hosts:
+                host.close()
+            raise
+        finally:
+            if cleanup:  # the engines loaded it
+                shutil.rmtree(cleanup, ignore_errors=True)
+        return hosts
 
     @property
     def last_update_s(self) -> float | None:
@@ -234,10 +344,11 @@ class VLLMGenerator(Generator):
     def trainable(self) -> Trainable:
         """An HF copy of the model on `generator.device` (loaded once): GRPO trains it, `publish` pushes it.
 
-        From now on the engine also returns sampling log-probs (`generator.sampling_logprobs`).
+        From now on the engine also returns sampling log-probs (`generator.vllm.sampling_logprobs`).
         """
-        if self._es is not None or self._params is not None:
-            raise Unsupported("this engine's weights are moved by ES; a trained copy cannot be pushed too")
+        if self.mode != "trained":
+            raise Unsupported(f"this engine was started in mode {self.mode!r}; a trained copy needs one started with "
+                              "the GRPO run's needs (mode 'trained': make_generator(config, optimizer.needs()))")
         if self.model is None:
             # No initial push: engine and copy load the same checkpoint in the same dtype.
             self.model, _ = load_model_and_tokenizer(self.model_path, self.train_device, self.dtype, self.revision)
@@ -248,9 +359,11 @@ class VLLMGenerator(Generator):
         problem = _perturbation_problem(self.sleep, self.tensor_parallel_size)
         if problem:
             raise Unsupported(problem)
-        if self.model is not None:
-            raise Unsupported("this engine samples a trained copy (GRPO); ES perturbs the engine itself")
-        if spec.noise == "lowrank":
+        wanted: Mode = "lowrank" if spec.noise == "lowrank" else "perturb"
+        if self.mode != wanted:
+            raise Unsupported(f"this engine was started in mode {self.mode!r}; es.noise={spec.noise} needs one started "
+                              f"with the ES run's needs (mode {wanted!r}: make_generator(config, optimizer.needs()))")
+        if wanted == "lowrank":
             return self.lowrank_params(spec)
         return self.es_params(spec.include, spec.exclude)
 
@@ -303,8 +416,8 @@ class VLLMGenerator(Generator):
         if too_long:  # vLLM would reject the whole batch with an error about one request
             task_id, length = too_long[0]
             raise ValueError(
-                f"{len(too_long)} of {len(tasks)} prompts leave no room to generate within generator.max_model_len="
-                f"{limit} (task {task_id!r}: {length} prompt tokens); raise generator.max_model_len (up to the "
+                f"{len(too_long)} of {len(tasks)} prompts leave no room to generate within generator.vllm.max_model_len="
+                f"{limit} (task {task_id!r}: {length} prompt tokens); raise generator.vllm.max_model_len (up to the "
                 "model's context length) or shorten the prompts"
             )
         return prompts
@@ -400,12 +513,14 @@ class VLLMGenerator(Generator):
 
     def _sleep(self) -> None:
         # Level 2 drops the weights too: fine when every wake-up is followed by a full weight push.
-        level = 2 if self.sync_every == 1 and self.model is not None else 1
+        level = 2 if self.sync_every == 1 and self.mode == "trained" else 1
         self.llm.sleep(level=level)
         self._asleep = level
 
     def _wake_up(self, tags: list[str] | None) -> None:
         """Give the engine its memory back; training's cached blocks are released first."""
+        import torch
+
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # freed activations and gradients still sit in torch's cache
         try:
@@ -416,7 +531,7 @@ class VLLMGenerator(Generator):
             raise RuntimeError(
                 "the vLLM engine could not take its GPU memory back after the training step: training keeps "
                 "about 16 bytes per trained parameter (fp32 masters, their gradients, AdamW state) plus the "
-                "activations of a micro-batch. Lower generator.gpu_memory_utilization, or shrink training with "
+                "activations of a micro-batch. Lower generator.vllm.gpu_memory_utilization, or shrink training with "
                 "grpo.gradient_checkpointing=true, a smaller grpo.micro_batch_size or grpo.use_peft=true."
             ) from exc
 
@@ -431,6 +546,10 @@ class VLLMGenerator(Generator):
     def publish(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
         """Push `model` (the trained copy, or tensors by checkpoint name) into the engine: on the first
         call, then every `sync_every` calls."""
+        import torch
+
+        from vrl.weights.export import weights_for_engine
+
         self._since_push += 1
         if self._pushed and self._since_push < self.sync_every:
             return
@@ -454,7 +573,7 @@ class VLLMGenerator(Generator):
     # -- ES inside the engine ------------------------------------------------------------------------
     def es_params(self, include: Sequence[str], exclude: Sequence[str]) -> EngineParams:
         """The engine's selected weights as seeded perturbations move them (an fp32 θ in the worker)."""
-        from vrl.optim.params import select_parameters
+        from vrl.weights.flat import select_parameters
 
         chosen = select_parameters(meta_model(self.model_path, self.revision), include, exclude)
         self._es = EngineParams(self, {n: list(p.shape) for n, p in chosen})
@@ -462,7 +581,7 @@ class VLLMGenerator(Generator):
 
     def lowrank_params(self, spec: PerturbationSpec) -> EngineLowRank:
         """Low-rank ES over the engine's selected linear layers, members served from its LoRA slots."""
-        from vrl.optim.lowrank import select_linear
+        from vrl.weights.lowrank import select_linear
 
         if not self.lora_slots:
             raise Unsupported(
@@ -481,6 +600,8 @@ class VLLMGenerator(Generator):
                 core.shutdown()
             self.llm = None
         gc.collect()
+        import torch
+
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if self._cleanup:
@@ -506,10 +627,10 @@ class _EngineWeights:
         """The engine now holds cast(θ) in every selected weight."""
         self.generator.weights_changed()
 
-    def update(self, terms: Sequence[tuple[int, float]]) -> None:
-        if not terms:
+    def update(self, update: Update) -> None:
+        if not update:
             return
-        times = self.generator.rpc(f"vrl_{self.kind}_update", [(int(s), float(c)) for s, c in terms])  # engine ← cast(θ')
+        times = self.generator.rpc(f"vrl_{self.kind}_update", update.to_wire())  # engine ← cast(θ')
         self.last_update_s = max(float(t) for t in times)
         self._written()
 
@@ -660,15 +781,17 @@ _STORAGE_DEVICE = 6  # position of the device ordinal in torch's rebuild_cuda_te
 def _perturbation_problem(sleep: bool, tensor_parallel_size: int) -> str | None:
     """Why an engine with these settings cannot be perturbed in place (ES), or None."""
     if sleep:
-        return ("generator.sleep frees the engine's memory for training between generation passes; it only "
-                "helps optimizer=grpo (ES perturbs the engine itself). Set generator.sleep=false.")
+        return ("generator.vllm.sleep frees the engine's memory for training between generation passes; it only "
+                "helps optimizer=grpo (ES perturbs the engine itself). Set generator.vllm.sleep=false.")
     if tensor_parallel_size > 1:
         return ("ES perturbs the engine's weights in place, which needs the whole model in one worker: set "
-                "generator.tensor_parallel_size=1 (ES runs members on separate engines, not one member on several)")
+                "generator.vllm.tensor_parallel_size=1 (ES runs members on separate engines, not one member on several)")
     return None
 
 
 def _visible_ids() -> list[str]:
+    import torch
+
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
 
@@ -688,7 +811,7 @@ def _visible_gpu(gpu: str | None) -> Iterator[list[str] | None]:
     ids = _visible_ids()
     index = int(gpu)
     if not 0 <= index < len(ids):
-        raise ValueError(f"generator.gpus names GPU {gpu}, but this process sees {len(ids)} GPU(s): {ids}")
+        raise ValueError(f"runtime.local.gpus names GPU {gpu}, but this process sees {len(ids)} GPU(s): {ids}")
     order = [ids[index]] + [i for i in ids if i != ids[index]]
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(order)
     try:

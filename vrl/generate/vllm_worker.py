@@ -3,7 +3,7 @@
 `VRLWorkerExtension` is mixed into every vLLM worker (`LLM(worker_extension_cls=...)`); the driver
 calls its `vrl_*` methods with `llm.collective_rpc`. vLLM fuses some Hugging Face parameters into
 one tensor (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) and pads vocabulary rows. ES noise
-is defined per *Hugging Face* parameter (`vrl.optim.noise`: member seed, HF name, element index),
+is defined per *Hugging Face* parameter (`vrl.weights.noise`: member seed, HF name, element index),
 so `engine_layout` maps each HF parameter explicitly to the rows of the engine tensor that hold
 it. The worker keeps the fp32 master θ in HF layout (`FlatParams.over` those rows, the code the
 `hf` backend uses) and one fused Triton launch writes a perturbation straight into the rows. A
@@ -22,6 +22,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from vrl.generate.vllm_lora import lora_factors_many, lora_scales
+from vrl.weights import noise as nz
+from vrl.weights.factors import factor_keys_many
+from vrl.weights.flat import FlatParams, triton_available
+from vrl.weights.lowrank import LowRankParams
+from vrl.weights.update import FullRankUpdate, LowRankUpdate, check_kind, update_from_wire
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +169,6 @@ class EngineES:
     """
 
     def __init__(self, views: Mapping[str, torch.Tensor]):
-        from vrl.optim.es import FlatParams
-
         self.flat = FlatParams.over(dict(views))
         self.names = list(views)
 
@@ -176,12 +181,13 @@ class EngineES:
         self.flat.restore()
 
     @torch.no_grad()
-    def update(self, *iterations: Sequence[tuple[int, float]]) -> None:
-        """θ ← θ + Σⱼ cⱼ·s(seedⱼ) for each iteration's terms in order; the engine then holds cast(θ)."""
+    def update(self, *iterations: FullRankUpdate) -> None:
+        """θ ← θ + Σⱼ cⱼ·s(seedⱼ) for each iteration's update in order; the engine then holds cast(θ)."""
         wrote = False
-        for terms in iterations:
-            if terms:
-                self.flat.update(terms)  # writes cast(θ) into the engine as it goes
+        for update in iterations:
+            check_kind(update, "full")
+            if update:
+                self.flat.update(update)  # writes cast(θ) into the engine as it goes
                 wrote = True
         if not wrote:
             self.flat.restore()  # still leave the engine at cast(θ), as after any update
@@ -216,9 +222,6 @@ class LowRankEngine:
 
     def __init__(self, views: Mapping[str, torch.Tensor], layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
                  rank: int, slots: Sequence[int]):
-        from vrl.optim.lowrank import LowRankParams
-        from vrl.optim.params import FlatParams, triton_available
-
         self.params = LowRankParams(FlatParams.over(dict(views)), rank)
         self.layers = dict(layers)  # HF name → (lora_a stack, lora_b stack) of its slice
         self.rank, self.slots = rank, list(slots)
@@ -238,7 +241,7 @@ class LowRankEngine:
 
     @staticmethod
     def kernel_layout(views: Mapping[str, torch.Tensor], layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Whether every stack is what `lowrank_triton.lora_slots` addresses by pointer arithmetic:
+        """Whether every stack is what `vllm_lora_triton.lora_slots` addresses by pointer arithmetic:
         contiguous lora_a S×1×R×n and lora_b S×1×m×R of one dtype, S and R the same for all (else the
         torch path, which indexes, writes them)."""
         first_a, _ = next(iter(layers.values()))
@@ -253,8 +256,6 @@ class LowRankEngine:
     @torch.no_grad()
     def load_members(self, members: Sequence[tuple[int, int]], sigma: float) -> None:
         """Write member p = (seed, sign) into LoRA slot `slots[p]`, for every selected matrix."""
-        from vrl.optim.lowrank import lora_factors_many
-
         if not members:
             return
         r, k = self.rank, len(members)
@@ -280,22 +281,20 @@ class LowRankEngine:
     def _load_members_triton(self, members: Sequence[tuple[int, int]], sigma: float, index: torch.Tensor,
                              ref: torch.Tensor) -> None:
         """`load_members` in one kernel launch per matrix shape (the same bits as the torch path)."""
-        from vrl.optim import lowrank as lr
-        from vrl.optim import noise as nz
-        from vrl.optim.lowrank_triton import lora_slots
+        from vrl.generate.vllm_lora_triton import lora_slots  # imports triton: GPU only
 
         r, device = self.rank, ref.device
-        scales = lr.lora_scales(members, r, sigma, device)
+        scales = lora_scales(members, r, sigma, device)
         names = [name for _, group in self.groups for name in group]
-        keys = lr.factor_keys_many([seed for seed, _ in members], names).to(device)
+        keys = factor_keys_many([seed for seed, _ in members], names).to(device)
         at = 0
         for (shape, group), (a_ptrs, b_ptrs) in zip(self.groups, self._pointers):
             rows = len(group) * len(members)
             lora_slots(a_ptrs, b_ptrs, ref, keys[at:at + rows], scales, index, shape, ref.shape[2], r, nz.C)
             at += rows
 
-    def update(self, terms: Sequence[tuple[int, float]]) -> None:
-        self.params.update(terms)
+    def update(self, update: LowRankUpdate) -> None:
+        self.params.update(update)
 
     def state(self) -> dict[str, torch.Tensor]:
         return self.params.state()
@@ -361,7 +360,7 @@ class VRLWorkerExtension:
         """The engine's parameters and where each HF parameter lives in them; `whole`: refuse a
         tensor-parallel shard (ES moves the whole model in one worker)."""
         if whole and self.parallel_config.tensor_parallel_size != 1:  # type: ignore[attr-defined]
-            raise ValueError("in-engine ES needs generator.tensor_parallel_size=1 (one engine per GPU)")
+            raise ValueError("in-engine ES needs generator.vllm.tensor_parallel_size=1 (one engine per GPU)")
         model = self._vrl_model()
         params = engine_params(model)
         layout = engine_layout(hf_shapes, {n: p.shape for n, p in params.items()},
@@ -392,8 +391,9 @@ class VRLWorkerExtension:
     def vrl_es_restore(self) -> float:
         return _timed(self._vrl_require_es().restore)
 
-    def vrl_es_update(self, terms: list[tuple[int, float]]) -> float:
-        return _timed(self._vrl_require_es().update, terms)
+    def vrl_es_update(self, update: dict[str, object]) -> float:
+        """Apply an update sent as its `to_wire` data (collective_rpc carries plain data)."""
+        return _timed(self._vrl_require_es().update, update_from_wire(update))
 
     def vrl_es_state(self) -> dict[str, object]:
         # Packed explicitly: vLLM's RPC encoding of tensors is not a contract we can rely on.
@@ -446,8 +446,8 @@ class VRLWorkerExtension:
     def vrl_lowrank_members(self, members: list[tuple[int, int]], sigma: float) -> float:
         return _timed(self._vrl_require_lowrank().load_members, [(int(s), int(g)) for s, g in members], float(sigma))
 
-    def vrl_lowrank_update(self, terms: list[tuple[int, float]]) -> float:
-        return _timed(self._vrl_require_lowrank().update, [(int(s), float(c)) for s, c in terms])
+    def vrl_lowrank_update(self, update: dict[str, object]) -> float:
+        return _timed(self._vrl_require_lowrank().update, update_from_wire(update))
 
     def vrl_lowrank_state(self) -> dict[str, object]:
         return {n: pack_tensor(v) for n, v in self._vrl_require_lowrank().state().items()}

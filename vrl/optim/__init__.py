@@ -1,30 +1,33 @@
 """Update rules behind the ask/tell contract.
 
-`OPTIMIZERS` is the one list of update rules: `vrl.config` builds the `optimizer` field and one
-config section per rule (the class's `Config`) from it, and `make_optimizer` builds the rule a
-run names. A new rule is its module plus one line here.
+Update rules are registered by name through the `register_optimizers` hook (vrl's `es` and `grpo`
+by `vrl.builtin`, others by plugins): `vrl.config` builds one config section per rule (the class's
+`Config`), and `make_optimizer` builds the rule a run names. A new rule is its module plus one
+`register(...)` line in its plugin.
 """
 
 from __future__ import annotations
 
-from importlib import import_module
-
 from vrl.optim.base import Optimizer, Variant
 
-__all__ = ["OPTIMIZERS", "Optimizer", "Variant", "make_optimizer", "optimizer_class"]
+__all__ = ["Optimizer", "Variant", "make_optimizer", "optimizer_class", "optimizer_names"]
 
-OPTIMIZERS: dict[str, str] = {
-    "es": "vrl.optim.es:ES",
-    "grpo": "vrl.optim.grpo:GRPO",
-}
+
+def optimizer_names() -> list[str]:
+    """The registered update rules."""
+    from vrl.plugins import registry
+
+    return registry().names("optimizers")
 
 
 def optimizer_class(name: str) -> type[Optimizer]:
-    """The `Optimizer` subclass registered as `name`."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; choose {' or '.join(map(repr, OPTIMIZERS))}")
-    module, attr = OPTIMIZERS[name].split(":")
-    return getattr(import_module(module), attr)
+    """The `Optimizer` subclass registered as `name` (`UnknownNameError`: one line listing the rules there are)."""
+    from vrl.plugins import registry
+
+    cls = registry().factory("optimizers", name)
+    if not issubclass(cls, Optimizer):
+        raise TypeError(f"optimizer {name!r} is registered as {cls.__qualname__}, which is not a vrl.Optimizer")
+    return cls
 
 
 def make_optimizer(config) -> Optimizer:

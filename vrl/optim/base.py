@@ -15,7 +15,7 @@ with seeded perturbations and updates, GRPO by training `host.trainable()` and p
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,16 @@ class Optimizer(ABC):
         """The rule configured for a run (a `TrainConfig`: its own section, the seed, the run length)."""
 
     @classmethod
+    def label(cls, section: Mapping[str, Any]) -> str:
+        """How `vrl report` names a run of this rule, from the run's recorded section of it (`config.<name>`):
+        enough to keep runs of different methods apart in one comparison. Default: the rule's name."""
+        return cls.name
+
+    @classmethod
     def check_fits(cls, config: Any, model: Callable[[], Any] | None) -> None:
         """Refuse a run's settings this rule cannot work with, before anything loads or starts (`vrl
         train`'s preflight). `model()` builds the model's module tree without weights
-        (`vrl.generate.weights.meta_model`; called only by rules that need it); None where the weights
+        (`vrl.generate.hf.meta_model`; called only by rules that need it); None where the weights
         are elsewhere (Modal). Raises a `UsageError`: one line, what is wrong and how to fix it."""
 
     def needs(self) -> HostNeeds:
@@ -84,11 +90,10 @@ class Optimizer(ABC):
         """Restore the state saved by `save` for a run that finished `completed` iterations (resume)."""
 
     @classmethod
-    def export(cls, run_dir: Path, config: dict[str, Any], finished: int, folder: Path, device: str) -> dict[str, Any]:
+    def export(cls, run_dir: Path, config: dict[str, Any], finished: int, folder: Path,
+               load: Callable[[str, str, str | None], tuple[Any, Any]]) -> dict[str, Any]:
         """Write the policy a run of this rule reached after `finished` iterations to `folder` as a Hugging
-        Face model folder (`vrl export`); return what was exported (iteration, base model, ...)."""
+        Face model folder (`vrl export`); return what was exported (iteration, base model, ...).
+        `load(name, dtype, revision)` gives a base model and its tokenizer on the export's device
+        (`vrl.weights.export.ModelLoader`); `vrl.weights.export.save_model` writes the folder."""
         raise NotImplementedError
-
-    def describe(self) -> dict[str, Any]:
-        """Short description for logs and summaries."""
-        return {"optimizer": self.name}

@@ -10,10 +10,11 @@ One iteration, read top to bottom in `ES`:
    convention: 1/σ folded into α; default α = σ/2).
 
 θ is an fp32 master copy of the selected parameters, kept by the host (`PolicyHost.perturbations`)
-next to the weights it samples from, on every copy; ES only sends it seeds and coefficients
-(`iteration_terms`; with es.noise=lowrank, ε is replaced by the low-rank σ·A·Bᵀ/√r of
-`vrl.optim.lowrank` and the terms carry integer multipliers). Noise is never stored: ε is a pure function of (seed, parameter name,
-element index) (`vrl.optim.noise`), identical on CPU and GPU. The whole training state is therefore
+next to the weights it samples from, on every copy; ES only sends it seeds and coefficients, as a
+typed update (`iteration_update`: a `FullRankUpdate`; with es.noise=lowrank, ε is replaced by the
+low-rank σ·A·Bᵀ/√r of `vrl.weights.factors` and the update is a `LowRankUpdate` of integer
+multipliers). Noise is never stored: ε is a pure function of (seed, parameter name, element index)
+(`vrl.weights.noise`), identical on CPU and GPU. The whole training state is therefore
 the base model reference plus the list of (seed, z) per iteration: `es_history.json` in the run
 directory. `replay` rebuilds θ_t from θ₀ bit for bit; optional snapshots every K iterations bound the
 replay.
@@ -25,22 +26,28 @@ import hashlib
 import json
 import logging
 import math
-import os
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vrl.errors import SelectionError
-from vrl.optim import lowrank
-from vrl.optim import noise as nz
+from vrl.fileio import atomic_path, write_text
 from vrl.optim.base import Optimizer
-from vrl.optim.params import FlatParams, select_parameters  # noqa: F401 - re-exported
 from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Variant
 from vrl.types import Result
+from vrl.weights import noise as nz
+from vrl.weights.exact import MAX_RANK
+from vrl.weights.update import FullRankUpdate, LowRankUpdate, Update
+
+# torch and the weights layer's tensor code are imported in the functions that use them: the
+# registry imports this module for `ES.Config`, and `vrl plugins` must not load torch (issue 28).
+if TYPE_CHECKING:
+    from vrl.weights.export import ModelLoader
+    from vrl.weights.flat import FlatParams
+    from vrl.weights.lowrank import LowRankParams
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +91,7 @@ class ESConfig(BaseModel):
         "and run as one batch (hf: one batched forward; vllm: one generation pass, members in LoRA slots).",
     )
     rank: int = Field(
-        8, ge=1, le=lowrank.MAX_RANK, description="Rank r of each member's perturbation A·Bᵀ (with noise=lowrank)."
+        8, ge=1, le=MAX_RANK, description="Rank r of each member's perturbation A·Bᵀ (with noise=lowrank)."
     )
 
     @model_validator(mode="after")
@@ -176,18 +183,10 @@ def member_seeds(record: IterationRecord, antithetic: bool) -> list[tuple[int, i
     return [(record.seed + i, 1) for i in range(len(record.z))]
 
 
-def update_terms(record: IterationRecord, antithetic: bool, alpha: float) -> list[tuple[int, float]]:
-    """The update Σᵢ (α/N)·zᵢ·signᵢ·ε(seedᵢ) as (seed, coefficient of the integer noise) terms.
-
-    Members sharing a seed (antithetic pairs) are merged, so the noise is generated once per seed;
-    coefficients are rounded to 14 significant bits, which keeps each product exact in fp32.
-    """
-    n = len(record.z)
-    merged: dict[int, float] = defaultdict(float)
-    for (seed, sign), z in zip(member_seeds(record, antithetic), record.z):
-        merged[seed] += sign * z
-    terms = [(seed, nz.round_sig(alpha / n * w * nz.C, nz.SCALE_BITS)) for seed, w in merged.items()]
-    return [(seed, c) for seed, c in terms if c != 0.0]
+def update_terms(record: IterationRecord, antithetic: bool, alpha: float) -> FullRankUpdate:
+    """The full-rank update Σᵢ (α/N)·zᵢ·signᵢ·ε(seedᵢ) of one iteration: (seed, coefficient of the
+    integer noise) terms, one per seed (`FullRankUpdate.from_members`)."""
+    return FullRankUpdate.from_members(member_seeds(record, antithetic), record.z, alpha)
 
 
 # -- reward normalisation ---------------------------------------------------------------------------
@@ -195,6 +194,8 @@ def update_terms(record: IterationRecord, antithetic: bool, alpha: float) -> lis
 
 def normalize(rewards: Sequence[float], method: str, per_task: Sequence[Sequence[float]] | None = None) -> list[float]:
     """Member weights zᵢ from member rewards; all zero when the rewards carry no ranking signal."""
+    import torch
+
     r = torch.tensor(rewards, dtype=torch.float64)
     if method == "zscore":
         std = r.std(unbiased=False)
@@ -224,35 +225,40 @@ def normalize(rewards: Sequence[float], method: str, per_task: Sequence[Sequence
     raise ValueError(f"unknown ES normalization {method!r}; choose zscore, rank or group")
 
 
-def iteration_terms(history: ESHistory, record: IterationRecord) -> list[tuple[int, float]]:
-    """The terms `PolicyHost.update` takes for one iteration of `history`, in its noise mode.
+def iteration_update(history: ESHistory, record: IterationRecord) -> Update:
+    """The update `PolicyHost.update` takes for one iteration of `history`, in its noise mode.
 
-    Full-rank: `update_terms` (seed, coefficient). Low-rank: `lowrank.to_terms` of the iteration's
-    `LowRankUpdate` (a (−1, coefficient) head, then (seed, integer multiplier)); the host reads them
-    by its `PerturbationSpec.noise`. Both are lists of (int, float) pairs, so they cross every wire.
+    Full-rank: `update_terms`, a `FullRankUpdate` of (seed, coefficient) terms. Low-rank: the
+    iteration's `LowRankUpdate` (seed, integer multiplier) terms and one coefficient. A host set up
+    for the other mode refuses it; across processes it travels as its `to_wire` data.
     """
     if history.perturbation == "lowrank":
         if history.rank is None:
             raise ValueError("a low-rank ES history needs its rank")
         members = member_seeds(record, history.antithetic)
-        return lowrank.to_terms(lowrank.update_for(members, record.z, history.alpha, history.rank))
+        return LowRankUpdate.from_members(members, record.z, history.alpha, history.rank)
     return update_terms(record, history.antithetic, history.alpha)
 
 
-def replay(history: ESHistory, target: PolicyHost | FlatParams | lowrank.LowRankParams, start: int = 0,
+def replay(history: ESHistory, target: PolicyHost | FlatParams | LowRankParams, start: int = 0,
            stop: int | None = None) -> None:
     """Apply the updates of iterations [start, stop) of `history` to `target` (θ_start → θ_stop):
     a host (every copy of its weights), one `FlatParams` (full-rank) or one `LowRankParams` (low-rank)."""
+    import torch
+
+    from vrl.weights.flat import FlatParams
+    from vrl.weights.lowrank import LowRankParams
+
     if isinstance(target, FlatParams) and history.perturbation != "full":
         raise ValueError("this history used low-rank noise; replay it onto LowRankParams or a host set up for es.noise=lowrank")
-    if isinstance(target, lowrank.LowRankParams) and history.perturbation != "lowrank":
+    if isinstance(target, LowRankParams) and history.perturbation != "lowrank":
         raise ValueError("this history used full-rank noise ('full'); replay it onto FlatParams or a host set up "
                          "for es.noise=full")
-    if isinstance(target, lowrank.LowRankParams) and history.rank != target.rank:
+    if isinstance(target, LowRankParams) and history.rank != target.rank:
         raise ValueError(f"this history used rank {history.rank}; these parameters are low-rank with rank {target.rank}")
     with torch.no_grad():
         for record in history.iterations[start:stop]:
-            target.update(iteration_terms(history, record))
+            target.update(iteration_update(history, record))
 
 
 # -- the optimizer ------------------------------------------------------------------------------------
@@ -268,16 +274,26 @@ class ES(Optimizer):
                        "noise", "rank")
 
     @classmethod
+    def label(cls, section: Mapping[str, Any]) -> str:
+        """Low-rank runs say so, with their rank: full-rank and low-rank ES stay apart in a report."""
+        if section.get("noise") == "lowrank":
+            return f"{cls.name} lowrank r={section.get('rank', '?')}"
+        return cls.name
+
+    @classmethod
     def check_fits(cls, config: Any, model: Callable[[], Any] | None) -> None:
         """es.include / es.exclude select something this noise mode moves, and that the backend serves:
         a typo fails here in a second, not after an engine has started."""
         if model is None:
             return
+        from vrl.weights.flat import select_parameters
+        from vrl.weights.lowrank import select_linear
+
         es, tree = config.es, model()
         if es.noise != "lowrank":
             select_parameters(tree, es.include, es.exclude)
             return
-        chosen = [name for name, _ in lowrank.select_linear(tree, es.include, es.exclude, report=False)]
+        chosen = [name for name, _ in select_linear(tree, es.include, es.exclude, report=False)]
         # vLLM's LoRA layers wrap the decoder's projections, not the output layer (`vllm_worker.lora_slices`
         # refuses the rest once the engine runs); an lm_head tied to the embedding is never selected.
         heads = [n for n in chosen if n.startswith("lm_head")]
@@ -319,8 +335,14 @@ class ES(Optimizer):
                 "(which rebuild θ from the history and stay warm across iterations). Set es.snapshot_every=0."
             )
         self.info = info
-        self.history = ESHistory(
-            base=BaseModelRef(**{**self.base, "dtype": info.dtype}),
+        self.history = self._new_history(info.dtype)
+        log.info("ES: %d tensors, %d parameters selected", len(info.names), info.numel)
+
+    def _new_history(self, dtype: str) -> ESHistory:
+        """An empty history of this run's settings, over base weights of `dtype`."""
+        c = self.config
+        return ESHistory(
+            base=BaseModelRef(**{**self.base, "dtype": dtype}),
             sigma=c.sigma,
             alpha=c.step_size,
             population_size=c.population_size,
@@ -331,7 +353,6 @@ class ES(Optimizer):
             perturbation=c.noise,
             rank=c.rank if c.noise == "lowrank" else None,
         )
-        log.info("ES: %d tensors, %d parameters selected", len(info.names), info.numel)
 
     def _require_setup(self) -> tuple[PolicyHost, ESHistory]:
         if self.host is None or self.history is None:
@@ -381,7 +402,7 @@ class ES(Optimizer):
             per_task = [_task_means(rs, task_ids) for rs in by_member]
         z = [round(v, Z_DECIMALS) + 0.0 for v in normalize(rewards, self.config.normalization, per_task)]
         record = IterationRecord(seed=self._variants[0].seed, z=z)
-        host.update(iteration_terms(history, record))
+        host.update(iteration_update(history, record))
         history.iterations.append(record)
         self._variants = None
         mean = sum(rewards) / n
@@ -397,47 +418,55 @@ class ES(Optimizer):
         """Write es_history.json (atomically), and a snapshot every `snapshot_every` iterations."""
         _, history = self._require_setup()
         run_dir = Path(run_dir)
-        _write_atomic(run_dir / HISTORY_FILE, history.to_json())
+        write_text(run_dir / HISTORY_FILE, history.to_json())
         k = self.config.snapshot_every
         if k and self.iteration % k == 0 and self.iteration:
             self._save_snapshot(run_dir)
 
     def load(self, run_dir: Path, completed: int) -> None:
         """Rebuild θ_t for the run's t = `completed` iterations: latest valid snapshot, then replay."""
-        host, history = self._require_setup()
-        run_dir = Path(run_dir)
+        host, _ = self._require_setup()
+        start = self._rebuild(host, Path(run_dir), completed)
+        self.replayed_from = start  # the snapshot's iteration (0: replayed from θ₀)
+        self._variants = None
+        log.info("ES: resumed at iteration %d (snapshot %d, replayed %d)", completed, start, completed - start)
+
+    def _rebuild(self, target: PolicyHost | FlatParams | LowRankParams, run_dir: Path, completed: int) -> int:
+        """θ_completed onto `target` from the run's history (checked against this run's settings): the
+        newest matching snapshot, then replay. Keeps the history; returns the snapshot's iteration."""
         saved = ESHistory.read(run_dir / HISTORY_FILE)
-        self._check_compatible(saved, history)
+        self._check_compatible(saved, self.history)
         if len(saved.iterations) < completed:
             raise ValueError(
                 f"{run_dir / HISTORY_FILE} has {len(saved.iterations)} iterations but the run finished {completed}; "
                 "the history is incomplete, so the weights cannot be rebuilt"
             )
         saved.iterations = saved.iterations[:completed]  # an update saved after the last finished iteration
-        start = self._load_snapshot(run_dir, saved, completed)
-        replay(saved, host, start)
-        self.replayed_from = start  # the snapshot's iteration (0: replayed from θ₀)
+        start = self._load_snapshot(target, run_dir, saved, completed)
+        replay(saved, target, start)
         self.history = saved
-        self._variants = None
-        log.info("ES: resumed at iteration %d (snapshot %d, replayed %d)", completed, start, completed - start)
+        return start
 
     @classmethod
-    def export(cls, run_dir: Path, config: dict[str, Any], finished: int, folder: Path, device: str) -> dict[str, Any]:
-        """The base model with θ rebuilt exactly as a resume does (newest matching snapshot, then replay)."""
-        from vrl.generate.hf import HFGenerator, load_model_and_tokenizer
-        from vrl.generate.weights import save_model
+    def export(cls, run_dir: Path, config: dict[str, Any], finished: int, folder: Path, load: ModelLoader
+               ) -> dict[str, Any]:
+        """The base model with θ rebuilt exactly as a resume does (newest matching snapshot, then replay),
+        onto the weights layer's view of the model (no host)."""
+        from vrl.weights.export import save_model
+        from vrl.weights.lowrank import perturbable
 
         history = ESHistory.read(Path(run_dir) / HISTORY_FILE)
         base = history.base
         dtype = base.dtype if base.dtype in ("float32", "bfloat16", "float16") else config["generator"]["dtype"]
-        model, tokenizer = load_model_and_tokenizer(base.model, device, dtype, base.revision)
+        model, tokenizer = load(base.model, dtype, base.revision)
         es = cls(ESConfig.model_validate(config["es"]), seed=config["seed"],
                  base={"model": config["model"], "revision": config["generator"].get("revision")})
-        es.setup(HFGenerator(model, tokenizer, None))
-        es.load(Path(run_dir), finished)
+        params = perturbable(model, es.spec())
+        es.history = es._new_history(params.dtype)
+        replayed_from = es._rebuild(params, Path(run_dir), finished)
         save_model(model, tokenizer, folder)
         return {"optimizer": cls.name, "iteration": finished, "base_model": base.model, "dtype": dtype,
-                "replayed_from": es.replayed_from}
+                "replayed_from": replayed_from}
 
     def _check_compatible(self, saved: ESHistory, current: ESHistory) -> None:
         fields = ("base", "sigma", "alpha", "population_size", "antithetic", "normalization", "include", "exclude",
@@ -459,31 +488,27 @@ class ES(Optimizer):
         t = self.iteration
         path = folder / f"iter-{t:06d}.safetensors"
         meta = {"iteration": str(t), "noise": nz.NOISE_VERSION, "digest": history.digest(t)}
-        save_file(host.state(), str(path) + ".tmp", metadata=meta)
-        os.replace(str(path) + ".tmp", path)
+        with atomic_path(path) as tmp:
+            save_file(host.state(), str(tmp), metadata=meta)
         # Keep two: the newest may be ahead of state.json if the run stops between the two writes.
         for old in sorted(folder.glob("iter-*.safetensors"))[:-2]:
             old.unlink()
 
-    def _load_snapshot(self, run_dir: Path, history: ESHistory, completed: int) -> int:
+    def _load_snapshot(self, target: PolicyHost | FlatParams | LowRankParams, run_dir: Path, history: ESHistory,
+                       completed: int) -> int:
+        import torch
         from safetensors import safe_open
         from safetensors.torch import load_file
 
-        host, _ = self._require_setup()
         for path in sorted((run_dir / SNAPSHOT_DIR).glob("iter-*.safetensors"), reverse=True):
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
             t = int(meta.get("iteration", -1))
             if 0 < t <= completed and meta.get("noise") == nz.NOISE_VERSION and meta.get("digest") == history.digest(t):
-                host.load_state(load_file(str(path)))
+                with torch.no_grad():
+                    target.load_state(load_file(str(path)))
                 return t
         return 0
-
-    def describe(self) -> dict[str, Any]:
-        c = self.config
-        return {"optimizer": self.name, "population_size": c.population_size, "sigma": c.sigma, "alpha": c.step_size,
-                "normalization": c.normalization, "antithetic": c.antithetic, "noise": c.noise,
-                **({"rank": c.rank} if c.noise == "lowrank" else {})}
 
 
 def _task_means(results: Sequence[Result], task_ids: Sequence[str]) -> list[float]:
@@ -496,9 +521,3 @@ def _task_means(results: Sequence[Result], task_ids: Sequence[str]) -> list[floa
     if missing:
         raise ValueError(f"group normalisation needs every member to answer every task; missing {missing[:3]}")
     return [sums[t] / counts[t] for t in task_ids]
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -21,20 +21,27 @@ import contextlib
 import copy
 import logging
 import math
-import os
 import shutil
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vrl.errors import UsageError
+from vrl.fileio import TMP_SUFFIX, atomic_path
 from vrl.optim.base import Optimizer
-from vrl.optim.logprobs import Packed, completion_logprobs, pack
 from vrl.policy import PolicyHost, Variant
 from vrl.types import Result
+
+# torch (and `vrl.optim.logprobs`, which needs it) is imported in the functions that use it:
+# `vrl.config` imports this module for `GRPOConfig`, and `import vrl` or `vrl --help` must not load torch.
+if TYPE_CHECKING:
+    import torch
+
+    from vrl.optim.logprobs import Packed
+    from vrl.weights.export import ModelLoader
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +140,8 @@ def group_advantages(
     A_i = r_i − mean of i's group; unless scale_rewards='none' it is divided by (std + 1e-4), the
     unbiased std of i's group ('group') or of the whole batch ('batch'). A group of one has std 0.
     """
+    import torch
+
     r = torch.tensor(list(rewards), dtype=torch.float32)
     if r.numel() != len(groups) or r.numel() == 0:
         raise ValueError(f"need one group key per reward (got {r.numel()} rewards and {len(groups)} keys)")
@@ -176,6 +185,8 @@ def grpo_loss(
     `use_bias_correction_kl` multiplies the KL term by ρ (not detached); this function's default is
     the plain k3 term, the optimizer passes `GRPOConfig.use_bias_correction_kl` (default on).
     """
+    import torch
+
     eps_high = epsilon if epsilon_high is None else epsilon_high
     adv = advantages.unsqueeze(1)
     ratio = torch.exp(logps - old_logps)
@@ -214,6 +225,31 @@ def grpo_loss(
     return loss, stats
 
 
+# -- one micro-batch --------------------------------------------------------------------------------
+class SamplingGap(NamedTuple):
+    """|log π_θ − the sampler's log-prob| over a micro-batch's completion tokens, at its first step."""
+
+    total: torch.Tensor  # summed over the tokens
+    max: torch.Tensor
+    tokens: torch.Tensor  # how many tokens
+
+
+@dataclass
+class MicroBatch:
+    """Up to `micro_batch_size` samples of a batch, packed, with everything the loss needs of them.
+
+    Tensors are [B, C] (completion tokens) unless noted, on the training device.
+    """
+
+    packed: Packed  # prompt + completion token ids, padded as generation laid them out
+    mask: torch.Tensor  # completion tokens that enter the loss (truncated ones dropped with mask_truncated_completions)
+    advantages: torch.Tensor  # [B]
+    old_logps: torch.Tensor | None  # under the sampling policy (None: the current policy's, detached, so ρ = 1)
+    from_sampler: bool  # `old_logps` are the generator's own sampling log-probs (not recomputed here)
+    ref_logps: torch.Tensor | None = None  # under the frozen reference (beta > 0)
+    sampling_gap: SamplingGap | None = None  # set at the first step when `from_sampler`
+
+
 # -- the optimizer ----------------------------------------------------------------------------------
 class GRPO(Optimizer):
     """GRPO on the host's trainable in-process model; trained weights are published to the host."""
@@ -249,6 +285,8 @@ class GRPO(Optimizer):
     # setup ---------------------------------------------------------------------------------------
     def setup(self, host: PolicyHost) -> None:
         """Take the host's trainable model: LoRA, checkpointing, reference model, AdamW, schedule."""
+        import torch
+
         super().setup(host)
         cfg = self.config
         trainable = host.trainable()
@@ -274,7 +312,8 @@ class GRPO(Optimizer):
         # New modules (LoRA dropout) start in training mode; sampling must never run dropout.
         model.eval()
         if cfg.gradient_checkpointing:
-            # transformers >= 5.2x renamed the method; older releases only have the first name.
+            # transformers 5.2x renamed gradient_checkpointing_enable to activation_checkpointing_enable
+            # (the old name stays as a deprecated alias); older releases only have the old name.
             if hasattr(model, "activation_checkpointing_enable"):
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
@@ -312,6 +351,8 @@ class GRPO(Optimizer):
             from peft import LoraConfig, get_peft_model
         except ImportError as exc:
             raise ImportError("grpo.use_peft=true needs peft: pip install 'vrl-core[lora]'") from exc
+        import torch
+
         cfg = self.config
         targets = cfg.lora_target_modules
         lora = LoraConfig(
@@ -345,6 +386,8 @@ class GRPO(Optimizer):
 
     def tell(self, results: list[Result]) -> dict[str, float]:
         """Advantages from the results' rewards, then `num_iterations` AdamW steps on the GRPO loss."""
+        import torch
+
         cfg = self.config
         if not results:
             raise ValueError("GRPO.tell got no results")
@@ -368,7 +411,7 @@ class GRPO(Optimizer):
         batches = [self._micro_batch(results, order[s : s + cfg.micro_batch_size], advantages, truncated)
                    for s in range(0, len(order), cfg.micro_batch_size)]
         num_sequences = len(results)
-        num_tokens = float(sum(b["mask"].sum() for b in batches))
+        num_tokens = float(sum(b.mask.sum() for b in batches))
 
         self._fill_reference_and_old(batches, results)
         totals: dict[str, float] = {"loss": 0.0, "grad_norm": 0.0, "kl_sum": 0.0, "clip_low_sum": 0.0,
@@ -402,14 +445,18 @@ class GRPO(Optimizer):
         }
         if cfg.beta > 0:
             metrics["grpo/kl"] = totals["kl_sum"] / tokens
-        diffs = [b["sampling_diff"] for b in batches if "sampling_diff" in b]
-        if diffs:  # the generator reported sampling log-probs (vllm): how far they are from training's
-            metrics["grpo/sampling_logprob_diff_mean"] = float(sum(d[0] for d in diffs) / max(float(sum(d[2] for d in diffs)), 1.0))
-            metrics["grpo/sampling_logprob_diff_max"] = float(max(d[1] for d in diffs))
+        gaps = [b.sampling_gap for b in batches if b.sampling_gap is not None]
+        if gaps:  # the generator reported sampling log-probs (vllm): how far they are from training's
+            metrics["grpo/sampling_logprob_diff_mean"] = float(sum(g.total for g in gaps) / max(float(sum(g.tokens for g in gaps)), 1.0))
+            metrics["grpo/sampling_logprob_diff_max"] = float(max(g.max for g in gaps))
         return metrics
 
     def _micro_batch(self, results: list[Result], rows: list[int], advantages: torch.Tensor,
-                     truncated: list[bool]) -> dict[str, Any]:
+                     truncated: list[bool]) -> MicroBatch:
+        import torch
+
+        from vrl.optim.logprobs import pack
+
         comps = [results[i].completion for i in rows]
         packed = pack([c.prompt_token_ids for c in comps], [c.token_ids for c in comps], self.pad_id, self.device)
         mask = packed.completion_mask.clone()
@@ -421,36 +468,44 @@ class GRPO(Optimizer):
             sampled = torch.zeros_like(mask)
             for row, c in enumerate(comps):
                 sampled[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
-        return {"packed": packed, "mask": mask, "advantages": advantages[rows].to(self.device),
-                "old": sampled, "ref": None, "has_sampled": sampled is not None}
+        return MicroBatch(packed=packed, mask=mask, advantages=advantages[rows].to(self.device),
+                          old_logps=sampled, from_sampler=sampled is not None)
 
-    @torch.no_grad()
     def _logprobs_no_grad(self, model, packed: Packed) -> torch.Tensor:
-        return completion_logprobs(model, packed, self.temperature, self.config.logprob_chunk_size)
+        import torch
 
-    def _fill_reference_and_old(self, batches: list[dict[str, Any]], results: list[Result]) -> None:
+        from vrl.optim.logprobs import completion_logprobs
+
+        with torch.no_grad():
+            return completion_logprobs(model, packed, self.temperature, self.config.logprob_chunk_size)
+
+    def _fill_reference_and_old(self, batches: list[MicroBatch], results: list[Result]) -> None:
         """Reference log-probs (beta > 0) and sampling-policy log-probs (num_iterations > 1), once per batch."""
         cfg = self.config
-        if any(b["has_sampled"] for b in batches) and not all(b["has_sampled"] for b in batches):
+        if any(b.from_sampler for b in batches) and not all(b.from_sampler for b in batches):
             log.warning("only some completions carry sampling log-probs; recomputing them for all")
             for b in batches:
-                b["old"], b["has_sampled"] = None, False
+                b.old_logps, b.from_sampler = None, False
         self.model.eval()
         for b in batches:
             if cfg.beta > 0:
                 if self.peft_model is not None:
                     with self.peft_model.disable_adapter():
-                        b["ref"] = self._logprobs_no_grad(self.model, b["packed"])
+                        b.ref_logps = self._logprobs_no_grad(self.model, b.packed)
                 else:
-                    b["ref"] = self._logprobs_no_grad(self.ref_model, b["packed"])
+                    b.ref_logps = self._logprobs_no_grad(self.ref_model, b.packed)
             # With one step per batch the policy *is* the sampling policy, so ρ = 1 exactly
             # (old = current log-probs, detached); later steps need the stored values.
-            if b["old"] is None and cfg.num_iterations > 1:
-                b["old"] = self._logprobs_no_grad(self.model, b["packed"])
+            if b.old_logps is None and cfg.num_iterations > 1:
+                b.old_logps = self._logprobs_no_grad(self.model, b.packed)
 
-    def _accumulate(self, batches: list[dict[str, Any]], num_sequences: int, num_tokens: float
+    def _accumulate(self, batches: list[MicroBatch], num_sequences: int, num_tokens: float
                     ) -> tuple[float, dict[str, float]]:
         """Forward and backward every micro-batch; gradients sum to those of the whole-batch loss."""
+        import torch
+
+        from vrl.optim.logprobs import completion_logprobs
+
         cfg = self.config
         total_loss = torch.zeros((), device=self.device)
         stats_sum: dict[str, torch.Tensor] = {}
@@ -461,17 +516,18 @@ class GRPO(Optimizer):
                 # Dropout (LoRA) masks are a pure function of (seed, step): resume replays them.
                 torch.manual_seed((self.seed * 1_000_003 + self.step) % (2**63))
                 for b in batches:
-                    logps = completion_logprobs(self.model, b["packed"], self.temperature, cfg.logprob_chunk_size)
-                    old = logps.detach() if b["old"] is None else b["old"]
-                    if b["has_sampled"] and "sampling_diff" not in b:
+                    logps = completion_logprobs(self.model, b.packed, self.temperature, cfg.logprob_chunk_size)
+                    old = logps.detach() if b.old_logps is None else b.old_logps
+                    if b.from_sampler and b.sampling_gap is None:
                         # First step: the policy is the one that sampled, so any gap is the sampler's
                         # numerics (or weights it had not been synced to yet).
-                        gap = torch.where(b["packed"].completion_mask.bool(), (logps.detach() - old).abs(), 0.0)
-                        b["sampling_diff"] = (gap.sum(), gap.max(), b["packed"].completion_mask.sum())
+                        completion = b.packed.completion_mask
+                        gap = torch.where(completion.bool(), (logps.detach() - old).abs(), 0.0)
+                        b.sampling_gap = SamplingGap(gap.sum(), gap.max(), completion.sum())
                     loss, stats = grpo_loss(
-                        logps, old, b["advantages"], b["mask"],
+                        logps, old, b.advantages, b.mask,
                         loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                        beta=cfg.beta, ref_logps=b["ref"], use_bias_correction_kl=cfg.use_bias_correction_kl,
+                        beta=cfg.beta, ref_logps=b.ref_logps, use_bias_correction_kl=cfg.use_bias_correction_kl,
                         num_sequences=num_sequences, num_tokens=num_tokens,
                         max_completion_length=self.max_completion_length,
                     )
@@ -495,6 +551,8 @@ class GRPO(Optimizer):
 
     def _apply_step(self) -> float:
         """Clip, step AdamW and the schedule, write fp32 masters back to the model; returns the gradient norm."""
+        import torch
+
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(self.master, max_norm))
         self.optim.step()
@@ -514,7 +572,8 @@ class GRPO(Optimizer):
     @staticmethod
     def _checkpoints(run_dir: Path) -> list[Path]:
         """The run's complete checkpoints, oldest first (`iter-NNNNNN`; a `.tmp` one is still being written)."""
-        return sorted(p for p in (Path(run_dir) / "grpo").glob("iter-*") if p.is_dir() and not p.name.endswith(".tmp"))
+        return sorted(p for p in (Path(run_dir) / "grpo").glob("iter-*")
+                      if p.is_dir() and not p.name.endswith(TMP_SUFFIX))
 
     @classmethod
     def _newest_checkpoint(cls, run_dir: Path, finished: int) -> Path | None:
@@ -525,34 +584,32 @@ class GRPO(Optimizer):
     def save(self, run_dir: Path, final: bool = False) -> None:
         """Write grpo/iter-NNNNNN/: the policy (save_pretrained + tokenizer) and optimizer/schedule/RNG state.
 
-        Written to a temporary directory and renamed, and the previous checkpoint is kept, so a crash
-        at any point leaves the checkpoint that matches the run's last finished iteration.
+        Written to a temporary directory and renamed (`vrl.fileio.atomic_path`), and the previous
+        checkpoint is kept, so a crash at any point leaves the checkpoint that matches the run's last
+        finished iteration.
         """
+        import torch
+
         k = self.config.save_every
         if self.iteration % k and self.iteration != self.total_iterations and not final:
             return  # `load` falls back to the last checkpoint and the trainer redoes the rest
-        final = self._checkpoint_dir(run_dir, self.iteration)
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
         policy = self.peft_model if self.peft_model is not None else self.model
-        with _quiet_transformers():
-            policy.save_pretrained(tmp / "policy")
-            self.tokenizer.save_pretrained(tmp / "policy")
-        state = {
-            "iteration": self.iteration,
-            "step": self.step,
-            "config": self.config.model_dump(mode="json"),
-            "optimizer": self.optim.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "master": None if self.master is self.params else [m.detach().cpu() for m in self.master],
-            "rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        }
-        torch.save(state, tmp / "state.pt")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        with atomic_path(self._checkpoint_dir(run_dir, self.iteration)) as tmp:
+            tmp.mkdir(parents=True)
+            with _quiet_transformers():
+                policy.save_pretrained(tmp / "policy")
+                self.tokenizer.save_pretrained(tmp / "policy")
+            state = {
+                "iteration": self.iteration,
+                "step": self.step,
+                "config": self.config.model_dump(mode="json"),
+                "optimizer": self.optim.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "master": None if self.master is self.params else [m.detach().cpu() for m in self.master],
+                "rng_cpu": torch.get_rng_state(),
+                "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            }
+            torch.save(state, tmp / "state.pt")
         for old in self._checkpoints(run_dir)[:-_KEEP_CHECKPOINTS]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -569,6 +626,8 @@ class GRPO(Optimizer):
                 f"no GRPO checkpoint at or before iteration {completed} in {Path(run_dir) / 'grpo'} "
                 f"(found: {found or 'none'}); the run directory is incomplete, start a new run"
             )
+        import torch
+
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
         saved = state["config"]
         # Checkpoints from before grpo.use_bias_correction_kl existed trained with the plain k3 term.
@@ -594,7 +653,8 @@ class GRPO(Optimizer):
         self.host.publish(self.model)
 
     @classmethod
-    def export(cls, run_dir: Path, config: dict[str, Any], finished: int, folder: Path, device: str) -> dict[str, Any]:
+    def export(cls, run_dir: Path, config: dict[str, Any], finished: int, folder: Path, load: ModelLoader
+               ) -> dict[str, Any]:
         """The newest checkpoint at or before `finished` (the one a resume loads); LoRA merged into the base."""
         run_dir = Path(run_dir)
         ckpt = cls._newest_checkpoint(run_dir, finished)
@@ -614,11 +674,10 @@ class GRPO(Optimizer):
             from peft import PeftModel
         except ImportError as exc:
             raise ValueError("this run trained a LoRA adapter; merging it needs peft: pip install 'vrl-core[lora]'") from exc
-        from vrl.generate.hf import load_model_and_tokenizer
-        from vrl.generate.weights import save_model
+        from vrl.weights.export import save_model
 
         gen = config["generator"]
-        model, tokenizer = load_model_and_tokenizer(config["model"], device, gen["dtype"], gen.get("revision"))
+        model, tokenizer = load(config["model"], gen["dtype"], gen.get("revision"))
         merged = PeftModel.from_pretrained(model, str(policy)).merge_and_unload()
         save_model(merged, tokenizer, folder)
         return {**info, "lora": True, "merged": True}
@@ -647,11 +706,6 @@ class GRPO(Optimizer):
         if result.unexpected_keys or missing:
             raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
                              f"unexpected {result.unexpected_keys[:5]}")
-
-    def describe(self) -> dict[str, Any]:
-        cfg = self.config
-        return {"optimizer": self.name, "loss_type": cfg.loss_type, "scale_rewards": cfg.scale_rewards,
-                "num_generations": cfg.num_generations, "beta": cfg.beta, "use_peft": cfg.use_peft}
 
 
 @contextlib.contextmanager

@@ -1,27 +1,27 @@
 """Where generation and verification run. The trainer only sees the `Runtime` interface.
 
-`RUNTIMES` is the one list of runtimes (`runtime.kind`): each names a callable that builds the
-runtime from a run's config. A new runtime is its module plus one line here.
+Runtimes are registered by name through the `register_runtimes` hook (`local` and `modal` by
+`vrl.builtin`); `runtime.kind` picks one and `runtime.<kind>` holds its settings (the class's
+`Config`). A new runtime is its module plus one `register(...)` line in its plugin.
 """
 
 from __future__ import annotations
 
-from importlib import import_module
-
 from vrl.runtime.base import Runtime, VerificationPool
 
-__all__ = ["RUNTIMES", "Runtime", "VerificationPool", "make_runtime"]
+__all__ = ["Runtime", "VerificationPool", "make_runtime", "runtime_class"]
 
-RUNTIMES: dict[str, str] = {
-    "local": "vrl.runtime.local:LocalRuntime",
-    "modal": "vrl.runtime.modal.launch:modal_runtime",
-}
+
+def runtime_class(name: str) -> type[Runtime]:
+    """The `Runtime` subclass registered as `name` (`UnknownNameError`: one line listing the runtimes there are)."""
+    from vrl.plugins import registry
+
+    cls = registry().factory("runtimes", name)
+    if not issubclass(cls, Runtime):
+        raise TypeError(f"runtime {name!r} is registered as {cls.__qualname__}, which is not a vrl.Runtime")
+    return cls
 
 
 def make_runtime(config) -> Runtime:
     """The runtime `config.runtime.kind` names, built from the config."""
-    kind = config.runtime.kind
-    if kind not in RUNTIMES:
-        raise ValueError(f"unknown runtime {kind!r}; choose {' or '.join(map(repr, RUNTIMES))}")
-    module, attr = RUNTIMES[kind].split(":")
-    return getattr(import_module(module), attr)(config)
+    return runtime_class(config.runtime.kind).from_config(config)

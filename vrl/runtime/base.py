@@ -8,16 +8,44 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
+from pydantic import BaseModel
+
+from vrl.config import Section
 from vrl.policy import HostNeeds, PolicyHost
 from vrl.types import Attempt, Verdict
 from vrl.verifier import Verifier, verify_safely
 
 
 class Runtime(ABC):
-    """Places the policy's hosts (engines) and the verification pool for a run; never the update rule."""
+    """Places the policy's hosts (engines) and the verification pool for a run; never the update rule.
+
+    A runtime is registered by name (the `register_runtimes` hook) and selected with `runtime.kind`;
+    its `Config` is the config section `runtime.<name>`, and `from_config` builds it for a run.
+    """
 
     name: str = "runtime"
+    #: Its settings: the config section `runtime.<name>` (a `vrl.config.Section`; none by default).
+    Config: ClassVar[type[BaseModel]] = Section
+    #: Whether the run's weights load on this machine: then the preflight checks the model and the
+    #: devices here, and update rules check their settings against the model's module tree.
+    weights_here: ClassVar[bool] = True
+
+    @classmethod
+    def from_config(cls, config: Any) -> Runtime:
+        """The runtime for a run (a `TrainConfig`; its own section is `config.runtime.<name>`)."""
+        return cls()
+
+    @classmethod
+    def check(cls, config: Any) -> None:
+        """Refuse settings this runtime cannot run, in seconds and before anything starts (`vrl train`'s
+        and `vrl eval`'s preflight): raise a `UsageError`, one line saying what to change."""
+
+    @classmethod
+    def verifies_in_process(cls, config: Any) -> bool:
+        """Whether the verifier runs in this process (the trainer then checks it is up itself)."""
+        return True
 
     @abstractmethod
     def policy(self, config, needs: HostNeeds | None = None) -> PolicyHost:

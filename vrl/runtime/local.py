@@ -1,65 +1,76 @@
 """The local runtime: sampling engines in this process (CPU or local GPUs), the verifier on a background loop.
 
-`generator.engines` engines (each with its own copy of the weights) are dealt over `generator.gpus`;
-one engine is the default. Several engines form a `HostPool`.
+`runtime.local.engines` engines of the run's backend (each with its own copy of the weights) are
+dealt over `runtime.local.gpus`; one engine is the default. Several engines form a `HostPool`.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections import Counter
 from typing import Any
 
-from vrl.generate import make_generator
+from pydantic import Field
+
+from vrl.config import Section
+from vrl.errors import DeviceUnavailable
+from vrl.generate import generator_class, make_generator
 from vrl.policy import HostNeeds, PolicyHost
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.runtime.pool import HostPool
 from vrl.verifier import Verifier
 
 
+class LocalConfig(Section):
+    """The local runtime (`runtime.kind: local`): engines in this process, on this machine's CPU or GPUs."""
+
+    engines: int = Field(
+        1, ge=1,
+        description="Sampling engines, each with its own copy of the weights: ES deals its members over them, "
+        "GRPO shards the tasks and publishes trained weights to all.",
+    )
+    gpus: list[int] | None = Field(
+        None,
+        description="GPU indices the engines are dealt over (round-robin); vllm engines sharing a GPU split "
+        "generator.vllm.gpu_memory_utilization evenly. None: one GPU (vllm) or generator.device (hf).",
+    )
+
+
 class LocalRuntime(Runtime):
     name = "local"
+    Config = LocalConfig
 
     def __init__(self, config: Any = None):
         """Nothing to start until `policy`: engines follow the config they are given there."""
 
+    @classmethod
+    def from_config(cls, config: Any) -> LocalRuntime:
+        return cls(config)
+
+    @classmethod
+    def check(cls, config: Any) -> None:
+        """The model can be loaded and the devices the run names exist on this machine."""
+        from vrl.generate.hf import resolve_device
+        from vrl.hub import check_model
+
+        check_model(config.model, config.generator.revision)
+        resolve_device(config.generator.device)
+        gpus = config.runtime.local.gpus
+        if gpus:
+            import torch
+
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            missing = [i for i in gpus if not 0 <= i < count]
+            if missing:
+                have = f"{count} CUDA GPU(s), numbered 0..{count - 1}" if count else "no CUDA GPU"
+                raise DeviceUnavailable(f"runtime.local.gpus={gpus} names GPU {missing[0]}, but this machine has "
+                                        f"{have}; list GPUs it has, or leave runtime.local.gpus unset")
+
     def policy(self, config: Any, needs: HostNeeds | None = None) -> PolicyHost:
-        g = config.generator
-        if g.engines == 1 and not g.gpus:
+        local = config.runtime.local
+        if local.engines == 1 and not local.gpus:
             return make_generator(config, needs)
-        gpus = [str(i) for i in (g.gpus or [0])]
-        placement = [gpus[i % len(gpus)] for i in range(g.engines)]
-        sharing = Counter(placement)
-        hosts = []
-        cleanup = None
-        try:
-            if g.backend == "vllm":
-                from vrl.generate.vllm import VLLMGenerator, save_tiny
-
-                path = config.model
-                if path == "tiny":  # written once for every engine
-                    cleanup = path = save_tiny(tempfile.mkdtemp(prefix="vrl-tiny-"))
-                for gpu in placement:
-                    hosts.append(VLLMGenerator.from_config(
-                        config, needs, gpu=gpu, memory_fraction=g.gpu_memory_utilization / sharing[gpu],
-                        model_path=path))
-                if cleanup:  # the first engine may load a trainable copy from it later; it removes it on close
-                    hosts[0].adopt(cleanup)
-                    cleanup = None
-            else:
-                from vrl.generate.hf import HFGenerator
-
-                for gpu in placement:
-                    device = g.device if not g.gpus else f"cuda:{gpu}"
-                    hosts.append(HFGenerator.from_config(config, device=device))
-        except BaseException:
-            for h in hosts:
-                h.close()
-            raise
-        finally:
-            if cleanup:  # the engines loaded it
-                shutil.rmtree(cleanup, ignore_errors=True)
+        gpus: list[str | None] = [str(i) for i in local.gpus] if local.gpus else [None]
+        placement = [gpus[i % len(gpus)] for i in range(local.engines)]
+        hosts = generator_class(config.generator.backend).engines(config, needs, placement)
         return HostPool(hosts, granule=config.sampling.batch_size)
 
     def verification(self, verifier: Verifier, config: Any, attempts_per_iteration: int | None = None) -> VerificationPool:

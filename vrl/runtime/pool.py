@@ -20,6 +20,7 @@ from typing import Any
 from vrl.generate.base import shard_seed
 from vrl.policy import PerturbationSpec, PolicyHost, Trainable, Variant, WeightsInfo
 from vrl.types import Completion, Task
+from vrl.weights.update import Update
 
 _DONE = object()
 
@@ -107,9 +108,9 @@ class HostPool(PolicyHost):
             raise RuntimeError(f"the pool's hosts select different parameters: {[(i.numel, i.dtype) for i in infos]}")
         return infos[0]
 
-    def update(self, terms: Sequence[tuple[int, float]]) -> None:
+    def update(self, update: Update) -> None:
         for h in self.hosts:
-            h.update(terms)
+            h.update(update)
 
     def state(self) -> dict[str, Any]:
         return self.hosts[0].state()  # the copies are identical

@@ -1,4 +1,6 @@
-"""The hooks vrl calls. Register classes (or factories); they are only built when used."""
+"""The hooks vrl calls. Register classes (or factories); they are only built when used.
+
+The environment brings its own verifier and reward shaper (`ReverseEnvironment.verifier()` / `.shaper()`)."""
 
 import vrl
 
@@ -9,9 +11,3 @@ def register_environments(register):
 
     register("reverse", ReverseEnvironment)
 
-
-@vrl.hookimpl
-def register_verifiers(register):
-    from vrl_reverse.env import ReverseVerifier
-
-    register("reverse", ReverseVerifier)

@@ -336,9 +336,10 @@ class WritesFixtureProofs:
 
 
 def lean_run(tmp_path, server_url: str, **options):
+    from vrl_lean.environment import LeanEnvironment
+
     from vrl.config import build
     from vrl.trainer import Trainer
-    from vrl_lean.environment import LeanEnvironment
 
     data = tmp_path / "problems"
     data.mkdir()

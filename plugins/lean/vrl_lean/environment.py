@@ -16,8 +16,8 @@ from vrl_lean import data as data_mod
 from vrl_lean.data import Problem, parse_jsonl_row
 from vrl_lean.policy import DEFAULT_MAX_HEARTBEATS
 from vrl_lean.prompts import MODEL, formal_statement, kimina_messages
-from vrl_lean.server import KIMINA
 from vrl_lean.recheck import HttpRechecker, LocalRechecker, Rechecker
+from vrl_lean.server import KIMINA
 from vrl_lean.verifier import NO_SERVER, START_RECHECK, LeanVerifier
 
 

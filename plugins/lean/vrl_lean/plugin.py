@@ -1,4 +1,4 @@
-"""Entry point of the vrl-lean plugin: registers the `lean` environment and verifier."""
+"""Entry point of the vrl-lean plugin: registers the `lean` environment (it brings its own verifier)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,3 @@ def register_environments(register):
     # The class itself is the factory, so `vrl train` can read LeanEnvironment.defaults.
     register("lean", LeanEnvironment)
 
-
-@vrl.hookimpl
-def register_verifiers(register):
-    from vrl_lean.verifier import LeanVerifier
-
-    register("lean", LeanVerifier)

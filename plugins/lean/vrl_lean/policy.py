@@ -215,9 +215,8 @@ COMMAND_KEYWORDS = frozenset(COMMAND_REASONS) | {
     "library_note", "add_decl_doc", "compile_inductive", "compile_def", "gen_injective_theorems", "suppress_compilation",
     "count_heartbeats", "initialize_simps_projections", "mk_iff_of_inductive_prop",
     # more Lean, Batteries and Mathlib commands: a word whose stem is one of these starts a command
-    "prelude", "module", "meta", "public", "export", "init_quot", "eoi", "builtin_initialize", "declare_syntax_cat",
-    "unsuppress_compilation", "whatsnew", "with_weak_namespace", "assert_not_imported", "extend_docs",
-    "register_hint", "irreducible_def", "reassoc_axiom", "test_extern", "grind_propagator", "builtin_grind_propagator",
+    "prelude", "module", "meta", "public", "init_quot", "eoi", "builtin_initialize", "unsuppress_compilation", "whatsnew",
+    "with_weak_namespace", "assert_not_imported", "extend_docs", "register_hint", "reassoc_axiom", "test_extern", "grind_propagator", "builtin_grind_propagator",
 }
 COMMAND_REASONS.update({
     "variable": "`variable` (and Mathlib's `variable?`) adds hypotheses to the declarations that follow, the theorem's too",

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 from vrl_python_tests.datasets import to_tasks
-from vrl_python_tests.sandbox import SandboxUnavailable, check_bwrap, pick_python
+from vrl_python_tests.sandbox import LocalSandboxUnavailable, check_bwrap, pick_python
 from vrl_python_tests.verifier import PythonTestsVerifier, Report
 
 from vrl.types import Attempt, Completion, Task
@@ -17,7 +17,7 @@ def _bwrap_problem() -> str | None:
         return "bubblewrap is not installed (Debian package `bubblewrap`)"
     try:
         check_bwrap(pick_python(None, "bwrap"))
-    except SandboxUnavailable as exc:
+    except LocalSandboxUnavailable as exc:
         return str(exc)
     return None
 

@@ -53,7 +53,7 @@ def test_registered_class_exposes_defaults_to_the_cli():
     factory = reg.factory("environments", "python-tests")
     assert factory is PythonTestsEnvironment
     assert factory.defaults["sampling.max_new_tokens"] == 384
-    verifier = reg.verifier("python-tests", sandbox="unsafe-local", workers=1)
+    verifier = PythonTestsVerifier(sandbox="unsafe-local", workers=1)
     assert isinstance(verifier, PythonTestsVerifier) and verifier.pool.workers == 1
     verifier.close()
 

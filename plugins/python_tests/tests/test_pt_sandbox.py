@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import BWRAP_PROBLEM, attempt, make_task, needs_bwrap
-from vrl_python_tests.sandbox import SandboxConfig, SandboxUnavailable, check_bwrap, pick_python
+from vrl_python_tests.sandbox import LocalSandboxUnavailable, SandboxConfig, check_bwrap, pick_python
 from vrl_python_tests.verifier import PythonTestsVerifier
 
 from vrl.types import Status
@@ -39,7 +39,7 @@ def no_bwrap(tmp_path, monkeypatch):
 
 
 def test_missing_bwrap_is_a_clear_error(no_bwrap):
-    with pytest.raises(SandboxUnavailable, match=r"bubblewrap.*apt-get install bubblewrap.*sandbox=unsafe-local"):
+    with pytest.raises(LocalSandboxUnavailable, match=r"bubblewrap.*apt-get install bubblewrap.*sandbox=unsafe-local"):
         PythonTestsVerifier()
 
 
@@ -54,7 +54,7 @@ def test_broken_bwrap_names_user_namespaces(monkeypatch):
     monkeypatch.setenv("PATH", f"{fake_dir}:{os.environ['PATH']}")
     check_bwrap.cache_clear()
     try:
-        with pytest.raises(SandboxUnavailable, match=r"No permissions to create new namespace.*user namespaces"):
+        with pytest.raises(LocalSandboxUnavailable, match=r"No permissions to create new namespace.*user namespaces"):
             PythonTestsVerifier()
     finally:
         check_bwrap.cache_clear()
@@ -83,7 +83,7 @@ def test_invalid_options_are_refused():
         SandboxConfig(memory_mb=8)
     with pytest.raises(ValueError, match="positive"):
         PythonTestsVerifier(sandbox="unsafe-local", test_timeout_s=0)
-    with pytest.raises(SandboxUnavailable, match="not an executable"):
+    with pytest.raises(LocalSandboxUnavailable, match="not an executable"):
         pick_python("/nonexistent/python3", "bwrap")
 
 
@@ -255,3 +255,21 @@ def fill():
         assert not report.verdict.passed and "returned 'OSError'" in report.verdict.detail
     finally:
         v.close()
+
+
+def test_each_kind_of_call_result_becomes_its_test_outcome():
+    """What the sandbox returns per test (a typed `CallResult`) is judged on the host into a `TestOutcome`."""
+    from vrl_python_tests.checks import TestCase
+    from vrl_python_tests.harness import encode
+    from vrl_python_tests.sandbox import CallResult
+    from vrl_python_tests.verifier import _outcome
+
+    test = TestCase(args=encode([1, 2]), expected=encode(3))
+    judged = [_outcome(0, test, raw) for raw in (
+        CallResult("value", 0.5, value=encode(3)), CallResult("value", value=encode(4)),
+        CallResult("error", message="ZeroDivisionError: division by zero"), CallResult("timeout", 2.0),
+        CallResult("crashed", message="not run"), CallResult("crashed"))]
+    assert [o.status for o in judged] == ["passed", "wrong", "error", "timeout", "crashed", "crashed"]
+    assert judged[0].elapsed_s == 0.5 and judged[3].elapsed_s == 2.0
+    assert judged[2].message == "raised ZeroDivisionError: division by zero"
+    assert [judged[4].message, judged[5].message] == ["crashed: not run", "crashed: unknown"]

@@ -1,4 +1,4 @@
-"""Entry point of the vrl-python-tests plugin: registers the environment and its verifier."""
+"""Entry point of the vrl-python-tests plugin: registers the environment (it brings its own verifier)."""
 
 import vrl
 
@@ -9,9 +9,3 @@ def register_environments(register):
 
     register("python-tests", PythonTestsEnvironment)  # the class itself, so the CLI sees its defaults
 
-
-@vrl.hookimpl
-def register_verifiers(register):
-    from vrl_python_tests.verifier import PythonTestsVerifier
-
-    register("python-tests", PythonTestsVerifier)

@@ -6,7 +6,7 @@ an unprivileged uid) whose pid 1 is the fork server. Each attempt is a fork of t
 attempt costs milliseconds, not an interpreter start. The host side (this module) keeps every clock,
 reads the attempt's typed results from a pipe and never trusts anything else the sandbox says.
 
-`SandboxPool` holds one warm sandbox per worker and lends them to threads.
+`LocalSandboxPool` holds one warm sandbox per worker and lends them to threads.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ _OPT_OUT = ("opt out of isolation with `-o sandbox=unsafe-local` (Python: sandbo
             "only for code you trust")
 
 
-class SandboxUnavailable(ValueError):
+class LocalSandboxUnavailable(ValueError):
     """The sandbox cannot run on this machine; the message says what is missing and what to do.
 
     A ValueError, like other setup problems, so `vrl train` reports it as an error line, not a traceback.
@@ -80,13 +80,27 @@ class SandboxConfig:
             raise ValueError(f"memory_mb={self.memory_mb} is too small to start Python; use at least 64")
 
 
+CallKind = Literal["value", "error", "timeout", "crashed"]
+ImportStatus = Literal["ok", "error", "syntax", "timeout", "crashed"]
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """What one call of the entry point (one test) gave back, not yet judged: the verifier compares it."""
+
+    kind: CallKind  # value: it returned; error: it raised; timeout: out of time; crashed: it did not finish
+    elapsed_s: float = 0.0
+    value: Any = None  # kind 'value': the return value as encoded on the result channel (`harness.encode`)
+    message: str = ""  # kind 'error': the exception; kind 'crashed': what happened
+
+
 @dataclass
 class RunResult:
     """What came back from one attempt: the import outcome and one raw outcome per test."""
 
-    import_status: str  # ok | error | syntax | timeout | crashed
+    import_status: ImportStatus  # 'ok': the code loaded and `tests` holds one result per test input
     import_error: str = ""
-    tests: list[dict[str, Any]] = field(default_factory=list)  # {"value"|"error"|"timeout"|"crashed", "elapsed_s"}
+    tests: list[CallResult] = field(default_factory=list)
     output: str = ""
     elapsed_s: float = 0.0
     attempt_timed_out: bool = False
@@ -119,9 +133,9 @@ def pick_python(preferred: str | None, mode: SandboxMode) -> str:
         path = shutil.which(preferred) or preferred
         real = os.path.realpath(path)
         if not os.access(real, os.X_OK):
-            raise SandboxUnavailable(f"python={preferred!r} is not an executable interpreter")
+            raise LocalSandboxUnavailable(f"python={preferred!r} is not an executable interpreter")
         if mode == "bwrap" and _drops_uid() and not _world_usable(real):
-            raise SandboxUnavailable(
+            raise LocalSandboxUnavailable(
                 f"python={real} is not readable by an unprivileged user (a parent directory lacks o+x); "
                 "pick an interpreter under /usr or another world-readable prefix")
         return real
@@ -134,7 +148,7 @@ def pick_python(preferred: str | None, mode: SandboxMode) -> str:
         if mode == "bwrap" and _drops_uid() and not _world_usable(real):
             continue
         return real
-    raise SandboxUnavailable(
+    raise LocalSandboxUnavailable(
         "no Python interpreter that an unprivileged sandbox user can run was found (tried "
         f"{', '.join(candidates)}); install python3 under /usr or pass python=/path/to/python3")
 
@@ -148,14 +162,14 @@ def _prefix_of(python: str) -> str:
 def check_bwrap(python: str) -> None:
     """Fail with a clear message unless bubblewrap can start `python` in a full sandbox here."""
     if sys.platform != "linux":
-        raise SandboxUnavailable(
+        raise LocalSandboxUnavailable(
             f"the bubblewrap sandbox needs Linux (this is {sys.platform}); {_OPT_OUT}")
     if shutil.which("bwrap") is None:
-        raise SandboxUnavailable(
+        raise LocalSandboxUnavailable(
             "bubblewrap (`bwrap`) is not installed: install the Debian/Ubuntu package `bubblewrap` "
             f"(apt-get install bubblewrap; Fedora: dnf install bubblewrap), or {_OPT_OUT}")
     if _inside(python, ["/tmp", "/dev", "/proc"]):
-        raise SandboxUnavailable(
+        raise LocalSandboxUnavailable(
             f"python={python} lies under a directory the sandbox replaces with its own (/tmp, /dev, /proc); "
             "use an interpreter installed elsewhere")
     fd = seccomp_fd()
@@ -164,11 +178,11 @@ def check_bwrap(python: str) -> None:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=_START_TIMEOUT_S, cwd="/",
                               check=False, pass_fds=(fd,), **spawn_user(0))
     except subprocess.TimeoutExpired:
-        raise SandboxUnavailable("bubblewrap did not start a sandbox within 30 s") from None
+        raise LocalSandboxUnavailable("bubblewrap did not start a sandbox within 30 s") from None
     finally:
         os.close(fd)
     if proc.returncode != 0:
-        raise SandboxUnavailable(
+        raise LocalSandboxUnavailable(
             f"bubblewrap could not create a sandbox: {proc.stderr.strip() or f'exit code {proc.returncode}'}. "
             "It needs unprivileged user namespaces: check `sysctl user.max_user_namespaces` (> 0), "
             "`kernel.unprivileged_userns_clone=1` (Debian) and `kernel.apparmor_restrict_unprivileged_userns=0` "
@@ -296,7 +310,7 @@ def seccomp_filter(machine: str | None = None) -> bytes:
     """A classic-BPF seccomp program (the format `bwrap --seccomp` reads) for this machine."""
     machine = machine or platform.machine()
     if machine not in _AUDIT_ARCH:
-        raise SandboxUnavailable(
+        raise LocalSandboxUnavailable(
             f"the sandbox's seccomp filter does not know this architecture ({machine}; known: "
             f"{', '.join(_AUDIT_ARCH)}); {_OPT_OUT}")
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
@@ -331,6 +345,14 @@ def seccomp_fd() -> int:
 
 class _Dead(Exception):
     """The sandbox stopped answering; it will be restarted."""
+
+
+@dataclass(frozen=True)
+class _Unreadable:
+    """A result line the host could not take: longer than allowed (`oversize`) or not a JSON object."""
+
+    oversize: bool = False
+    why: str = ""
 
 
 class Sandbox:
@@ -403,13 +425,13 @@ class Sandbox:
             stderr.seek(0)
             why = stderr.read().decode(errors="replace").strip()[-2000:]
             self.close()
-            raise SandboxUnavailable(f"the sandbox server did not start: {why or 'no output'}") from None
+            raise LocalSandboxUnavailable(f"the sandbox server did not start: {why or 'no output'}") from None
         if hello.get("op") != "hello":
             self.close()
-            raise SandboxUnavailable(f"the sandbox server said {hello!r} instead of hello")
+            raise LocalSandboxUnavailable(f"the sandbox server said {hello!r} instead of hello")
         if cfg.mode == "bwrap" and not hello.get("init"):
             self.close()
-            raise SandboxUnavailable("the sandbox server is not pid 1 of its pid namespace; bwrap ignored --as-pid-1")
+            raise LocalSandboxUnavailable("the sandbox server is not pid 1 of its pid namespace; bwrap ignored --as-pid-1")
         self.starts += 1
 
     def close(self) -> None:
@@ -556,27 +578,27 @@ class Sandbox:
                 result.import_status = "crashed"
                 result.import_error = f"the sandbox stopped: {exc}"
         for _ in range(len(result.tests), len(inputs)):
-            reason: dict[str, Any] = {"timeout": True} if result.attempt_timed_out else {"crashed": "not run"}
-            result.tests.append({**reason, "elapsed_s": 0.0})
+            result.tests.append(CallResult("timeout") if result.attempt_timed_out else CallResult("crashed", message="not run"))
         result.output = self._kept_output.decode(errors="replace")
         result.elapsed_s = time.monotonic() - start
         return result
 
-    def _wait(self, deadline: float, exited: list[str]) -> dict[str, Any] | None:
-        """The child's next message; None at the deadline or once it exited with nothing more to say."""
+    def _wait(self, deadline: float, exited: list[str]) -> dict[str, Any] | _Unreadable | None:
+        """The child's next message (a JSON object: see `harness`), or the line it sent that is not one;
+        None at the deadline or once it exited with nothing more to say."""
         limit = self.config.max_result_bytes + 1024
         control = self.proc.stdout.fileno()
         while True:
             try:
                 line = self._line(self._results, deadline, limit)
             except _Oversize:
-                return {"oversize": True}
+                return _Unreadable(oversize=True)
             if line is not None:
                 try:
                     msg = json.loads(line, parse_constant=_reject_constant, parse_int=harness.parse_int)
                 except (ValueError, RecursionError) as exc:
-                    return {"garbled": f"{type(exc).__name__}: {str(exc)[:200]}"}
-                return msg if isinstance(msg, dict) else {"garbled": "not a JSON object"}
+                    return _Unreadable(why=f"{type(exc).__name__}: {str(exc)[:200]}")
+                return msg if isinstance(msg, dict) else _Unreadable(why="not a JSON object")
             while b"\n" in self._bufs[control]:
                 text, self._bufs[control] = self._bufs[control].split(b"\n", 1)
                 reply = json.loads(text)
@@ -599,17 +621,17 @@ class Sandbox:
         self._command({"op": "spawn", "start": first})
         exited: list[str] = []
         ready = self._wait(time.monotonic() + _CONTROL_TIMEOUT_S, exited)
-        if not ready or not ready.get("ready"):
+        if not isinstance(ready, dict) or not ready.get("ready"):
             why = f"the attempt's process {exited[0] if exited else 'did not start'}"
             if first == 0:
                 result.import_status, result.import_error = "crashed", why
             else:
-                result.tests.append({"crashed": why, "elapsed_s": 0.0})
+                result.tests.append(CallResult("crashed", message=why))
             return "crashed"
         self._write_payload(len(payload).to_bytes(8, "big") + payload, time.monotonic() + _CONTROL_TIMEOUT_S)
         t0 = time.monotonic()
         msg = self._wait(min(attempt_deadline, t0 + test_timeout_s), exited)
-        if msg is None or msg.get("import") != "ok":
+        if not isinstance(msg, dict) or msg.get("import") != "ok":
             if msg is None and not exited:
                 # It may still be reading the payload; a restart guarantees no stale bytes are left.
                 raise_after = True
@@ -623,13 +645,15 @@ class Sandbox:
                     result.import_status = "timeout"
                     result.import_error = f"loading the code took longer than {time.monotonic() - t0:.3g} s"
                     result.attempt_timed_out = time.monotonic() >= attempt_deadline
+                elif isinstance(msg, _Unreadable):
+                    result.import_status, result.import_error = "crashed", "the attempt garbled its result channel"
                 else:
                     status = msg.get("import")
                     result.import_status = status if status in ("error", "syntax") else "crashed"
                     result.import_error = str(msg.get("error", "the attempt garbled its result channel"))[:500]
             else:
                 # The code loaded before; now it does not: count the test it was about to run as crashed.
-                result.tests.append({"crashed": "reloading the code for the remaining tests failed", "elapsed_s": 0.0})
+                result.tests.append(CallResult("crashed", message="reloading the code for the remaining tests failed"))
             if raise_after:
                 raise _Dead("the attempt's process hung while loading")
             return "crashed"
@@ -639,27 +663,26 @@ class Sandbox:
             elapsed = time.monotonic() - t0
             if msg is None:
                 if exited:
-                    result.tests.append({"crashed": f"the attempt's process {exited[0]}", "elapsed_s": elapsed})
+                    result.tests.append(CallResult("crashed", elapsed, message=f"the attempt's process {exited[0]}"))
                     return "crashed"
-                result.tests.append({"timeout": True, "elapsed_s": elapsed})
+                result.tests.append(CallResult("timeout", elapsed))
                 if time.monotonic() >= attempt_deadline:
                     result.attempt_timed_out = True
                 return "timeout"
-            if msg.get("oversize"):
-                result.tests.append({"error": f"return value larger than {self.config.max_result_bytes} bytes",
-                                     "elapsed_s": elapsed})
-                return "crashed"
-            if msg.get("garbled"):
-                result.tests.append({"crashed": f"unreadable result line ({msg['garbled']})", "elapsed_s": elapsed})
+            if isinstance(msg, _Unreadable):
+                if msg.oversize:
+                    why = f"return value larger than {self.config.max_result_bytes} bytes"
+                    result.tests.append(CallResult("error", elapsed, message=why))
+                else:
+                    result.tests.append(CallResult("crashed", elapsed, message=f"unreadable result line ({msg.why})"))
                 return "crashed"
             if msg.get("i") != index or not ("value" in msg or "error" in msg):
-                result.tests.append({"crashed": "the attempt wrote out of turn on its result channel",
-                                     "elapsed_s": elapsed})
+                result.tests.append(CallResult("crashed", elapsed, message="the attempt wrote out of turn on its result channel"))
                 return "crashed"
             if "error" in msg:
-                result.tests.append({"error": str(msg["error"])[:500], "elapsed_s": elapsed})
+                result.tests.append(CallResult("error", elapsed, message=str(msg["error"])[:500]))
             else:
-                result.tests.append({"value": msg["value"], "elapsed_s": elapsed})
+                result.tests.append(CallResult("value", elapsed, value=msg["value"]))
         return "done"
 
 
@@ -687,8 +710,11 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-class SandboxPool:
-    """A fixed set of warm sandboxes lent to threads, one attempt at a time each."""
+class LocalSandboxPool:
+    """A fixed set of warm sandboxes on this machine lent to threads, one attempt at a time each.
+
+    (Not `vrl.runtime.modal.SandboxPool`, the Modal runtime's pool of remote verifier sandboxes.)
+    """
 
     def __init__(self, config: SandboxConfig, workers: int | None = None):
         self.config = config
@@ -701,7 +727,7 @@ class SandboxPool:
         self._closed = False
 
     def preflight(self) -> None:
-        """Raise SandboxUnavailable now, with what is missing, rather than at the first attempt."""
+        """Raise LocalSandboxUnavailable now, with what is missing, rather than at the first attempt."""
         python = pick_python(self.config.python, self.config.mode)
         if self.config.mode == "bwrap":
             check_bwrap(python)

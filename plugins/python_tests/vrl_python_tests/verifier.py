@@ -15,16 +15,17 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Literal
 
 from vrl.types import Attempt, Status, Task, Verdict
 from vrl.verifier import Verifier, verifier_error
 from vrl_python_tests.checks import TestCase
 from vrl_python_tests.extract import extract_code
-from vrl_python_tests.sandbox import SandboxConfig, SandboxPool, SandboxUnavailable
+from vrl_python_tests.sandbox import CallResult, LocalSandboxPool, LocalSandboxUnavailable, SandboxConfig
 
 MAX_CODE_CHARS = 64_000
 MAX_DETAIL_LINES = 6
+OutcomeStatus = Literal["passed", "wrong", "error", "timeout", "crashed"]
 _STATUS_WORDS = {"wrong": "wrong answer", "error": "raised an exception", "timeout": "timed out", "crashed": "crashed"}
 
 
@@ -36,7 +37,7 @@ class TestOutcome:
 
     index: int
     hidden: bool
-    status: str  # passed | wrong | error | timeout | crashed
+    status: OutcomeStatus
     message: str = ""
     elapsed_s: float = 0.0
 
@@ -69,7 +70,7 @@ class PythonTestsVerifier(Verifier):
                                     python=python, max_output_bytes=int(max_output_bytes))
         self.test_timeout_s = float(test_timeout_s)
         self.attempt_timeout_s = float(attempt_timeout_s)
-        self.pool = SandboxPool(self.config, int(workers) if workers else None)
+        self.pool = LocalSandboxPool(self.config, int(workers) if workers else None)
         self.pool.preflight()  # a machine without bubblewrap fails here, with what to install
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -106,7 +107,7 @@ class PythonTestsVerifier(Verifier):
         start = time.perf_counter()
         try:
             return self._judge(attempt, start)
-        except SandboxUnavailable:
+        except LocalSandboxUnavailable:
             raise  # a setup problem, not the attempt's fault: the run must stop and say what is missing
         except Exception as exc:  # noqa: BLE001 - a verifier bug or a hostile value costs one verdict, not the batch
             return Report(verifier_error(exc, elapsed_s=time.perf_counter() - start))
@@ -149,16 +150,16 @@ def task_tests(task: Task) -> tuple[str, list[TestCase], str | None]:
     return entry, tests, data.get("prefix")
 
 
-def _outcome(index: int, test: TestCase, raw: dict[str, Any]) -> TestOutcome:
-    elapsed = float(raw.get("elapsed_s", 0.0))
-    if "value" in raw:
-        ok, why = test.check(raw["value"])
+def _outcome(index: int, test: TestCase, raw: CallResult) -> TestOutcome:
+    elapsed = raw.elapsed_s
+    if raw.kind == "value":
+        ok, why = test.check(raw.value)
         return TestOutcome(index, test.hidden, "passed" if ok else "wrong", why, elapsed)
-    if "error" in raw:
-        return TestOutcome(index, test.hidden, "error", f"raised {raw['error']}", elapsed)
-    if raw.get("timeout"):
+    if raw.kind == "error":
+        return TestOutcome(index, test.hidden, "error", f"raised {raw.message}", elapsed)
+    if raw.kind == "timeout":
         return TestOutcome(index, test.hidden, "timeout", "timed out", elapsed)
-    return TestOutcome(index, test.hidden, "crashed", f"crashed: {raw.get('crashed', 'unknown')}", elapsed)
+    return TestOutcome(index, test.hidden, "crashed", f"crashed: {raw.message or 'unknown'}", elapsed)
 
 
 def _verdict(outcomes: list[TestOutcome], entry: str, tests: list[TestCase], attempt_timed_out: bool, output: str,

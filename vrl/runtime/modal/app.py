@@ -1,10 +1,10 @@
 """The Modal app of a run: per-role images, the GPU worker, `prepare_model`, the detached orchestrator.
 
-Built from the run's `RuntimeConfig` (GPU type, timeouts, retries, containers are settings, so the
+Built from the run's `runtime.modal` section (`ModalConfig`: GPU type, timeouts, retries, containers are settings, so the
 functions are declared when the app is built, with `serialized=True`). Each role sits next to its
 image, in the spirit of modal-labs' examples::
 
-    GPUWorker          gpu image, gpu=runtime.gpu, Volume at /vrl, no secrets
+    GPUWorker          gpu image, gpu=runtime.modal.gpu, Volume at /vrl, no secrets
       .sample          one variant on a shard of tasks, on the host the local runtime would build
                        (vllm or hf): an ES member (seed + the run's updates, replayed warm) or the
                        current weights (GRPO, eval; trained weights from the Volume) -> completions
@@ -25,7 +25,7 @@ PREPARE_TIMEOUT_S = 3 * 3600
 
 
 def gpu_options(runtime: Any) -> dict[str, Any]:
-    """The keyword options the GPU worker is declared with (from `TrainConfig.runtime`)."""
+    """The keyword options the GPU worker is declared with (from the run's `runtime.modal` section)."""
     return {
         "gpu": runtime.gpu,
         "cpu": runtime.cpu,
@@ -68,7 +68,7 @@ def build_app(config: Any) -> ModalApp:
     except ImportError as exc:  # pragma: no cover - the extra is installed in tests
         raise RuntimeError("the Modal runtime needs the modal package: pip install 'vrl-core[modal]'") from exc
 
-    rt = config.runtime
+    rt = config.runtime.modal
     recipes = {"gpu": gpu_recipe(), "orchestrator": orchestrator_recipe()}
     images = {role: recipe.build() for role, recipe in recipes.items()}
     volume = modal.Volume.from_name(rt.volume, create_if_missing=True)

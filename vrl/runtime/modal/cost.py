@@ -30,14 +30,14 @@ class Iteration:
     tokens_per_completion: float = 1500.0
     tokens_per_s: float = 1500.0  # generation throughput of one member on one GPU (batched decoding)
     member_overhead_s: float = 19.0  # per call: replay the newest iteration, perturb, warm-up (warm container)
-    gpus: int = 30  # GPU containers at once (runtime.max_containers)
+    gpus: int = 30  # GPU containers at once (runtime.modal.max_containers)
     batch_size: int = 64  # attempts per verifier call (verifier.batch_size)
     batch_s: float = 6.5  # wall time of one batch in one sandbox
     sandboxes: int = 1  # verifier calls in flight (pool size)
     sandbox_cores: float = 2.0
     sandbox_memory_gib: float = 8.0
     gpu_price_per_s: float = H100_PER_S
-    scaledown_s: float = 300.0  # runtime.scaledown_window_s: idle GPU containers stay warm (and billed) this long
+    scaledown_s: float = 300.0  # runtime.modal.scaledown_window_s: idle GPU containers stay warm (and billed) this long
 
     @property
     def attempts(self) -> int:

@@ -32,15 +32,6 @@ def prepare(config: Any, model: str, revision: str | None = None) -> dict[str, A
         raise ModalUnavailable(NO_ACCOUNT.format(error=exc)) from None
 
 
-def modal_runtime(config: Any) -> Any:
-    """The `modal` runtime of `vrl.runtime.RUNTIMES`: credentials first, then the run's app."""
-    from vrl.runtime.modal.app import build_app
-    from vrl.runtime.modal.runtime import ModalRuntime
-
-    require_credentials()  # before building anything
-    return ModalRuntime(config, app=build_app(config))
-
-
 def read_volume_file(volume: str, path: str) -> bytes:
     """A file of a Modal Volume (needs an account)."""
     import modal
@@ -60,17 +51,19 @@ def recorded_config(name: str, volume: str, iterations: int | None, read: Any = 
     """
     import json
 
-    from vrl.config import TrainConfig
+    from vrl.config import migrate, train_config
 
-    data = json.loads(read(volume, f"runs/{name}/config.json"))
-    cfg = TrainConfig.model_validate(data)
-    if cfg.runtime.volume != volume:
-        raise ValueError(f"run {name!r} on Volume {volume!r} recorded runtime.volume={cfg.runtime.volume!r}")
+    data = migrate(json.loads(read(volume, f"runs/{name}/config.json")))  # a run recorded before issue 28 too
+    cfg = train_config().model_validate(data)
+    modal = cfg.runtime.modal
+    if modal.volume != volume:
+        raise ValueError(f"run {name!r} on Volume {volume!r} recorded runtime.modal.volume={modal.volume!r}")
     if iterations is not None:
         if iterations < 1:
             raise ValueError(f"--iterations must be at least 1, got {iterations}")
         cfg = cfg.model_copy(update={"iterations": iterations})
-    return cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"detach": True})})
+    runtime = cfg.runtime.model_copy(update={"modal": modal.model_copy(update={"detach": True})})
+    return cfg.model_copy(update={"runtime": runtime})
 
 
 def resume_detached(name: str, volume: str = "vrl", iterations: int | None = None) -> tuple[str, Any]:
@@ -85,7 +78,8 @@ def launch_detached(config: Any, resume: bool = False) -> str:
     from vrl.runtime.modal.app import build_app
 
     if config.runtime.kind != "modal":
-        raise ValueError("--detach runs the loop on Modal: add --runtime modal (or --set runtime.kind=modal)")
+        raise ValueError("--detach (runtime.modal.detach) runs the loop on Modal: add --runtime modal "
+                         "(or --set runtime.kind=modal)")
     if not config.logging.name:
         raise ValueError("a detached run needs --name, so you can find (and resume) it on the Volume")
     app = build_app(config)

@@ -24,8 +24,11 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field
+
+from vrl.config import Section
 from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Trainable, Unsupported, Variant, WeightsInfo
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.runtime.modal import workers
@@ -106,7 +109,7 @@ class ModalPolicy(PolicyHost):
         self.caller, self.worker, self.config = caller, worker, config
         self.weights_dir, self._commit = Path(weights_dir), commit
         self.spec: PerturbationSpec | None = None
-        self.updates: list[list[tuple[int, float]]] = []  # every seeded update so far, replayed by workers
+        self.updates: list[dict[str, Any]] = []  # every seeded update so far (`to_wire` data), replayed by workers
         self.weights: str | None = None  # the Volume file of the last published weights
         self.version = 0
         self._trainable: Trainable | None = None
@@ -143,10 +146,11 @@ class ModalPolicy(PolicyHost):
         self.spec = spec
         return WeightsInfo(names=(), numel=0, dtype=worker_dtype(self.config), exportable=False)
 
-    def update(self, terms: Sequence[tuple[int, float]]) -> None:
+    def update(self, update: Any) -> None:
+        """Record a `vrl.weights.update` update (as its `to_wire` data) for the workers to replay."""
         if self.spec is None:
             raise RuntimeError("update before perturbations(spec)")
-        self.updates.append([(int(s), float(c)) for s, c in terms])
+        self.updates.append(update.to_wire())
 
     def state(self) -> dict[str, Any]:
         raise Unsupported("the Modal runtime keeps the weights on its workers")
@@ -176,10 +180,53 @@ class ModalPolicy(PolicyHost):
 # -- the runtime -----------------------------------------------------------------------------------------
 
 
+class ModalConfig(Section):
+    """The Modal runtime (`runtime.kind: modal`): GPU workers, verifier sandboxes, a Volume (docs/modal.md)."""
+
+    app_name: str = Field("vrl", min_length=1, description="Modal app name (shown in the Modal dashboard).")
+    gpu: str = Field("H100", min_length=1, description="GPU type of the generation functions, e.g. 'H100', 'A100-80GB', 'L40S'.")
+    cpu: float = Field(4.0, gt=0, description="CPU cores reserved per GPU container.")
+    memory_mb: int = Field(65536, ge=1024, description="Memory (MiB) reserved per GPU container.")
+    timeout_s: int = Field(3600, ge=10, description="Wall-clock cap for one GPU call (an ES member or a generation shard).")
+    retries: int = Field(2, ge=0, le=10, description="Retries of a failed GPU call (preemption, OOM) before the run fails.")
+    max_containers: int = Field(
+        30, ge=1, description="GPU containers at most (ES: members evaluated at once; GRPO: shards at once)."
+    )
+    scaledown_window_s: int = Field(
+        300, ge=2, description="Seconds an idle GPU container stays warm (keeps the base weights and replayed ES state)."
+    )
+    volume: str = Field("vrl", min_length=1, description="Modal Volume holding base weights, the HF cache and run directories.")
+    secrets: list[str] = Field(
+        default_factory=list,
+        description="Modal Secret names (e.g. 'huggingface'), mounted on `vrl modal prepare` and the detached "
+        "orchestrator only; never on GPU workers or verifier sandboxes, never logged.",
+    )
+    detach: bool = Field(False, description="Run the orchestrator itself on Modal; the run directory lives on the Volume.")
+    orchestrator_gpu: str | None = Field(
+        None, description="GPU for the detached orchestrator (GRPO trains there); None: CPU only (ES needs none)."
+    )
+    verify_in: Literal["sandbox", "local"] = Field(
+        "sandbox", description="'sandbox': verifiers run in Modal Sandboxes; 'local': in the orchestrator process."
+    )
+    sandboxes: int = Field(0, ge=0, description="Verifier sandboxes in the pool; 0: sized from the batch.")
+    sandbox_mode: Literal["pool", "per_attempt"] = Field(
+        "pool", description="'pool': long-lived warm sandboxes; 'per_attempt': a fresh sandbox for every attempt."
+    )
+    sandbox_cpu: float = Field(2.0, gt=0, description="CPU cores per verifier sandbox.")
+    sandbox_memory_mb: int = Field(8192, ge=256, description="Memory (MiB) per verifier sandbox.")
+    sandbox_timeout_s: int = Field(3600, ge=60, description="Lifetime of a verifier sandbox; the pool replaces expired ones.")
+    sandbox_start_timeout_s: float = Field(
+        600.0, gt=0, description="How long a sandbox may take to become healthy (a Lean server imports Mathlib)."
+    )
+    block_network: bool = Field(True, description="Verifier sandboxes get no network (model-written code runs there).")
+
+
 class ModalRuntime(Runtime):
     """Sampling on Modal GPU workers, verification in Modal sandboxes; see the module docstring."""
 
     name = "modal"
+    Config = ModalConfig
+    weights_here = False  # the workers load the weights from the Volume
 
     def __init__(self, config: Any, *, app: Any, execute: str = "modal", worker: Any = None,
                  volume_root: str | Path | None = None, in_container: bool = False):
@@ -197,6 +244,18 @@ class ModalRuntime(Runtime):
         self._lock = threading.Lock()
         self.sandbox_pool: SandboxPool | None = None
 
+    @classmethod
+    def from_config(cls, config: Any) -> ModalRuntime:
+        """Credentials first (one line saying how to set them up), then the run's app."""
+        from vrl.runtime.modal.app import build_app
+
+        require_credentials()  # before building anything
+        return cls(config, app=build_app(config))
+
+    @classmethod
+    def verifies_in_process(cls, config: Any) -> bool:
+        return config.runtime.modal.verify_in == "local"
+
     def _ensure_running(self) -> None:
         """Start the ephemeral Modal app (once) when orchestrating from this machine."""
         with self._lock:
@@ -207,9 +266,6 @@ class ModalRuntime(Runtime):
 
     def policy(self, config: Any, needs: HostNeeds | None = None) -> PolicyHost:
         self._ensure_running()
-        if config.generator.engines != 1 or config.generator.gpus:
-            raise ValueError("generator.engines / generator.gpus place local engines; on Modal each worker "
-                             "container is an engine (runtime.max_containers bounds them)")
         run = config.logging.name or "run"
         weights_dir = self.volume_root / workers.RUNS_DIR / run / "weights"
         return ModalPolicy(self.caller, self.worker, config, weights_dir, self._commit_volume())
@@ -220,7 +276,7 @@ class ModalRuntime(Runtime):
         return self.app.volume.commit
 
     def verification(self, verifier: Verifier, config: Any, attempts_per_iteration: int | None = None) -> VerificationPool:
-        v, rt = config.verifier, config.runtime
+        v, rt = config.verifier, config.runtime.modal
         if rt.verify_in == "local":
             return VerificationPool(verifier, batch_size=v.batch_size, concurrency=v.concurrency, timeout_s=v.timeout_s)
         # The sandboxes run their own copy of the plugin's verifier; the local one is not needed.
@@ -234,7 +290,7 @@ class ModalRuntime(Runtime):
         """The verifier sandbox pool for this run, sized from the iteration's attempts."""
         from vrl.plugins import registry
 
-        rt, v = config.runtime, config.verifier
+        rt, v = config.runtime.modal, config.verifier
         attempts = attempts_per_iteration or config.tasks_per_iteration
         size = pool_size(attempts, v.batch_size, v.concurrency, rt.sandboxes)
         env = registry().environment(config.plugin, **config.env_options)

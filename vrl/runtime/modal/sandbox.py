@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,8 +48,9 @@ class SandboxUnavailable(RuntimeError):
 class SandboxSpec:
     """What a verifier sandbox runs: the command (verify server, maybe a sidecar) and its limits.
 
-    A plugin can describe its sandbox by giving its Environment a `modal_sandbox()` method that
-    returns one of these (the Lean plugin names the kimina-lean-server image and its start command).
+    An environment describes its own sandbox by overriding `Environment.modal_sandbox()` to return
+    one of these, or a dict of its fields (the Lean plugin names the kimina-lean-server image and its
+    start command).
     """
 
     plugin: str
@@ -81,16 +82,16 @@ def _quote(arg: str) -> str:
 
 
 def spec_for(environment: Any, plugin: str, options: dict[str, Any]) -> SandboxSpec:
-    """The environment's own sandbox (its `modal_sandbox()`), or the default: its verifier, no network."""
-    hook = getattr(environment, "modal_sandbox", None)
-    if callable(hook):
-        spec = hook()
-        if isinstance(spec, dict):
-            spec = SandboxSpec(**{"plugin": plugin, "options": options, **spec})
-        if not isinstance(spec, SandboxSpec):
-            raise TypeError(f"{plugin}: modal_sandbox() must return a SandboxSpec or a dict, got {type(spec).__name__}")
-        return spec
-    return SandboxSpec(plugin=plugin, options=dict(options))
+    """The environment's own sandbox (`Environment.modal_sandbox()`), or the default (it returns None):
+    its verifier, no network."""
+    spec = environment.modal_sandbox()
+    if spec is None:
+        return SandboxSpec(plugin=plugin, options=dict(options))
+    if isinstance(spec, Mapping):
+        spec = SandboxSpec(**{"plugin": plugin, "options": options, **spec})
+    if not isinstance(spec, SandboxSpec):
+        raise TypeError(f"{plugin}: modal_sandbox() must return a SandboxSpec, a dict or None, got {type(spec).__name__}")
+    return spec
 
 
 # -- handles ------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from vrl.fileio import atomic_path
 from vrl.policy import HostNeeds, PerturbationSpec, Variant
 from vrl.types import Completion, Task
 
@@ -104,7 +105,7 @@ class _Warm:
     key: str | None = None
     host: Any = None
     spec: PerturbationSpec | None = None
-    applied: list[list[tuple[int, float]]] = []
+    applied: list[Any] = []  # the `vrl.weights.update` updates replayed so far
     weights: str | None = None
 
 
@@ -120,7 +121,7 @@ def sample(
     tasks: list[dict[str, Any]],
     seed: int | None,
     spec: dict[str, Any] | None = None,
-    updates: list[list[tuple[int, float]]] | None = None,
+    updates: list[dict[str, Any]] | None = None,
     weights: str | None = None,
 ) -> list[dict[str, Any]]:
     """Completions of one variant on tasks[start:stop], from the host the local runtime would build.
@@ -138,7 +139,9 @@ def sample(
 
     cfg = TrainConfig.model_validate(config)
     wanted = spec_from_wire(spec)
-    updates = [[(int(s), float(c)) for s, c in u] for u in (updates or [])]
+    from vrl.weights.update import update_from_wire
+
+    updates = [update_from_wire(u) for u in (updates or [])]
     key = json.dumps({k: config[k] for k in ("model", "generator")}, sort_keys=True)
     # Start from the base model for another run, or for history that does not extend what we hold.
     stale = (_WARM.key != key or _WARM.spec != wanted or updates[: len(_WARM.applied)] != _WARM.applied
@@ -156,9 +159,9 @@ def sample(
         _WARM.host.publish(load_weights_file(weights))
         _WARM.weights = weights
     host = _WARM.host
-    for terms in updates[len(_WARM.applied):]:
-        host.update(terms)
-        _WARM.applied.append(terms)
+    for update in updates[len(_WARM.applied):]:
+        host.update(update)
+        _WARM.applied.append(update)
     host.sampling = SamplingConfig(**config["sampling"])
     v = Variant(**variant)
     out = host.sample(tasks_from_wire(tasks[start:stop]), [v], shard_seed(seed, start, v.samples_per_task))
@@ -170,13 +173,12 @@ def save_weights(model: Any, path: Path) -> Path:
     LoRA adapters merged (as pushed into a vLLM engine), tied weights once."""
     from safetensors.torch import save_file
 
-    from vrl.generate.weights import weights_for_engine
+    from vrl.weights.export import weights_for_engine
 
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in weights_for_engine(model)}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(state, str(tmp))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(state, str(tmp))
     return path
 
 

@@ -16,7 +16,7 @@ Scheme ``vrl-hash32-v1`` (change `NOISE_VERSION` whenever a single output bit co
    exact in fp32; ε has mean 0 and variance 1 (to 2e-4), and light tails (|ε| ≤ 3.46, kurtosis 2.7).
 
 Only integer arithmetic decides the noise, so CPU (this module, int64 torch ops masked to 32 bits)
-and GPU (`vrl.optim.es_triton`) agree bit for bit; `torch.randn` on CUDA does not (its stream depends
+and GPU (`vrl.weights.flat_triton`) agree bit for bit; `torch.randn` on CUDA does not (its stream depends
 on the GPU's SM count). Scales that multiply ``s`` are rounded to 14 significant bits
 (`round_sig`): a 14-bit scale times a 10-bit integer is exact in fp32, so a fused multiply-add and a
 separate multiply and add round identically and the result does not depend on the compiler.
@@ -31,8 +31,12 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+# torch is imported in the functions that use it: `vrl.optim.es` reads NOISE_VERSION and the
+# constants here when `vrl plugins` lists it, and listing must not load torch (issue 28).
+if TYPE_CHECKING:
+    import torch
 
 NOISE_VERSION = "vrl-hash32-v1"
 BYTE_SUM_OFFSET = 510
@@ -93,6 +97,7 @@ def tensor_keys_many(seeds: Sequence[int], words: Sequence[tuple[int, int]]) -> 
     i·len(seeds) + j holds the keys of tensor i for seed j (vectorised: 6,000 pairs in well under a
     millisecond, where the scalar function takes tens)."""
     import numpy as np
+    import torch
 
     for seed in seeds:
         seed_words(seed)  # the range check
@@ -126,6 +131,8 @@ def noise_int(
     """
     if start < 0 or start + count > MAX_NUMEL:
         raise ValueError(f"element indices must lie in [0, 2**32); got {start}..{start + count}")
+    import torch
+
     k1, k2 = keys
     x = torch.arange(start, start + count, dtype=torch.int64, device=device)
     x = (_mul32(x, W0) + k1) & _M32
@@ -140,6 +147,8 @@ def noise_int(
 
 def noise(seed: int, name: str, shape: Sequence[int] | torch.Size, device: torch.device | str = "cpu") -> torch.Tensor:
     """Unit-variance fp32 noise ε for the parameter `name` of member `seed` (the scheme's public face)."""
+    import torch
+
     numel = math.prod(shape)
     return (noise_int(tensor_keys(seed, name_words(name)), 0, numel, device).to(torch.float32) * C).reshape(tuple(shape))
 
@@ -157,6 +166,8 @@ def perturb_reference(
     master: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], words: Sequence[tuple[int, int]], seed: int, scale: float
 ) -> None:
     """weights[t] = cast(master[t] + scale·s(seed, t)) for every tensor t; `scale` from `noise_scale`."""
+    import torch
+
     for m, w, nw in zip(master, weights, words):
         keys = tensor_keys(seed, nw)
         m_flat, w_flat = m.view(-1), w.view(-1)
@@ -173,6 +184,8 @@ def update_reference(
     terms: Sequence[tuple[int, float]],
 ) -> None:
     """master[t] += Σⱼ cⱼ·s(seedⱼ, t) (summed in the order of `terms`), then weights[t] = cast(master[t])."""
+    import torch
+
     for m, w, nw in zip(master, weights, words):
         keys = [(tensor_keys(seed, nw), c) for seed, c in terms]
         m_flat = m.view(-1)

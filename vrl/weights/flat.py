@@ -1,10 +1,10 @@
-"""The parameters seeded perturbations move: an fp32 master θ and where the weights live.
+"""The flat parameter view: an fp32 master θ of the selected parameters and where the weights live.
 
 `FlatParams` keeps θ for the selected parameters of an in-process module (or of tensors that stay
 where they are, such as a vLLM engine's fused rows) and perturbs, restores and updates the weights
-with the counter-based noise of `vrl.optim.noise`: one fused kernel on GPU, the pure-torch
-reference on CPU, the same bits on both. ES (`vrl.optim.es`) and the hosts that sample its members
-(`vrl.generate`) share it.
+with the counter-based noise of `vrl.weights.noise`: one fused kernel on GPU
+(`vrl.weights.flat_triton`), the pure-torch reference on CPU, the same bits on both. The hosts that
+sample ES members (`vrl.generate`) keep one; ES (`vrl.optim.es`) replays onto one to export.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import torch
 
 from vrl.errors import SelectionError
-from vrl.optim import noise as nz
+from vrl.weights import noise as nz
+from vrl.weights.update import FullRankUpdate, check_kind
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +71,9 @@ class FlatParams:
         scale = sign * nz.noise_scale(sigma)
         for g in self.groups:
             if self.use_triton:
-                from vrl.optim import es_triton
+                from vrl.weights import flat_triton
 
-                es_triton.perturb(g.master, g.targets(), g.granule_tensor, g.starts, g.words_t, seed, scale, self.GRANULE)
+                flat_triton.perturb(g.master, g.targets(), g.granule_tensor, g.starts, g.words_t, seed, scale, self.GRANULE)
             else:
                 nz.perturb_reference(g.master_views, g.weight_views, g.words, seed, scale)
 
@@ -83,22 +84,24 @@ class FlatParams:
                 if g.weights is not None:
                     g.weights.copy_(g.master)
                 elif self.use_triton:
-                    from vrl.optim import es_triton
+                    from vrl.weights import flat_triton
 
-                    es_triton.cast(g.master, g.targets(), g.granule_tensor, g.starts, self.GRANULE)
+                    flat_triton.cast(g.master, g.targets(), g.granule_tensor, g.starts, self.GRANULE)
                 else:
                     for w, m in zip(g.weight_views, g.master_views):
                         w.copy_(m)
 
-    def update(self, terms: Sequence[tuple[int, float]]) -> None:
+    def update(self, update: FullRankUpdate) -> None:
         """θ ← θ + Σⱼ cⱼ·s(seedⱼ) (fp32, in term order); weights ← cast(θ)."""
-        if not terms:
+        check_kind(update, "full")
+        if not update:
             return
+        terms = update.terms
         for g in self.groups:
             if self.use_triton:
-                from vrl.optim import es_triton
+                from vrl.weights import flat_triton
 
-                es_triton.update(g.master, g.targets(), g.granule_tensor, g.starts, g.words_t, list(terms), self.GRANULE)
+                flat_triton.update(g.master, g.targets(), g.granule_tensor, g.starts, g.words_t, list(terms), self.GRANULE)
             else:
                 nz.update_reference(g.master_views, g.weight_views, g.words, terms)
 
@@ -155,9 +158,9 @@ class _Group:
     def targets(self):
         """The kernels' address table of the weights (built on first use: GPU only)."""
         if self._targets is None:
-            from vrl.optim import es_triton
+            from vrl.weights import flat_triton
 
-            self._targets = es_triton.Targets(self.weight_views)
+            self._targets = flat_triton.Targets(self.weight_views)
         return self._targets
 
 

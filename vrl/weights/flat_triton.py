@@ -1,11 +1,11 @@
-"""Fused GPU kernels for ES: noise generation and weight writes in one pass over a flat buffer.
+"""Fused GPU kernels of the flat view: noise generation and weight writes in one pass over a flat buffer.
 
-They compute exactly what `vrl.optim.noise.perturb_reference` and `update_reference` compute (same
+They compute exactly what `vrl.weights.noise.perturb_reference` and `update_reference` compute (same
 integer hash, same fp32 roundings, same summation order), bit for bit; `tests/test_noise_gpu.py`
 checks that on the device. Triton is imported by the caller only when the parameters live on a CUDA
 device, so this module is never imported on CPU-only machines.
 
-Layout (built by `vrl.optim.es.FlatParams`): each tensor's fp32 master starts at a multiple of
+Layout (built by `vrl.weights.flat.FlatParams`): each tensor's fp32 master starts at a multiple of
 `GRANULE` elements of one flat buffer; `granule_tensor[g]` names the tensor that owns granule g, so
 a program finds its tensor with one load, and the whole model is perturbed with a single launch.
 Weights are written through a table of addresses (`Targets`), so they can live anywhere: in one
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vrl.optim.noise import seed_words
+from vrl.weights.noise import seed_words
 
 PERTURB_BLOCK = 4096
 UPDATE_BLOCK = 1024

@@ -1,22 +1,20 @@
-"""A model's weights under its checkpoint's names, as another copy (an engine, a file) loads them."""
+"""A trained model's weights as another copy takes them: under the checkpoint's names (an engine, a
+Volume file) or as a Hugging Face folder (`vrl export`).
+
+Loading a model by name is the hf backend's (`vrl.generate.hf.load_model_and_tokenizer`, which also
+builds the local `tiny` model); `vrl.export` passes that loader to an optimizer's `export`, which
+rebuilds the trained weights (ES: replayed onto a `vrl.weights` view) and writes them with `save_model`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-
-def meta_model(name: str, revision: str | None = None) -> torch.nn.Module:
-    """The model's module tree without its weights (on the meta device): parameter names and shapes,
-    no memory; `tiny` is built as it is (a few thousand parameters)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if name == "tiny":
-        from vrl.generate import tiny
-
-        return tiny.build_model()
-    cfg = AutoConfig.from_pretrained(name, revision=revision)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg)
+ModelLoader = Callable[[str, str, str | None], tuple[Any, Any]]
+"""`load(name, dtype, revision) -> (model, tokenizer)`: a base model in this process, on the export's device."""
 
 
 def weights_for_engine(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

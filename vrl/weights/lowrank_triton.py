@@ -1,25 +1,23 @@
-"""Triton kernels for low-rank ES: a member's perturbation, the update and members' LoRA-slot factors,
-bit-equal to `vrl.optim.lowrank`.
+"""Triton kernels of the low-rank view: a member's perturbation and the update, bit-equal to the
+reference kernels of `vrl.weights.lowrank_kernels`.
 
 Each program owns a BM×BN tile of one matrix and regenerates the integer factors it needs from the
 counter-based hash (the same `_noise` as the full-rank kernels): column k of a (rows of the tile)
 and of b (columns of the tile), accumulated as outer products in int32 (one member: |P| ≤ r·510² <
 2²⁴) and, for the update, multiplied by the member's integer weight into an int64 accumulator
-(bounded below 2⁶² by `lowrank.check_bound`). Integer sums do not depend on order, so the only
+(bounded below 2⁶² by `vrl.weights.exact.check_bound`). Integer sums do not depend on order, so the only
 roundings are the int → fp32 conversion (round to nearest even, as torch does on CPU), one multiply
 and one add; the kernels are launched with ``enable_fp_fusion=False`` so Triton never contracts that
 multiply and add into an FMA (which would round once instead of twice, as the CPU reference does).
 
 One launch per matrix; the matrices may be any contiguous tensors on the device (the hf flat buffers
 or rows of a vLLM engine's fused weights). The update kernel serves sums past 2⁵³ only
-(`lowrank.update_triton`): below, `lowrank.update_batched`'s float64 matmuls give the same bits 2.6×
+(`lowrank_kernels.update_triton`): below, `lowrank_kernels.update_batched`'s float64 matmuls give the same bits 2.6×
 faster (0.10 s against 0.26 s for 30 members of a 1.5 B model on an H100), since this kernel
 regenerates every factor in every tile for every term.
 
-Members' LoRA-slot factors (`lora_slots`): one launch per matrix shape writes every member of a
-sampling call into its slot of every matrix of that shape (each value exact in fp32; the one rounding
-is the cast to the slot dtype, to nearest even as torch does). On an H100 this took the 30 members
-of a 1.5B model from 0.14 s (torch ops, chunked) to 0.05 s per call; 0.37 s a matrix at a time.
+The kernel that writes members into a vLLM engine's LoRA slots is the vLLM host's
+(`vrl.generate.vllm_lora_triton`).
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vrl.optim.es_triton import _noise
+from vrl.weights.flat_triton import _noise
 
 BM, BN = 32, 64
 
@@ -114,62 +112,4 @@ def update(
     grid = (triton.cdiv(m, BM), triton.cdiv(n, BN))
     _update_kernel[grid](
         master, weight, keys_t, mults_t, len(mults), coeff, m, n, RANK=rank, BM=BM, BN=BN, num_warps=4, enable_fp_fusion=False,
-    )
-
-
-LORA_BLOCK = 2048
-
-
-@triton.jit
-def _lora_slots_kernel(
-    a_ptrs, b_ptrs, ref_ptr, keys_ptr, scales_ptr, slots_ptr, n_members, m, n, c,
-    MAXR: tl.constexpr, RANK: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Program (g·N + p, j): block j of member p's two slot matrices of matrix g of one shape.
-
-    lora_a slot (MAXR×n): row q < RANK is C·b[:, q], the rest zero; lora_b slot (m×MAXR): column
-    q < RANK is scale_p·a[:, q], the rest zero. Each value is exact in fp32 (a 13- or 14-bit scale
-    times a 10-bit integer), so the one rounding is the cast to the slot's dtype (to nearest even).
-    """
-    gp = tl.program_id(0)
-    g, p = gp // n_members, gp % n_members
-    slot = tl.load(slots_ptr + p).to(tl.int64)
-    k1a = tl.load(keys_ptr + 4 * gp).to(tl.uint32)
-    k2a = tl.load(keys_ptr + 4 * gp + 1).to(tl.uint32)
-    k1b = tl.load(keys_ptr + 4 * gp + 2).to(tl.uint32)
-    k2b = tl.load(keys_ptr + 4 * gp + 3).to(tl.uint32)
-    scale = tl.load(scales_ptr + p)
-    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    out_ty = ref_ptr.dtype.element_ty
-
-    q, col = offs // n, offs % n  # lora_a element (q, col) = C·b[col, q]
-    a_slot = tl.load(a_ptrs + g).to(tl.pointer_type(out_ty)) + slot * (MAXR * n)
-    va = _noise((col * RANK + q).to(tl.uint32), k1b, k2b) * c
-    tl.store(a_slot + offs, tl.where(q < RANK, va, 0.0).to(out_ty), mask=offs < MAXR * n)
-
-    row, q = offs // MAXR, offs % MAXR  # lora_b element (row, q) = scale·a[row, q]
-    b_slot = tl.load(b_ptrs + g).to(tl.pointer_type(out_ty)) + slot * (m * MAXR)
-    vb = _noise((row * RANK + q).to(tl.uint32), k1a, k2a) * scale
-    tl.store(b_slot + offs, tl.where(q < RANK, vb, 0.0).to(out_ty), mask=offs < m * MAXR)
-
-
-def lora_slots(
-    a_stacks: torch.Tensor, b_stacks: torch.Tensor, ref: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor,
-    slots: torch.Tensor, shape: tuple[int, int], max_rank: int, rank: int, c: float,
-) -> None:
-    """Write members into LoRA slots of G matrices of one shape (m, n), in one launch.
-
-    `a_stacks`, `b_stacks`: int64 data pointers of the G contiguous lora_a (S×1×max_rank×n) and lora_b
-    (S×1×m×max_rank) stacks; `ref`: a tensor of the stacks' dtype; `keys` (G·N×4, int64): the factor
-    keys of (matrix g, member p) at row g·N + p; `scales` (N, fp32): each member's sign·t; `slots` (N):
-    the slot of each member. Equal, bit for bit, to `lowrank.lora_factors_many` cast to the dtype.
-    """
-    m, n = shape
-    if max(m, n) * rank >= 2**32:
-        raise ValueError(f"a {m}×{n} matrix at rank {rank} has factor indices beyond 2**32")
-    members, groups = scales.numel(), a_stacks.numel()
-    grid = (groups * members, triton.cdiv(max_rank * max(m, n), LORA_BLOCK))
-    _lora_slots_kernel[grid](
-        a_stacks, b_stacks, ref, keys, scales, slots, members, m, n, c,
-        MAXR=max_rank, RANK=rank, BLOCK=LORA_BLOCK, num_warps=4, enable_fp_fusion=False,
     )
