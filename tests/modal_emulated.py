@@ -1,0 +1,52 @@
+"""What the emulated-Modal tests of vrl share (tests/test_modal_emulated_*.py): the run they start from.
+
+The emulator itself (tests/modal_emulator) knows nothing of vrl; this module builds vrl's configs and
+starts vrl's real entry points against it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vrl.config import ConfigError, build
+
+#: A tiny ES run on the countdown built-in: two containers of the tiny model, seconds per iteration.
+BASE = {
+    "plugin": "countdown",
+    "iterations": 2,
+    "tasks_per_iteration": 2,
+    "es": {"population_size": 2, "sigma": 0.05},
+    "generator": {"dtype": "float32", "device": "cpu"},
+    "sampling": {"max_new_tokens": 8, "batch_size": 2},
+}
+#: The Modal settings every emulated run starts from (verification in the orchestrator unless a test
+#: is about sandboxes).
+MODAL = {"verify_in": "local", "max_containers": 2, "sandbox_start_timeout_s": 120.0}
+
+
+def modal_config(tmp_path: Path, name: str = "run", runtime: dict[str, Any] | None = None, **layers: Any):
+    """A `TrainConfig` for `--runtime modal` with the Modal settings `runtime` on top of `MODAL`.
+
+    The Modal settings are flat (`runtime.gpu`) today and nest as `runtime.modal.gpu` once the config
+    nests by kind; both are tried, so the tests follow that change without edits.
+    """
+    settings = {**MODAL, **(runtime or {})}
+    top = [BASE, {"logging": {"runs_dir": str(tmp_path / "runs"), "name": name}}, layers]
+    try:
+        return build(*top, {"runtime": {"kind": "modal", **settings}})
+    except ConfigError as flat:
+        try:
+            return build(*top, {"runtime": {"kind": "modal", "modal": settings}})
+        except ConfigError:
+            raise flat from None
+
+
+def run_detached(config: Any, timeout: float = 300.0) -> Any:
+    """`vrl train --detach`: start the orchestrator on (emulated) Modal and wait for its result."""
+    import modal
+
+    from vrl.runtime.modal.launch import launch_detached
+
+    call_id = launch_detached(config)
+    return modal.FunctionCall.from_id(call_id).get(timeout=timeout)

@@ -1,0 +1,561 @@
+"""The Modal emulator's own tests: each rule it enforces bites (tests/modal_emulator/service.py lists them).
+
+The emulated functions below are defined inside `make_app` (pickled by value, as a serialized function
+defined in a test would be) and touch only the standard library and `modal`: the containers hold the
+image's files, not this checkout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import socket
+import sys
+import threading
+import time
+import warnings
+
+import pytest
+
+from tests.modal_emulator import emulated_service
+
+
+@pytest.fixture
+def emu(tmp_path, monkeypatch):
+    yield from emulated_service(tmp_path, monkeypatch)
+
+
+def make_app(**options):
+    """An app with one function of each kind the rules need (built after the emulator swapped `modal` in)."""
+    import modal
+
+    app = modal.App("emulator-self-test")
+    vol = modal.Volume.from_name("data", create_if_missing=True)
+    opts = {"serialized": True, "volumes": {"/data": vol}, **options}
+
+    @app.function(**opts)
+    def whoami(x=None, sleep=0.0):
+        import os
+        import time
+
+        time.sleep(sleep)
+        return os.environ["MODAL_TASK_ID"], x
+
+    @app.function(**opts)
+    def fail_once(marker):
+        import pathlib
+
+        flag = pathlib.Path("/tmp") / marker  # per container: a retry on the same container sees it
+        if not flag.exists():
+            flag.write_text("x")
+            raise ValueError("first attempt fails")
+        return "second attempt"
+
+    @app.function(**opts)
+    def write(path, text, commit=True, keep_open=False):
+        import pathlib
+
+        import modal
+
+        pathlib.Path("/data", path).write_text(text)
+        held = open(pathlib.Path("/data", path)) if keep_open else None  # noqa: SIM115
+        try:
+            if commit:
+                modal.Volume.from_name("data").commit()
+        finally:
+            if held:
+                held.close()
+        return True
+
+    @app.function(**opts)
+    def read(path, reload=False):
+        import pathlib
+
+        import modal
+
+        if reload:
+            modal.Volume.from_name("data").reload()
+        p = pathlib.Path("/data", path)
+        return p.read_text() if p.exists() else None
+
+    @app.cls(serialized=True, max_containers=1)
+    class Warm:
+        tag: str = modal.parameter(default="a")
+
+        @modal.enter()
+        def boot(self):
+            import os
+
+            self.entered = getattr(self, "entered", 0) + 1
+            self.pid_ns_task = os.environ.get("MODAL_TASK_ID", "here")
+
+        @modal.method()
+        def state(self):
+            return self.tag, self.entered, self.pid_ns_task
+
+    return app, vol, {"whoami": whoami, "fail_once": fail_once, "write": write, "read": read, "Warm": Warm}
+
+
+# -- names --------------------------------------------------------------------------------------------
+
+
+def test_the_fake_client_uses_modal_1_6_4_names_and_keywords(emu):
+    """Every keyword the fake accepts is one modal 1.6.4 accepts (read from the installed package)."""
+    import importlib.machinery
+    import importlib.util
+
+    import modal as fake
+
+    spec = importlib.machinery.PathFinder.find_spec("modal", [p for p in sys.path if "modal_emulator" not in p])
+    if spec is None or "site-packages" not in (spec.origin or ""):
+        pytest.skip("the real modal package is not installed")
+    del sys.modules["modal"]  # load the real one next to the fake, briefly
+    saved = {k: v for k, v in sys.modules.items() if k.startswith("modal.")}
+    for k in saved:
+        del sys.modules[k]
+    real = importlib.util.module_from_spec(spec)
+    sys.modules["modal"] = real
+    try:
+        spec.loader.exec_module(real)
+        assert real.__version__ == fake.__version__ == "1.6.4"
+
+        def names(fn):
+            return {p for p in inspect.signature(fn).parameters if p not in ("self", "args", "kwargs", "packages",
+                                                                             "modules", "_warn_parentheses_missing")}
+
+        assert names(real.App.function) == fake.FUNCTION_OPTIONS
+        assert names(real.App.cls) == fake.CLS_OPTIONS
+        fake_sandbox = names(fake.Sandbox._create) - {"options"}
+        assert names(real.Sandbox.create) == fake_sandbox | fake.SANDBOX_OPTIONS
+        pairs = [(real.Image.debian_slim, fake.Image.debian_slim), (real.Image.from_registry, fake.Image.from_registry),
+                 (real.Image.uv_pip_install, fake.Image.uv_pip_install), (real.Image.pip_install, fake.Image.pip_install),
+                 (real.Image.env, fake.Image.env), (real.Image.add_local_python_source, fake.Image.add_local_python_source),
+                 (real.Volume.from_name, fake.Volume.from_name), (real.Secret.from_name, fake.Secret.from_name),
+                 (real.App.__init__, fake.App.__init__), (real.App.run, fake.App.run), (real.parameter, fake.parameter),
+                 (real.enter, fake.enter), (real.method, fake.method), (real.FunctionCall.from_id, fake.FunctionCall.from_id),
+                 (real.Volume.batch_upload, fake.Volume.batch_upload), (real.Volume.listdir, fake.Volume.listdir),
+                 (real.Image.add_local_file, fake.Image.add_local_file), (real.Image.add_local_dir, fake.Image.add_local_dir),
+                 (real.Image.run_commands, fake.Image.run_commands)]
+        for r, f in pairs:
+            assert names(f) <= names(r), (f.__qualname__, names(f) - names(r))
+        for name in fake.__all__:
+            assert hasattr(real, name), name
+        for name in ("AuthError", "InvalidError", "NotFoundError", "ExecutionError", "DeserializationError",
+                     "SerializationError", "AsyncUsageWarning", "RemoteError", "FunctionTimeoutError"):
+            assert hasattr(real.exception, name), name
+        assert real.io_streams.MAX_BUFFER_SIZE == fake.MAX_BUFFER_SIZE == 2 * 1024 * 1024
+    finally:
+        for k in [k for k in sys.modules if k == "modal" or k.startswith("modal.")]:
+            del sys.modules[k]
+        sys.modules["modal"] = fake
+        sys.modules.update(saved)
+
+
+# -- containers -----------------------------------------------------------------------------------------
+
+
+def test_each_container_is_a_process_with_its_own_warm_state(emu):
+    app, _vol, fns = make_app()
+    with app.run():
+        a, b = fns["Warm"](tag="a"), fns["Warm"](tag="b")
+        first = [a.state.remote() for _ in range(3)]
+        assert [s[:2] for s in first] == [("a", 1)] * 3  # @enter ran once in its container
+        assert len({s[2] for s in first}) == 1
+        other = b.state.remote()
+        assert other[:2] == ("b", 1) and other[2] != first[0][2]  # other parameters: another container
+        local = fns["Warm"](tag="c")
+        assert local.state.local()[:2] == ("c", 1) and local.state.local()[:2] == ("c", 1)
+
+
+def test_map_assigns_inputs_at_random_and_returns_them_as_they_finish(emu):
+    app, _vol, fns = make_app(max_containers=2)
+    with app.run():
+        unordered = list(fns["whoami"].map(range(12), order_outputs=False))
+        ordered = list(fns["whoami"].map(range(12)))
+    assert sorted(x for _, x in unordered) == list(range(12))
+    assert [x for _, x in unordered] != list(range(12))  # out of order
+    assert [x for _, x in ordered] == list(range(12))
+    assert len({cid for cid, _ in unordered + ordered}) <= 2  # max_containers
+
+
+def test_arguments_and_results_cross_as_pickles(emu):
+    import modal
+
+    app = modal.App("pickles")
+
+    @app.function(serialized=True)
+    def echo(x):
+        return x
+
+    @app.function(serialized=True)
+    def make_generator():
+        return (i for i in range(3))
+
+    with app.run():
+        assert echo.remote({"a": [1, 2]}) == {"a": [1, 2]}
+        with pytest.raises(TypeError, match="pickle"):
+            echo.remote(threading.Lock())
+        with pytest.raises(modal.exception.SerializationError, match="Failed to serialize result"):
+            make_generator.remote()
+
+
+def test_exceptions_retries_and_return_exceptions(emu):
+    import modal
+
+    app, _vol, fns = make_app(max_containers=1)
+    with app.run():
+        with pytest.raises(ValueError, match="first attempt"):
+            fns["fail_once"].remote("no-retries")
+        results = list(fns["fail_once"].map(["m1"], return_exceptions=True))
+        assert isinstance(results[0], ValueError)
+    app2, _vol, fns2 = make_app(max_containers=1, retries=1)
+    with app2.run():
+        assert fns2["fail_once"].remote("retried") == "second attempt"
+    with pytest.raises(modal.exception.ExecutionError, match="not running"):
+        fns2["whoami"].remote()
+
+
+def test_spawn_function_call_from_id_get_and_cancel(emu):
+    import modal
+
+    app, _vol, fns = make_app()
+    with app.run():
+        call = fns["whoami"].spawn("x", sleep=3.0)
+        again = modal.FunctionCall.from_id(call.object_id)
+        with pytest.raises(TimeoutError):
+            again.get(timeout=0.1)
+        assert again.get()[1] == "x"
+        slow = fns["whoami"].spawn("y", sleep=30.0)
+        slow.cancel()
+        with pytest.raises(modal.exception.RemoteError, match="cancelled"):
+            slow.get(timeout=5)
+
+
+def test_local_runs_in_this_process_without_the_volume(emu):
+    app, _vol, fns = make_app()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(KeyError):  # no MODAL_TASK_ID here: the body runs in this process
+            fns["whoami"].local()
+    assert any("will not have access to the mounted Volume" in str(w.message) for w in caught)
+
+
+def test_preemption_restarts_the_input_on_another_container_without_using_a_retry(emu):
+    app, _vol, fns = make_app()  # retries=0: a restart after preemption is not a retry
+    started = []
+    emu.on("input_started", lambda container, **_: started.append(container))
+    with app.run():
+        call = fns["whoami"].spawn("p", sleep=5.0)
+        _wait_for(lambda: started)
+        emu.preempt(started[0])
+        cid, x = call.get(timeout=60)
+    assert x == "p" and cid != started[0] and len(started) == 2
+
+
+def test_a_crashed_container_has_its_input_rescheduled(emu):
+    app, _vol, fns = make_app()
+    started = []
+    emu.on("input_started", lambda container, **_: started.append(container))
+    with app.run():
+        call = fns["whoami"].spawn("c", sleep=5.0)
+        _wait_for(lambda: started)
+        emu.kill(started[0])
+        cid, _ = call.get(timeout=60)
+    assert cid != started[0]
+
+
+def test_nonpreemptible_functions_are_not_preempted_and_cannot_have_a_gpu(emu):
+    import modal
+
+    app, _vol, fns = make_app(nonpreemptible=True)
+    started = []
+    emu.on("input_started", lambda container, **_: started.append(container))
+    with app.run():
+        call = fns["whoami"].spawn(sleep=1.0)
+        _wait_for(lambda: started)
+        with pytest.raises(ValueError, match="nonpreemptible"):
+            emu.preempt(started[0])
+        call.get(timeout=30)
+    app2, _vol, _fns = make_app(nonpreemptible=True, gpu="H100")
+    with pytest.raises(modal.exception.InvalidError, match="GPU"):
+        with app2.run():
+            pass
+
+
+def test_a_serialized_function_needs_the_clients_python_in_the_image(emu):
+    import modal
+
+    app = modal.App("versions")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "version_info", (3, 12, 0, "final", 0))  # the client that defines them
+
+        @app.function(serialized=True, image=modal.Image.debian_slim(python_version="3.11"))
+        def f():
+            return 1
+
+        @app.function(serialized=True)  # debian_slim's default: the client's Python
+        def g():
+            return 2
+
+    with app.run():
+        with pytest.raises(modal.exception.DeserializationError, match="version mismatch"):
+            f.remote()
+        assert g.remote() == 2
+
+
+def test_the_container_holds_the_image_not_the_developer_venv(emu):
+    import modal
+
+    app = modal.App("image")
+    image = modal.Image.debian_slim().add_local_python_source("vrl", "vrl_python_tests")
+
+    @app.function(serialized=True, image=image)
+    def facts():
+        import importlib.metadata as md
+        import os
+        import pathlib
+
+        def installed(name):
+            try:
+                md.distribution(name)
+                return True
+            except md.PackageNotFoundError:
+                return False
+
+        import vrl  # importable: /root is on PYTHONPATH
+
+        return {"cwd": os.getcwd(), "vrl": vrl.__file__, "checkout": pathlib.Path("/work").exists(),
+                "vrl_core": installed("vrl-core"), "torch": installed("torch"),
+                "entry_points": sorted(ep.name for ep in md.entry_points(group="vrl")),
+                "data": pathlib.Path("/root/vrl_python_tests/data/tasks.jsonl").exists()}
+
+    with app.run():
+        got = facts.remote()
+    assert got["cwd"] == "/root" and got["vrl"] == "/root/vrl/__init__.py" and not got["checkout"]
+    assert got["torch"] and not got["vrl_core"]  # third-party packages yes, the editable installs no
+    assert got["entry_points"] == [] and not got["data"]  # no plugin metadata, only *.py files
+
+
+def test_local_distributions_installed_in_the_image_are_real_installs(emu, tmp_path):
+    """pip_install of a project the image holds installs it (metadata, entry points, package data);
+    a build step after a mounted (copy=False) local layer is refused, as Modal refuses it."""
+    import modal
+
+    project = tmp_path / "proj"
+    (project / "emu_probe").mkdir(parents=True)
+    (project / "emu_probe" / "__init__.py").write_text("VALUE = 7\n")
+    (project / "emu_probe" / "data.txt").write_text("packaged")
+    (project / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "emu-probe"\nversion = "1.2.3"\n'
+        '[project.entry-points.emu_probe_group]\nprobe = "emu_probe"\n'
+        '[tool.setuptools.package-data]\nemu_probe = ["*.txt"]\n')
+    installed = modal.Image.debian_slim().add_local_dir(project, "/src/proj", copy=True).pip_install("/src/proj")
+    app = modal.App("installs")
+
+    @app.function(serialized=True, image=installed)
+    def probe():
+        import importlib.metadata as md
+        import importlib.resources
+
+        import emu_probe
+
+        return (md.version("emu-probe"), [ep.name for ep in md.entry_points(group="emu_probe_group")],
+                importlib.resources.files("emu_probe").joinpath("data.txt").read_text(), emu_probe.VALUE)
+
+    with app.run():
+        assert probe.remote() == ("1.2.3", ["probe"], "packaged", 7)
+    mounted = modal.Image.debian_slim().add_local_dir(project, "/src/proj").pip_install("/src/proj")
+    app2 = modal.App("mounted")
+
+    @app2.function(serialized=True, image=mounted)
+    def nothing():
+        return None
+
+    with pytest.raises(modal.exception.InvalidError, match="build step after using `image.add_local_\\*`"):
+        with app2.run():
+            pass
+
+
+# -- volumes --------------------------------------------------------------------------------------------
+
+
+def test_commit_and_reload_only_inside_a_container(emu):
+    app, vol, _fns = make_app()
+    with pytest.raises(RuntimeError, match="commit\\(\\) can only be called on a mounted volume inside a container"):
+        vol.commit()
+    with pytest.raises(RuntimeError, match="inside a container"):
+        vol.reload()
+
+
+def test_a_write_is_seen_elsewhere_only_after_commit_and_reload(emu):
+    app, vol, fns = make_app()
+    with app.run():
+        assert fns["read"].remote("a.txt") is None  # this container now mounts the state without a.txt
+        reader = emu.running("read")[0]
+        fns["write"].remote("a.txt", "uncommitted", commit=False)
+        with pytest.raises(FileNotFoundError):
+            b"".join(vol.read_file("a.txt"))  # the client sees committed state only
+        fns["write"].remote("a.txt", "one")
+        assert b"".join(vol.read_file("a.txt")) == b"one"
+        assert fns["read"].remote("a.txt") is None  # same reader container: no reload yet
+        assert emu.running("read") == [reader]
+        assert fns["read"].remote("a.txt", reload=True) == "one"
+
+
+def test_reload_is_refused_while_a_file_of_the_volume_is_open(emu):
+    app, _vol, fns = make_app()
+    with app.run():
+        with pytest.raises(RuntimeError, match="there are open files preventing the operation: path /data/b.txt"):
+            fns["write"].remote("b.txt", "x", keep_open=True)  # commit() reloads
+
+
+def test_concurrent_writers_last_commit_wins_per_file(emu):
+    import modal
+
+    app = modal.App("writers")
+    vol = modal.Volume.from_name("shared", create_if_missing=True)
+
+    @app.cls(serialized=True, volumes={"/v": vol})
+    class Writer:
+        who: str = modal.parameter()
+
+        @modal.method()
+        def write(self, name, text):
+            import pathlib
+
+            pathlib.Path("/v", name).write_text(text)
+
+        @modal.method()
+        def commit(self):
+            modal.Volume.from_name("shared").commit()
+
+    with app.run():
+        a, b = Writer(who="a"), Writer(who="b")
+        a.write.remote("same.txt", "from a")
+        b.write.remote("same.txt", "from b")
+        a.write.remote("only-a.txt", "a")
+        b.write.remote("only-b.txt", "b")
+        b.commit.remote()
+        a.commit.remote()  # later: its same.txt wins; b's other file survives
+    files = {p.name: p.read_text() for p in emu.volume("shared").iterdir()}
+    assert files == {"same.txt": "from a", "only-a.txt": "a", "only-b.txt": "b"}
+
+
+def test_a_graceful_exit_commits_and_a_crash_loses_uncommitted_writes(emu):
+    app, vol, fns = make_app()
+    with app.run():
+        fns["write"].remote("kept.txt", "k", commit=False)
+    _wait_for(lambda: not emu.running("write"))  # the app stopped: its containers end gracefully
+    assert (emu.volume("data") / "kept.txt").read_text() == "k"
+    with app.run():
+        fns["write"].remote("lost.txt", "l", commit=False)
+        emu.kill(emu.running("write")[0])
+        _wait_for(lambda: not emu.running("write"))
+    assert not (emu.volume("data") / "lost.txt").exists()
+
+
+def test_batch_upload_writes_the_committed_volume_from_the_client(emu, tmp_path):
+    import modal
+
+    vol = modal.Volume.from_name("up", create_if_missing=True)
+    (tmp_path / "w.bin").write_bytes(b"abc")
+    app = modal.App("up")
+
+    @app.function(serialized=True, volumes={"/up": vol})
+    def size(path):
+        import os
+
+        return os.path.getsize(path)
+
+    with app.run():
+        with vol.batch_upload() as batch:
+            batch.put_file(tmp_path / "w.bin", "/weights/v1.bin")
+        assert size.remote("/up/weights/v1.bin") == 3
+        with pytest.raises(FileExistsError):
+            with vol.batch_upload() as batch:
+                batch.put_file(tmp_path / "w.bin", "/weights/v1.bin")
+
+
+# -- sandboxes ------------------------------------------------------------------------------------------
+
+
+def _sandbox(app, *argv, **options):
+    import modal
+
+    return modal.Sandbox.create(*argv, app=app, **options)
+
+
+def test_sandbox_stdin_is_capped_at_2_mib_per_drain_and_stdout_arrives_as_lines(emu):
+    import modal
+
+    app = modal.App("sb")
+    with app.run():
+        sb = _sandbox(app, "python", "-c", "import sys\nfor line in sys.stdin: print(len(line))")
+        with pytest.raises(BufferError, match="Buffer size exceed limit"):
+            sb.stdin.write("x" * (2 * 1024 * 1024 + 1))
+        sb.stdin.write("y" * 1000 + "\n")
+        sb.stdin.write("z" * (2 * 1024 * 1024 - 1001))  # exactly 2 MiB buffered: allowed
+        with pytest.raises(BufferError):
+            sb.stdin.write("!")
+        sb.stdin.write_eof()
+        sb.stdin.drain()
+
+        async def lines():
+            return [line async for line in sb.stdout]
+
+        got = asyncio.run(lines())
+        sb.wait()
+    assert got == ["1001\n", f"{2 * 1024 * 1024 - 1001}\n"] and sb.returncode == 0
+    with pytest.raises(modal.exception.InvalidError, match="App"):
+        modal.Sandbox.create("true")
+
+
+def test_blocking_sandbox_calls_in_an_event_loop_warn_like_modal(emu):
+    import modal
+
+    app = modal.App("sb")
+    with app.run():
+        async def go():
+            sb = await modal.Sandbox.create.aio("sleep", "30", app=app)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert await sb.poll.aio() is None  # the async interface: no warning
+                assert not caught
+                sb.poll()  # the blocking one inside the loop
+            await sb.terminate.aio()
+            return caught
+
+        caught = asyncio.run(go())
+    assert [w.category for w in caught] == [modal.exception.AsyncUsageWarning]
+
+
+def test_sandbox_env_network_and_workdir(emu, monkeypatch):
+    import modal
+
+    monkeypatch.setenv("SECRET_OF_THE_CLIENT", "s3cret")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    probe = ("import os, socket, sys\nprint(os.getcwd(), os.environ.get('SECRET_OF_THE_CLIENT'), os.environ.get('X'))\n"
+             f"s = socket.socket()\ntry:\n s.connect(('127.0.0.1', {port})); print('net')\nexcept OSError: print('nonet')")
+    app = modal.App("sb")
+    try:
+        with app.run():
+            out = []
+            for options in ({"block_network": False, "env": {"X": "1"}}, {"block_network": True, "workdir": "/tmp"}):
+                sb = _sandbox(app, "python", "-c", probe, **options)
+                sb.wait()
+                out.append(sb.stdout.read())
+    finally:
+        server.close()
+    assert out == ["/root None 1\nnet\n", "/tmp None None\nnonet\n"]
+
+
+def _wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        time.sleep(0.05)
