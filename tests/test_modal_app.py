@@ -8,12 +8,14 @@ Modal are checked to fail with a clear message.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from vrl.config import ConfigError, build, dump
 from vrl.runtime import make_runtime
 from vrl.runtime.modal.app import build_app
-from vrl.runtime.modal.images import installed_plugins, verifier_recipe
+from vrl.runtime.modal.images import installed_plugins, orchestrator_recipe, verifier_recipe
 from vrl.runtime.modal.runtime import ModalCaller, ModalRuntime
 from vrl.runtime.modal.sandbox import ModalSandbox
 
@@ -89,10 +91,15 @@ def test_role_images_carry_what_the_case_study_used_plus_vrl_and_plugins(built):
     _, app = built
     gpu, orch = app.recipes["gpu"], app.recipes["orchestrator"]
     names = lambda r: {p.split(">")[0].split("=")[0].split(";")[0].strip() for p in r.pip}
-    assert gpu.base is None and gpu.python == "3.11"
+    client = f"{sys.version_info.major}.{sys.version_info.minor}"  # serialized functions load only on the client's Python
+    assert gpu.base is None and gpu.python == client and orch.python == client
     assert {"vllm", "torch", "transformers", "datasets"} <= names(gpu)
+    assert {"vllm==0.26.0", "torch==2.11.0"} <= set(gpu.pip)  # the pair tested on the GPU machine
     assert {"requests", "tqdm", "numpy", "pydantic", "pluggy"} <= names(orch)
-    assert orch.extra_index_url and "cpu" in orch.extra_index_url  # no CUDA wheels in the light image
+    # orchestrator_gpu is set (GRPO's learner): the GPU torch, not the CPU index
+    assert orch.extra_index_url is None and "torch==2.11.0" in orch.pip
+    light = orchestrator_recipe()  # no GPU: no CUDA wheels in the light image
+    assert light.extra_index_url and "cpu" in light.extra_index_url
     plugin_packages = {p.package for p in installed_plugins()}
     assert {"vrl_lean", "vrl_python_tests"} <= plugin_packages
     for recipe in (gpu, orch):

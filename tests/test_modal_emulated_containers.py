@@ -59,8 +59,6 @@ def test_a_plugins_verifier_runs_in_its_modal_sandbox(emu, tmp_path):
     assert len(verdicts) == 1 and verdicts[0].status is not Status.CRASHED
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 defect 5: the images pin Python 3.11 while vrl's functions are "
-                   "sent pickled (serialized=True): a client on another Python (3.12 here) cannot deserialize them")
 def test_the_gpu_worker_deserializes_for_a_client_on_another_python(emu, tmp_path):
     """Defect 5. A client on Python 3.12 (emulated) samples once on the GPU worker.
 
@@ -91,9 +89,6 @@ def test_the_gpu_worker_deserializes_for_a_client_on_another_python(emu, tmp_pat
     assert len(out) == 1 and out[0]["task_id"] == tasks[0].id
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 defect 8: uv installs with the PyTorch CPU index as extra index "
-                   "and its default first-index strategy (shared packages from that index only, at old versions); "
-                   "the GPU image pins nothing; a GPU orchestrator gets CPU-only torch")
 def test_images_install_pinned_packages_from_the_right_index(emu, tmp_path):
     """Defect 8. What Modal's image builder would run for each role's image.
 

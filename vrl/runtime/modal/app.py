@@ -69,7 +69,7 @@ def build_app(config: Any) -> ModalApp:
         raise RuntimeError("the Modal runtime needs the modal package: pip install 'vrl-core[modal]'") from exc
 
     rt = config.runtime.modal
-    recipes = {"gpu": gpu_recipe(), "orchestrator": orchestrator_recipe()}
+    recipes = {"gpu": gpu_recipe(), "orchestrator": orchestrator_recipe(gpu=bool(rt.orchestrator_gpu))}
     images = {role: recipe.build() for role, recipe in recipes.items()}
     volume = modal.Volume.from_name(rt.volume, create_if_missing=True)
     secrets = [modal.Secret.from_name(name) for name in rt.secrets]

@@ -4,13 +4,15 @@ Each image is first a plain `ImageRecipe` (base, Python, pip requirements, local
 environment), so what goes where can be read and tested without Modal; `ImageRecipe.build()` turns
 it into a `modal.Image`:
 
-- `gpu`: debian_slim + Python 3.11 + vllm, torch, transformers, datasets + vrl and the plugins.
-- `orchestrator`: debian_slim + Python 3.11, light (requests, tqdm, numpy, CPU torch) + vrl and plugins.
+- `gpu`: debian_slim + the client's Python + vllm 0.26.0, torch 2.11.0, transformers, datasets + vrl and the plugins.
+- `orchestrator`: debian_slim + the client's Python, light (requests, tqdm, numpy, CPU torch; GPU torch with
+  `orchestrator_gpu`) + vrl and plugins.
 - `verifier:<plugin>`: the plugin's image (e.g. kimina-lean-server) or debian_slim, + vrl and that plugin.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import metadata
@@ -18,10 +20,17 @@ from typing import Any
 
 from vrl.meta import DISTRIBUTION
 
-PYTHON = "3.11"
+PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+"""The images' Python is the client's: functions are sent cloudpickled (`serialized=True`), and a pickle
+made by one Python minor version does not load in another."""
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-GPU_PACKAGES = ("vllm>=0.10", "torch", "transformers", "datasets", "safetensors", "hf_transfer")
+TORCH = "torch==2.11.0"
+"""The torch vLLM 0.26.0 pins (the pair tested on the GPU machine, docs/vllm.md)."""
+GPU_PACKAGES = ("vllm==0.26.0", TORCH, "transformers", "datasets", "safetensors", "hf_transfer")
 ORCHESTRATOR_PACKAGES = ("requests", "tqdm", "numpy")
+INDEX_STRATEGY = "--index-strategy unsafe-best-match"
+"""uv's default `first-index` takes every package an extra index has from that index alone (the CPU torch
+index mirrors old jinja2, requests, numpy...): with an extra index, pick the best version across both."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,8 @@ class ImageRecipe:
         else:
             image = modal.Image.debian_slim(python_version=self.python)
         if self.pip:
-            image = image.uv_pip_install(*self.pip, extra_index_url=self.extra_index_url)
+            options = INDEX_STRATEGY if self.extra_index_url else ""
+            image = image.uv_pip_install(*self.pip, extra_index_url=self.extra_index_url, extra_options=options)
         if self.env:
             image = image.env(dict(self.env))
         if self.sources:
@@ -108,11 +118,12 @@ def gpu_recipe(plugins: tuple[InstalledPlugin, ...] | None = None) -> ImageRecip
     return ImageRecipe("gpu", pip=pip, sources=("vrl", *packages), env={"HF_HUB_ENABLE_HF_TRANSFER": "1"})
 
 
-def orchestrator_recipe(plugins: tuple[InstalledPlugin, ...] | None = None) -> ImageRecipe:
-    """The detached loop: light, CPU torch (ES keeps no weights here; the history is the state)."""
+def orchestrator_recipe(plugins: tuple[InstalledPlugin, ...] | None = None, gpu: bool = False) -> ImageRecipe:
+    """The detached loop: light, CPU torch (ES keeps no weights here; the history is the state), or the
+    GPU build of the workers' torch when the orchestrator has a GPU (GRPO's learner, runtime.modal.orchestrator_gpu)."""
     packages, requires = _plugin_parts(installed_plugins() if plugins is None else plugins)
-    pip = tuple(dict.fromkeys((*ORCHESTRATOR_PACKAGES, *vrl_requires(), *requires)))
-    return ImageRecipe("orchestrator", pip=pip, extra_index_url=TORCH_CPU_INDEX, sources=("vrl", *packages))
+    pip = tuple(dict.fromkeys((*ORCHESTRATOR_PACKAGES, *((TORCH,) if gpu else ()), *vrl_requires(), *requires)))
+    return ImageRecipe("orchestrator", pip=pip, extra_index_url=None if gpu else TORCH_CPU_INDEX, sources=("vrl", *packages))
 
 
 def verifier_recipe(plugin: InstalledPlugin | None, base: str | None = None) -> ImageRecipe:
