@@ -165,7 +165,7 @@ def main(verbose: bool) -> None:
     Quick start (offline, CPU, a few minutes):
       vrl train                                  # countdown, tiny model, ES
       vrl train --optimizer grpo --iterations 5
-      vrl train --plugin lean --model AI-MO/Kimina-Prover-Preview-Distill-1.5B -o server=http://localhost:8000
+      vrl train --plugin lean --model AI-MO/Kimina-Prover-Preview-Distill-1.5B -o server=http://localhost:8000 -o recheck=http://localhost:8001
       vrl plugins                                # what is installed
     """
     _setup_logging(verbose)
