@@ -52,9 +52,6 @@ def judge(pool, attempts):
     return asyncio.run(go())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 defect 6: a batch is one stdin write, and Modal's sandbox stdin "
-                   "takes at most 2 MiB per write (BufferError): a big batch kills the sandbox twice and scores "
-                   "`crashed`")
 def test_a_batch_over_2_mib_is_judged(emu, tmp_path):
     """Defect 6 (stdin). 64 attempts of 34 kB each (a Lean batch of 64 × 8k tokens is 1.6-2.2 MiB).
 

@@ -211,6 +211,10 @@ class ProcessSandbox(SandboxHandle):
         return f"process {self._proc.pid if self._proc else '-'}"
 
 
+STDIN_CHUNK_CHARS = 512 * 1024
+"""Characters per stdin write to a Modal sandbox: at most 4 bytes each in UTF-8, so at most 2 MiB."""
+
+
 class ModalSandbox(SandboxHandle):
     """A Modal Sandbox running the verify server (needs a Modal account; not exercised in tests)."""
 
@@ -233,9 +237,13 @@ class ModalSandbox(SandboxHandle):
         self.started_at = time.monotonic()
 
     async def send(self, line: str) -> None:
+        # Modal's sandbox stdin holds at most 2 MiB between drains (modal/io_streams.py MAX_BUFFER_SIZE); a
+        # batch of 64 long Lean attempts is about that size, so it goes in chunks, drained one by one.
+        data = line + "\n"
         try:
-            self._sb.stdin.write(line + "\n")
-            await self._sb.stdin.drain.aio()
+            for start in range(0, len(data), STDIN_CHUNK_CHARS):
+                self._sb.stdin.write(data[start : start + STDIN_CHUNK_CHARS])
+                await self._sb.stdin.drain.aio()
         except Exception as exc:  # the client raises several types once the sandbox is gone
             raise SandboxDied(f"Modal sandbox stdin failed: {exc}") from exc
 
