@@ -19,7 +19,8 @@ from vrl.runtime.modal.images import installed_plugins, orchestrator_recipe, ver
 from vrl.runtime.modal.runtime import ModalCaller, ModalRuntime
 from vrl.runtime.modal.sandbox import ModalSandbox
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings("error::DeprecationWarning:vrl")  # vrl's own deprecations fail
+
 
 CUSTOM = {
     "app_name": "vrl-test", "gpu": "A100-80GB", "cpu": 8.0, "memory_mb": 131072, "timeout_s": 1234, "retries": 3,

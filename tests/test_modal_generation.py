@@ -24,7 +24,11 @@ from vrl.runtime.modal.app import build_app
 from vrl.runtime.modal.runtime import ModalRuntime
 from vrl.trainer import Trainer
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+# vrl's own deprecations fail these tests. Modal's `.local()` warns that a local call has no mounted Volume:
+# the tests marked `local_bodies` run worker bodies in this process on purpose (their Volume is a directory
+# passed to them), so that one warning, and nothing else, is ignored there.
+pytestmark = pytest.mark.filterwarnings("error::DeprecationWarning:vrl")
+local_bodies = pytest.mark.filterwarnings("ignore:The .* function is executing locally:UserWarning")
 
 BASE = {
     "plugin": "countdown",
@@ -58,6 +62,7 @@ def _samples(path):
     return rows
 
 
+@local_bodies
 def test_es_run_on_modal_bodies_matches_the_local_runtime(tmp_path):
     local, remote, _ = run_pair(tmp_path)
     h_local, h_remote = ESHistory.read(local / "es_history.json"), ESHistory.read(remote / "es_history.json")
@@ -85,6 +90,7 @@ def _key(cs):
     return [(c.task_id, c.sample, c.variant, c.text, c.token_ids) for c in cs]
 
 
+@local_bodies
 def test_worker_sample_body_equals_the_local_host_for_each_member(tmp_path):
     """GPUWorker.sample (the Modal method's body, run with .local()) given the run's updates gives each
     member's completions exactly as the local host does after ES.load."""
@@ -107,6 +113,7 @@ def test_worker_sample_body_equals_the_local_host_for_each_member(tmp_path):
         assert _key(got) == _key(expected) and {c.variant for c in got} == {index}
 
 
+@local_bodies
 def test_warm_worker_replays_only_the_new_update(tmp_path):
     """A second call with one more update reuses the warm host and applies just that update."""
     local, _, _ = run_pair(tmp_path)
@@ -130,6 +137,7 @@ def test_warm_worker_replays_only_the_new_update(tmp_path):
     assert applied == [updates[1]] and len(workers._WARM.applied) == 2
 
 
+@local_bodies
 def test_es_members_are_one_call_each_and_stream_as_they_finish(tmp_path):
     """One sample() of the Modal policy makes one worker call per member; each member's completions
     arrive as its own batch (as soon as that call returns), tagged with the member's index."""
@@ -170,6 +178,7 @@ def test_the_modal_policy_keeps_no_weights_and_refuses_snapshots(tmp_path):
     runtime.close()
 
 
+@local_bodies
 def test_remote_es_resume_continues_the_history_exactly(tmp_path):
     layers = [BASE, {"logging": {"runs_dir": str(tmp_path), "name": "r"}, "runtime": {"kind": "modal", "modal": {"verify_in": "local"}}}]
     cfg1 = build(*layers, {"iterations": 1})
@@ -183,6 +192,7 @@ def test_remote_es_resume_continues_the_history_exactly(tmp_path):
     assert ESHistory.read(tmp_path / "r" / "es_history.json").iterations == ESHistory.read(local / "es_history.json").iterations
 
 
+@local_bodies
 def test_grpo_shards_match_local_generation_before_and_after_publishing(tmp_path):
     cfg = build(BASE, {"optimizer": "grpo", "logging": {"name": "g"}, "runtime": {"kind": "modal"},
                        "sampling": {"batch_size": 2, "max_new_tokens": 10}})
@@ -232,6 +242,7 @@ def test_offline_volume_cache_serves_a_model_by_id(tmp_path, monkeypatch):
                                             "TRANSFORMERS_OFFLINE": "1"}
 
 
+@local_bodies
 def test_detached_orchestrator_body_writes_to_the_volume_and_resumes(tmp_path):
     """`orchestrate` (the detached loop's body) keeps the run on the Volume and continues it exactly;
     `vrl modal resume` reads the recorded config back from the Volume (read here from the directory
