@@ -1,28 +1,17 @@
 """examples/custom_plugin is a real, pip-installable plugin: install it and train on it."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_plugin"
+from tests.examples import install_example
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """pip-install the example into a private target directory (the test venv stays untouched)."""
-    target = tmp_path_factory.mktemp("site")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
-         "--target", str(target), str(EXAMPLE)],
-        capture_output=True, text=True,
-    )
-    assert proc.returncode == 0, proc.stderr
-    env = {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return env
+    return install_example("custom_plugin", tmp_path_factory.mktemp("site"))
 
 
 def vrl(env, *args, input=None):

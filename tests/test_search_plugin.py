@@ -2,28 +2,20 @@
 (canned completions): installed like any plugin, both train through `vrl train`."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "search_plugin"
+from tests.examples import install_example
+
 LETTERS = ["--plugin", "letters", "--set", "tasks_per_iteration=4", "--set", "random_search.population_size=6"]
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """pip-install the example into a private target directory (the test venv stays untouched)."""
-    target = tmp_path_factory.mktemp("site")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
-         "--target", str(target), str(EXAMPLE)],
-        capture_output=True, text=True,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return install_example("search_plugin", tmp_path_factory.mktemp("site"))
 
 
 def vrl(env, *args, **extra):
