@@ -117,6 +117,31 @@ def recorded_results() -> dict[str, dict[str, Any]]:
     return out
 
 
+@functools.cache
+def fixture_problems() -> dict[str, Any]:
+    """Theorem name -> the fixture's problem (`vrl_lean.data.Problem`)."""
+    from vrl_lean.data import load_local
+
+    return {p.name: p for p in load_local(FIXTURE / "input")}
+
+
+def fixture_source(name: str) -> Path:
+    """The fixture's .lean file that proves theorem `name`."""
+    return next(p for p in (FIXTURE / "input").glob("*.lean") if re.search(rf"theorem {name}\b", p.read_text()))
+
+
+def fixture_attempt(name: str, completion: str | None = None) -> Any:
+    """An attempt at fixture theorem `name`; by default its completion is the fixture's own proved file
+    in a ```lean4 block."""
+    from vrl.types import Attempt, Completion, Task
+
+    theorem = fixture_problems()[name].theorem
+    task = Task(id=name, prompt="", data={"name": name, "header": theorem.header, "statement": theorem.statement})
+    if completion is None:
+        completion = f"<think>\nok\n</think>\n```lean4\n{fixture_source(name).read_text()}\n```"
+    return Attempt(task=task, completion=Completion(task_id=name, text=completion))
+
+
 def trailer_lines(code: str) -> dict[str, int]:
     """Lines (as kimina-lean-server 2.0.0 numbers them) of the trusted `#print` trailer in a snippet."""
     lines = code.split("\n")

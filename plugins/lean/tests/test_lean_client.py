@@ -13,24 +13,22 @@ import threading
 import time
 
 import pytest
-from lean_replay import AUDIT_OK, FIXTURE, Answer, ReplayServer, fixture_responder, fixture_result
+from lean_replay import (
+    AUDIT_OK,
+    FIXTURE,
+    Answer,
+    ReplayServer,
+    fixture_problems,
+    fixture_responder,
+    fixture_result,
+)
+from lean_replay import fixture_attempt as attempt
 from vrl_lean.client import KiminaClient, LeanServerError
-from vrl_lean.data import load_local
 from vrl_lean.verifier import LeanVerifier
 
-from vrl.types import Attempt, Completion, Status, Task
+from vrl.types import Status
 
-PROBLEMS = {p.name: p for p in load_local(FIXTURE / "input")}
-
-
-def attempt(name: str, completion: str | None = None) -> Attempt:
-    """An attempt whose completion is the fixture's own proved file in a ```lean4 block."""
-    theorem = PROBLEMS[name].theorem
-    task = Task(id=name, prompt="", data={"name": name, "header": theorem.header, "statement": theorem.statement})
-    if completion is None:
-        source = next(p for p in (FIXTURE / "input").glob("*.lean") if re.search(rf"theorem {name}\b", p.read_text()))
-        completion = f"<think>\nok\n</think>\n```lean4\n{source.read_text()}\n```"
-    return Attempt(task=task, completion=Completion(task_id=name, text=completion))
+PROBLEMS = fixture_problems()
 
 
 def verifier(url: str, **kw) -> LeanVerifier:

@@ -11,23 +11,22 @@ server. The kimina server is `lean_replay` (recorded answers, canary answers syn
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import sys
 import threading
 from pathlib import Path
 
 import pytest
-from lean_replay import FIXTURE, ReplayServer, fixture_responder
+from lean_replay import ReplayServer, fixture_problems, fixture_responder, fixture_source
+from lean_replay import fixture_attempt as attempt
 from vrl_lean import recheck_host
 from vrl_lean.canary import CanaryPlan, planted
 from vrl_lean.client import KiminaClient
-from vrl_lean.data import load_local
 from vrl_lean.policy import Rejected, Theorem, prepare
 from vrl_lean.recheck import HttpRechecker, LocalRechecker, interpret, job
 from vrl_lean.verifier import LeanVerifier
 
-from vrl.types import Attempt, Completion, Status, Task
+from vrl.types import Status
 
 HERE = Path(__file__).parent
 FAKE_LEAN = [sys.executable, str(HERE / "fake_lean.py")]
@@ -35,7 +34,7 @@ RECORDS = HERE / "fixtures" / "recheck"
 HEADER = "import Mathlib\nimport Aesop\n\nset_option maxHeartbeats 400000\n\nopen BigOperators Real Nat Topology Rat\n"
 STATEMENT = "theorem lean_workbook_101 (x : ℕ) (hx : x = 2^9 + 1) : x = 513"
 THM = Theorem(name="lean_workbook_101", header=HEADER, statement=STATEMENT)
-PROBLEMS = {p.name: p for p in load_local(FIXTURE / "input")}
+PROBLEMS = fixture_problems()
 
 
 def completion(statement: str = STATEMENT, proof: str = "  rw [hx]", prelude: str = "") -> str:
@@ -188,15 +187,6 @@ async def test_an_unreachable_host_withholds_the_pass():
 # -- the verifier: a pass stands only after the re-check agrees --------------------------------------------
 
 
-def attempt(name: str, text: str | None = None) -> Attempt:
-    theorem = PROBLEMS[name].theorem
-    task = Task(id=name, prompt="", data={"name": name, "header": theorem.header, "statement": theorem.statement})
-    if text is None:
-        source = next(p for p in (FIXTURE / "input").glob("*.lean") if re.search(rf"theorem {name}\b", p.read_text()))
-        text = f"<think>\nok\n</think>\n```lean4\n{source.read_text()}\n```"
-    return Attempt(task=task, completion=Completion(task_id=name, text=text))
-
-
 NAMES = ["lean_workbook_10009", "lean_workbook_10012", "lean_workbook_10090"]  # two proofs, one recorded timeout
 
 
@@ -344,7 +334,7 @@ def lean_run(tmp_path, server_url: str, **options):
     data = tmp_path / "problems"
     data.mkdir()
     for name in NAMES[:2]:
-        src = next(p for p in (FIXTURE / "input").glob("*.lean") if re.search(rf"theorem {name}\b", p.read_text()))
+        src = fixture_source(name)
         (data / src.name).write_text(src.read_text())
     env = LeanEnvironment(server=server_url, data=str(data), test_fraction=0.0, **options)
     cfg = build({"plugin": "lean", "iterations": 2, "tasks_per_iteration": 2, "es": {"population_size": 2},
