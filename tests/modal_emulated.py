@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vrl.config import ConfigError, build
+from vrl.config import build
 
 #: A tiny ES run on the countdown built-in: two containers of the tiny model, seconds per iteration.
 BASE = {
@@ -26,20 +26,10 @@ MODAL = {"verify_in": "local", "max_containers": 2, "sandbox_start_timeout_s": 1
 
 
 def modal_config(tmp_path: Path, name: str = "run", runtime: dict[str, Any] | None = None, **layers: Any):
-    """A `TrainConfig` for `--runtime modal` with the Modal settings `runtime` on top of `MODAL`.
-
-    The Modal settings are flat (`runtime.gpu`) today and nest as `runtime.modal.gpu` once the config
-    nests by kind; both are tried, so the tests follow that change without edits.
-    """
+    """A `TrainConfig` for `--runtime modal` with the Modal settings `runtime` (`runtime.modal.*`) on top of `MODAL`."""
     settings = {**MODAL, **(runtime or {})}
-    top = [BASE, {"logging": {"runs_dir": str(tmp_path / "runs"), "name": name}}, layers]
-    try:
-        return build(*top, {"runtime": {"kind": "modal", **settings}})
-    except ConfigError as flat:
-        try:
-            return build(*top, {"runtime": {"kind": "modal", "modal": settings}})
-        except ConfigError:
-            raise flat from None
+    logging = {"logging": {"runs_dir": str(tmp_path / "runs"), "name": name}}
+    return build(BASE, logging, layers, {"runtime": {"kind": "modal", "modal": settings}})
 
 
 def run_detached(config: Any, timeout: float = 300.0) -> Any:
