@@ -16,6 +16,14 @@ def _fresh_registry():
     registry.cache_clear()
 
 
+@pytest.fixture
+def emu(tmp_path, monkeypatch):
+    """An emulated Modal service (tests/modal_emulator) with the fake `modal` package swapped in."""
+    from tests.modal_emulator import emulated_service
+
+    yield from emulated_service(tmp_path, monkeypatch)
+
+
 @pytest.fixture(scope="module")
 def small_qwen2_dir(tmp_path_factory):
     """A 2-layer Qwen2 (hidden 256, untied lm_head) with random weights and the byte tokenizer of

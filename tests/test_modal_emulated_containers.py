@@ -14,14 +14,8 @@ import sys
 import pytest
 
 from tests.modal_emulated import modal_config
-from tests.modal_emulator import emulated_service
 
 VersionInfo = collections.namedtuple("VersionInfo", "major minor micro releaselevel serial")
-
-
-@pytest.fixture
-def emu(tmp_path, monkeypatch):
-    yield from emulated_service(tmp_path, monkeypatch)
 
 
 @pytest.mark.xfail(strict=True, reason="issue 25 defect 1: in a Modal container no plugin exists (images ship "

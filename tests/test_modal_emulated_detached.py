@@ -11,12 +11,6 @@ from __future__ import annotations
 import pytest
 
 from tests.modal_emulated import modal_config, run_detached
-from tests.modal_emulator import emulated_service
-
-
-@pytest.fixture
-def emu(tmp_path, monkeypatch):
-    yield from emulated_service(tmp_path, monkeypatch)
 
 
 @pytest.mark.xfail(strict=True, reason="issue 25 defect 2: the detached orchestrator builds ModalRuntime(app=None) "

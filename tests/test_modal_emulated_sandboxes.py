@@ -15,12 +15,6 @@ import warnings
 import pytest
 
 from tests.modal_emulated import modal_config
-from tests.modal_emulator import emulated_service
-
-
-@pytest.fixture
-def emu(tmp_path, monkeypatch):
-    yield from emulated_service(tmp_path, monkeypatch)
 
 
 def countdown_pool(tmp_path, **runtime):

@@ -9,12 +9,6 @@ from __future__ import annotations
 import pytest
 
 from tests.modal_emulated import modal_config
-from tests.modal_emulator import emulated_service
-
-
-@pytest.fixture
-def emu(tmp_path, monkeypatch):
-    yield from emulated_service(tmp_path, monkeypatch)
 
 
 @pytest.mark.xfail(strict=True, reason="issue 25 defect 9: every ES member call re-sends all tasks and the whole "

@@ -17,13 +17,6 @@ import warnings
 
 import pytest
 
-from tests.modal_emulator import emulated_service
-
-
-@pytest.fixture
-def emu(tmp_path, monkeypatch):
-    yield from emulated_service(tmp_path, monkeypatch)
-
 
 def make_app(**options):
     """An app with one function of each kind the rules need (built after the emulator swapped `modal` in)."""
