@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,17 +93,18 @@ class LeanVerifier(Verifier):
     def _prepare(self, text: str, theorem: Theorem, target: str | None = None) -> Submission:
         return prepare(text, theorem, self.max_heartbeats, rechecked=self.rechecker is not None, target=target)
 
-    def _canary(self, jobs: list[_Job], metrics: dict[str, float], index: int, text: str, theorem: Theorem, label: str) -> None:
+    def _canary(self, jobs: list[_Job], metrics: Counter[str], index: int, text: str, theorem: Theorem, label: str) -> None:
         """Add a canary for attempt `index`; one the policy refuses is counted and never sent."""
-        metrics["lean/canaries"] = metrics.get("lean/canaries", 0) + 1
+        metrics["lean/canaries"] += 1
         try:
             jobs.append(_Job(index, self._prepare(text, theorem, canary.false_statement(theorem)), canary=label))
         except Rejected:
-            metrics["lean/canaries_refused"] = metrics.get("lean/canaries_refused", 0) + 1
+            metrics["lean/canaries_refused"] += 1
 
     async def verify(self, attempts: Sequence[Attempt]) -> list[Verdict]:
         verdicts: list[Verdict | None] = [None] * len(attempts)
-        metrics: list[dict[str, float]] = [{} for _ in attempts]
+        metrics: list[Counter[str]] = [Counter() for _ in attempts]  # each attempt's counters (Verdict.metrics)
+        exploits: dict[int, str] = {}  # attempt -> the first of its canaries that passed
         theorems: list[Theorem | None] = [None] * len(attempts)
         jobs: list[_Job] = []
         for i, attempt in enumerate(attempts):
@@ -135,18 +137,18 @@ class LeanVerifier(Verifier):
             if j.canary is None:
                 verdicts[j.index] = j.verdict
             elif j.verdict.passed:
-                m = metrics[j.index]
-                m["lean/canary_exploits"] = m.get("lean/canary_exploits", 0) + 1
+                metrics[j.index]["lean/canary_exploits"] += 1
+                exploits.setdefault(j.index, j.canary)
                 log.error("canary exploit on task %s (%s): %s", attempts[j.index].task.id, j.canary, j.verdict.detail)
         out = []
         for i, verdict in enumerate(verdicts):
             assert verdict is not None
             alarm = None
-            if metrics[i].get("lean/canary_exploits") and self.on_exploit == "stop":
-                label = next(j.canary for j in jobs + later if j.index == i and j.canary and j.verdict.passed)
+            if i in exploits and self.on_exploit == "stop":
+                label = exploits[i]
                 alarm = (f"a canary passed: with its statement replaced by `theorem {theorems[i].name} : False`, the "
                          f"{'completion' if label == 're-targeted attempt' else 'planted attack'} ({label}) was accepted")
-            out.append(verdict.model_copy(update={"metrics": metrics[i], "alarm": alarm}) if metrics[i] or alarm else verdict)
+            out.append(verdict.model_copy(update={"metrics": dict(metrics[i]), "alarm": alarm}) if metrics[i] or alarm else verdict)
         return out
 
     async def _check(self, jobs: list[_Job]) -> None:
@@ -171,7 +173,7 @@ class LeanVerifier(Verifier):
         if self.supervisor is not None and any(r.get("transport_failure") for r in results.values()):
             await self.supervisor.restart("a request to the server timed out or lost its connection")
 
-    async def _recheck(self, jobs: list[_Job], metrics: list[dict[str, float]]) -> None:
+    async def _recheck(self, jobs: list[_Job], metrics: list[Counter[str]]) -> None:
         """Re-check every pass out of process; a pass stands only if the re-check agrees."""
         if self.rechecker is None:
             return
@@ -179,14 +181,14 @@ class LeanVerifier(Verifier):
         checks = await asyncio.gather(*(self.rechecker.recheck(j.submission) for j in passed))
         for j, check in zip(passed, checks):
             m = metrics[j.index]
-            m["lean/rechecks"] = m.get("lean/rechecks", 0) + 1
-            m["lean/recheck_s"] = m.get("lean/recheck_s", 0.0) + check.elapsed_s
+            m["lean/rechecks"] += 1
+            m["lean/recheck_s"] += check.elapsed_s
             elapsed = j.verdict.elapsed_s + check.elapsed_s
             if check.agrees:
                 j.verdict = Verdict.ok(f"{j.verdict.detail}; {check.detail}", elapsed_s=elapsed)
             else:
                 if check.status is not Status.CRASHED:
-                    m["lean/recheck_overturned"] = m.get("lean/recheck_overturned", 0) + 1
+                    m["lean/recheck_overturned"] += 1
                 j.verdict = Verdict.fail(check.status, f"{check.detail} (the Lean server had accepted it)", elapsed_s=elapsed)
 
     async def check_ready(self) -> None:
