@@ -355,7 +355,7 @@ def _scan_meta(tokens: list[Token], text: str) -> None:
 
 
 def _suspect(t: Token) -> bool:
-    return t.text in ("eval", "native", "config") or any(p in BANNED_NAMES for p in t.parts) or _meta(t) is not None
+    return t.text in ("eval", "native", "config") or any(p in BANNED_NAMES for p in t.parts)
 
 
 def _scan_interpolation(t: Token, text: str, where: str) -> None:
