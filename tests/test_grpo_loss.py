@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vrl.config import ConfigError, build
-from vrl.optim.grpo import GRPOConfig, group_advantages, grpo_loss
+from vrl.optim.grpo_loss import GRPOConfig, group_advantages, grpo_loss
 
 # Three sequences, up to four tokens; row 0 has one pad, row 1 two pads.
 LOGPS = [[-1.0, -0.5, -2.0, -0.3], [-0.2, -1.5, -0.7, -0.9], [-0.8, -0.1, -1.2, -2.5]]
