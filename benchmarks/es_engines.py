@@ -155,7 +155,8 @@ def main() -> None:
                 params.append(vllm.SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=7 + i))
                 loras.append(lora)
         t0 = time.perf_counter()
-        outs = lowrank_one.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        one = lowrank_one.hosts[0] if hasattr(lowrank_one, "hosts") else lowrank_one  # a pool dealt over --gpus
+        outs = one.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
     raw()  # warm-up
