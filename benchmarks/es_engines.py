@@ -133,10 +133,8 @@ def main() -> None:
         update = time.perf_counter() - t1
         run = {"wall_s": wall, "update_s": update, "loop_s": wall + update, "tokens": tokens, "tok_s": tokens / wall,
                "completions": len(done)}
-        if getattr(host, "last_members_s", None) is not None:  # one low-rank engine: writing the LoRA slots
-            run["members_s"] = host.last_members_s
-        if getattr(host, "last_update_s", None) is not None:  # one engine: the update inside its workers
-            run["update_worker_s"] = host.last_update_s
+        counters = host.counters()  # members_s: writing the LoRA slots; update_worker_s: the update in the workers
+        run.update({k: counters[k] for k in ("members_s", "update_worker_s") if k in counters})
         return run
 
     lowrank_one = pools.get(("lowrank", 1), (None, None))[0]

@@ -241,7 +241,7 @@ def main() -> None:
     for _ in range(5):
         gen._pushed = False
         gen.publish(hf)
-        syncs.append(gen.last_sync_s)
+        syncs.append(gen.counters()["sync_s"])
     res["weight_sync_s"] = statistics.median(syncs[1:])
     res["weight_sync_gb"] = sum(p.numel() * p.element_size() for p in hf.parameters()) / 1e9
     hf_names = [n for n, _ in hf.named_parameters()]

@@ -155,10 +155,10 @@ def test_lowrank_terms_round_trip_and_a_host_refuses_full_rank_terms() -> None:
 
 
 def test_a_vllm_engine_without_lora_slots_refuses_lowrank_with_the_fix() -> None:
+    from vrl.config import build
     from vrl.generate.vllm import VLLMGenerator
 
-    gen = VLLMGenerator.__new__(VLLMGenerator)  # no engine needed: the refusal comes before any RPC
-    gen.sleep, gen.tensor_parallel_size, gen.mode, gen.lora_slots = False, 1, "lowrank", 0
+    gen = VLLMGenerator(object(), None, build({}).sampling, mode="lowrank")  # no LoRA slots; no RPC before the refusal
     with pytest.raises(Unsupported, match=r"without LoRA slots.*needs"):
         gen._perturbable(PerturbationSpec(("*",), (), 0.1, noise="lowrank", rank=4))
 
@@ -205,7 +205,8 @@ def test_the_engine_puts_lora_layers_on_the_selected_kinds_of_module_only(includ
 
 
 def test_lora_slices_place_each_weight_in_its_fused_slice_and_refuse_what_lora_cannot_serve() -> None:
-    from vrl.generate.vllm_worker import engine_layout, lora_slices
+    from vrl.generate.vllm_slots import lora_slices
+    from vrl.generate.vllm_worker import engine_layout
 
     hf = {"model.layers.0.self_attn.q_proj.weight": [8, 4], "model.layers.0.self_attn.k_proj.weight": [2, 4],
           "model.layers.0.self_attn.v_proj.weight": [2, 4], "model.layers.0.mlp.down_proj.weight": [4, 6],
@@ -243,7 +244,7 @@ def test_engine_writes_each_member_into_its_lora_slot_as_the_reference_factors(m
     lora_a_stacked (slots×1×R×n) and lora_b_stacked (slots×1×m×R)) writes cast(lora_factors) of every
     matrix into each member's slot, zeros beyond es.rank and leaves the other slots alone, also when
     the matrices of one shape are generated together and in several chunks."""
-    from vrl.generate.vllm_worker import LowRankEngine
+    from vrl.generate.vllm_slots import LowRankEngine
 
     shapes = {"l0.q": (6, 5), "l0.down": (3, 7), "l1.q": (6, 5), "l1.down": (3, 7), "l2.q": (6, 5)}
     views = {n: torch.randn(s).to(torch.bfloat16) for n, s in shapes.items()}
@@ -268,7 +269,7 @@ def test_engine_writes_each_member_into_its_lora_slot_as_the_reference_factors(m
 def test_the_slot_kernel_is_used_only_on_stacks_laid_out_as_it_addresses_them() -> None:
     """`lowrank_triton.lora_slots` writes slots by pointer arithmetic (S×1×R×n, S×1×m×R, contiguous):
     any other layout must fall back to the indexing torch path, or it would write into other slots."""
-    from vrl.generate.vllm_worker import LowRankEngine
+    from vrl.generate.vllm_slots import LowRankEngine
 
     views = {"q": torch.zeros(6, 5), "down": torch.zeros(3, 7)}
 

@@ -131,7 +131,7 @@ def test_triton_member_load_writes_the_lora_slots_of_the_torch_path(rank: int, m
     """`LowRankEngine.load_members` on a GPU (one kernel per matrix shape) writes the same bits into
     vLLM-shaped LoRA stacks (slots×1×R×n, slots×1×m×R) as its torch path, equal to the CPU reference
     `lora_factors` cast to bf16: zeros beyond es.rank, other slots untouched."""
-    from vrl.generate.vllm_worker import LowRankEngine
+    from vrl.generate.vllm_slots import LowRankEngine
 
     shapes = {"l0.q": (1536, 1536), "l0.k": (256, 1536), "l0.down": (1536, 8960), "l1.q": (1536, 1536),
               "odd": (7, 13), "tall": (65, 1)}

@@ -79,7 +79,7 @@ def grpo_gen(model_dir):
 def hf_side(gen, sampling) -> HFGenerator:
     tok = copy.deepcopy(gen.tokenizer)
     tok.padding_side = "left"
-    return HFGenerator(gen.model, tok, sampling)
+    return HFGenerator(gen.trainable().model, tok, sampling)
 
 
 def test_hf_and_vllm_greedy_completions_are_identical(grpo_gen):
@@ -116,7 +116,7 @@ def test_sampling_n_seeds_and_logprobs(grpo_gen):
     # Sampling log-probs vs the training model's log-probs of the same tokens (temperature 1).
     packed = pack([x.prompt_token_ids for x in a], [x.token_ids for x in a], 256, "cuda")
     with torch.no_grad():
-        train = completion_logprobs(grpo_gen.model, packed, 1.0)
+        train = completion_logprobs(grpo_gen.trainable().model, packed, 1.0)
     diff = torch.cat([(train[i, : len(x.logprobs)].cpu() - torch.tensor(x.logprobs)).abs() for i, x in enumerate(a)])
     print(f"\nsampling-vs-training log-prob |diff| (float32): mean {diff.mean():.2e}, max {diff.max():.2e}")
     assert diff.max() < 1e-2  # measured on an H100: mean 5.0e-4, max 1.9e-3
@@ -133,7 +133,7 @@ def rewarded(results_of, gen, seed):
 
 def engine_equals_hf(gen) -> bool:
     """Every HF parameter equals its rows in the engine, bit for bit (un-fused through the worker)."""
-    hf = {n: p.detach().cpu() for n, p in gen.model.named_parameters()}
+    hf = {n: p.detach().cpu() for n, p in gen.trainable().model.named_parameters()}
     engine = gen.rpc("vrl_hf_weights", {n: list(p.shape) for n, p in hf.items()}, list(hf))[0]
     return all(torch.equal(engine[n], hf[n]) for n in hf)
 
@@ -148,12 +148,12 @@ def test_weight_sync_makes_vllm_follow_the_trained_model(grpo_gen):
     opt = GRPO(GRPOConfig(num_generations=4, learning_rate=3e-3, lr_scheduler_type="constant"))
     opt.setup(grpo_gen)
     metrics = opt.tell(rewarded(by_id, grpo_gen, seed=1))  # trains the HF copy, then publishes it to the engine
-    assert grpo_gen.last_sync_s is not None
+    assert "sync_s" in grpo_gen.counters()
     grpo_gen.sampling = greedy()
     after = grpo_gen.generate(tasks())
     assert not same(before, after)  # training changed the policy ...
     assert engine_equals_hf(grpo_gen)  # ... and the engine holds the trained weights, bit for bit
-    print(f"\nweight sync: {grpo_gen.last_sync_s * 1e3:.1f} ms; GRPO metrics: "
+    print(f"\nweight sync: {grpo_gen.counters()['sync_s'] * 1e3:.1f} ms; GRPO metrics: "
           f"{ {k: round(v, 4) for k, v in metrics.items() if 'logprob' in k} }")
 
     # sync_every=2: the next update is not pushed, the one after is.
@@ -279,11 +279,11 @@ def test_lora_training_pushes_merged_weights(model_dir, es_gen):
                               use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0))
         opt.setup(gen)
         opt.tell(rewarded(by_id, gen, seed=5))
-        sent = dict(weights_for_engine(gen.model))
+        sent = dict(weights_for_engine(gen.trainable().model))
         engine = gen.rpc("vrl_hf_weights", {n: list(t.shape) for n, t in sent.items()}, list(sent))[0]
         assert all(torch.equal(engine[n], t.cpu()) for n, t in sent.items())
         q = "model.layers.0.self_attn.q_proj.weight"
-        base = dict(gen.model.named_parameters())["model.layers.0.self_attn.q_proj.base_layer.weight"]
+        base = dict(gen.trainable().model.named_parameters())["model.layers.0.self_attn.q_proj.base_layer.weight"]
         assert not torch.equal(sent[q], base.detach())  # the adapters moved the served weights
         gen.sampling = greedy()
         assert not same(before, gen.generate(tasks()))
@@ -349,7 +349,7 @@ def test_separate_gpu_mode_syncs_across_devices(model_dir, es_gen):
     es_gen.close()  # one engine at a time
     gen = trained_engine(config(model_dir, dtype="float32", device="cuda:1"))
     try:
-        assert next(gen.model.parameters()).device == torch.device("cuda:1")
+        assert next(gen.trainable().model.parameters()).device == torch.device("cuda:1")
         gen.sampling = greedy()
         before = gen.generate(tasks())
         _one_grpo_step(gen)
@@ -358,7 +358,7 @@ def test_separate_gpu_mode_syncs_across_devices(model_dir, es_gen):
         after = gen.generate(tasks())
         assert not same(before, after)
         assert greedy_agreement(after, hf_side(gen, greedy()).generate(tasks())) >= 0.9
-        print(f"\nseparate-GPU weight sync: {gen.last_sync_s * 1e3:.1f} ms")
+        print(f"\nseparate-GPU weight sync: {gen.counters()['sync_s'] * 1e3:.1f} ms")
     finally:
         gen.close()
 
@@ -379,7 +379,7 @@ def test_tensor_parallel_engine_follows_the_trained_model(model_dir, es_gen):
         # Sharded float32 matmuls sum in another order than transformers': near-ties may flip a late token.
         agree = greedy_agreement(ours, theirs)
         assert agree >= 0.9
-        print(f"\ntensor-parallel weight sync: {gen.last_sync_s * 1e3:.1f} ms; greedy agreement {agree:.3f}")
+        print(f"\ntensor-parallel weight sync: {gen.counters()['sync_s'] * 1e3:.1f} ms; greedy agreement {agree:.3f}")
     finally:
         gen.close()
 
@@ -446,7 +446,7 @@ def test_two_engines_on_one_gpu_sample_what_one_engine_samples(model_dir, es_gen
         assert len(sampled) == 16
         opt.tell([Result(task=by_id[c.task_id], completion=c, verdict=Verdict.ok(),
                          reward=sum(ch.islower() for ch in c.text) / max(1, len(c.text))) for c in sampled])
-        model = grpo_pool.hosts[0].model
+        model = grpo_pool.hosts[0].trainable().model
         assert all(_engine_equals(h, model) for h in grpo_pool.hosts)  # both engines got the trained weights
     finally:
         grpo_pool.close()

@@ -19,8 +19,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from vrl.config import build
 from vrl.generate import make_generator
 from vrl.generate.base import Generator, cut_at_stop
-from vrl.generate.vllm import WORKER_EXTENSION, engine_kwargs, sampled_logprobs
-from vrl.generate.vllm_worker import EngineES, engine_layout, slot_views
+from vrl.generate.vllm import engine_kwargs, sampled_logprobs
+from vrl.generate.vllm_inplace import EngineES
+from vrl.generate.vllm_worker import engine_layout, slot_views
 from vrl.optim.es import ES, ESConfig, IterationRecord, update_terms
 from vrl.policy import HostNeeds
 from vrl.runtime.local import LocalRuntime
@@ -192,7 +193,7 @@ def test_engine_kwargs_read_every_vllm_field():
     kw = engine_kwargs(cfg, "/models/m")
     assert kw == {"model": "/models/m", "revision": "abc", "dtype": "float32", "gpu_memory_utilization": 0.3,
                   "max_model_len": 2048, "enforce_eager": True, "max_num_seqs": 64, "tensor_parallel_size": 2,
-                  "enable_sleep_mode": True, "seed": 5, "worker_extension_cls": WORKER_EXTENSION,
+                  "enable_sleep_mode": True, "seed": 5, "worker_extension_cls": "vrl.generate.vllm_trained.LoadWeightsExtension",
                   "logprobs_mode": "processed_logprobs"}
     default = engine_kwargs(build({"model": "tiny", "generator": {"backend": "vllm", "revision": "x"}}), "/tmp/t")
     assert default["dtype"] == "bfloat16" and default["revision"] is None and default["max_model_len"] is None
@@ -313,12 +314,10 @@ class _EngineModel(torch.nn.Module):
 
 class _InProcessLLM:
     """vLLM's `LLM` cannot run here (no GPU): this stands in for its RPC and cache surface only, calling
-    the real `VRLWorkerExtension` methods in-process on a fused model, and records what reached it."""
+    the real worker extension's methods in-process on a fused model, and records what reached it."""
 
-    def __init__(self, model: torch.nn.Module):
-        from vrl.generate.vllm_worker import VRLWorkerExtension
-
-        self.worker = VRLWorkerExtension()
+    def __init__(self, model: torch.nn.Module, extension: type):
+        self.worker = extension()
         self.worker.model_runner = SimpleNamespace(get_model=lambda: model)
         self.worker.parallel_config = SimpleNamespace(tensor_parallel_size=1)
         self.calls: list[str] = []
@@ -352,7 +351,9 @@ def test_engine_es_defers_restores_until_the_engine_is_read(tmp_path, monkeypatc
     reference = copy.deepcopy(model)
     engine_model = _EngineModel(fuse(model))
     original = {n: p.detach().clone() for n, p in engine_model.named_parameters()}
-    llm = _InProcessLLM(engine_model)
+    from vrl.generate.vllm_inplace import InPlaceExtension
+
+    llm = _InProcessLLM(engine_model, InPlaceExtension)
     gen = VLLMGenerator(llm, tiny.build_tokenizer(), build({}).sampling, mode="perturb", model_path=str(tmp_path))
     opt = ES(ESConfig(population_size=4, sigma=0.05, exclude=["*norm*"]), seed=3)
     opt.setup(gen)
@@ -393,11 +394,11 @@ def test_engine_es_defers_restores_until_the_engine_is_read(tmp_path, monkeypatc
     with gen.applied(variants[0]):
         pass
     results_terms = update_terms(IterationRecord(seed=variants[0].seed, z=[1.0, -1.0, 0.5, -0.5]), True, 0.01)
-    assert gen.last_update_s is None
+    assert "update_worker_s" not in gen.counters()
     gen._params.update(results_terms)  # writes cast(θ') over the member the engine still held
     flat.update(results_terms)
     assert llm.calls.count("vrl_es_restore") == 2 and engine_equals_hf()
-    assert 0 < gen.last_update_s < 60  # the worker's own timing of the update, as the benchmark records it
+    assert gen.counters()["update_worker_s"] > 0  # the worker's own timing of the update, as the benchmark records it
     with gen.applied(variants[1]):
         pass
     assert gen._params.engine_weights(names)  # reading the weights flushes the due restore

@@ -140,5 +140,11 @@ class PolicyHost(ABC):
         """Make sampling use `model`'s weights from the next `sample` on (after each update)."""
         raise Unsupported(f"{self.name} cannot load trained weights")
 
+    # -- instrumentation ---------------------------------------------------------------------------
+    def counters(self) -> dict[str, float]:
+        """Seconds of the host's last weight moves, by name (e.g. `sync_s`, `members_s`,
+        `update_worker_s`; a host that measures none returns {}): what benchmarks record."""
+        return {}
+
     def close(self) -> None:
         """Free engines and memory."""

@@ -386,10 +386,13 @@ def preflight(config: TrainConfig, env: Environment, *, training: bool = True) -
     runtime.check(config)
     if training:  # the weightless module tree is built only for a rule that asks for it
         # Imported here, not at the top: it loads torch, which `import vrl` must not (issue 28).
+        from vrl.generate import generator_class
         from vrl.generate.hf import meta_model
 
         model = functools.partial(meta_model, config.model, config.generator.revision) if runtime.weights_here else None
-        optimizer_class(config.optimizer).check_fits(config, model)
+        rule = optimizer_class(config.optimizer)
+        rule.check_fits(config, model)
+        generator_class(config.generator.backend).check_fits(config, rule.from_config(config).needs(), model)
     if verifies_in_process(config):
         ensure_ready(env.verifier())
 

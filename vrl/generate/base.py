@@ -42,6 +42,12 @@ class Generator(PolicyHost):
         raise NotImplementedError(f"generator backend {cls.name!r} does not implement from_config")
 
     @classmethod
+    def check_fits(cls, config: Any, needs: HostNeeds | None, model: Any) -> None:
+        """Refuse, before anything loads or starts, what this backend cannot do for the update rule's
+        `needs` (`model`: a callable building the weightless module tree, or None when the weights
+        live elsewhere). Runs in the preflight, after the rule's own `check_fits`; nothing by default."""
+
+    @classmethod
     def engines(cls, config: Any, needs: HostNeeds | None, gpus: Sequence[str | None]) -> list[Generator]:
         """One engine per entry of `gpus` (a GPU index, repeated where engines share a GPU; None: the
         default device), for the local runtime's `runtime.local.engines`. A backend whose engines share

@@ -5,13 +5,14 @@
   tokens' log-probs under the temperature-scaled distribution (vLLM's `processed_logprobs`). All
   prompts go into the engine at once; completions stream out in batches as requests finish, so
   the verifier starts while the engine is still generating.
-- ES: `perturbations` (the `PolicyHost` contract) builds an `EngineParams`, which perturbs, restores and updates
-  the engine's own (fused) weight tensors through `vrl.generate.vllm_worker.VRLWorkerExtension`,
-  with the noise of the `hf` backend (same seeds, same HF parameter names, same values).
-- GRPO: the trainable Hugging Face model lives in this process (`trainable()` loads it on
-  `generator.device`); `publish` pushes it into the engine in place (CUDA IPC handles + the model's own
-  `load_weights`), every `generator.vllm.sync_every` updates. With `generator.vllm.sleep` the engine frees
-  its GPU memory between generation passes so training can use it (colocated mode).
+- How the weights move is the engine's mode, fixed when it starts (`Mode`), and each mode has its
+  mover (`MOVERS`: the driver half) with its own worker extension (the half inside the engine):
+  full-rank ES perturbs the engine's own (fused) weights in place (`vllm_inplace`), low-rank ES
+  serves members from LoRA slots (`vllm_slots`), GRPO pushes a trained in-process HF copy
+  (`vllm_trained`: CUDA IPC handles + the model's own `load_weights`, every `generator.vllm.sync_every`
+  updates). ES noise is the `hf` backend's (same seeds, HF parameter names, values). With
+  `generator.vllm.sleep` the engine frees its GPU memory between generation passes so training can use
+  it (colocated mode).
 
 vLLM is imported lazily: `pip install 'vrl-core[vllm]'`, on a machine with a CUDA GPU.
 """
@@ -35,10 +36,9 @@ from pydantic import Field, model_validator
 from vrl.config import Section
 from vrl.errors import UsageError
 from vrl.generate.base import Generator, cut_at_stop, tokens_covering
-from vrl.generate.hf import TINY, load_model_and_tokenizer, meta_model, render_prompt
+from vrl.generate.hf import TINY, meta_model, render_prompt
 from vrl.policy import HostNeeds, PerturbationSpec, Trainable, Unsupported, Variant
 from vrl.types import Completion, Task
-from vrl.weights.update import Update
 
 # torch and the weights layer's tensor code are imported in the functions that use them: the registry
 # imports this module for `VLLMGenerator.Config`, and `vrl plugins` must not load torch (issue 28).
@@ -46,8 +46,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-
-WORKER_EXTENSION = "vrl.generate.vllm_worker.VRLWorkerExtension"
 
 
 class VLLMConfig(Section):
@@ -104,6 +102,28 @@ Mode = Literal["sample", "perturb", "lowrank", "trained"]
 """How an engine's weights move, fixed when it starts: 'sample' (they do not, or only by `publish` of
 ready tensors: eval, Modal's GRPO workers), 'perturb' (seeded full-rank ES in place), 'lowrank'
 (low-rank ES members in LoRA slots), 'trained' (an in-process copy GRPO trains, pushed by `publish`)."""
+
+
+#: Per mode, the mover that moves the engine's weights (module, class); its `extension` runs in the workers.
+MOVERS: dict[str, tuple[str, str]] = {
+    "sample": ("vrl.generate.vllm_trained", "PushedWeights"),
+    "trained": ("vrl.generate.vllm_trained", "PushedWeights"),
+    "perturb": ("vrl.generate.vllm_inplace", "InPlace"),
+    "lowrank": ("vrl.generate.vllm_slots", "LoRASlots"),
+}
+
+
+def mover_class(mode: Mode) -> Any:
+    """The `vllm_mover.Mover` subclass of an engine mode (imported on first use: it loads torch)."""
+    import importlib
+
+    module, name = MOVERS[mode]
+    return getattr(importlib.import_module(module), name)
+
+
+def extension_for(mode: Mode) -> str:
+    """The worker extension vLLM mixes into an engine of this mode (`worker_extension_cls`): its mover's."""
+    return mover_class(mode).extension
 
 
 def mode_for(needs: HostNeeds | None) -> Mode:
@@ -185,7 +205,7 @@ def engine_kwargs(config: Any, model_path: str, needs: HostNeeds | None = None) 
         "tensor_parallel_size": v.tensor_parallel_size,
         "enable_sleep_mode": v.sleep,
         "seed": config.seed,
-        "worker_extension_cls": WORKER_EXTENSION,
+        "worker_extension_cls": extension_for(mode_for(needs)),
         # Log-probs of the distribution tokens are drawn from (after temperature), as GRPO's ratio needs.
         "logprobs_mode": "processed_logprobs",
     }
@@ -233,23 +253,18 @@ class VLLMGenerator(Generator):
         tensor_parallel_size: int = 1,
         cleanup: str | None = None,
         device_order: list[str] | None = None,
+        lora_slots: int = 0,
     ):
         self.llm, self.tokenizer, self.sampling = llm, tokenizer, sampling
         self.mode = mode
         self.device_order = device_order  # the engine's GPU numbering (physical ids), when not this process's
-        self.model: torch.nn.Module | None = None  # GRPO's trainable HF copy (`trainable`), pushed by `publish`
         self.model_path, self.revision = model_path, revision
         self.train_device, self.dtype = train_device, dtype
         self.sampling_logprobs, self.logprobs = sampling_logprobs, False
         self.sync_every, self.sleep, self.tensor_parallel_size = sync_every, sleep, tensor_parallel_size
         self._cleanup = cleanup
         self._asleep = False
-        self._pushed = False
-        self._since_push = 0
-        self.last_sync_s: float | None = None
-        self._es: EngineParams | None = None  # in-engine ES state, flushed before each generation pass
-        self.lora_slots = 0  # LoRA slots the engine was started with (one per low-rank member of a call)
-        self.last_members_s: float | None = None  # the last call's time writing its members into LoRA slots
+        self.mover = mover_class(mode)(self, lora_slots) if mode == "lowrank" else mover_class(mode)(self)
         self._weights_version = 0  # salts the prefix cache: KV computed with other weights is never reused
 
     @staticmethod
@@ -260,6 +275,29 @@ class VLLMGenerator(Generator):
         problem = _perturbation_problem(v.sleep, v.tensor_parallel_size) if moves == "perturbations" else None
         if problem:
             raise ValueError(problem)
+
+    @classmethod
+    def check_fits(cls, config: Any, needs: HostNeeds | None, model: Any) -> None:
+        """The engine settings suit how the weights will move, and low-rank ES selects only weights
+        vLLM's LoRA layers serve: the decoder's projections, not the output layer (`vllm_slots.lora_slices`
+        refuses the rest once an engine runs; an lm_head tied to the embedding is never selected)."""
+        try:
+            cls.check(config, needs)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+        spec = needs.spec if needs is not None else None
+        if model is None or spec is None or spec.noise != "lowrank":
+            return
+        from vrl.errors import SelectionError
+        from vrl.weights.lowrank import select_linear
+
+        heads = [n for n, _ in select_linear(model(), spec.include, spec.exclude, report=False) if n.startswith("lm_head")]
+        if heads:
+            raise SelectionError(
+                f"es.noise=lowrank on generator.backend=vllm cannot move {heads[0]}: vLLM serves LoRA adapters on "
+                "the decoder's projections, not on the output layer; add it to es.exclude "
+                "(--set 'es.exclude=[\"lm_head*\"]') or use generator.backend=hf"
+            )
 
     @classmethod
     def from_config(cls, config: Any, needs: HostNeeds | None = None, *, gpu: str | None = None,
@@ -298,8 +336,8 @@ class VLLMGenerator(Generator):
         gen = cls(llm, _load_tokenizer(path, kwargs["revision"]), config.sampling, mode=mode_for(needs), model_path=path,
                   revision=kwargs["revision"], train_device=device, dtype=kwargs["dtype"],
                   sampling_logprobs=v.sampling_logprobs, sync_every=v.sync_every, sleep=v.sleep,
-                  tensor_parallel_size=v.tensor_parallel_size, cleanup=cleanup, device_order=order)
-        gen.lora_slots = kwargs.get("max_loras", 0)
+                  tensor_parallel_size=v.tensor_parallel_size, cleanup=cleanup, device_order=order,
+                  lora_slots=kwargs.get("max_loras", 0))
         return gen
 
     @classmethod
@@ -330,11 +368,10 @@ class VLLMGenerator(Generator):
                 shutil.rmtree(cleanup, ignore_errors=True)
         return hosts
 
-    @property
-    def last_update_s(self) -> float | None:
-        """The last ES update's time inside the engine's workers (None before one): the kernels and
-        writes, without the optimizer's bookkeeping around them."""
-        return getattr(self._params, "last_update_s", None)
+    def counters(self) -> dict[str, float]:
+        """Seconds of the engine's last weight moves, from its mover (`sync_s`: GRPO's push, `members_s`:
+        writing low-rank members into LoRA slots, `update_worker_s`: an ES update inside the workers)."""
+        return self.mover.counters()
 
     def adopt(self, directory: str) -> None:
         """Remove `directory` (a model written for this engine) when the engine closes."""
@@ -342,20 +379,13 @@ class VLLMGenerator(Generator):
 
     # -- how optimizers move the weights ------------------------------------------------------------
     def trainable(self) -> Trainable:
-        """An HF copy of the model on `generator.device` (loaded once): GRPO trains it, `publish` pushes it.
-
-        From now on the engine also returns sampling log-probs (`generator.vllm.sampling_logprobs`).
-        """
-        if self.mode != "trained":
+        """An HF copy of the model that GRPO trains and `publish` pushes (mode 'trained' only)."""
+        if not hasattr(self.mover, "trainable"):
             raise Unsupported(f"this engine was started in mode {self.mode!r}; a trained copy needs one started with "
                               "the GRPO run's needs (mode 'trained': make_generator(config, optimizer.needs()))")
-        if self.model is None:
-            # No initial push: engine and copy load the same checkpoint in the same dtype.
-            self.model, _ = load_model_and_tokenizer(self.model_path, self.train_device, self.dtype, self.revision)
-            self.logprobs = self.sampling_logprobs
-        return Trainable(self.model, self.tokenizer, self.sampling)
+        return self.mover.trainable()
 
-    def _perturbable(self, spec: PerturbationSpec) -> EngineParams | EngineLowRank:
+    def _perturbable(self, spec: PerturbationSpec) -> Any:
         problem = _perturbation_problem(self.sleep, self.tensor_parallel_size)
         if problem:
             raise Unsupported(problem)
@@ -363,9 +393,7 @@ class VLLMGenerator(Generator):
         if self.mode != wanted:
             raise Unsupported(f"this engine was started in mode {self.mode!r}; es.noise={spec.noise} needs one started "
                               f"with the ES run's needs (mode {wanted!r}: make_generator(config, optimizer.needs()))")
-        if wanted == "lowrank":
-            return self.lowrank_params(spec)
-        return self.es_params(spec.include, spec.exclude)
+        return self.mover.perturbable(spec)
 
     # -- sampling ------------------------------------------------------------------------------------
     def _sampling_params(self, n: int, seed: int | None, vllm: Any) -> Any:
@@ -391,9 +419,7 @@ class VLLMGenerator(Generator):
             return
         from vllm.lora.request import LoRARequest
 
-        start = time.perf_counter()
-        self._params.load([(v.seed, v.sign) for v in members])
-        self.last_members_s = time.perf_counter() - start
+        self.mover.load([(v.seed, v.sign) for v in members])
         requests = []
         for p, v in enumerate(members):
             # Adapter p + 1 is pinned to the engine's slot for member p and never loaded from a path.
@@ -431,8 +457,7 @@ class VLLMGenerator(Generator):
         if not tasks or not requests:
             return
         self._wake()
-        if self._es is not None:
-            self._es.flush()
+        self.mover.before_pass()
         prompts = self._prompts(tasks)
         # Seed of prompt i's sample j is seed + i·n + j (vLLM adds j): distinct across prompts and samples,
         # and the same for every variant (members share their random numbers).
@@ -502,7 +527,7 @@ class VLLMGenerator(Generator):
 
     # -- engine control ------------------------------------------------------------------------------
     def rpc(self, method: str, *args: Any) -> list[Any]:
-        """Call a `VRLWorkerExtension` method on every engine worker."""
+        """Call a method of the engine's worker extension (its mode's) on every worker."""
         return self.llm.collective_rpc(method, args=args)
 
     def weights_changed(self) -> None:
@@ -542,55 +567,14 @@ class VLLMGenerator(Generator):
                 self._asleep = False
             self.weights_changed()
 
-    # -- GRPO: weight sync ---------------------------------------------------------------------------
+    # -- weights pushed whole (GRPO) -----------------------------------------------------------------
     def publish(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
-        """Push `model` (the trained copy, or tensors by checkpoint name) into the engine: on the first
-        call, then every `sync_every` calls."""
-        import torch
-
-        from vrl.weights.export import weights_for_engine
-
-        self._since_push += 1
-        if self._pushed and self._since_push < self.sync_every:
-            return
-        t0 = time.perf_counter()
-        if self._asleep:
-            self._wake_up(["weights"])
-        weights = list(model.items()) if isinstance(model, Mapping) else weights_for_engine(model)
-        payload = _share(weights, self.device_order)
-        self.rpc("vrl_load_weights", payload)
-        del payload, weights
-        if torch.cuda.is_available():
-            torch.cuda.ipc_collect()
-        if self._asleep:
-            self._wake_up(["kv_cache"])
-            self._asleep = False
-        self.weights_changed()
-        self._pushed, self._since_push = True, 0
-        self.last_sync_s = time.perf_counter() - t0
-        log.debug("vllm: pushed weights in %.3f s", self.last_sync_s)
-
-    # -- ES inside the engine ------------------------------------------------------------------------
-    def es_params(self, include: Sequence[str], exclude: Sequence[str]) -> EngineParams:
-        """The engine's selected weights as seeded perturbations move them (an fp32 θ in the worker)."""
-        from vrl.weights.flat import select_parameters
-
-        chosen = select_parameters(meta_model(self.model_path, self.revision), include, exclude)
-        self._es = EngineParams(self, {n: list(p.shape) for n, p in chosen})
-        return self._es
-
-    def lowrank_params(self, spec: PerturbationSpec) -> EngineLowRank:
-        """Low-rank ES over the engine's selected linear layers, members served from its LoRA slots."""
-        from vrl.weights.lowrank import select_linear
-
-        if not self.lora_slots:
-            raise Unsupported(
-                "this vLLM engine was started without LoRA slots, which es.noise=lowrank serves its members "
-                "from; start it with the ES run's needs (make_generator(config, optimizer.needs()))"
-            )
-        chosen = select_linear(meta_model(self.model_path, self.revision), spec.include, spec.exclude)
-        shapes = {name: list(module.weight.shape) for name, module in chosen}  # names of the weights
-        return EngineLowRank(self, shapes, spec.rank, spec.sigma)
+        """Push `model` (the trained copy, or tensors by checkpoint name) into the engine (modes 'trained'
+        and 'sample'): on the first call, then every `sync_every` calls."""
+        if not hasattr(self.mover, "publish"):
+            raise Unsupported(f"this engine was started in mode {self.mode!r}, whose weights move by ES; weights are "
+                              "pushed whole only into engines started for GRPO or for sampling")
+        self.mover.publish(model)
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
@@ -609,175 +593,6 @@ class VLLMGenerator(Generator):
             self._cleanup = None
 
 
-class _EngineWeights:
-    """θ of the selected HF parameters, kept by the engine's workers (`vrl_<kind>_*` methods of
-    `vrl.generate.vllm_worker.VRLWorkerExtension`): the update, snapshots and checks that full-rank
-    and low-rank ES share."""
-
-    kind = ""  # the worker methods' infix: vrl_<kind>_update, vrl_<kind>_state, vrl_<kind>_load_state
-
-    def __init__(self, generator: VLLMGenerator, hf_shapes: dict[str, list[int]]):
-        self.generator, self.hf_shapes, self.names = generator, hf_shapes, list(hf_shapes)
-        self.last_update_s: float | None = None  # the last update's time inside the workers (the slowest)
-
-    def flush(self) -> None:
-        """Write what the engine owes before anything reads its weights (nothing by default)."""
-
-    def _written(self) -> None:
-        """The engine now holds cast(θ) in every selected weight."""
-        self.generator.weights_changed()
-
-    def update(self, update: Update) -> None:
-        if not update:
-            return
-        times = self.generator.rpc(f"vrl_{self.kind}_update", update.to_wire())  # engine ← cast(θ')
-        self.last_update_s = max(float(t) for t in times)
-        self._written()
-
-    def state(self) -> dict[str, torch.Tensor]:
-        from vrl.generate.vllm_worker import unpack_tensor
-
-        return {n: unpack_tensor(v) for n, v in self.generator.rpc(f"vrl_{self.kind}_state")[0].items()}
-
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        missing = [n for n in self.names if n not in state or list(state[n].shape) != self.hf_shapes[n]]
-        if missing:
-            raise ValueError(f"snapshot does not match the model at parameter {missing[0]}")
-        from vrl.generate.vllm_worker import pack_tensor
-
-        self.generator.rpc(f"vrl_{self.kind}_load_state", {n: pack_tensor(state[n].float()) for n in self.names})
-        self._written()
-
-    def engine_weights(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The engine's current (base) values of HF parameters `names`, un-fused (CPU copies)."""
-        self.flush()
-        return self.generator.rpc("vrl_hf_weights", self.hf_shapes, list(names))[0]
-
-
-class EngineParams(_EngineWeights):
-    """What `FlatParams` is for the hf backend, for weights that live in a vLLM engine.
-
-    Same interface (perturb, restore, update, state, load_state); each call runs in the engine's
-    workers, which hold the fp32 master θ in HF layout and write into the fused engine tensors.
-
-    `restore` is deferred: ES restores after every member, but the next member's `perturb` (or the
-    iteration's `update`) rewrites every selected weight anyway, so the engine only writes cast(θ)
-    when something is about to read it (`flush`: the generator's next pass, `engine_weights`). A
-    member then costs one pass over the weights instead of two.
-    """
-
-    kind = "es"
-
-    def __init__(self, generator: VLLMGenerator, hf_shapes: dict[str, list[int]]):
-        super().__init__(generator, hf_shapes)
-        info = generator.rpc("vrl_es_setup", hf_shapes)[0]
-        self.numel = int(info["numel"])
-        self._dtype = str(info["dtype"])
-        self._restore_due = False
-        log.info("ES in the engine: %d HF tensors in %d engine tensors, %d parameters",
-                 info["tensors"], info["engine_tensors"], self.numel)
-
-    @property
-    def dtype(self) -> str:
-        return self._dtype
-
-    def perturb(self, seed: int, sign: int, sigma: float) -> None:
-        self.generator.rpc("vrl_es_perturb", seed, sign, sigma)  # overwrites every selected weight
-        self._restore_due = False
-        self.generator.weights_changed()
-
-    def restore(self) -> None:
-        """Mark the engine for cast(θ); written by `flush` before anything reads the weights."""
-        self._restore_due = True
-
-    def flush(self) -> None:
-        """Write a deferred restore into the engine (no-op when none is due)."""
-        if self._restore_due:
-            self.generator.rpc("vrl_es_restore")
-            self._written()
-
-    def _written(self) -> None:
-        self._restore_due = False
-        super()._written()
-
-
-class EngineLowRank(_EngineWeights):
-    """What `LowRankParams` is for the hf backend, for weights that live in a vLLM engine.
-
-    The workers keep θ (fp32) of the selected matrices and write `update`s into the engine's base
-    weights bit for bit as the hf backend does; `load` writes a call's members into the engine's
-    LoRA slots (`vrl.generate.vllm_worker.LowRankEngine`), and the generator tags each member's
-    requests with its slot. Base weights never change between members, so `restore` is a no-op.
-    """
-
-    kind = "lowrank"
-
-    def __init__(self, generator: VLLMGenerator, hf_shapes: dict[str, list[int]], rank: int, sigma: float):
-        super().__init__(generator, hf_shapes)
-        self.rank, self.sigma = rank, sigma
-        info = generator.rpc("vrl_lowrank_setup", hf_shapes, rank, generator.lora_slots)[0]
-        if "unserved" in info:  # selected weights the engine's LoRA layers do not serve (says the fix)
-            raise Unsupported(str(info["unserved"]))
-        self.numel, self.dtype, self.slots = int(info["numel"]), str(info["dtype"]), list(info["slots"])
-        self.lora_dtype = str(info["lora_dtype"])
-        log.info("low-rank ES in the engine: %d matrices, %d parameters, %d LoRA slots (%s)",
-                 info["matrices"], self.numel, len(self.slots), self.lora_dtype)
-
-    def load(self, members: Sequence[tuple[int, int]]) -> None:
-        """Write members (seed, sign) into LoRA slots 0, 1, ... (adapter ids 1, 2, ...)."""
-        if len(members) > len(self.slots):
-            raise ValueError(f"{len(members)} low-rank members in one call, but this engine has {len(self.slots)} "
-                             "LoRA slots (one per es.population_size member)")
-        self.generator.rpc("vrl_lowrank_members", [(int(s), int(g)) for s, g in members], float(self.sigma))
-
-    def perturb(self, seed: int, sign: int, sigma: float) -> None:
-        raise Unsupported("low-rank members are served from LoRA slots (VLLMGenerator.sample), not written into "
-                          "the base weights")
-
-    def restore(self) -> None:
-        """Nothing to do: members never change the base weights."""
-
-    def slot(self, name: str, member: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(lora_a, lora_b) of matrix `name` for member position `member` of the last `load` (checks)."""
-        from vrl.generate.vllm_worker import unpack_tensor
-
-        a, b = self.generator.rpc("vrl_lora_slot", name, self.slots[member])[0]
-        return unpack_tensor(a), unpack_tensor(b)
-
-
-def _share(weights: list[tuple[str, torch.Tensor]], engine_order: list[str] | None = None) -> list[tuple[str, Any]]:
-    """(name, what the worker needs to see the tensor) per weight; keep `weights` alive until it loaded.
-
-    A CUDA tensor crosses to the engine process as an IPC handle (no copy); an engine running in
-    this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) gets the tensor itself; CPU tensors go as bytes.
-    A handle names the device by this process's ordinal; an engine that numbers the GPUs otherwise
-    (`engine_order`, see `_visible_gpu`) gets the ordinal of the same physical GPU in its numbering.
-    """
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    from vrl.generate.vllm_worker import pack_tensor
-
-    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
-    mine = _visible_ids() if engine_order is not None else None
-    out: list[tuple[str, Any]] = []
-    for name, t in weights:
-        if in_process:
-            out.append((name, t))
-        elif not t.is_cuda:
-            out.append((name, pack_tensor(t)))
-        else:
-            rebuild, args = reduce_tensor(t)
-            if mine is not None:
-                args = list(args)
-                args[_STORAGE_DEVICE] = engine_order.index(mine[args[_STORAGE_DEVICE]])
-                args = tuple(args)
-            out.append((name, (rebuild, args)))
-    return out
-
-
-_STORAGE_DEVICE = 6  # position of the device ordinal in torch's rebuild_cuda_tensor arguments
-
-
 def _perturbation_problem(sleep: bool, tensor_parallel_size: int) -> str | None:
     """Why an engine with these settings cannot be perturbed in place (ES), or None."""
     if sleep:
@@ -789,26 +604,21 @@ def _perturbation_problem(sleep: bool, tensor_parallel_size: int) -> str | None:
     return None
 
 
-def _visible_ids() -> list[str]:
-    import torch
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-
-
 @contextlib.contextmanager
 def _visible_gpu(gpu: str | None) -> Iterator[list[str] | None]:
     """Start an engine on GPU `gpu` (an index among this process's visible GPUs).
 
     The engine's processes, spawned inside this block, see every GPU with `gpu` first, so the engine
     runs there and can still open CUDA IPC handles of tensors on the others (GRPO's weight push;
-    `_share` translates device ordinals). Yields the engine's order of physical ids (None: unchanged).
+    `vllm_trained._share` translates device ordinals). Yields the engine's order of physical ids (None: unchanged).
     """
     if gpu is None:
         yield None
         return
+    from vrl.generate.vllm_trained import visible_ids
+
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = _visible_ids()
+    ids = visible_ids()
     index = int(gpu)
     if not 0 <= index < len(ids):
         raise ValueError(f"runtime.local.gpus names GPU {gpu}, but this process sees {len(ids)} GPU(s): {ids}")

@@ -8,7 +8,7 @@ becomes
 
 so lora_b·lora_a = σ·sign·A·Bᵀ/√r up to C·round14(σ·C/√r) vs round14(σ·C²/√r) (< 2⁻¹⁴ relative).
 Both factors are O(1) and O(σ), so a 16-bit LoRA dtype holds them to its own precision. The
-engine's workers write them into the slots (`vrl.generate.vllm_worker.LowRankEngine`): on a GPU with
+engine's workers write them into the slots (`vrl.generate.vllm_slots.LowRankEngine`): on a GPU with
 one Triton launch per matrix shape (`vrl.generate.vllm_lora_triton.lora_slots`, the same bits),
 elsewhere with `lora_factors_many`.
 """

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vrl.errors import SelectionError
 from vrl.fileio import atomic_path, write_text
 from vrl.optim.base import Optimizer
 from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Variant
@@ -293,16 +292,7 @@ class ES(Optimizer):
         if es.noise != "lowrank":
             select_parameters(tree, es.include, es.exclude)
             return
-        chosen = [name for name, _ in select_linear(tree, es.include, es.exclude, report=False)]
-        # vLLM's LoRA layers wrap the decoder's projections, not the output layer (`vllm_worker.lora_slices`
-        # refuses the rest once the engine runs); an lm_head tied to the embedding is never selected.
-        heads = [n for n in chosen if n.startswith("lm_head")]
-        if heads and config.generator.backend == "vllm":
-            raise SelectionError(
-                f"es.noise=lowrank on generator.backend=vllm cannot move {heads[0]}: vLLM serves LoRA adapters on "
-                "the decoder's projections, not on the output layer; add it to es.exclude "
-                "(--set 'es.exclude=[\"lm_head*\"]') or use generator.backend=hf"
-            )
+        select_linear(tree, es.include, es.exclude, report=False)  # what a backend serves: its `check_fits`
 
     def __init__(self, config: ESConfig, seed: int = 0, base: dict[str, Any] | None = None):
         self.config, self.seed = config, seed

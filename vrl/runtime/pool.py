@@ -126,6 +126,14 @@ class HostPool(PolicyHost):
         for h in self.hosts:
             h.publish(model)
 
+    def counters(self) -> dict[str, float]:
+        """Each counter's slowest value over the hosts (they move their weights side by side)."""
+        out: dict[str, float] = {}
+        for h in self.hosts:
+            for name, value in h.counters().items():
+                out[name] = max(value, out.get(name, value))
+        return out
+
     def close(self) -> None:
         errors = []
         for h in self.hosts:
