@@ -9,9 +9,11 @@ from vrl.hookspecs import hookimpl
 @hookimpl
 def register_environments(register):
     from vrl.envs.countdown import CountdownEnvironment
+    from vrl.envs.dataset import DatasetEnvironment
     from vrl.envs.letters import LettersEnvironment
 
     register("countdown", CountdownEnvironment)
+    register("dataset", DatasetEnvironment)
     register("letters", LettersEnvironment)
 
 

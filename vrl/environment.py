@@ -6,6 +6,7 @@ its verifier, its reward shaper, and defaults for the run (model, sampling, opti
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
 import types
 import typing
@@ -106,6 +107,9 @@ def validate_options(model: type[BaseModel], env: str, options: Mapping[str, Any
             if err["type"] == "extra_forbidden":
                 unknown = True
                 problems.append(f"unknown option {key!r}")
+            elif err["type"] == "missing":
+                field = model.model_fields.get(str(err["loc"][0]))
+                problems.append(f"option {key!r} is required" + (f" ({field.description})" if field and field.description else ""))
             elif not err["loc"]:  # a rule across options (a model validator)
                 problems.append(err["msg"].removeprefix("Value error, "))
             else:
@@ -167,6 +171,8 @@ def type_name(ann: Any) -> str:
     origin, args = get_origin(ann), get_args(ann)
     if origin is Literal:
         return " or ".join(repr(a) for a in args)
+    if origin is collections.abc.Callable:
+        return "function"
     if origin in (Union, types.UnionType):
         return " or ".join(type_name(a) for a in args)
     if origin is not None:

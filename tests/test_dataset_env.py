@@ -1,0 +1,450 @@
+"""The built-in `dataset` environment: any dataset, reward functions in TRL's shape, both update rules.
+
+Real parts throughout: the tiny local model, the local runtime, real files (JSONL, JSON, CSV,
+Parquet) and the real `datasets` package on a local directory. The Hugging Face Hub is not
+reachable here: the Hub path is tested offline (an id that cannot load) and with `datasets`
+absent (hidden from the import system).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from vrl.cli import main
+from vrl.envs.dataset import DatasetEnvironment, MalformedDataset
+from vrl.errors import DatasetUnavailable, OptionsError, UnknownSplitError, UsageError
+from vrl.report import render
+from vrl.reward_functions import RewardFunctionError, RewardFunctions, load_reward_function
+from vrl.types import Attempt, Completion, Status
+from vrl.verifier import is_verifier_error
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "fixtures" / "dataset_env"
+PROBLEMS = FIXTURES / "problems.jsonl"
+REWARDS = FIXTURES / "rewards.py"
+SMALL = ["--set", "tasks_per_iteration=6", "--set", "es.population_size=2", "--set", "grpo.num_generations=2",
+         "--set", "sampling.max_new_tokens=6"]
+
+
+def spec(name: str) -> str:
+    return f"{REWARDS}:{name}"
+
+
+def cli(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def attempts(env: DatasetEnvironment, texts: list[str]) -> list[Attempt]:
+    return [Attempt(task=t, completion=Completion(task_id=t.id, text=x)) for t, x in zip(env.tasks(), texts)]
+
+
+def judge(env: DatasetEnvironment, texts: list[str]):
+    return asyncio.run(env.verifier().verify(attempts(env, texts)))
+
+
+def env_of(*rewards: str, **options) -> DatasetEnvironment:
+    return DatasetEnvironment(data=str(PROBLEMS), prompt_column="question", reward=[spec(r) for r in rewards], **options)
+
+
+# -- training through the CLI ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["es", "grpo"])
+def test_vrl_train_on_a_jsonl_with_two_weighted_reward_functions(tmp_path, optimizer):
+    """`vrl train --plugin dataset` on custom column names with a sync and an async reward and weights:
+    every logged reward is the weighted sum of the two functions' values, the per-function means are in
+    metrics.jsonl, and `vrl report` shows them."""
+    res = cli("train", "--plugin", "dataset", "--optimizer", optimizer, "-n", "2", "--name", "run",
+              "-o", f"data={PROBLEMS}", "-o", "prompt_column=question",
+              "-o", f"reward=[{spec('share_wanted')}, {spec('short')}]", "-o", "reward_weights=[1.0, 0.5]",
+              "--set", f"logging.runs_dir={tmp_path}", *SMALL)
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["reward/share_wanted/applied"] == r["completions"]  # applies to every row
+        assert r["reward/short/applied"] <= r["completions"]  # None on the `digits` row
+        assert 0.0 <= r["reward/share_wanted/mean"] <= 1.0 and "reward/short/std" in r
+        assert r["status/crashed"] == 0
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert samples
+    for s in samples:
+        values = s["verdict"]["metrics"]
+        assert s["reward"] == pytest.approx(values["reward/share_wanted"] + 0.5 * values.get("reward/short", 0.0))
+        digits = s["prompt"] == "Write digits."
+        assert ("reward/short" in values) is not digits
+    html = render([run], tmp_path / "report").read_text()
+    assert "<h2>Reward functions</h2>" in html and "share_wanted" in html and "short" in html
+    assert (tmp_path / "report" / "reward_functions.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("optimizer", ["es", "grpo"])
+def test_a_reward_that_raises_on_everything_stops_the_run(tmp_path, optimizer):
+    res = cli("train", "--plugin", "dataset", "--optimizer", optimizer, "-n", "2", "--name", "broken",
+              "-o", f"data={PROBLEMS}", "-o", "prompt_column=question", "-o", f"reward={spec('always_raises')}",
+              "--set", f"logging.runs_dir={tmp_path}", *SMALL)
+    assert res.exit_code == 2, res.output
+    error = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert len(error) == 1
+    assert "reward function 'always_raises' raised ZeroDivisionError: reward bug" in error[0]
+    assert "rewards.py:" in error[0]  # the line that raised
+    assert not (tmp_path / "broken").exists()  # nothing finished, nothing kept
+
+
+def test_a_reward_that_raises_on_one_row_costs_that_row_only(tmp_path):
+    """The whole-batch call raises because of the `digits` row; each completion is then judged alone,
+    so only the digits completions crash and the run finishes."""
+    res = cli("train", "--plugin", "dataset", "-n", "2", "--name", "one-bad", "-o", f"data={PROBLEMS}",
+              "-o", "prompt_column=question", "-o", f"reward={spec('raises_on_digits')},{spec('short')}",
+              "--set", f"logging.runs_dir={tmp_path}", *SMALL)
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in (tmp_path / "one-bad" / "metrics.jsonl").read_text().splitlines()]
+    # 6 tasks per iteration = every row once, the digits row among them, sampled by 2 ES members (+ none else)
+    assert [r["status/crashed"] for r in rows] == [r["completions"] // 6 for r in rows]
+    assert all(r["reward/raises_on_digits/applied"] == r["completions"] - r["status/crashed"] for r in rows)
+
+
+def test_one_bad_row_is_a_failed_verdict_for_that_attempt_only():
+    env = env_of("raises_on_digits", "short")
+    verdicts = judge(env, ["abc"] * 6)
+    digits = [i for i, t in enumerate(env.tasks()) if t.data["topic"] == "digits"]
+    assert digits == [3]
+    assert is_verifier_error(verdicts[3]) and "reward function 'raises_on_digits' raised KeyError" in verdicts[3].detail
+    assert all(v.status is Status.PASSED for i, v in enumerate(verdicts) if i != 3), verdicts
+    assert env.shaper()(env.tasks()[3], Completion(task_id="x", text="abc"), verdicts[3]) == 0.0
+
+
+def test_a_hanging_reward_times_out_that_attempt_only():
+    env = env_of("hangs_on_digits", reward_timeout_s=0.5)
+    verdicts = judge(env, ["abc"] * 6)
+    assert is_verifier_error(verdicts[3]) and "'hangs_on_digits' did not return within 0.5 s" in verdicts[3].detail
+    assert [v.metrics.get("reward/hangs_on_digits") for i, v in enumerate(verdicts) if i != 3] == [0.5] * 5
+
+
+def test_a_hanging_async_reward_is_cancelled_and_async_rewards_share_one_loop():
+    """Async functions run on one event loop, as in TRL (a client bound to a loop keeps working across
+    calls); a call that overruns is cancelled there and the loop serves the next ones."""
+    loops = []
+
+    async def which_loop(completions, **kwargs):
+        loops.append(asyncio.get_running_loop())
+        return [1.0] * len(completions)
+
+    env = DatasetEnvironment(data=str(PROBLEMS), prompt_column="question", reward_timeout_s=0.5,
+                             rewards=[spec("hangs_async_on_digits"), which_loop])
+    verdicts = judge(env, ["abc"] * 6)
+    assert is_verifier_error(verdicts[3]) and "'hangs_async_on_digits' did not return within 0.5 s" in verdicts[3].detail
+    assert [v.metrics.get("reward/hangs_async_on_digits") for v in verdicts] == [0.25] * 3 + [None] + [0.25] * 2
+    judge(env, ["abc"] * 2)
+    assert len(loops) == 2 and loops[0] is loops[1] and loops[0].is_running()
+
+
+def test_malformed_answers_of_a_reward_function_are_verdicts():
+    def wrong_length(completions, **kwargs):
+        return [1.0]
+
+    def a_string_for_abc(completions, **kwargs):
+        return ["yes" if c == "abc" else 0.25 for c in completions]
+
+    env = DatasetEnvironment(data=str(PROBLEMS), prompt_column="question", rewards=[wrong_length])
+    assert all(v.status is Status.PASSED for v in judge(env, ["x"] * 1))  # one attempt: one value is right
+    verdicts = judge(env, ["x"] * 3)  # the batch's answer is short; alone, each call answers right
+    assert all(v.status is Status.PASSED for v in verdicts)
+    env = DatasetEnvironment(data=str(PROBLEMS), prompt_column="question", rewards=[a_string_for_abc])
+    verdicts = judge(env, ["abc", "zz", "zz"])
+    assert is_verifier_error(verdicts[0]) and "returned 'yes', not a number" in verdicts[0].detail
+    assert [v.metrics["reward/a_string_for_abc"] for v in verdicts[1:]] == [0.25, 0.25]
+
+
+def test_vrl_verify_judges_attempts_at_dataset_rows():
+    lines = json.dumps({"task_id": "train-1", "completion": "abc"}) + "\n" + \
+        json.dumps({"task_id": "train-1", "completion": "abcdefghijkl"}) + "\n"
+    res = CliRunner().invoke(main, ["verify", "--plugin", "dataset", "-o", f"data={PROBLEMS}", "-o", "prompt_column=question",
+                                    "-o", f"reward={spec('share_wanted')},{spec('short')}", "-"], input=lines)
+    assert res.exit_code == 0, res.output
+    first, second = [json.loads(line) for line in res.stdout.splitlines()]
+    assert (first["status"], first["metrics"]["reward/short"]) == ("passed", 1.0)
+    assert (second["status"], second["metrics"]["reward/share_wanted"], second["metrics"]["reward/short"]) == ("failed", 0.25, 0.0)
+
+
+# -- reward semantics --------------------------------------------------------------------------------
+
+
+def test_weighted_sum_leaves_out_none_and_logs_each_function_as_trl_does():
+    env = env_of("share_wanted", "short", reward_weights=[2.0, 0.5], pass_threshold=2.5)
+    texts = ["abcxx", "zzzzzzzzzzzz", "efgh", "12", "ab", "ae"]
+    verdicts = judge(env, texts)
+    shaper = env.shaper()
+    rewards = [shaper(a.task, a.completion, v) for a, v in zip(attempts(env, texts), verdicts)]
+    assert rewards == pytest.approx([2 * 0.6 + 0.5, 0.0, 2.5, 2.0, 2.5, 2.5])  # row 3 (digits): `short` is None
+    assert [v.passed for v in verdicts] == [False, False, True, False, True, True]  # pass_threshold 2.5
+    assert verdicts[0].score == 1.0 and verdicts[1].score == 0.0  # the sum, clamped to [0, 1]
+    sums: dict[str, float] = {}
+    for v in verdicts:
+        for k, x in v.metrics.items():
+            sums[k] = sums.get(k, 0.0) + x
+    logged = env.iteration_metrics(sums)
+    shares = [0.6, 0.0, 1.0, 1.0, 1.0, 1.0]
+    assert logged["reward/share_wanted/mean"] == pytest.approx(sum(shares) / 6)
+    assert logged["reward/share_wanted/std"] == pytest.approx(
+        (sum(s * s for s in shares) / 6 - (sum(shares) / 6) ** 2) ** 0.5)
+    assert logged["reward/short/mean"] == pytest.approx(4 / 5) and logged["reward/short/applied"] == 5
+    assert not [k for k in logged if k.startswith("reward/") and k.count("/") == 1]  # raw sums are not logged
+
+
+def test_a_completion_no_function_applies_to_is_rejected_with_reward_zero():
+    def only_letters(completions, topic, **kwargs):
+        return [None if t == "digits" else 1.0 for t in topic]
+
+    env = DatasetEnvironment(data=str(PROBLEMS), prompt_column="question", rewards=[only_letters])
+    verdicts = judge(env, ["x"] * 6)
+    assert verdicts[3].status is Status.REJECTED and "no reward function applies" in verdicts[3].detail
+    assert env.shaper()(env.tasks()[3], Completion(task_id="x", text="x"), verdicts[3]) == 0.0
+    assert env.iteration_metrics({})["reward/only_letters/applied"] == 0.0
+    assert "reward/only_letters/mean" not in env.iteration_metrics({})
+
+
+def test_functions_get_trl_arguments_chat_completions_and_only_what_they_name():
+    seen = {}
+
+    def named_only(prompts, completions, wanted):
+        seen["named"] = (prompts, completions, wanted)
+        return [0.0] * len(completions)
+
+    async def everything(**kwargs):
+        seen["all"] = kwargs
+        return [0.0] * len(kwargs["completions"])
+
+    env = DatasetEnvironment(data=str(PROBLEMS), prompt_column="question", rewards=[named_only, everything])
+    tasks = env.tasks()[1:3]  # a text prompt, then a chat prompt
+    batch = [Attempt(task=t, completion=Completion(task_id=t.id, text="ab", token_ids=[97, 98])) for t in tasks]
+    asyncio.run(env.verifier().verify(batch))
+    prompts, completions, wanted = seen["named"]
+    assert prompts == ["Write the letters a, b and c.", [{"role": "user", "content": "Write letters from e to h."}]]
+    assert completions == ["ab", [{"role": "assistant", "content": "ab"}]]  # TRL's conversational format
+    assert wanted == ["abc", "efgh"]
+    assert sorted(seen["all"]) == ["completion_ids", "completions", "prompts", "topic", "wanted"]
+    assert seen["all"]["completion_ids"] == [[97, 98], [97, 98]]
+
+
+def test_reward_names_and_specs():
+    def acc(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    class Judge:
+        def __call__(self, completions, **kwargs):
+            return [1.0] * len(completions)
+
+    rewards = RewardFunctions([acc, functools.partial(acc), Judge(), spec("short")], weights=[1, 1, 1, 1])
+    assert rewards.names == ["acc", "acc_2", "Judge", "short"]
+    assert load_reward_function("json:dumps") is json.dumps
+    with pytest.raises(RewardFunctionError, match="must look like module:function"):
+        load_reward_function("no_colon")
+    with pytest.raises(RewardFunctionError, match="no module named 'no_such_module_xyz'"):
+        load_reward_function("no_such_module_xyz:f")
+    with pytest.raises(RewardFunctionError, match="has no attribute 'nope'"):
+        load_reward_function(spec("nope"))
+    with pytest.raises(RewardFunctionError, match="reward file not found"):
+        load_reward_function("missing/rewards.py:f")
+    with pytest.raises(RewardFunctionError, match="2 reward weights for 1 reward functions"):
+        RewardFunctions([acc], weights=[1, 2])
+
+
+def test_a_module_in_the_working_directory_is_found(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_for_vrl_test.py").write_text("def ones(completions, **kw):\n    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_reward_function("my_rewards_for_vrl_test:ones")(["a"]) == [1.0]
+
+
+def test_a_function_that_names_a_missing_column_is_refused_before_generation(tmp_path):
+    env = env_of("needs_missing_column")
+    with pytest.raises(RewardFunctionError, match=r"'needs_missing_column' needs 'solution', which .*problems.jsonl "
+                       r"does not have \(its columns: topic, wanted\)"):
+        env.tasks()
+    res = cli("train", "--plugin", "dataset", "-o", f"data={PROBLEMS}", "-o", "prompt_column=question",
+              "-o", f"reward={spec('needs_missing_column')}", "--set", f"logging.runs_dir={tmp_path}")
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "needs 'solution'" in res.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_modal_sandboxes_are_refused_with_the_setting_to_use():
+    """A plain verifier sandbox has neither the data file nor the reward module: say what to set instead."""
+    with pytest.raises(UsageError, match=r"--set runtime.modal.verify_in=local"):
+        env_of("short").modal_sandbox()
+
+
+def test_options_are_checked():
+    with pytest.raises(OptionsError, match="unknown option 'rewrd'"):
+        DatasetEnvironment(data=str(PROBLEMS), rewrd="x:y")
+    with pytest.raises(OptionsError, match=r"^environment 'dataset': option 'reward' is required \(Reward functions: "):
+        DatasetEnvironment(data=str(PROBLEMS))
+    with pytest.raises(OptionsError, match=r"reward \(list\[str or function\], required\)"):
+        DatasetEnvironment(data=str(PROBLEMS), reward="json:dumps", nope=1)
+
+
+# -- data --------------------------------------------------------------------------------------------
+
+ROWS = [{"q": "one", "answer": "1"}, {"q": "two", "answer": "2"}]
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif path.suffix == ".csv":
+        path.write_text("q,answer\n" + "".join(f"{r['q']},{r['answer']}\n" for r in rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet"])
+def test_every_file_format_gives_the_same_tasks(tmp_path, suffix):
+    path = _write(tmp_path / f"data{suffix}", ROWS)
+    env = DatasetEnvironment(data=str(path), prompt_column="q", rewards=[lambda completions, **kw: [0.0]])
+    tasks = env.tasks()
+    assert [(t.id, t.prompt, t.data) for t in tasks] == [("train-0", "one", {"answer": "1"}), ("train-1", "two", {"answer": "2"})]
+    assert env.tasks(limit=1) == tasks[:1]
+
+
+def test_system_prompt_ids_and_chat_prompts(tmp_path):
+    path = _write(tmp_path / "d.jsonl", [{"id": "a", "q": "one"}, {"id": "b", "q": [{"role": "user", "content": "two"}]}])
+    env = DatasetEnvironment(data=str(path), prompt_column="q", id_column="id", system_prompt="Be brief.",
+                             rewards=[lambda completions, **kw: [0.0]])
+    a, b = env.tasks()
+    assert (a.id, b.id) == ("a", "b")
+    assert a.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "one"}]
+    assert b.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "two"}]
+
+
+def test_the_chat_template_renders_message_prompts():
+    from vrl.generate.hf import render_prompt
+    from vrl.generate.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    prompt = env_of("short").tasks()[2].prompt
+    text = render_prompt(tok, prompt)
+    assert text == tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    assert "Write letters from e to h." in text and text != prompt[0]["content"]
+
+
+@pytest.mark.parametrize(("content", "where", "what"), [
+    ('{"q": "ok"}\n{"q": "fine"}\n{"q": "x",\n', ":3:", "not JSON"),
+    ('{"q": "ok"}\n[1, 2]\n', ":2:", "a row must be an object"),
+    ('{"q": "ok"}\n{"question": "no q"}\n', ":2:", "no column 'q' (its columns: question); name the prompt column"),
+    ('{"q": "ok"}\n{"q": "  "}\n', ":2:", "the prompt column 'q' is empty"),
+    ('{"q": [{"role": "user"}]}\n', ":1:", "message 1 of 'q' must be an object with string 'role' and 'content'"),
+    ('{"q": 3}\n', ":1:", "must hold text or a non-empty list of chat messages"),
+    ('{"q": "a", "completions": 1}\n', ":1:", "column 'completions' has the name of a reward function argument"),
+])
+def test_a_malformed_row_is_one_line_naming_it(tmp_path, content, where, what):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    env = DatasetEnvironment(data=str(path), prompt_column="q", rewards=[lambda completions, **kw: [0.0]])
+    with pytest.raises(MalformedDataset) as info:
+        env.tasks()
+    assert f"{path}{where}" in str(info.value) and what in str(info.value)
+    runs = tmp_path / "runs"
+    res = cli("train", "--plugin", "dataset", "-o", f"data={path}", "-o", "prompt_column=q",
+              "-o", f"reward={spec('short')}", "--set", f"logging.runs_dir={runs}")
+    assert res.exit_code == 2 and res.output.startswith("error: ") and res.output.count("\n") == 1, res.output
+    assert not runs.exists() or list(runs.iterdir()) == []  # loses nothing: no run directory
+
+
+def test_repeated_ids_and_csv_rows_of_the_wrong_width(tmp_path):
+    path = _write(tmp_path / "d.jsonl", [{"id": "a", "q": "x"}, {"id": "a", "q": "y"}])
+    with pytest.raises(MalformedDataset, match=r"d.jsonl:2: task id 'a' repeats .*d.jsonl:1"):
+        DatasetEnvironment(data=str(path), prompt_column="q", id_column="id", rewards=[len]).tasks()
+    path = tmp_path / "d.csv"
+    path.write_text("q,answer\none,1\ntwo,2,extra\n")
+    with pytest.raises(MalformedDataset, match=r"d.csv:3: 2 columns in the header"):
+        DatasetEnvironment(data=str(path), prompt_column="q", rewards=[len]).tasks()
+
+
+def test_splits_of_a_local_file_and_of_a_dataset_directory(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")  # not the user's cache
+    path = _write(tmp_path / "d.jsonl", ROWS)
+    env = DatasetEnvironment(data=str(path), prompt_column="q", rewards=[len])
+    assert env.splits == ("train",)
+    with pytest.raises(UnknownSplitError, match=r"is one split, 'train'.*vrl eval --split train"):
+        env.tasks("test")
+    with pytest.raises(UnknownSplitError, match=r"is one split, 'train'; there is no split 'dev' \(-o split=train\)"):
+        DatasetEnvironment(data=str(path), prompt_column="q", split="dev", rewards=[len]).tasks()
+    # A directory goes through `datasets` (as a Hub id does), with its own splits.
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    _write(folder / "train.jsonl", ROWS)
+    _write(folder / "test.jsonl", ROWS[:1])
+    env = DatasetEnvironment(data=str(folder), prompt_column="q", rewards=[len])
+    assert [t.prompt for t in env.tasks("train")] == ["one", "two"]
+    assert [t.prompt for t in env.tasks("test")] == ["one"]
+    env = DatasetEnvironment(data=str(folder), prompt_column="q", split="validation", rewards=[len])
+    with pytest.raises(UnknownSplitError, match=r"has no split 'validation'; its splits: (train, test|test, train)"):
+        env.tasks()
+
+
+def test_a_missing_file_and_an_unloadable_hub_id(tmp_path, monkeypatch):
+    with pytest.raises(DatasetUnavailable, match="dataset file not found"):
+        DatasetEnvironment(data=str(tmp_path / "nope.jsonl"), rewards=[len]).tasks()
+    import datasets
+    import huggingface_hub
+
+    # Offline, as this machine is (the Hub is unreachable): fail at once instead of after retries.
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DatasetUnavailable, match=r"could not load dataset 'no-such-owner/no-such-set' from the Hugging "
+                       r"Face Hub .*check the id"):
+        DatasetEnvironment(data="no-such-owner/no-such-set", rewards=[len]).tasks()
+
+
+def test_a_hub_id_without_the_datasets_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+    with pytest.raises(DatasetUnavailable, match=r"needs the `datasets` package: pip install datasets"):
+        DatasetEnvironment(data="owner/name", rewards=[len]).tasks()
+
+
+# -- docs --------------------------------------------------------------------------------------------
+
+
+def test_docs_dataset_python_example_runs(tmp_path, monkeypatch, capsys):
+    text = (ROOT / "docs" / "dataset.md").read_text()
+    example = re.findall(r"```python\n(.*?)```", text, flags=re.S)[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "docs/dataset.md", "exec"), {"__name__": "__docs__"})
+    status, reward = capsys.readouterr().out.split()[-2:]
+    assert status == "finished" and 0.0 <= float(reward) <= 1.5
+    rows = [json.loads(line) for run in (tmp_path / "runs").iterdir() for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all("reward/right_length/mean" in r and "reward/no_digits/mean" in r for r in rows)
+
+
+def test_docs_dataset_cli_example_parses(tmp_path, monkeypatch):
+    """The page's command, run on files made to its names (accuracy and brevity), resolves and trains."""
+    text = (ROOT / "docs" / "dataset.md").read_text()
+    command = re.findall(r"```bash\n(.*?)```", text, flags=re.S)[0].replace("\\\n", " ").split()
+    assert command[:2] == ["vrl", "train"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "problems.jsonl").write_text(json.dumps({"question": "2 + 2?", "answer": "4"}) + "\n")
+    (tmp_path / "rewards.py").write_text(
+        "def accuracy(completions, answer, **kw):\n    return [float(a in c) for c, a in zip(completions, answer)]\n"
+        "def brevity(completions, **kw):\n    return [1.0 / (1 + len(c)) for c in completions]\n")
+    res = cli(*command[1:], "-n", "1", "--set", f"logging.runs_dir={tmp_path / 'runs'}", *SMALL)
+    assert res.exit_code == 0, res.output
+    (run,) = (tmp_path / "runs").iterdir()
+    config = json.loads((run / "config.json").read_text())
+    assert config["env_options"]["reward_weights"] == [1.0, 0.2]
+    assert {"reward/accuracy/applied", "reward/brevity/applied"} <= set(json.loads((run / "metrics.jsonl").read_text()))

@@ -1,0 +1,286 @@
+"""`dataset`: train on any dataset with reward functions in TRL's shape, no plugin needed.
+
+    vrl train --plugin dataset -o data=problems.jsonl -o prompt_column=question \\
+        -o reward=rewards.py:accuracy,rewards.py:brevity -o reward_weights=[1.0,0.2]
+
+Rows come from a local JSONL, JSON (a list of objects), CSV or Parquet file, or a Hugging Face
+dataset id (loaded with `datasets`). The prompt column holds plain text or chat messages (the
+generator applies the model's chat template to messages); every other column reaches the reward
+functions as a keyword list (see `vrl.reward_functions`). From Python, pass callables::
+
+    env = DatasetEnvironment(data="problems.jsonl", prompt_column="question", rewards=[accuracy, brevity],
+                             reward_weights=[1.0, 0.2])
+    vrl.Trainer(config, environment=env).run()
+
+A local file is one split, `train`; a Hub dataset has its own, and `split` / `test_split` say which
+serve vrl's `train` (training) and `test` (`vrl eval`) splits. A malformed row is an error naming
+the file and row, raised before anything is generated.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import AliasChoices, Field, field_validator
+
+from vrl.environment import Environment, EnvOptions
+from vrl.errors import DatasetUnavailable, UnknownSplitError, UsageError
+from vrl.reward_functions import RESERVED, RewardFunctions, RewardFunctionShaper, RewardFunctionVerifier
+from vrl.types import Task
+
+FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+class MalformedDataset(UsageError, ValueError):
+    """A dataset row that cannot become a task; the message names the source and the row."""
+
+
+class DatasetOptions(EnvOptions):
+    """`-o` options of the dataset environment."""
+
+    data: str = Field(description="A .jsonl, .json, .csv or .parquet file, or a Hugging Face dataset id "
+                      "(`owner/name`, loaded with `datasets`).")
+    reward: list[str | Callable[..., Any]] = Field(
+        validation_alias=AliasChoices("reward", "rewards"), min_length=1,
+        description="Reward functions: `module:function` or `path/to/file.py:function`, comma-separated or a list "
+        "(from Python: the callables, as `rewards=[...]`).")
+    reward_weights: list[float] | None = Field(None, description="One weight per reward function (default: all 1).")
+    prompt_column: str = Field("prompt", description="The column holding the prompt: text, or chat messages.")
+    system_prompt: str | None = Field(None, description="A system message put before every prompt.")
+    id_column: str | None = Field(None, description="A column of unique task ids (default: `<split>-<row number>`).")
+    split: str = Field("train", description="The dataset split vrl trains on (a local file is one split, `train`).")
+    test_split: str = Field("test", description="The dataset split `vrl eval` uses (vrl's `test` split).")
+    subset: str | None = Field(None, description="The configuration (subset) of a Hugging Face dataset.")
+    pass_threshold: float = Field(1.0, description="A completion passes when its weighted reward reaches this.")
+    reward_timeout_s: float = Field(60.0, gt=0, description="Wall-clock cap for one reward function call; an overrun "
+                                    "is a failed verdict (the batch is retried one completion at a time).")
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _split_specs(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        if callable(value):
+            return [value]
+        return value
+
+    @field_validator("reward_weights", mode="before")
+    @classmethod
+    def _split_weights(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.strip("[]").split(",") if part.strip()]
+        if isinstance(value, (int, float)):
+            return [value]
+        return value
+
+
+class DatasetEnvironment(Environment):
+    name = "dataset"
+    description = "Any dataset (file or Hugging Face id) with TRL-style reward functions: -o data=... -o reward=module:fn"
+    splits = ("train", "test")
+    # Suggested for a pretrained (instruct) model, the usual case here: the ES paper's population and σ,
+    # TRL's GRPO group size, learning rate and completion length. The tiny model needs larger steps.
+    defaults = {
+        "sampling.max_new_tokens": 256,
+        "es.population_size": 30,
+        "es.sigma": 1e-3,
+        "grpo.num_generations": 8,
+        "grpo.learning_rate": 1e-6,
+    }
+    Options = DatasetOptions
+
+    def __init__(self, **options: Any):
+        """Options: see `DatasetOptions`. The reward functions are imported here, the data on first use."""
+        o = self.parse_options(options)
+        self.options = o
+        self.rewards = RewardFunctions(o.reward, o.reward_weights, timeout_s=o.reward_timeout_s,
+                                       pass_threshold=o.pass_threshold)
+        self._tasks: dict[str, list[Task]] = {}
+        self._one_file = Path(o.data).expanduser().is_file()
+        if self._one_file:  # a file is one split (`vrl verify` looks for task ids in every split)
+            self.splits = ("train",)
+
+    # -- tasks -------------------------------------------------------------------------------------
+    def tasks(self, split: str = "train", limit: int | None = None) -> list[Task]:
+        if self._one_file and split == "test":
+            raise UnknownSplitError(f"{self.options.data} is one split, 'train'; there is no split 'test' "
+                                    "(evaluate on it with `vrl eval --split train`)")
+        self._check_split(split)
+        if split not in self._tasks:
+            name = self.options.split if split == "train" else self.options.test_split
+            source, rows = load_rows(self.options.data, name, self.options.subset)
+            tasks = rows_to_tasks(rows, source, name, self.options.prompt_column, self.options.system_prompt,
+                                  self.options.id_column)
+            self.rewards.check_columns(sorted({k for t in tasks for k in t.data}), source)
+            self._tasks[split] = tasks
+        tasks = self._tasks[split]
+        return tasks if limit is None else tasks[:limit]
+
+    def verifier(self) -> RewardFunctionVerifier:
+        return self.rewards.verifier()
+
+    def shaper(self) -> RewardFunctionShaper:
+        return self.rewards.shaper()
+
+    def iteration_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        return self.rewards.iteration_metrics(sums)
+
+    def modal_sandbox(self) -> None:
+        # A plain sandbox image has neither the user's data file nor the module of their reward functions.
+        raise UsageError("the dataset environment runs its reward functions in the orchestrator on Modal: "
+                         "set --set runtime.modal.verify_in=local")
+
+
+# -- loading -------------------------------------------------------------------------------------------
+Row = tuple[str, Any]  # (where, for messages: "data.jsonl:3"; the row as read)
+
+
+def load_rows(data: str, split: str, subset: str | None = None) -> tuple[str, list[Row]]:
+    """(a name for messages, the rows of `split`) from a local file or a Hugging Face dataset."""
+    path = Path(data).expanduser()
+    if path.is_file():
+        if split != "train":
+            raise UnknownSplitError(f"{data} is one split, 'train'; there is no split {split!r} (-o split=train)")
+        return str(path), read_file(path)
+    if not path.is_dir() and (path.suffix.lower() in FILE_SUFFIXES or data.startswith((".", "/", "~"))):
+        raise DatasetUnavailable(f"dataset file not found: {data}")
+    return hub_rows(data, split, subset)
+
+
+def read_file(path: Path) -> list[Row]:
+    """Rows of a .jsonl, .json (a list of objects), .csv or .parquet file."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DatasetUnavailable(f"reading {path} needs pyarrow: pip install pyarrow") from None
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:  # noqa: BLE001 - pyarrow's errors vary; each means the file is unreadable
+            raise MalformedDataset(f"{path}: not a readable Parquet file ({exc})") from None
+        return [(f"{path} row {i + 1}", row) for i, row in enumerate(table.to_pylist())]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedDataset(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if suffix == ".csv":
+        reader = csv.DictReader(text.splitlines())
+        rows = []
+        for row in reader:
+            if None in row or None in row.values():  # more or fewer cells than the header has
+                raise MalformedDataset(f"{path}:{reader.line_num}: {len(reader.fieldnames or [])} columns in the header, "
+                                       "a different number in this row")
+            rows.append((f"{path}:{reader.line_num}", row))
+        return rows
+    if suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise MalformedDataset(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
+        if not isinstance(data, list):
+            raise MalformedDataset(f"{path} must hold a JSON list of row objects, not a {type(data).__name__} "
+                                   "(or use JSON Lines, one object per line, as .jsonl)")
+        return [(f"{path} item {i + 1}", row) for i, row in enumerate(data)]
+    if suffix != ".jsonl":
+        raise DatasetUnavailable(f"{path}: unknown file type {path.suffix!r}; use {', '.join(FILE_SUFFIXES)}")
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((f"{path}:{number}", json.loads(line)))
+        except json.JSONDecodeError as exc:
+            raise MalformedDataset(f"{path}:{number}: not JSON ({exc.msg} at column {exc.colno})") from None
+    return rows
+
+
+def hub_rows(name: str, split: str, subset: str | None = None) -> tuple[str, list[Row]]:
+    """One split of a Hugging Face dataset (or a local dataset directory), through `datasets`."""
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetUnavailable(f"loading {name!r} from the Hugging Face Hub needs the `datasets` package: "
+                                 "pip install datasets (or give a local .jsonl/.json/.csv/.parquet file)") from None
+    label = f"{name}{':' + subset if subset else ''}"
+    try:
+        available = list(datasets.get_dataset_split_names(name, subset))
+    except Exception as exc:  # noqa: BLE001 - offline, unknown name, gated: all worth the same advice
+        raise DatasetUnavailable(f"could not load dataset {label!r} from the Hugging Face Hub "
+                                 f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); check the id, "
+                                 "log in for a gated one, or download it and give the file") from None
+    if split not in available:
+        raise UnknownSplitError(f"dataset {label!r} has no split {split!r}; its splits: {', '.join(available)}; "
+                                "-o split=NAME picks the one to train on, -o test_split=NAME the one `vrl eval` uses")
+    try:
+        loaded = datasets.load_dataset(name, subset, split=split)
+    except Exception as exc:  # noqa: BLE001
+        raise DatasetUnavailable(f"could not load split {split!r} of dataset {label!r} "
+                                 f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
+    return f"{label}/{split}", [(f"{label}/{split} row {i + 1}", dict(row)) for i, row in enumerate(loaded)]
+
+
+def rows_to_tasks(rows: Sequence[Row], source: str, split: str, prompt_column: str, system_prompt: str | None = None,
+                  id_column: str | None = None) -> list[Task]:
+    """One task per row: the prompt from `prompt_column`, every other column in `Task.data`.
+
+    A row that is not an object, lacks the prompt (or id) column, has an empty or ill-formed prompt,
+    repeats an id or has a column named like a reward function argument is a `MalformedDataset`
+    naming it; a source without rows is an error too.
+    """
+    if not rows:
+        raise MalformedDataset(f"{source} has no rows")
+    tasks: list[Task] = []
+    seen: dict[str, str] = {}
+    for index, (where, row) in enumerate(rows):
+        if not isinstance(row, dict):
+            raise MalformedDataset(f"{where}: a row must be an object with named columns, not a {type(row).__name__}")
+        if prompt_column not in row:
+            raise MalformedDataset(f"{where}: no column {prompt_column!r} (its columns: {', '.join(map(str, row))}); "
+                                   "name the prompt column with -o prompt_column=NAME")
+        prompt = _prompt(row[prompt_column], where, prompt_column, system_prompt)
+        if id_column is not None:
+            if row.get(id_column) in (None, ""):
+                raise MalformedDataset(f"{where}: no value in the id column {id_column!r}")
+            task_id = str(row[id_column])
+        else:
+            task_id = f"{split}-{index}"
+        if task_id in seen:
+            raise MalformedDataset(f"{where}: task id {task_id!r} repeats {seen[task_id]}; ids must be unique")
+        seen[task_id] = where
+        data = {str(k): v for k, v in row.items() if k != prompt_column}
+        clash = [k for k in data if k in RESERVED]
+        if clash:
+            raise MalformedDataset(f"{where}: column {clash[0]!r} has the name of a reward function argument "
+                                   f"({', '.join(RESERVED)}); rename it")
+        tasks.append(Task(id=task_id, prompt=prompt, data=data))
+    return tasks
+
+
+def _prompt(value: Any, where: str, column: str, system_prompt: str | None) -> str | list[dict[str, str]]:
+    """Text or chat messages, with the system prompt in front (a text prompt then becomes messages)."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise MalformedDataset(f"{where}: the prompt column {column!r} is empty")
+        if system_prompt is None:
+            return value
+        return [{"role": "system", "content": system_prompt}, {"role": "user", "content": value}]
+    if isinstance(value, list) and value:
+        messages = []
+        for i, m in enumerate(value):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise MalformedDataset(f"{where}: message {i + 1} of {column!r} must be an object with string 'role' "
+                                       f"and 'content', got {json.dumps(m, default=str)[:80]}")
+            messages.append({"role": m["role"], "content": m["content"]})
+        if system_prompt is not None:
+            if messages[0]["role"] == "system":
+                raise MalformedDataset(f"{where}: the prompt has its own system message and -o system_prompt gives "
+                                       "another; drop one of them")
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        return messages
+    raise MalformedDataset(f"{where}: the prompt column {column!r} must hold text or a non-empty list of chat "
+                           f"messages, got {json.dumps(value, default=str)[:80]}")
