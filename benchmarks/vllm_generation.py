@@ -115,7 +115,7 @@ def main() -> None:
     gen.generate(tasks[:8], n=1, seed=0)  # warm-up
     jobs = {
         "raw": raw,  # what a vLLM user writes: one SamplingParams (seeded) for all prompts
-        "raw_our_params": lambda: raw(lambda i: gen._params(1, i, vllm)),  # our per-prompt params, vLLM's loop
+        "raw_our_params": lambda: raw(lambda i: gen._sampling_params(1, i, vllm)),  # our per-prompt params, vLLM's loop
         "vrl": ours,
         "raw_unseeded": lambda: raw(seed=None),
         "vrl_unseeded": lambda: ours(None),
@@ -163,7 +163,7 @@ def main() -> None:
     gen.weights_changed()  # cold prefix cache, as after every weight change: outputs comparable below
     before = gen.generate(tasks[:16])
     t0 = time.perf_counter()
-    params = gen.es_params(["*"], [])
+    params = gen.mover.es_params(["*"], [])
     res["es_setup_s"] = time.perf_counter() - t0
     res["es_numel"] = params.numel
     for i in range(3):  # Triton compile + warm-up
