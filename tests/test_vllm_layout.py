@@ -405,6 +405,37 @@ def test_engine_es_defers_restores_until_the_engine_is_read(tmp_path, monkeypatc
     assert llm.calls.count("vrl_es_restore") == 3 and engine_equals_hf()
 
 
+def test_published_weights_reach_the_engine_through_its_modes_worker_extension():
+    """An engine started to sample (mode 'sample': evaluation, Modal's GRPO workers) takes ready
+    tensors by checkpoint name through `LoadWeightsExtension` (here in-process, CPU tensors as bytes),
+    every `sync_every` pushes; an ES engine refuses a whole-weights push with the reason."""
+    from vrl.generate.vllm import VLLMGenerator, extension_for
+    from vrl.generate.vllm_trained import LoadWeightsExtension
+    from vrl.policy import Unsupported
+
+    class Loader(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.loaded: list[dict[str, torch.Tensor]] = []
+
+        def load_weights(self, weights):
+            self.loaded.append(dict(weights))
+
+    assert extension_for("sample") == extension_for("trained") == "vrl.generate.vllm_trained.LoadWeightsExtension"
+    model = Loader()
+    llm = _InProcessLLM(model, LoadWeightsExtension)
+    gen = VLLMGenerator(llm, None, build({}).sampling, mode="sample", sync_every=2)
+    first, second = {"w": torch.arange(4.0)}, {"w": torch.ones(4)}
+    gen.publish(first)
+    gen.publish(second)  # within sync_every: not pushed
+    assert [torch.equal(m["w"], first["w"]) for m in model.loaded] == [True]
+    gen.publish(second)
+    assert len(model.loaded) == 2 and torch.equal(model.loaded[1]["w"], second["w"])
+    assert gen.counters()["sync_s"] >= 0 and llm.calls == ["vrl_load_weights"] * 2
+    with pytest.raises(Unsupported, match="started in mode 'perturb', whose weights move by ES"):
+        VLLMGenerator(object(), None, build({}).sampling, mode="perturb").publish(first)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lora_weights_reach_the_engine_merged_and_the_base_stays_untouched(dtype):
     """GRPO with LoRA: the engine gets W + ΔW under the checkpoint's names (what peft's own

@@ -13,14 +13,13 @@ import os
 import re
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from vrl.generate.vllm_mover import Mover
 from vrl.generate.vllm_worker import WorkerBase, pack_tensor, rebuild_weights
 from vrl.policy import Trainable, Unsupported
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +55,6 @@ class PushedWeights(Mover):
     def publish(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
         """Push `model` (the trained copy, or tensors by checkpoint name) into the engine: on the first
         call, then every `sync_every` calls; the push's time is the `sync_s` counter."""
-        import torch
-
         from vrl.weights.export import weights_for_engine
 
         engine = self.engine
@@ -115,8 +112,6 @@ _STORAGE_DEVICE = 6  # position of the device ordinal in torch's rebuild_cuda_te
 
 def visible_ids() -> list[str]:
     """The physical ids of the GPUs this process sees, in its order."""
-    import torch
-
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
 
@@ -137,7 +132,8 @@ class LoadWeightsExtension(WorkerBase):
         model = self._vrl_model()
         with torch.no_grad():
             model.load_weights(weights=iter(weights))
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         count = len(weights)
         del weights
         return count
