@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from vrl.generate.vllm_mover import EngineWeights, Mover
-from vrl.generate.vllm_worker import WorkerBase, _timed, pack_tensor, slot_views, unpack_tensor
+from vrl.generate.vllm_worker import MasterExtension, _timed, slot_views
 from vrl.policy import PerturbationSpec
 from vrl.weights.flat import FlatParams
-from vrl.weights.update import FullRankUpdate, check_kind, update_from_wire
+from vrl.weights.update import FullRankUpdate, check_kind
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,6 @@ class EngineParams(EngineWeights):
     when something is about to read it (`flush`: the generator's next pass, `engine_weights`). A
     member then costs one pass over the weights instead of two.
     """
-
-    kind = "es"
 
     def __init__(self, generator: Any, hf_shapes: dict[str, list[int]]):
         super().__init__(generator, hf_shapes)
@@ -145,40 +143,22 @@ class EngineES:
         self.flat.load_state(dict(state))
 
 
-class InPlaceExtension(WorkerBase):
-    """The worker extension of mode 'perturb': `vrl_es_*` methods over `EngineES`."""
+class InPlaceExtension(MasterExtension):
+    """The worker extension of mode 'perturb': perturb and restore over `EngineES` (update and snapshots:
+    `MasterExtension`)."""
 
     def vrl_es_setup(self, hf_shapes: dict[str, list[int]]) -> dict[str, object]:
         """Build the HF-layout ES state from the engine's current weights (θ₀); returns a summary."""
         params, layout = self._vrl_layout(hf_shapes, whole=True)
-        self._vrl_es = EngineES(slot_views(params, layout))
-        flat = self._vrl_es.flat
+        self._vrl_master = EngineES(slot_views(params, layout))
+        flat = self._vrl_master.flat
         log.info("vrl: in-engine ES over %d HF tensors in %d engine tensors", len(layout),
                  len({s.engine_name for s in layout.values()}))
         return {"numel": flat.numel, "dtype": flat.dtype, "tensors": len(layout),
                 "engine_tensors": len({s.engine_name for s in layout.values()})}
 
-    def _vrl_require_es(self) -> EngineES:
-        es = getattr(self, "_vrl_es", None)
-        if es is None:
-            raise RuntimeError("call vrl_es_setup before perturbing the engine's weights")
-        return es
-
-    # Each call waits for its GPU work and returns the seconds it took inside the worker, so the
-    # driver's clock measures finished work (and benchmarks can separate it from RPC overhead).
     def vrl_es_perturb(self, seed: int, sign: int, sigma: float) -> float:
-        return _timed(self._vrl_require_es().perturb, seed, sign, sigma)
+        return _timed(self._vrl_require().perturb, seed, sign, sigma)
 
     def vrl_es_restore(self) -> float:
-        return _timed(self._vrl_require_es().restore)
-
-    def vrl_es_update(self, update: dict[str, object]) -> float:
-        """Apply an update sent as its `to_wire` data (collective_rpc carries plain data)."""
-        return _timed(self._vrl_require_es().update, update_from_wire(update))
-
-    def vrl_es_state(self) -> dict[str, object]:
-        # Packed explicitly: vLLM's RPC encoding of tensors is not a contract we can rely on.
-        return {n: pack_tensor(v) for n, v in self._vrl_require_es().state().items()}
-
-    def vrl_es_load_state(self, state: dict[str, object]) -> None:
-        self._vrl_require_es().load_state({n: unpack_tensor(v) for n, v in state.items()})
+        return _timed(self._vrl_require().restore)

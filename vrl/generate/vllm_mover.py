@@ -54,10 +54,8 @@ class Mover:
 
 
 class EngineWeights:
-    """θ of the selected HF parameters, kept by the engine's workers (the `vrl_<kind>_*` methods of its
-    mode's worker extension): the update, snapshots and checks that full-rank and low-rank ES share."""
-
-    kind = ""  # the worker methods' infix: vrl_<kind>_update, vrl_<kind>_state, vrl_<kind>_load_state
+    """θ of the selected HF parameters, kept by the engine's workers (`vllm_worker.MasterExtension`):
+    the update, snapshots and checks that full-rank and low-rank ES share."""
 
     def __init__(self, generator: Any, hf_shapes: dict[str, list[int]]):
         self.generator, self.hf_shapes, self.names = generator, hf_shapes, list(hf_shapes)
@@ -73,14 +71,14 @@ class EngineWeights:
     def update(self, update: Update) -> None:
         if not update:
             return
-        times = self.generator.rpc(f"vrl_{self.kind}_update", update.to_wire())  # engine ← cast(θ')
+        times = self.generator.rpc("vrl_update", update.to_wire())  # engine ← cast(θ')
         self.last_update_s = max(float(t) for t in times)
         self._written()
 
     def state(self) -> dict[str, torch.Tensor]:
         from vrl.generate.vllm_worker import unpack_tensor
 
-        return {n: unpack_tensor(v) for n, v in self.generator.rpc(f"vrl_{self.kind}_state")[0].items()}
+        return {n: unpack_tensor(v) for n, v in self.generator.rpc("vrl_state")[0].items()}
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.names if n not in state or list(state[n].shape) != self.hf_shapes[n]]
@@ -88,7 +86,7 @@ class EngineWeights:
             raise ValueError(f"snapshot does not match the model at parameter {missing[0]}")
         from vrl.generate.vllm_worker import pack_tensor
 
-        self.generator.rpc(f"vrl_{self.kind}_load_state", {n: pack_tensor(state[n].float()) for n in self.names})
+        self.generator.rpc("vrl_load_state", {n: pack_tensor(state[n].float()) for n in self.names})
         self._written()
 
     def engine_weights(self, names: Sequence[str]) -> dict[str, torch.Tensor]:

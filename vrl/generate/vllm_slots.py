@@ -18,13 +18,13 @@ import torch
 
 from vrl.generate.vllm_lora import lora_factors_many, lora_scales
 from vrl.generate.vllm_mover import EngineWeights, Mover
-from vrl.generate.vllm_worker import Slot, WorkerBase, _timed, pack_tensor, slot_views, unpack_tensor
+from vrl.generate.vllm_worker import MasterExtension, Slot, _timed, pack_tensor, slot_views, unpack_tensor
 from vrl.policy import PerturbationSpec, Unsupported
 from vrl.weights import noise as nz
 from vrl.weights.factors import factor_keys_many
 from vrl.weights.flat import FlatParams, triton_available
 from vrl.weights.lowrank import LowRankParams
-from vrl.weights.update import LowRankUpdate, update_from_wire
+from vrl.weights.update import LowRankUpdate
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,6 @@ class EngineLowRank(EngineWeights):
     LoRA slots (`LowRankEngine`), and the generator tags each member's
     requests with its slot. Base weights never change between members, so `restore` is a no-op.
     """
-
-    kind = "lowrank"
 
     def __init__(self, generator: Any, hf_shapes: dict[str, list[int]], rank: int, sigma: float):
         super().__init__(generator, hf_shapes)
@@ -252,8 +250,9 @@ class LowRankEngine:
         self.params.load_state(dict(state))
 
 
-class LoRASlotsExtension(WorkerBase):
-    """The worker extension of mode 'lowrank': `vrl_lowrank_*` methods over `LowRankEngine`."""
+class LoRASlotsExtension(MasterExtension):
+    """The worker extension of mode 'lowrank': members into LoRA slots over `LowRankEngine` (update and
+    snapshots: `MasterExtension`)."""
 
     def vrl_lowrank_setup(self, hf_shapes: dict[str, list[int]], rank: int, members: int) -> dict[str, object]:
         """Register `members` empty adapters (ids 1..members, pinned to LoRA slots, never loaded from
@@ -283,31 +282,16 @@ class LoRASlotsExtension(WorkerBase):
         slots = [manager.lora_index_to_id.index(p + 1) for p in range(members)]
         layers = {n: (manager.modules[s.module].lora_a_stacked[s.index], manager.modules[s.module].lora_b_stacked[s.index])
                   for n, s in slices.items()}
-        self._vrl_lowrank = LowRankEngine(slot_views(params, layout), layers, rank, slots)
-        flat = self._vrl_lowrank.params.flat
+        self._vrl_master = LowRankEngine(slot_views(params, layout), layers, rank, slots)
+        flat = self._vrl_master.params.flat
         lora_dtype = str(next(iter(layers.values()))[0].dtype).removeprefix("torch.")
         log.info("vrl: low-rank ES over %d matrices in %d LoRA slots (rank %d, %s)", len(slices), members, rank, lora_dtype)
         return {"numel": flat.numel, "dtype": flat.dtype, "matrices": len(slices), "slots": slots, "lora_dtype": lora_dtype}
 
-    def _vrl_require_lowrank(self) -> LowRankEngine:
-        state = getattr(self, "_vrl_lowrank", None)
-        if state is None:
-            raise RuntimeError("call vrl_lowrank_setup before loading low-rank members")
-        return state
-
     def vrl_lowrank_members(self, members: list[tuple[int, int]], sigma: float) -> float:
-        return _timed(self._vrl_require_lowrank().load_members, [(int(s), int(g)) for s, g in members], float(sigma))
-
-    def vrl_lowrank_update(self, update: dict[str, object]) -> float:
-        return _timed(self._vrl_require_lowrank().update, update_from_wire(update))
-
-    def vrl_lowrank_state(self) -> dict[str, object]:
-        return {n: pack_tensor(v) for n, v in self._vrl_require_lowrank().state().items()}
-
-    def vrl_lowrank_load_state(self, state: dict[str, object]) -> None:
-        self._vrl_require_lowrank().load_state({n: unpack_tensor(v) for n, v in state.items()})
+        return _timed(self._vrl_require().load_members, [(int(s), int(g)) for s, g in members], float(sigma))
 
     def vrl_lora_slot(self, hf_name: str, slot: int) -> tuple[object, object]:
         """(lora_a, lora_b) of one matrix in one LoRA slot, packed CPU copies (for checks)."""
-        a_stack, b_stack = self._vrl_require_lowrank().layers[hf_name]
+        a_stack, b_stack = self._vrl_require().layers[hf_name]
         return pack_tensor(a_stack[slot, 0]), pack_tensor(b_stack[slot, 0])

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vrl.weights.update import update_from_wire
+
 log = logging.getLogger(__name__)
 
 
@@ -183,3 +185,27 @@ class WorkerBase:
         params, layout = self._vrl_layout(hf_shapes)
         views = slot_views(params, {n: layout[n] for n in names})
         return {n: v.detach().to("cpu", copy=True) for n, v in views.items()}
+
+
+class MasterExtension(WorkerBase):
+    """What the two ES extensions share: the fp32 master θ their setup builds (`_vrl_master`: `EngineES`
+    or `LowRankEngine`), updated, snapshotted and restored through the same three methods."""
+
+    def _vrl_require(self):  # noqa: ANN202 - the mode's master
+        master = getattr(self, "_vrl_master", None)
+        if master is None:
+            raise RuntimeError("call the extension's setup (vrl_es_setup or vrl_lowrank_setup) before moving θ")
+        return master
+
+    # Each call waits for its GPU work and returns the seconds it took inside the worker, so the
+    # driver's clock measures finished work (and benchmarks can separate it from RPC overhead).
+    def vrl_update(self, update: dict[str, object]) -> float:
+        """Apply an update sent as its `to_wire` data (collective_rpc carries plain data)."""
+        return _timed(self._vrl_require().update, update_from_wire(update))
+
+    def vrl_state(self) -> dict[str, object]:
+        # Packed explicitly: vLLM's RPC encoding of tensors is not a contract we can rely on.
+        return {n: pack_tensor(v) for n, v in self._vrl_require().state().items()}
+
+    def vrl_load_state(self, state: dict[str, object]) -> None:
+        self._vrl_require().load_state({n: unpack_tensor(v) for n, v in state.items()})
