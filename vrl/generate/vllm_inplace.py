@@ -48,12 +48,6 @@ class InPlace(Mover):
         if self.params is not None:
             self.params.flush()
 
-    def counters(self) -> dict[str, float]:
-        out = super().counters()
-        if self.params is not None and self.params.last_update_s is not None:
-            out["update_worker_s"] = self.params.last_update_s
-        return out
-
 
 class EngineParams(EngineWeights):
     """What `FlatParams` is for the hf backend, for weights that live in a vLLM engine.

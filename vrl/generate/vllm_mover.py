@@ -29,6 +29,7 @@ class Mover:
 
     def __init__(self, engine: Any):
         self.engine = engine  # the VLLMGenerator: rpc, weights_changed, sleep state, model path
+        self.params: EngineWeights | None = None  # ES's weights, once `perturbable` made them (ES movers)
         self._counters: dict[str, float] = {}
 
     def before_pass(self) -> None:
@@ -39,8 +40,12 @@ class Mover:
         raise Unsupported(f"{type(self).__name__} does not perturb the engine's weights")
 
     def counters(self) -> dict[str, float]:
-        """Seconds of this mover's last operations (e.g. `sync_s`, `members_s`, `update_worker_s`)."""
-        return dict(self._counters)
+        """Seconds of this mover's last operations (e.g. `sync_s`, `members_s`, `update_worker_s`: the
+        last ES update inside the workers)."""
+        out = dict(self._counters)
+        if self.params is not None and self.params.last_update_s is not None:
+            out["update_worker_s"] = self.params.last_update_s
+        return out
 
     def _count(self, name: str, seconds: float | None) -> None:
         if seconds is not None:

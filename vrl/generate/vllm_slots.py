@@ -61,12 +61,6 @@ class LoRASlots(Mover):
             raise RuntimeError("call perturbations(spec) before sampling low-rank members")
         self._timed("members_s", self.params.load, members)
 
-    def counters(self) -> dict[str, float]:
-        out = super().counters()
-        if self.params is not None and self.params.last_update_s is not None:
-            out["update_worker_s"] = self.params.last_update_s
-        return out
-
 
 class EngineLowRank(EngineWeights):
     """What `LowRankParams` is for the hf backend, for weights that live in a vLLM engine.
