@@ -17,7 +17,7 @@ from vrl.envs.letters import LettersEnvironment
 from vrl.generate.hf import HFGenerator
 from vrl.optim.es import ES, ESHistory
 from vrl.optim.grpo import GRPO
-from vrl.policy import PerturbationSpec, Unsupported, Variant
+from vrl.policy import PerturbationSpec, PolicyHost, Unsupported, Variant
 from vrl.runtime.local import LocalRuntime
 from vrl.runtime.pool import HostPool
 from vrl.trainer import Trainer
@@ -159,3 +159,32 @@ def test_optimizers_only_use_the_contract():
                       reward=float(c.variant)) for b in host.sample(tasks, variants, seed=1) for c in b]
     metrics = es.tell(results)
     assert metrics["es/member_reward_max"] == len(variants) - 1 and es.iteration == 1
+
+
+def test_a_pools_weight_moves_run_on_every_host_side_by_side():
+    """A pool's update (and load_state, publish) reaches its hosts at once, one thread each: the hosts
+    here meet at a barrier inside `update`, which one-after-another calls could never pass. An error
+    on one host is raised once every host has finished its move."""
+    import threading
+
+    class Meeting(PolicyHost):
+        def __init__(self, barrier, fail=False):
+            self.barrier, self.fail, self.updates = barrier, fail, []
+
+        def sample(self, tasks, variants, seed=None):
+            yield []
+
+        def update(self, update):
+            self.barrier.wait()  # both hosts must be inside update at the same time
+            if self.fail:
+                raise RuntimeError("engine lost")
+            self.updates.append(update)
+
+    barrier = threading.Barrier(2, timeout=60)
+    hosts = [Meeting(barrier), Meeting(barrier)]
+    HostPool(hosts).update("u1")
+    assert [h.updates for h in hosts] == [["u1"], ["u1"]]
+    hosts = [Meeting(barrier, fail=True), Meeting(barrier)]
+    with pytest.raises(RuntimeError, match="engine lost"):
+        HostPool(hosts).update("u2")
+    assert hosts[1].updates == ["u2"]  # the healthy host finished its move

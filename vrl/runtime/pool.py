@@ -4,7 +4,8 @@
 running its members in turn on its own copy of the weights) or, when there are fewer variants than
 hosts (GRPO's one variant), shards the tasks; every host runs in its own thread and completion
 batches stream back as each host finishes them. Weight changes go to every host, so the copies stay
-identical: the same seeded updates, or the same trained weights published to each.
+identical: the same seeded updates, or the same trained weights published to each; the hosts apply
+them side by side (one thread each), so a pool's update costs about one host's, not the sum.
 
 Sampling seeds depend on the task's position in the iteration, not on the host (`shard_seed`), so a
 pool returns what a single host returns.
@@ -102,29 +103,49 @@ class HostPool(PolicyHost):
                 t.join()
 
     # -- weights: every copy changes the same way ---------------------------------------------------
+    def _each(self, fn: Any) -> list[Any]:
+        """`fn(host)` for every host, side by side (one thread each); results in host order. Every
+        host finishes before the first error, if any, is raised."""
+        if len(self.hosts) == 1:
+            return [fn(self.hosts[0])]
+        results: list[Any] = [None] * len(self.hosts)
+        errors: list[BaseException] = []
+
+        def run(i: int, host: PolicyHost) -> None:
+            try:
+                results[i] = fn(host)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after every host finished
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i, h), name=f"vrl-host-{i}") for i, h in enumerate(self.hosts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
+
     def perturbations(self, spec: PerturbationSpec) -> WeightsInfo:
-        infos = [h.perturbations(spec) for h in self.hosts]
+        infos = self._each(lambda h: h.perturbations(spec))
         if any(i != infos[0] for i in infos[1:]):
             raise RuntimeError(f"the pool's hosts select different parameters: {[(i.numel, i.dtype) for i in infos]}")
         return infos[0]
 
     def update(self, update: Update) -> None:
-        for h in self.hosts:
-            h.update(update)
+        self._each(lambda h: h.update(update))
 
     def state(self) -> dict[str, Any]:
         return self.hosts[0].state()  # the copies are identical
 
     def load_state(self, state: dict[str, Any]) -> None:
-        for h in self.hosts:
-            h.load_state(state)
+        self._each(lambda h: h.load_state(state))
 
     def trainable(self) -> Trainable:
         return self.hosts[0].trainable()
 
     def publish(self, model: Any) -> None:
-        for h in self.hosts:
-            h.publish(model)
+        self._each(lambda h: h.publish(model))
 
     def counters(self) -> dict[str, float]:
         """Each counter's slowest value over the hosts (they move their weights side by side)."""
