@@ -34,9 +34,17 @@ def modal_config(tmp_path: Path, name: str = "run", runtime: dict[str, Any] | No
 
 def run_detached(config: Any, timeout: float = 300.0) -> Any:
     """`vrl train --detach`: start the orchestrator on (emulated) Modal and wait for its result."""
-    import modal
-
     from vrl.runtime.modal.launch import launch_detached
 
-    call_id = launch_detached(config)
-    return modal.FunctionCall.from_id(call_id).get(timeout=timeout)
+    return follow(launch_detached(config), timeout)
+
+
+def follow(call_id: str, timeout: float = 300.0) -> Any:
+    """A detached run's result, through its continuations (each a new call: the orchestrator continues
+    itself before its function timeout and returns {"status": "continued", "call": <the next call>})."""
+    import modal
+
+    result = modal.FunctionCall.from_id(call_id).get(timeout=timeout)
+    while isinstance(result, dict) and result.get("status") == "continued":
+        result = modal.FunctionCall.from_id(result["call"]).get(timeout=timeout)
+    return result

@@ -1,7 +1,7 @@
 """What vrl's Modal containers hold, on the Modal emulator (tests/modal_emulator): issue 25, defects 1, 5, 8.
 
-Each test reproduces one defect of issue 25's list and fails on the code it was written against
-(strict xfail: the fix turns it into a pass); its docstring says what real Modal would do.
+Each test reproduces one defect of issue 25's list and failed on the code it was written against (the
+images before the fix); its docstring says what real Modal would do.
 """
 
 from __future__ import annotations
@@ -9,25 +9,28 @@ from __future__ import annotations
 import asyncio
 import collections
 import importlib
+import importlib.util
+import json
 import sys
+from importlib import metadata
+from pathlib import Path
 
 import pytest
 
 from tests.modal_emulated import modal_config
 
 VersionInfo = collections.namedtuple("VersionInfo", "major minor micro releaselevel serial")
+ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 defect 1: in a Modal container no plugin exists (images ship "
-                   "vrl's *.py files, not installed distributions with entry points and package data), so the "
-                   "python-tests verifier sandbox answers \"cannot build the verifier\"")
 def test_a_plugins_verifier_runs_in_its_modal_sandbox(emu, tmp_path):
-    """Defect 1. The python-tests verifier judges one attempt inside its Modal sandbox.
+    """Defect 1 (fixed). The python-tests verifier judges one attempt inside its Modal sandbox.
 
-    Real Modal: the sandbox image holds /root/vrl and /root/vrl_python_tests as `add_local_python_source`
-    ships them (*.py only, no distribution metadata), so `vrl.plugins` finds no `vrl` entry point: the
-    verify server answers the first ping with "cannot build the 'python-tests' verifier" (and the bundled
-    data/tasks.jsonl is missing too), and the pool raises SandboxUnavailable.
+    Real Modal, before the fix: the sandbox image held /root/vrl and /root/vrl_python_tests as
+    `add_local_python_source` ships them (*.py only, no distribution metadata), so `vrl.plugins` found
+    no `vrl` entry point: the verify server answered the first ping with "cannot build the
+    'python-tests' verifier" (and the bundled data/tasks.jsonl was missing too), and the pool raised
+    SandboxUnavailable. Now the image installs wheels of vrl and the plugin.
     """
     from vrl.plugins import registry
     from vrl.runtime.modal.app import build_app
@@ -51,6 +54,119 @@ def test_a_plugins_verifier_runs_in_its_modal_sandbox(emu, tmp_path):
     with runtime.app.app.run():
         verdicts = asyncio.run(judge())
     assert len(verdicts) == 1 and verdicts[0].status is not Status.CRASHED
+
+
+PROBE = """
+import json, os, shutil, subprocess, sys
+vrl = shutil.which("vrl")
+listed = subprocess.run([vrl, "plugins", "--json"], capture_output=True, text=True) if vrl else None
+print(json.dumps({"cwd": os.getcwd(), "checkout": os.path.exists(sys.argv[1]), "venv": os.path.exists(sys.argv[2]),
+                  "bwrap": shutil.which("bwrap"), "plugins": listed.stdout if listed else "",
+                  "error": listed.stderr[-2000:] if listed else "there is no `vrl` command on PATH"}))
+"""
+
+
+def _lean_replay():
+    """plugins/lean/tests/lean_replay.py: the kimina-lean-server stand-in the lean tests use."""
+    if "lean_replay" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("lean_replay", ROOT / "plugins/lean/tests/lean_replay.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["lean_replay"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["lean_replay"]
+
+
+def _serve(app, image, argv, requests, network=False):
+    """Run the verify server in a sandbox of `image`: send `requests` (JSON lines), return its answers."""
+    import modal
+
+    sb = modal.Sandbox.create(*argv, app=app, image=image, block_network=not network, timeout=600)
+    sb.stdin.write("".join(json.dumps(r) + "\n" for r in requests))
+    sb.stdin.write_eof()
+    sb.stdin.drain()
+    sb.wait()
+    out, err = sb.stdout.read(), sb.stderr.read()
+    answers = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert len(answers) == len(requests), f"the verify server answered {len(answers)} of {len(requests)}: {err[-3000:]}"
+    return answers
+
+
+@pytest.mark.parametrize("plugin", ["python-tests", "lean"])
+def test_containers_hold_vrl_and_the_runs_plugins_as_installed_distributions(emu, tmp_path, plugin):
+    """Defect 1, container-shaped. Each image of a run (GPU worker, orchestrator, verifier sandbox) holds
+    vrl and the run's plugin as installed distributions, and only that plugin; run from /root (not the
+    checkout), `vrl plugins` lists it with this checkout's version, and the verify server starts in the
+    verifier image and judges: python-tests on its bundled tasks (package data), lean against the
+    recorded kimina-lean-server answers the lean tests replay (lean_replay.ReplayServer on this machine).
+
+    Failed before the fix: the images shipped vrl and every plugin as *.py files
+    (`add_local_python_source`), so there was no `vrl` command, no entry point, no data/tasks.jsonl.
+
+    What the emulated image is (tests/modal_emulator/images.py): vrl-core and the plugin are wheels built
+    from this checkout and pip-installed into the image's own fresh site-packages, as the image installs
+    them (metadata, entry points, package data, the `vrl` script): faithful. Their third-party
+    requirements are the developer venv's copies of exactly the distributions the image's requirement
+    lists resolve to (nothing else of the venv): faithful in *which* packages are there, not in their
+    versions (the venv's stand for those the image would resolve; torch==2.11.0 is the venv's torch). The
+    OS is this machine's, with bubblewrap only in images that `apt_install` it. Not reproduced: a
+    registry image's own filesystem and Python (the kimina image here is this machine's OS and Python),
+    and bubblewrap *inside* the sandbox (nested in the emulator's own bubblewrap it cannot mount /proc),
+    so python-tests judges with `sandbox=unsafe-local` here; whether bubblewrap works under Modal's
+    gVisor needs an account (docs/modal.md).
+    """
+    from vrl.plugins import registry
+    from vrl.runtime.modal.app import build_app
+    from vrl.runtime.modal.runtime import ModalRuntime
+
+    other = "lean" if plugin == "python-tests" else "python-tests"
+    distribution = {"python-tests": "vrl-python-tests", "lean": "vrl-lean"}[plugin]
+    options = {"python-tests": {"sandbox": "unsafe-local"}, "lean": {"server": "http://127.0.0.1:9", "recheck": "off"}}
+    cfg = modal_config(tmp_path, plugin=plugin, env_options=options[plugin], runtime={"verify_in": "sandbox"})
+    app = build_app(cfg)
+    verifier = ModalRuntime(cfg, app=app).sandboxes(cfg).factory().image  # the sandbox image the run would use
+    images = {"gpu": app.images["gpu"], "orchestrator": app.images["orchestrator"], "verifier": verifier}
+    venv = Path(sys.prefix)
+    with app.app.run():
+        import modal
+
+        for role, image in images.items():
+            sb = modal.Sandbox.create("python", "-c", PROBE, str(ROOT), str(venv), app=app.app, image=image)
+            sb.wait()
+            out = sb.stdout.read()
+            assert out.strip(), f"{role}: the probe printed nothing: {sb.stderr.read()[-2000:]}"
+            facts = json.loads(out.splitlines()[-1])
+            assert facts["cwd"] == "/root" and not facts["checkout"] and not facts["venv"], (role, facts)
+            assert facts["plugins"], f"{role}: `vrl plugins --json` printed nothing: {facts['error']}"
+            listed = {p["name"]: p for p in json.loads(facts["plugins"])}
+            assert listed["builtin"]["distribution"] == "vrl-core" and listed["builtin"]["version"] == metadata.version("vrl-core")
+            mine = listed.get(plugin)
+            assert mine and mine["error"] is None, (role, mine, facts["error"])
+            assert (mine["distribution"], mine["version"]) == (distribution, metadata.version(distribution))
+            assert other not in listed, f"{role}: {other} is installed too, but the run does not use it"
+            assert bool(facts["bwrap"]) == (role == "verifier" and plugin == "python-tests"), (role, facts["bwrap"])
+
+        server = ["python", "-m", "vrl.runtime.modal.verify_server", "--plugin", plugin]
+        if plugin == "python-tests":
+            task = registry().environment(plugin, **options[plugin]).tasks()[0]
+            right, wrong = task.data["solution"], f"def {task.data['entry_point']}(*args):\n    return None\n"
+            attempts = [{"task": task.model_dump(mode="json"), "completion": {"task_id": task.id, "text": f"```python\n{t}```"}}
+                        for t in (right, wrong)]
+            answers = _serve(app.app, verifier, [*server, "-o", "sandbox=unsafe-local"],
+                             [{"id": 1, "op": "ping"}, {"id": 2, "op": "verify", "attempts": attempts}])
+        else:
+            replay = _lean_replay()
+            name = "lean_workbook_101"
+            proved = replay.fixture_attempt(name)
+            sorry = replay.fixture_attempt(name, f"```lean4\n{proved.task.data['statement']} := by sorry\n```")
+            attempts = [a.model_dump(mode="json") for a in (proved, sorry)]
+            with replay.ReplayServer(replay.fixture_responder()) as kimina:
+                answers = _serve(app.app, verifier, [*server, "-o", f"server={kimina.url}", "-o", "recheck=off",
+                                                     "-o", "canary_rate=0"],
+                                 [{"id": 1, "op": "ping"}, {"id": 2, "op": "verify", "attempts": attempts}], network=True)
+    assert answers[0] == {"id": 1, "ok": True}
+    verdicts = answers[1]["verdicts"]
+    assert [v["passed"] for v in verdicts] == [True, False], verdicts
+    assert verdicts[1]["status"] == ("failed" if plugin == "python-tests" else "rejected"), verdicts[1]
 
 
 def test_the_gpu_worker_deserializes_for_a_client_on_another_python(emu, tmp_path):
@@ -80,7 +196,8 @@ def test_the_gpu_worker_deserializes_for_a_client_on_another_python(emu, tmp_pat
     with app.app.run():
         out = app.worker().sample.remote(workers.variant_to_wire(Variant(index=0)), 0, 1,
                                          config=workers.engine_config(cfg), tasks=workers.tasks_to_wire(tasks), seed=0)
-    assert len(out) == 1 and out[0]["task_id"] == tasks[0].id
+    completions = out["completions"]
+    assert len(completions) == 1 and completions[0]["task_id"] == tasks[0].id
 
 
 def test_images_install_pinned_packages_from_the_right_index(emu, tmp_path):

@@ -1,8 +1,9 @@
-"""vrl's verifier sandboxes on the Modal emulator (tests/modal_emulator): issue 25, defects 6 and 10.
+"""vrl's verifier sandboxes and workers on the Modal emulator (tests/modal_emulator): issue 25, defects 6
+and 10, item 5 (idle timeout).
 
 The real `SandboxPool` drives real `ModalSandbox` handles; each sandbox is an emulated Modal Sandbox
 running vrl's verify server in the verifier image. Each test reproduces one defect and fails on the
-code it was written against (strict xfail: the fix turns it into a pass); its docstring says what real
+code it was written against (each was a strict xfail until its fix); its docstring says what real
 Modal would do.
 """
 
@@ -65,14 +66,13 @@ def test_a_batch_over_2_mib_is_judged(emu, tmp_path):
     assert [v.status for v in verdicts if v.status is Status.CRASHED] == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 defect 6: the pool calls the blocking sb.poll() inside its event "
-                   "loop (Modal warns AsyncUsageWarning; every batch stalls for one round trip)")
 def test_the_pool_uses_modals_async_interface_in_its_event_loop(emu, tmp_path):
     """Defect 6 (event loop). Judging a batch raises no AsyncUsageWarning.
 
-    Real Modal: `ModalSandbox.running()` calls `self._sb.poll()`, the blocking interface, from the
+    Real Modal: `ModalSandbox.running()` called `self._sb.poll()`, the blocking interface, from the
     pool's coroutine; synchronicity warns "A blocking Modal interface is being used in an async
     context" (AsyncUsageWarning, modal/_utils/async_utils.py) and the loop waits for the RPC.
+    Fixed: `running()` is a coroutine that awaits `sb.poll.aio()`.
     """
     import modal
 
@@ -84,8 +84,6 @@ def test_the_pool_uses_modals_async_interface_in_its_event_loop(emu, tmp_path):
 
 
 @pytest.mark.slow  # two sandbox restarts and a GPU worker: about 10 s
-@pytest.mark.xfail(strict=True, reason="issue 25 defect 10: a verifier sandbox that dies on every batch scores the "
-                   "attempts `crashed` with reward 0, and the run learns from it silently")
 def test_a_dead_sandbox_never_scores_as_a_wrong_answer(emu, tmp_path):
     """Defect 10. The verifier sandbox dies during every batch of an ES run.
 
@@ -93,6 +91,8 @@ def test_a_dead_sandbox_never_scores_as_a_wrong_answer(emu, tmp_path):
     the pool restarts it and retries once, then returns `crashed` verdicts, which the reward turns
     into 0 and ES ranks like wrong answers: no error, no count of excluded members. An infrastructure
     failure must fail the iteration with a clear error or exclude the member explicitly (in metrics).
+    Fixed: the pool splits the batch, finds nothing it can judge, raises `SandboxFailure`, and
+    `SandboxVerification` fails the iteration with it.
     """
     from vrl.rundir import read_jsonl
     from vrl.runtime import make_runtime
@@ -112,3 +112,57 @@ def test_a_dead_sandbox_never_scores_as_a_wrong_answer(emu, tmp_path):
     rows = read_jsonl(tmp_path / "runs" / "dead" / "metrics.jsonl")
     assert rows and all(any("excluded" in key and value for key, value in row.items()) for row in rows), \
         "every verifier sandbox died, yet the iteration was scored as if its attempts were wrong"
+
+
+@pytest.mark.slow  # waits out an idle timeout twice: about 30 s
+def test_a_live_pool_keeps_its_sandboxes_and_a_dead_orchestrators_go_away(emu, tmp_path):
+    """Issue 25 item 5. Sandboxes are created with Modal's `idle_timeout` (no stdin write for that long:
+    terminated); the live pool pings its idle sandboxes more often, so they stay warm between batches;
+    once nobody writes (the orchestrator died) they end on their own instead of living `sandbox_timeout_s`.
+    """
+    pool, app = countdown_pool(tmp_path, sandbox_idle_timeout_s=10)
+
+    async def go():
+        first = await pool.verify(countdown_attempts(1, 30))
+        await asyncio.sleep(14)  # past the idle timeout: the keep-alive pings kept the sandbox
+        second = await pool.verify(countdown_attempts(1, 30))
+        assert pool.stats["restarts"] == 0 and pool.stats["keepalives"] >= 2, pool.stats
+        pool._keepalive.cancel()  # the orchestrator dies: nothing writes to the sandbox any more
+        await asyncio.sleep(13)
+        return first, second
+
+    with app.run():
+        first, second = asyncio.run(go())
+        assert first[0].passed == second[0].passed
+        assert emu.sandboxes and all(sb.proc.poll() is not None for sb in emu.sandboxes.values())
+
+
+@pytest.mark.slow  # three crashed containers per member: about 30 s
+def test_a_lost_gpu_worker_fails_the_iteration_and_says_it_was_not_scored(emu, tmp_path, caplog):
+    """Defect 10 (workers). Every GPU container dies (out of memory, a lost host) while sampling a member.
+
+    Real Modal: a container that crashes mid-input has its input rescheduled on another; after repeated
+    crashes the input fails with a RemoteError, which `ModalCaller` raised as it came, with nothing
+    saying that the iteration was not scored. Now the error is logged as such, and no iteration is
+    recorded.
+    """
+    import logging
+
+    import modal
+
+    from vrl.rundir import read_jsonl
+    from vrl.runtime import make_runtime
+    from vrl.trainer import Trainer
+
+    def lose_worker(service, container, function, input):  # noqa: A002 - the emulator's keyword
+        if function.endswith("GPUWorker"):
+            service.kill(container)
+
+    emu.on("input_started", lose_worker)
+    cfg = modal_config(tmp_path, name="lost", iterations=1)
+    with caplog.at_level(logging.ERROR, logger="vrl.runtime.modal.runtime"), \
+            pytest.raises(modal.exception.RemoteError, match="crashed"):
+        Trainer(cfg, runtime=make_runtime(cfg)).run()
+    assert any("this iteration is not scored" in r.getMessage() for r in caplog.records)
+    metrics = tmp_path / "runs" / "lost" / "metrics.jsonl"
+    assert not metrics.exists() or read_jsonl(metrics) == []

@@ -1,25 +1,22 @@
 """vrl's use of the Modal Volume on the Modal emulator (tests/modal_emulator): issue 25, defect 4.
 
-Each test reproduces one part of the defect and fails on the code it was written against (strict
-xfail: the fix turns it into a pass); its docstring says what real Modal would do.
+Each test reproduces one part of the defect and failed on the code it was written against; its
+docstring says what real Modal would do and what the fix does.
 """
 
 from __future__ import annotations
 
-import pytest
-
 from tests.modal_emulated import modal_config, run_detached
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 defect 4: GRPO with the loop on the user's machine calls "
-                   "volume.commit(), which Modal refuses outside a container, so workers never see the weights")
 def test_grpo_with_the_loop_here_publishes_weights_the_workers_load(emu, tmp_path):
     """Defect 4 (local loop). GRPO trains here and samples on Modal GPU workers for two iterations.
 
     Real Modal: `ModalPolicy.publish` writes the weights to a local directory and calls
     `app.volume.commit()` from the client: "commit() can only be called on a mounted volume inside a
     container" (RuntimeError), so the first update stops the run; and the path it hands the workers is
-    a path on this machine. Weights from a local loop must reach the Volume by upload (batch_upload).
+    a path on this machine. Fixed: weights from a local loop reach the Volume by `batch_upload()`
+    (vrl/runtime/modal/volume.py) and the workers get the path under their own mount.
     """
     import modal
 
@@ -36,15 +33,14 @@ def test_grpo_with_the_loop_here_publishes_weights_the_workers_load(emu, tmp_pat
     assert any(entry.path.endswith(".safetensors") for entry in published)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 defect 4: volume.commit() reloads, and Modal refuses a reload "
-                   "while files of the Volume are open: the detached run holds its run-directory lock open")
 def test_a_detached_run_commits_the_volume_after_each_iteration(emu, tmp_path):
     """Defect 4 (detached). A detached run finishes two iterations, committing after each.
 
     Real Modal: `Volume.commit()` commits and then reloads (modal/volume.py), and "Reloading will fail
     if there are open files for the volume": the orchestrator's `RunDir` keeps runs/<name>/lock open
     (its flock) for the whole run, so the first `on_iteration` commit raises RuntimeError ("there are
-    open files preventing the operation") and the run fails after one iteration.
+    open files preventing the operation") and the run fails after one iteration. Fixed: the lock is
+    kept outside the Volume (detached.LOCK_DIR); the run lease guards the run across containers.
     """
     import modal
 
@@ -52,3 +48,21 @@ def test_a_detached_run_commits_the_volume_after_each_iteration(emu, tmp_path):
     assert summary["status"] == "finished" and summary["iterations_completed"] == 2
     metrics = b"".join(modal.Volume.from_name("vrl").read_file("runs/committed/metrics.jsonl")).splitlines()
     assert len(metrics) == 2
+
+
+def test_a_detached_grpo_run_commits_its_weights_for_the_workers(emu, tmp_path):
+    """Defect 4 (detached GRPO). The orchestrator trains in its container and publishes by `commit()`.
+
+    Real Modal: the run stopped at its first commit (the run-dir lock held open, as above), and
+    `publish` itself committed nothing in the container (`app=None`). Now the weights are written to
+    the mounted Volume and committed at once (nothing of the Volume held open), each worker call
+    reloads before loading them, and the two newest versions stay on the Volume.
+    """
+    import modal
+
+    cfg = modal_config(tmp_path, name="grpo-detached", optimizer="grpo", grpo={"num_generations": 2})
+    summary = run_detached(cfg)
+    assert summary["status"] == "finished" and summary["iterations_completed"] == 2
+    published = [e.path for e in modal.Volume.from_name("vrl").listdir("runs/grpo-detached/weights")]
+    assert published == ["runs/grpo-detached/weights/v000001.safetensors",
+                         "runs/grpo-detached/weights/v000002.safetensors"]

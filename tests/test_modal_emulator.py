@@ -128,7 +128,7 @@ def test_the_fake_client_uses_modal_1_6_4_names_and_keywords(emu):
                  (real.enter, fake.enter), (real.method, fake.method), (real.FunctionCall.from_id, fake.FunctionCall.from_id),
                  (real.Volume.batch_upload, fake.Volume.batch_upload), (real.Volume.listdir, fake.Volume.listdir),
                  (real.Image.add_local_file, fake.Image.add_local_file), (real.Image.add_local_dir, fake.Image.add_local_dir),
-                 (real.Image.run_commands, fake.Image.run_commands)]
+                 (real.Image.run_commands, fake.Image.run_commands), (real.Image.apt_install, fake.Image.apt_install)]
         for r, f in pairs:
             assert names(f) <= names(r), (f.__qualname__, names(f) - names(r))
         for name in fake.__all__:
@@ -325,7 +325,7 @@ def test_the_container_holds_the_image_not_the_developer_venv(emu):
     with app.run():
         got = facts.remote()
     assert got["cwd"] == "/root" and got["vrl"] == "/root/vrl/__init__.py" and not got["checkout"]
-    assert got["torch"] and not got["vrl_core"]  # third-party packages yes, the editable installs no
+    assert not got["torch"] and not got["vrl_core"]  # only what the image installs: here, nothing
     assert got["entry_points"] == [] and not got["data"]  # no plugin metadata, only *.py files
 
 
@@ -552,3 +552,159 @@ def _wait_for(predicate, timeout=30.0):
         if time.monotonic() > deadline:
             raise AssertionError("timed out waiting")
         time.sleep(0.05)
+
+
+# -- timeouts, call identity, Dicts (issue 25: a detached run that survives) ----------------------------
+
+
+def test_the_fake_dict_call_id_and_remove_file_use_modal_1_6_4_names(emu):
+    """The names added for the run lease exist in modal 1.6.4 with these keywords (read from its source)."""
+    import ast
+    import importlib.machinery
+    from pathlib import Path
+
+    import modal as fake
+
+    spec = importlib.machinery.PathFinder.find_spec("modal", [p for p in sys.path if "modal_emulator" not in p])
+    if spec is None or "site-packages" not in (spec.origin or ""):
+        pytest.skip("the real modal package is not installed")
+    root = Path(spec.origin).parent
+
+    def real_params(relpath: str, qualname: str) -> set[str]:
+        tree = ast.parse((root / relpath).read_text())
+        cls, _, fn = qualname.rpartition(".")
+        scope = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls) if cls else tree
+        node = next(n for n in ast.walk(scope) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == fn)
+        args = node.args
+        return {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs} - {"self"}
+
+    def fake_params(fn) -> set[str]:
+        return set(inspect.signature(getattr(fn, "fn", fn)).parameters) - {"self"}
+
+    assert fake_params(fake.Dict.from_name) <= real_params("dict.py", "_Dict.from_name")
+    for name in ("get", "put", "pop", "contains"):
+        assert fake_params(vars(fake.Dict)[name]) <= real_params("dict.py", f"_Dict.{name}"), name
+    assert fake_params(fake.Volume.remove_file) <= real_params("volume.py", "_Volume.remove_file")
+    assert "current_function_call_id" in (root / "__init__.py").read_text()
+
+
+def test_dict_put_skip_if_exists_is_atomic_and_shared_with_containers(emu):
+    import modal
+
+    app = modal.App("dict-test")
+
+    @app.function(serialized=True)
+    def claim(key, who):
+        import modal
+
+        return modal.Dict.from_name("leases").put(key, who, skip_if_exists=True)
+
+    with pytest.raises(modal.exception.NotFoundError):
+        modal.Dict.from_name("leases").get("x")
+    leases = modal.Dict.from_name("leases", create_if_missing=True)
+    assert leases.put("a", "client", skip_if_exists=True) is True
+    with app.run():
+        won = list(claim.map(["b"] * 4, ["w1", "w2", "w3", "w4"]))
+        assert sorted(won) == [False, False, False, True]  # exactly one writer wins a key
+        assert claim.remote("a", "container") is False
+    assert leases["a"] == "client" and leases.get("b") in {"w1", "w2", "w3", "w4"} and "b" in leases
+    assert leases.pop("a") == "client" and leases.get("a", "gone") == "gone"
+
+
+def test_a_restarted_input_keeps_its_call_id_and_a_running_call_polls_as_timeout(emu):
+    import modal
+
+    app = modal.App("call-id-test")
+
+    @app.function(serialized=True, volumes={"/data": modal.Volume.from_name("data", create_if_missing=True)})
+    def who(sleep):
+        import os
+        import time
+
+        import modal
+
+        seen = modal.current_function_call_id()
+        time.sleep(sleep)
+        return seen, os.environ["MODAL_TASK_ID"]
+
+    started: list[str] = []
+    emu.on("input_started", lambda container, **_: started.append(container))
+    assert modal.current_function_call_id() is None  # the client is no container
+    with app.run():
+        call = who.spawn(3.0)
+        _wait_for(lambda: started)
+        with pytest.raises(TimeoutError):  # the builtin, as modal's poll_function raises it
+            modal.FunctionCall.from_id(call.object_id).get(timeout=0)
+        emu.preempt(started[0])
+        seen, container = call.get(timeout=60)
+    assert seen == call.object_id and container != started[0] and len(started) == 2
+
+
+def test_an_input_past_its_timeout_is_terminated_retried_then_fails(emu):
+    import modal
+
+    app = modal.App("timeout-test")
+
+    @app.function(serialized=True, timeout=1, retries=1)
+    def slow(sleep):
+        import time
+
+        time.sleep(sleep)
+        return "done"
+
+    started: list[str] = []
+    emu.on("input_started", lambda container, **_: started.append(container))
+    with app.run():
+        assert slow.remote(0.0) == "done"
+        with pytest.raises(modal.exception.FunctionTimeoutError):
+            slow.remote(30.0)
+    assert len(started) == 3  # the fast call, then the slow one's attempt and its retry
+
+
+def test_remove_file_changes_the_committed_volume_from_the_client(emu, tmp_path):
+    import modal
+
+    emu.volume("files")  # created, as the first app that mounts it would
+    vol = modal.Volume.from_name("files")
+    (tmp_path / "w").write_bytes(b"x")
+    with vol.batch_upload() as up:
+        up.put_file(tmp_path / "w", "runs/a/w1")
+        up.put_file(tmp_path / "w", "runs/a/w2")
+    vol.remove_file("runs/a/w1")
+    assert [e.path for e in vol.listdir("runs/a")] == ["runs/a/w2"]
+    with pytest.raises(IsADirectoryError):
+        vol.remove_file("runs/a")
+    vol.remove_file("runs", recursive=True)
+    assert vol.listdir("/") == []
+
+
+def test_idle_containers_scale_down_but_not_below_min_containers(emu):
+    """`scaledown_window`: an idle container stops after it; `min_containers`: that many stay running."""
+    for minimum, alive in ((0, 0), (1, 1)):
+        app, _vol, fns = make_app(scaledown_window=2, min_containers=minimum)
+        with app.run():
+            cid, _ = fns["whoami"].remote()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and len(emu.running("whoami")) != alive:
+                time.sleep(0.2)
+            time.sleep(3)  # past the window again: the kept one stays
+            assert len(emu.running("whoami")) == alive, minimum
+            if alive:
+                assert fns["whoami"].remote()[0] == cid  # still warm: the same container
+
+
+def test_a_sandbox_without_stdin_for_its_idle_timeout_is_terminated(emu):
+    """`idle_timeout` (modal.com/docs/guide/sandbox): no exec, no stdin write, no tunnel for that long and
+    the sandbox ends; writing stdin keeps it alive."""
+    import modal
+
+    app = modal.App("sb-idle")
+    with app.run():
+        idle = modal.Sandbox.create("sleep", "60", app=app, idle_timeout=2)
+        busy = modal.Sandbox.create("cat", app=app, idle_timeout=2)
+        for _ in range(8):  # 4 s of writes, every half second
+            busy.stdin.write("x\n")
+            busy.stdin.drain()
+            time.sleep(0.5)
+        assert idle.poll() is not None and busy.poll() is None
+        busy.terminate()

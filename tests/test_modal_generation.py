@@ -9,11 +9,12 @@ samples, and GRPO generation shards before and after a weight sync through the "
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from vrl.config import build
+from vrl.config import ConfigError, build
 from vrl.envs.letters import LettersEnvironment
 from vrl.generate.hf import HFGenerator
 from vrl.optim.es import ES, ESHistory, update_terms
@@ -77,13 +78,32 @@ def test_es_run_on_modal_bodies_matches_the_local_runtime(tmp_path):
             assert a[key] == b[key], key
 
 
-def _worker_call(worker, variant, tasks, cfg, seed, spec=None, updates=None, weights=None, start=0, stop=None):
+def update_log(root, updates, snapshot_every=0, store="runs/w/es"):
+    """The orchestrator's update log of `updates`, its files written under `root` (the Volume)."""
+    def put(files):
+        for rel, data in files.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_bytes(data)
+
+    log = workers.UpdateLog(store, put, snapshot_every)
+    for u in updates:
+        log.append(u.to_wire())
+    log.flush()
+    return log
+
+
+def _worker_call(worker, variant, tasks, cfg, seed, spec=None, updates=None, weights=None, start=0, stop=None,
+                 log=None, write_snapshot=False, full=False):
+    """One GPUWorker.sample call as ModalPolicy makes it: the ES state as `UpdateLog.head()` (of `log`, or of
+    `updates` written to the worker's Volume directory)."""
     engine = workers.engine_config(cfg)
+    if log is None and updates is not None:
+        log = update_log(Path(worker.root), updates)
     out = worker.sample.local(workers.variant_to_wire(variant), start, len(tasks) if stop is None else stop,
-                              config=engine, tasks=workers.tasks_to_wire(tasks), seed=seed,
-                              spec=workers.spec_to_wire(spec), weights=weights,
-                              updates=None if updates is None else [u.to_wire() for u in updates])
-    return [workers.completion_from_wire(c) for c in out]
+                              write_snapshot, config=engine, tasks=workers.tasks_to_wire(tasks), seed=seed,
+                              spec=workers.spec_to_wire(spec), weights=weights, es=None if log is None else log.head())
+    completions = [workers.completion_from_wire(c) for c in out["completions"]]
+    return (completions, out) if full else completions
 
 
 def _key(cs):
@@ -124,17 +144,91 @@ def test_warm_worker_replays_only_the_new_update(tmp_path):
     spec = PerturbationSpec(tuple(cfg.es.include), tuple(cfg.es.exclude), cfg.es.sigma)
     tasks = LettersEnvironment().tasks("train")[:1]
     member = Variant(index=0, seed=7)
+    workers._fresh_host(TrainConfigOf(cfg), "other", None)  # another run's container: nothing of this one
     _worker_call(worker, member, tasks, cfg, 1, spec, updates[:1])
     host = workers._WARM.host
     applied: list = []
     original = host.update
     host.update = lambda terms: (applied.append(terms), original(terms))[1]
     try:
-        _worker_call(worker, member, tasks, cfg, 1, spec, updates)
+        _, out = _worker_call(worker, member, tasks, cfg, 1, spec, updates, full=True)
     finally:
         host.update = original
     assert workers._WARM.host is host  # the warm model was kept
-    assert applied == [updates[1]] and len(workers._WARM.applied) == 2
+    assert applied == [updates[1]] and workers._WARM.count == 2 and out["replayed"] == 1
+
+
+def TrainConfigOf(cfg):  # noqa: N802 - reads as the type it returns
+    from vrl.config import TrainConfig
+
+    return TrainConfig.model_validate(workers.engine_config(cfg))
+
+
+def test_a_member_call_carries_only_the_newest_update():
+    """Issue 25 defect 9: the ES state a call carries is the newest update and digests, whatever the
+    iteration count (before: every update since the base, in every call)."""
+    from vrl.weights.update import FullRankUpdate
+
+    log = workers.UpdateLog("runs/r/es", lambda files: None)
+    sizes = []
+    for i in range(50):
+        log.append(FullRankUpdate(tuple((10**6 + 10 * i + j, 0.5 + j) for j in range(8))).to_wire())
+        sizes.append(len(json.dumps(log.head())))
+    assert len(log.head()["recent"]) == 1 and log.head()["count"] == 50
+    assert max(sizes[1:]) - min(sizes[1:]) <= 1  # from the second update on: a digit of the count, nothing more
+
+
+@local_bodies
+def test_a_cold_worker_starts_from_the_theta_snapshot_and_matches_a_full_replay(tmp_path):
+    """Issue 25 item 4: a worker writes θ after K updates to the Volume; a cold worker loads it and
+    replays only the updates after it, and samples exactly what a worker that replayed everything does."""
+    local, _, _ = run_pair(tmp_path, {"iterations": 3})
+    history = ESHistory.read(local / "es_history.json")
+    updates = [update_terms(r, history.antithetic, history.alpha) for r in history.iterations]
+    assert len(updates) == 3 and updates[0] and updates[1]  # θ moved before the snapshot
+    cfg = build(BASE, {"runtime": {"kind": "modal"}})
+    spec = PerturbationSpec(tuple(cfg.es.include), tuple(cfg.es.exclude), cfg.es.sigma)
+    tasks = LettersEnvironment().tasks("train")[:2]
+    member = Variant(index=0, samples_per_task=2, seed=5, sign=-1)
+    root = tmp_path / "volume"
+    worker = build_app(cfg).worker(str(root))
+
+    log = update_log(root, updates[:2], snapshot_every=2)
+    assert log.snapshot_due()
+    _, out = _worker_call(worker, member, tasks, cfg, 3, spec, log=log, write_snapshot=True, full=True)
+    assert out["snapshot"] == 2 and workers.snapshot_file(root / log.store, 2).exists()
+    log.append(updates[2].to_wire())  # (the call carries no word of the snapshot: the worker finds it)
+    log.flush()
+
+    workers._fresh_host(TrainConfigOf(cfg), "cold", None)  # a cold container
+    from_snapshot, out = _worker_call(worker, member, tasks, cfg, 3, spec, log=log, full=True)
+    assert out["replayed"] == 1  # the snapshot, then the one update after it
+
+    workers._fresh_host(TrainConfigOf(cfg), "cold", None)
+    log_without = update_log(tmp_path / "volume", updates, store="runs/full/es")
+    replayed, out = _worker_call(worker, member, tasks, cfg, 3, spec, log=log_without, full=True)
+    assert out["replayed"] == 3
+    assert _key(from_snapshot) == _key(replayed)
+
+
+@local_bodies
+def test_a_history_that_does_not_extend_the_warm_one_starts_over(tmp_path):
+    """A rewound run (same store, another last update) is caught by the digests: the worker rebuilds from
+    the base model and replays the Volume's history, never applying the new update on top of the old."""
+    local, _, _ = run_pair(tmp_path)
+    history = ESHistory.read(local / "es_history.json")
+    updates = [update_terms(r, history.antithetic, history.alpha) for r in history.iterations]
+    cfg = build(BASE, {"runtime": {"kind": "modal"}})
+    spec = PerturbationSpec(tuple(cfg.es.include), tuple(cfg.es.exclude), cfg.es.sigma)
+    tasks = LettersEnvironment().tasks("train")[:1]
+    root = tmp_path / "volume"
+    worker = build_app(cfg).worker(str(root))
+    member = Variant(index=0, seed=9)
+    _worker_call(worker, member, tasks, cfg, 1, spec, log=update_log(root, updates, store="runs/x/es"))
+    rewound = [updates[1], updates[0]]  # same count, another history
+    got, out = _worker_call(worker, member, tasks, cfg, 1, spec, log=update_log(root, rewound, store="runs/x/es"),
+                            full=True)
+    assert out["replayed"] == 2 and workers._WARM.digest == update_log(root, rewound, store="runs/x/es").head()["digest"]
 
 
 @local_bodies
@@ -159,6 +253,29 @@ def test_es_members_are_one_call_each_and_stream_as_they_finish(tmp_path):
                  for b in batches for i, c in enumerate(b)])
     assert len(policy.updates) == 2 and all(policy.updates)
     runtime.close()
+
+
+@local_bodies
+def test_low_rank_members_share_a_worker_call_and_sample_what_one_per_call_does(tmp_path):
+    """Issue 25 item 4: with es.noise=lowrank a worker call samples several members (one engine pass on
+    vllm), as many as share runtime.modal.max_containers; the completions are those of one member per call."""
+    layers = [BASE, {"es": {"noise": "lowrank", "rank": 2}, "runtime": {"kind": "modal", "modal": {"max_containers": 2}}}]
+    tasks = LettersEnvironment().tasks("train")[:2]
+    got = {}
+    for per_call in (0, 1):
+        cfg = build(*layers, {"logging": {"name": f"lr{per_call}"}, "runtime": {"modal": {"members_per_call": per_call}}})
+        runtime = modal_local(cfg, tmp_path / f"v{per_call}")
+        policy = runtime.policy(cfg, HostNeeds("perturbations"))
+        es = ES(cfg.es, seed=cfg.seed, base={"model": "tiny", "revision": None})
+        es.setup(policy)
+        variants = es.ask()
+        assert len(variants) == 4
+        batches = list(policy.sample(tasks, variants, seed=3))
+        assert sorted(c.variant for b in batches for c in b[:1]) == [v.index for v in variants]
+        got[per_call] = (policy.calls, sorted(_key([c for b in batches for c in b])))
+        runtime.close()
+    assert got[0][0] == 2 and got[1][0] == 4  # two members per call by default, on two containers
+    assert got[0][1] == got[1][1]
 
 
 def test_the_modal_policy_keeps_no_weights_and_refuses_snapshots(tmp_path):
@@ -272,3 +389,41 @@ def test_detached_orchestrator_body_writes_to_the_volume_and_resumes(tmp_path):
     assert summary["iterations_completed"] == 2
     assert len(ESHistory.read(run / "es_history.json").iterations) == 2
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_the_gpu_worker_takes_a_gpu_fallback_list_and_min_containers():
+    """Issue 25 item 4: `runtime.modal.gpu` may be a list (modal 1.6's `gpu=` takes one and tries the
+    types in order) and `min_containers` keeps workers warm while the run's app runs; both reach the
+    worker's declaration, built with the real modal package."""
+    cfg = build(BASE, {"runtime": {"kind": "modal", "modal": {"gpu": ["H100", "A100-80GB"], "min_containers": 2}}})
+    app = build_app(cfg)
+    assert app.GPUWorker._get_class_service_function()._spec_.gpus == ["H100", "A100-80GB"]
+    assert app.options["gpu"]["gpu"] == ["H100", "A100-80GB"] and app.options["gpu"]["min_containers"] == 2
+    assert "min_containers" not in build_app(build(BASE, {"runtime": {"kind": "modal"}})).options["gpu"]
+    with pytest.raises(ConfigError, match="at least 1 item"):
+        build(BASE, {"runtime": {"kind": "modal", "modal": {"gpu": []}}})
+
+
+def test_an_iteration_longer_than_the_scaledown_window_warns_once(tmp_path, caplog):
+    """Issue 25 item 4: workers that scale down between iterations start cold every iteration; the run
+    says so (once), with the setting to raise, unless min_containers keeps them."""
+    import logging
+    import time
+
+    cfg = build(BASE, {"runtime": {"kind": "modal", "modal": {"scaledown_window_s": 2}}})
+    policy = ModalRuntime(cfg, app=build_app(cfg), execute="local", volume_root=tmp_path).policy(cfg)
+    with caplog.at_level(logging.WARNING, logger="vrl.runtime.modal.runtime"):
+        policy._check_warm()  # the first iteration: nothing to compare
+        policy._last_sample = time.monotonic() - 5
+        policy._check_warm()
+        policy._last_sample = time.monotonic() - 5
+        policy._check_warm()
+    warnings_ = [r.getMessage() for r in caplog.records if "scaledown_window_s" in r.getMessage()]
+    assert len(warnings_) == 1 and "min_containers" in warnings_[0]
+    kept = build(BASE, {"runtime": {"kind": "modal", "modal": {"scaledown_window_s": 2, "min_containers": 1}}})
+    policy = ModalRuntime(kept, app=build_app(kept), execute="local", volume_root=tmp_path).policy(kept)
+    caplog.clear()
+    policy._check_warm()
+    policy._last_sample = time.monotonic() - 5
+    policy._check_warm()
+    assert not [r for r in caplog.records if "scaledown_window_s" in r.getMessage()]

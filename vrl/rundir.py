@@ -12,6 +12,8 @@
 
 One process writes a run directory at a time: `create` and `acquire` take an exclusive `flock` on
 `lock` and keep it until `release` (or the process's end, so a crashed writer leaves no stale lock).
+A run directory on a store that must hold no open file of its own keeps that lock in `lock_dir`
+instead (a Modal Volume refuses to reload while a file is open; its run lease guards the run there).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from vrl import distributed
 from vrl.config import RUN_NAME_RE, RUN_NAME_RULE, dump
 from vrl.errors import RunDirError
 from vrl.fileio import write_text
@@ -83,12 +86,18 @@ def default_name(config: TrainConfig) -> str:
 class RunDir:
     """A run directory, created fresh or opened for resume."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, lock_dir: Path | None = None):
         self.path = Path(path)
+        self.lock_dir = Path(lock_dir) if lock_dir is not None else None
         self._lock: IO[str] | None = None
 
+    @property
+    def lock_path(self) -> Path:
+        """The file the writer's flock is held on: `lock` in the run directory, or `<name>.lock` in `lock_dir`."""
+        return self.path / LOCK_FILE if self.lock_dir is None else self.lock_dir / f"{self.path.name}.lock"
+
     @classmethod
-    def create(cls, config: TrainConfig) -> RunDir:
+    def create(cls, config: TrainConfig, lock_dir: Path | None = None) -> RunDir:
         """Make a new run directory atomically and lock it; an existing one is never reused."""
         runs_dir = Path(config.logging.runs_dir)
         runs_dir.mkdir(parents=True, exist_ok=True)
@@ -101,8 +110,8 @@ class RunDir:
                     path.rmdir()  # an empty directory may be reused; rmdir refuses any other
                     path.mkdir()
             except OSError:
-                if (path / LOCK_FILE).is_file():  # a live writer is named rather than "exists"
-                    probe = cls(path)
+                probe = cls(path, lock_dir)
+                if probe.lock_path.is_file():  # a live writer is named rather than "exists"
                     probe.acquire()
                     probe.release()
                 raise RunDirError(
@@ -119,18 +128,18 @@ class RunDir:
                     continue
             else:  # pragma: no cover - 100 collisions in a row
                 raise RunDirError(f"could not find a free run name in {runs_dir}; pass --name")
-        run = cls(path)
+        run = cls(path, lock_dir)
         run.acquire()
         write_json(path / "config.json", dump(config))
         write_json(path / "versions.json", versions())
         return run
 
     @classmethod
-    def open(cls, path: str | Path) -> RunDir:
+    def open(cls, path: str | Path, lock_dir: Path | None = None) -> RunDir:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise RunDirError(f"{path} is not a vrl run directory (no config.json)")
-        return cls(path)
+        return cls(path, lock_dir)
 
     # -- one writer at a time ----------------------------------------------------------------------
     @property
@@ -142,11 +151,14 @@ class RunDir:
         """Take the writer's lock, or refuse, naming the process that holds it.
 
         A lock left by a process that died is free (the kernel drops a flock with its holder), so it
-        is simply taken over. A file system without flock support only gets a warning.
+        is simply taken over. A file system without flock support only gets a warning. The ranks > 0
+        of a torchrun launch take no lock: rank 0 writes the run, they only read its checkpoints.
         """
-        if self._lock is not None:
+        if self._lock is not None or distributed.is_follower():
             return
-        handle = open(self.path / LOCK_FILE, "a+")
+        if self.lock_dir is not None:
+            self.lock_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(self.lock_path, "a+")
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

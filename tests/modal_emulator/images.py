@@ -3,26 +3,39 @@
 A Modal container sees its image, not the developer's machine (modal.com/docs/guide/images: "Containers
 are started up from a stored snapshot of their filesystem state called an image"). Here:
 
-- the operating system is this machine's /usr, /etc, /bin, /lib (read-only); /tmp, /root and /opt are fresh;
-- Python is this machine's base interpreter (not the venv); its site-packages is replaced by the image's:
-  the developer venv's third-party packages *without* what a pip install of the image would not bring:
-  distributions installed in editable mode (their metadata, `.pth` hooks, finders: vrl-core, vrl-lean,
-  vrl-python-tests here) and the real `modal` client (the fake stands in for the client Modal mounts
-  into every container). Requirements by name in `pip_install`/`uv_pip_install` are not installed one by
-  one (the venv's set stands for them: a deviation, a package the recipe forgets is still present);
-  requirements that are local paths (a wheel or a project the image holds, e.g. added with
-  `add_local_file(..., copy=True)`) are really installed (`pip install --no-deps`), metadata and entry
-  points included, and shadow the venv's;
+- the operating system is this machine's /usr, /etc, /bin, /lib (read-only); /tmp, /root and /opt are fresh.
+  Of the Debian packages an image may `apt_install`, those in `APT` exist only in images that install
+  them (their programs are masked in the others: `which bwrap` finds nothing in a debian_slim image);
+  any other package must already be installed here (it is then present in every image: a deviation);
+- Python is this machine's base interpreter (not the venv), with a site-packages of the image's own:
+  * requirements named in `pip_install`/`uv_pip_install` (or a `pip install` run command) are taken from
+    the developer venv, each with its dependencies resolved through the venv's metadata (markers and
+    extras evaluated; none with `--no-deps`). Only those: a package the image does not ask for is not
+    there. Deviations: the venv's version stands for the one the image would resolve (a pin the venv
+    does not meet is noted in `Layout.contents`, not refused), and a requirement the venv lacks is
+    missing (noted too) instead of installed;
+  * requirements that are local paths (a wheel or a project the image holds, e.g. added with
+    `add_local_file(..., copy=True)`) are really installed (`pip install --no-deps --target`): metadata,
+    entry points, package data, console scripts (on PATH, as /usr/local/bin would have them); their own
+    dependencies come from the venv as above unless the install had `--no-deps`;
+  * never from the venv: distributions installed in editable mode (their metadata, `.pth` hooks, finders:
+    vrl-core, vrl-lean, vrl-python-tests here) and the real `modal` client. The fake `modal` and the
+    `cloudpickle` it pickles with stand in for the client Modal mounts into every container;
 - `add_local_python_source(...)` files are at /root/<package>/ (only what Modal ships: *.py by default,
   modal/_image.py), and /root is on PYTHONPATH for functions (not for sandboxes); `add_local_file` and
   `add_local_dir` put files at their remote path;
 - a build step after an `add_local_*` layer without copy=True is refused (InvalidError, Modal's message:
   modal/_image.py `_assert_no_mount_layers`);
 - the developer's checkout, home and venv are not visible; each Volume mount is the container's own view.
+
+Local files are read where the image is defined (the client, or a container that defines images of
+its own, as Modal's client uploads them from there). Materialised images are kept for the test session
+(one directory per content digest), so each wheel is installed once per session, not once per test.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -32,6 +45,8 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import metadata
@@ -39,8 +54,10 @@ from pathlib import Path, PurePosixPath
 
 FAKE = Path(__file__).parent / "fake"  # holds the fake `modal` package
 EMU = "/opt/emu"  # where the emulator's own parts appear inside a container
-REAL_MODAL = ("modal", "modal_proto", "modal_version", "modal_docs")
+REAL_MODAL = ("modal", "modal-proto", "modal-version", "modal-docs")
+CLIENT = ("cloudpickle",)  # what the fake client needs in every container (Modal's client brings its own)
 SYSTEM = ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "proc", "dev", "tmp")  # not image paths here
+APT = {"bubblewrap": ("/usr/bin/bwrap",)}  # packages images may add: their programs, masked where not added
 MOUNT_LAYERS = ("sources", "file", "dir")
 NO_MOUNT_LAYERS_BEFORE = (
     "An image tried to run a build step after using `image.add_local_*` to include local files.\n\n"
@@ -48,26 +65,14 @@ NO_MOUNT_LAYERS_BEFORE = (
     "file change. Modal will then add these files to containers on startup instead, saving build time.\n"
     "If you need to run other build steps after adding local files, set `copy=True` to copy the files "
     "directly into the image, at the expense of some added build time.")
+_session: dict[str, Path] = {}
+_session_lock = threading.Lock()
 
 
-def _editable_distributions() -> dict[str, str]:
-    """name -> source path of every distribution installed in editable mode (PEP 610 direct_url.json)."""
-    found = {}
-    for dist in metadata.distributions():
-        raw = dist.read_text("direct_url.json")
-        if raw and json.loads(raw).get("dir_info", {}).get("editable"):
-            found[dist.metadata["Name"]] = json.loads(raw)["url"].removeprefix("file://")
-    return found
+def _canonical(name: str) -> str:
+    import re
 
-
-def _norm(name: str) -> str:
-    return name.lower().replace("-", "_").replace(".", "_")
-
-
-def _top_name(entry: Path) -> str:
-    if entry.suffix in (".dist-info", ".egg-info"):
-        return _norm(entry.name.split("-")[0])
-    return entry.name
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def validate(layers: tuple) -> None:
@@ -78,7 +83,7 @@ def validate(layers: tuple) -> None:
     for layer in layers:
         if layer[0] in MOUNT_LAYERS:
             mounted = mounted or not layer[-1]  # the layer's `copy`
-        elif mounted and layer[0] in ("pip", "run", "env"):
+        elif mounted and layer[0] in ("pip", "run", "env", "apt"):
             raise InvalidError(NO_MOUNT_LAYERS_BEFORE)
 
 
@@ -90,6 +95,9 @@ class ImageFS:
     env: dict[str, str]
     python: str | None
     site: Path | None  # packages the image installed itself (pip of local paths), or None
+    bin: Path | None  # their console scripts
+    requirements: tuple[tuple[str, bool], ...]  # (requirement, with its dependencies) taken from the venv
+    apt: tuple[str, ...]
 
 
 class Layout:
@@ -101,45 +109,93 @@ class Layout:
         self.base_prefix = Path(sys.base_prefix).resolve()
         self.base_site = Path(sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_prefix})["purelib"])
         self.python = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+        self._lock = threading.Lock()
 
     @cached_property
-    def venv_entries(self) -> list[str]:
-        """The venv's site-packages entries an image gets: not editable installs, not the real client."""
-        editable = _editable_distributions()
-        names = {_norm(n) for n in editable} | set(REAL_MODAL)
-        sources = tuple(editable.values())
-        keep = []
-        for entry in sorted(self.venv_site.iterdir()):
-            if _top_name(entry) in names or entry.name.startswith("__editable__"):
+    def venv_entries(self) -> dict[str, tuple[metadata.Distribution, tuple[str, ...]]]:
+        """The venv's distributions an image may take (canonical name -> distribution, its top-level
+        site-packages entries): not editable installs, not the real client."""
+        found: dict[str, tuple[metadata.Distribution, tuple[str, ...]]] = {}
+        for dist in metadata.distributions(path=[str(self.venv_site)]):
+            name = _canonical(dist.metadata["Name"] or "")
+            raw = dist.read_text("direct_url.json")
+            if not name or name in found or name in REAL_MODAL or (raw and json.loads(raw).get("dir_info", {}).get("editable")):
                 continue
-            if entry.suffix == ".pth" and any(src in entry.read_text(errors="replace") for src in sources):
+            found[name] = (dist, _top_entries(dist, self.venv_site))
+        return found
+
+    def contents(self, image: ImageFS) -> dict[str, list[str]]:
+        """What the image's site-packages takes from the venv: `included` distributions, requirements the
+        venv lacks (`missing`) or meets at another version than the image asks (`mismatched`)."""
+        from packaging.requirements import InvalidRequirement, Requirement
+
+        own = {_canonical(d.metadata["Name"]) for d in metadata.distributions(path=[str(image.site)])} if image.site else set()
+        index = self.venv_entries
+        included: dict[str, None] = {}
+        missing, mismatched = [], []
+        todo = [(text, deps, ()) for text, deps in image.requirements] + [(c, False, ()) for c in CLIENT]
+        while todo:
+            text, deps, extras = todo.pop()
+            try:
+                req = Requirement(text)
+            except InvalidRequirement:
+                missing.append(text)
                 continue
-            keep.append(entry.name)
-        bindir = self.state / "bin"
-        bindir.mkdir(parents=True, exist_ok=True)
-        for name in ("python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"):
-            if not (bindir / name).is_symlink():
-                (bindir / name).symlink_to(self.python)
-        return keep
+            if req.marker and not any(req.marker.evaluate({"extra": e}) for e in (extras or ("",))):
+                continue
+            name = _canonical(req.name)
+            if name in own:
+                continue
+            if name not in index:
+                missing.append(text)
+                continue
+            dist = index[name][0]
+            if req.specifier and not req.specifier.contains(dist.version, prereleases=True):
+                mismatched.append(f"{text} (the venv has {dist.version})")
+            if name in included and not req.extras:
+                continue
+            included[name] = None
+            if deps:
+                todo += [(r, True, tuple(req.extras)) for r in dist.requires or ()]
+        return {"included": sorted(included), "missing": sorted(set(missing)), "mismatched": sorted(set(mismatched))}
 
     def site_view(self, image: ImageFS) -> Path:
-        """The image's site-packages: links into the venv's and into what the image installed itself."""
-        view = self.state / "site-packages" / (image.tree.name if image.site else "venv")
-        if view.exists():
-            return view
-        tmp = view.with_name(view.name + f".tmp{os.getpid()}")
-        tmp.mkdir(parents=True)
-        own = {_top_name(e) for e in image.site.iterdir()} if image.site else set()
-        for name in self.venv_entries:
-            if _top_name(self.venv_site / name) not in own:
-                (tmp / name).symlink_to(f"{EMU}/venv-site/{name}")
-        for entry in sorted(image.site.iterdir()) if image.site else ():
-            (tmp / entry.name).symlink_to(f"{EMU}/image-site/{entry.name}")
-        (tmp / "modal").symlink_to(f"{EMU}/fake/modal")
-        try:
-            tmp.rename(view)
-        except OSError:  # built meanwhile by another thread
+        """The image's site-packages: links into the venv's (what the image asks for) and into what the
+        image installed itself."""
+        view = self.state / "site-packages" / image.tree.parent.name
+        with self._lock:
+            if view.exists():
+                return view
+            tmp = view.with_name(view.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            taken = set()
+            for name in self.contents(image)["included"]:
+                for entry in self.venv_entries[name][1]:
+                    if entry not in taken:
+                        taken.add(entry)
+                        (tmp / entry).symlink_to(f"{EMU}/venv-site/{entry}")
+            for entry in sorted(image.site.iterdir()) if image.site else ():
+                if entry.name in taken:
+                    (tmp / entry.name).unlink()
+                (tmp / entry.name).symlink_to(f"{EMU}/image-site/{entry.name}")
+            (tmp / "modal").symlink_to(f"{EMU}/fake/modal")
+            tmp.rename(view)
+        return view
+
+    def bin_view(self, image: ImageFS) -> Path:
+        """The image's programs beyond the OS: python (the base interpreter) and its console scripts."""
+        view = self.state / "bin" / image.tree.parent.name
+        with self._lock:
+            if not view.exists():
+                tmp = view.with_name(view.name + ".tmp")
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+                for name in ("python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"):
+                    (tmp / name).symlink_to(self.python)
+                for script in sorted(image.bin.iterdir()) if image.bin else ():
+                    shutil.copy2(script, tmp / script.name)
+                tmp.rename(view)
         return view
 
     def bwrap(self, image: ImageFS, binds: dict[str, Path], workdir: str, env: dict[str, str],
@@ -155,10 +211,15 @@ class Layout:
                 argv += ["--ro-bind", str(path), str(path)]
         if not str(self.base_prefix).startswith("/usr/"):
             argv += ["--ro-bind", str(self.base_prefix), str(self.base_prefix)]
+        for package, programs in APT.items():
+            if package not in image.apt:
+                for program in programs:
+                    if Path(program).exists():
+                        argv += ["--ro-bind", "/dev/null", program]  # not executable: `which` skips it
         argv += ["--ro-bind", str(self.site_view(image)), str(self.base_site),
                  "--ro-bind", str(self.venv_site), f"{EMU}/venv-site",
                  "--ro-bind", str(FAKE), f"{EMU}/fake",
-                 "--ro-bind", str(self.state / "bin"), f"{EMU}/bin"]
+                 "--ro-bind", str(self.bin_view(image)), f"{EMU}/bin"]
         if image.site:
             argv += ["--ro-bind", str(image.site), f"{EMU}/image-site"]
         for top in sorted(image.tree.iterdir()):
@@ -175,27 +236,54 @@ class Layout:
         return argv
 
 
-def materialize(layers: tuple, cache: Path) -> ImageFS:
-    """An image's files, environment and Python; built once per content (cached by digest)."""
-    digest = hashlib.sha256(pickle.dumps(layers)).hexdigest()[:16]
-    root = cache / digest
+def _top_entries(dist: metadata.Distribution, site: Path) -> tuple[str, ...]:
+    """The site-packages entries a distribution owns (its RECORD's first path parts), metadata included."""
+    names = {Path(str(dist._path)).name} if hasattr(dist, "_path") else set()
+    for file in dist.files or ():
+        parts = PurePosixPath(str(file)).parts
+        if parts and parts[0] not in ("..", "__pycache__") and (site / parts[0]).exists():
+            names.add(parts[0])
+    if not dist.files:
+        names.update(n for n in (dist.read_text("top_level.txt") or "").split() if (site / n).exists())
+    return tuple(sorted(names))
+
+
+def _session_cache() -> Path:
+    """The images of this test session (removed when the process exits)."""
+    with _session_lock:
+        if "dir" not in _session:
+            _session["dir"] = Path(tempfile.mkdtemp(prefix="modal-emu-images-"))
+            atexit.register(shutil.rmtree, _session["dir"], True)
+        return _session["dir"]
+
+
+def materialize(layers: tuple, cache: Path | None = None) -> ImageFS:
+    """An image's files, environment, Python and packages; built once per content for the test session
+    (`cache` is accepted for the callers' sake; the session cache is used)."""
+    digest = hashlib.sha256(pickle.dumps(layers)).hexdigest()[:16]  # local files' contents included
+    base = _session_cache()
+    root = base / digest
+    if not root.exists():
+        tmp = base / f"{digest}.tmp{os.getpid()}-{threading.get_ident()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "tree").mkdir(parents=True)
+        manifest = {"requirements": [], "apt": []}
+        for layer in layers:
+            _apply(layer, tmp, manifest)
+        (tmp / "manifest.json").write_text(json.dumps(manifest))
+        try:
+            tmp.rename(root)
+        except OSError:  # another thread made it
+            shutil.rmtree(tmp, ignore_errors=True)
     env: dict[str, str] = {}
     for layer in layers:
         if layer[0] == "env":
             env.update(dict(layer[1]))
     python = layers[0][2] if layers and layers[0][0] == "base" else None
-    if not root.exists():
-        tmp = cache / f"{digest}.tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "tree").mkdir(parents=True)
-        for layer in layers:
-            _apply(layer, tmp)
-        try:
-            tmp.rename(root)
-        except OSError:  # another thread made it
-            shutil.rmtree(tmp, ignore_errors=True)
-    site = root / "site"
-    return ImageFS(root / "tree", env, python, site if site.is_dir() else None)
+    manifest = json.loads((root / "manifest.json").read_text())
+    site, bin_ = root / "site", root / "bin"
+    return ImageFS(root / "tree", env, python, site if site.is_dir() else None, bin_ if bin_.is_dir() else None,
+                   tuple((r, d) for r, d in manifest["requirements"]), tuple(manifest["apt"]))
 
 
 def _place(tree: Path, remote: str) -> Path:
@@ -206,7 +294,7 @@ def _place(tree: Path, remote: str) -> Path:
     return tree / str(path).lstrip("/")
 
 
-def _apply(layer: tuple, image: Path) -> None:
+def _apply(layer: tuple, image: Path, manifest: dict) -> None:
     tree = image / "tree"
     kind = layer[0]
     if kind == "sources":
@@ -215,25 +303,48 @@ def _apply(layer: tuple, image: Path) -> None:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
     elif kind == "file":
-        _, local, remote, _copy = layer
+        _, _local, remote, data, _copy = layer
         target = _place(tree, remote)
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(local, target)
+        target.write_bytes(data)
     elif kind == "dir":
-        _, local, remote, files, _copy = layer
-        for rel in files:
+        _, _local, remote, files, _copy = layer
+        for rel, data in files:
             target = _place(tree, remote) / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(Path(local) / rel, target)
+            target.write_bytes(data)
+    elif kind == "apt":
+        for package in layer[1]:
+            if package not in APT and not _installed_here(package):
+                raise NotImplementedError(f"apt_install({package!r}): the emulator adds only {', '.join(APT)}, "
+                                          "or a package already installed on this machine")
+        manifest["apt"] += list(layer[1])
     elif kind == "pip":
-        _install([p for p in layer[2] if _is_local(p)], image)
+        _pip(list(layer[2]), "--no-deps" not in shlex.split(layer[5] or ""), image, manifest)
     elif kind == "run":
         for command in layer[1]:
             words = shlex.split(command)
             pip = _pip_words(words)
             if pip is None:
                 raise NotImplementedError(f"run_commands({command!r}) is not emulated (only pip installs are)")
-            _install([w for w in pip if _is_local(w)], image)
+            _pip(_named(pip), "--no-deps" not in pip, image, manifest)
+
+
+def _pip(requirements: list[str], deps: bool, image: Path, manifest: dict) -> None:
+    """One install: local paths installed into the image's own site-packages, names from the venv."""
+    local = [r for r in requirements if _is_local(r)]
+    manifest["requirements"] += [[r, deps] for r in requirements if not _is_local(r)]
+    installed = _install(local, image)
+    if deps:  # the wheels' own requirements, as a resolver would add them
+        for dist in installed:
+            manifest["requirements"] += [[r, True] for r in dist.requires or ()]
+
+
+def _installed_here(package: str) -> bool:
+    if shutil.which("dpkg-query") is None:
+        return False
+    result = subprocess.run(["dpkg-query", "-W", "-f", "${Status}", package], capture_output=True, text=True)
+    return result.returncode == 0 and "install ok installed" in result.stdout
 
 
 def _pip_words(words: list[str]) -> list[str] | None:
@@ -244,18 +355,48 @@ def _pip_words(words: list[str]) -> list[str] | None:
     return None
 
 
+_VALUED = {"-i", "--index-url", "--extra-index-url", "-f", "--find-links", "-r", "--requirement", "-c",
+           "--constraint", "--python", "--target", "--prefix", "--index-strategy", "-t"}
+
+
+def _named(words: list[str]) -> list[str]:
+    """The requirements among a pip command's arguments (not its options, nor their values)."""
+    out, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word.startswith("-"):
+            skip = word in _VALUED
+        else:
+            out.append(word)
+    return out
+
+
 def _is_local(requirement: str) -> bool:
     return requirement.startswith(("/", "./", "file:")) or requirement.endswith(".whl")
 
 
-def _install(requirements: list[str], image: Path) -> None:
-    """pip-install local wheels or projects the image holds into the image's own site-packages."""
+def _install(requirements: list[str], image: Path) -> list[metadata.Distribution]:
+    """pip-install local wheels or projects the image holds into the image's own site-packages; their
+    console scripts go to the image's bin, run by the image's python."""
     if not requirements:
-        return
-    tree = image / "tree"
+        return []
+    tree, site = image / "tree", image / "site"
+    before = {d.metadata["Name"] for d in metadata.distributions(path=[str(site)])} if site.is_dir() else set()
     paths = [str(_place(tree, r.removeprefix("file://"))) if r.startswith(("/", "file:")) else r for r in requirements]
     result = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
                              "--no-compile", "--disable-pip-version-check", "--quiet", "--target",
-                             str(image / "site"), *paths], capture_output=True, text=True)
+                             str(site), *paths], capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"image build: pip install {' '.join(requirements)} failed:\n{result.stderr[-2000:]}")
+    scripts = site / "bin"
+    if scripts.is_dir():
+        (image / "bin").mkdir(exist_ok=True)
+        for script in scripts.iterdir():
+            text = script.read_bytes()
+            if text.startswith(b"#!"):  # pip wrote this venv's interpreter; the image runs its own
+                text = f"#!{EMU}/bin/python".encode() + text[text.index(b"\n"):]
+            (image / "bin" / script.name).write_bytes(text)
+            (image / "bin" / script.name).chmod(0o755)
+        shutil.rmtree(scripts)
+    return [d for d in metadata.distributions(path=[str(site)]) if d.metadata["Name"] not in before]

@@ -8,7 +8,8 @@ Containers (modal.com/docs/guide/lifecycle-functions, /guide/scale, modal/_runti
   the class is built with its parameters and `@modal.enter` runs once per container; one container
   pool per function and per set of class parameters; at most `max_containers` at once; a container idle
   for `scaledown_window` seconds (2 to 3600, modal/_functions.py; 60 when unset here: Modal's default
-  is the server's) stops;
+  is the server's) stops, unless that would leave fewer than `min_containers` ("Minimum number of
+  containers to keep running", modal/app.py);
 - a function is sent as the client pickled it (`serialized=True`: cloudpickle, modal/_serialization.py);
   a client Python other than the image's fails to deserialize (DeserializationError, Modal's message);
   arguments and results cross as pickles: an unpicklable one fails as it does on Modal.
@@ -39,14 +40,29 @@ Volumes (modal/volume.py `_Volume`, modal.com/docs/guide/volumes)
 
 Sandboxes (modal/sandbox/_sandbox.py, _impl_v1.py, io_streams.py)
 - a sandbox is a process in its image's filesystem, env only what `env`/`secrets`/the image give,
-  `workdir` (default /root), no network with `block_network`, killed after `timeout` (default 300 s);
+  `workdir` (default /root), no network with `block_network`, killed after `timeout` (default 300 s),
+  and after `idle_timeout` seconds without a stdin write (modal.com/docs/guide/sandbox);
 - stdin: at most 2 MiB buffered between drains (BufferError, the client's check); stdout/stderr arrive
   from the server in chunks of any size, which the client joins into lines (by_line=True);
 - a blocking call (`poll()`, `wait()`, `terminate()`, ...) inside a running event loop warns with
   AsyncUsageWarning (modal/_utils/async_utils.py); `.aio` variants do not.
 
-Not emulated: a function's `timeout` (Modal's 24 h cap included), GPU/CPU/memory limits and GPU types,
-periodic background commits, memory snapshots, `min_containers`, registry images' own filesystems (a
+Timeouts and call identity (modal.com/docs/guide/timeouts, modal/_runtime/execution_context.py)
+- an input that runs longer than its function's `timeout` (default 300 s) has its container terminated;
+  the timeout is per attempt, retried up to `retries` times, then the call fails with
+  FunctionTimeoutError;
+- `modal.current_function_call_id()` in a container names the call of the input it runs: the same id
+  when that input is restarted on another container (preemption, a crash) or retried;
+- `FunctionCall.from_id(id).get(timeout=0)` raises TimeoutError while the call has unfinished inputs.
+
+Dicts (modal/dict.py `_Dict`)
+- a named Dict (`from_name`, NotFoundError unless `create_if_missing`) shared by every client and
+  container; keys and values cross as pickles (a key matches by its pickled bytes);
+  `put(key, value, skip_if_exists=True)` is atomic and returns whether it wrote.
+
+Not emulated: GPU/CPU/memory limits and GPU types,
+periodic background commits, memory snapshots, `min_containers` starting containers before any input
+(emulated: idle containers do not scale down below it), registry images' own filesystems (a
 `from_registry` image is this machine's OS with the image's added files), what a sandbox's image does
 with PYTHONPATH (no /root on it, an assumption).
 """
@@ -125,6 +141,8 @@ class Container:
     interrupted: bool = False
     current: Input | None = None
     idle_since: float = field(default_factory=time.monotonic)
+    started: float = 0.0  # when the current input started (its timeout counts from here)
+    timed_out: bool = False
     control: deque = field(default_factory=deque)
     mounts: dict[str, tuple[str, Path]] = field(default_factory=dict)  # mount -> (volume, view dir)
     baselines: dict[str, dict] = field(default_factory=dict)
@@ -140,6 +158,7 @@ class SandboxState:
     mounts: dict[str, tuple[str, Path]] = field(default_factory=dict)
     baselines: dict[str, dict] = field(default_factory=dict)
     stdin_bytes: int = 0
+    active_at: float = field(default_factory=time.monotonic)  # the last stdin write (idle_timeout counts from it)
 
 
 class Service:
@@ -161,6 +180,7 @@ class Service:
         self.containers: dict[str, Container] = {}
         self.sandboxes: dict[str, SandboxState] = {}
         self.secrets: dict[str, dict[str, str]] = {}
+        self.dicts: dict[str, dict[bytes, bytes]] = {}
         self.log: list[dict] = []  # one row per input run: function, container, argument bytes, outcome
         self.hooks: dict[str, list[Callable[..., Any]]] = {}
         self.hook_errors: list[Exception] = []
@@ -221,7 +241,8 @@ class Service:
             proc.wait()
             for stream in (proc.stdin, proc.stdout, proc.stderr):
                 if stream is not None:
-                    stream.close()
+                    with contextlib.suppress(OSError):  # stdin's unsent bytes to a dead sandbox: BrokenPipeError
+                        stream.close()
         if hasattr(self, "_listener"):
             with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as wake:
                 wake.connect(self.address)  # the accept thread returns, sees `_closed`, ends
@@ -438,9 +459,11 @@ class Service:
             inp, c.current = c.current, None
             if inp is not None and inp.status == "running" and inp.container == c.cid:
                 inp.status, inp.container = "pending", None
-                if not c.preempted:
+                if not c.preempted and not c.timed_out:
                     inp.crashes += 1
-                if inp.crashes >= CRASH_LIMIT:
+                if c.timed_out:  # per attempt: retried up to `retries`, then FunctionTimeoutError
+                    self._timed_out(inp)
+                elif inp.crashes >= CRASH_LIMIT:
                     self._finish(inp, False, _pickle(RemoteError(f"the container crashed {inp.crashes} times")))
                 else:
                     inp.pool.pending.append(inp)  # restarted on the same input
@@ -479,8 +502,9 @@ class Service:
                 if c.pool.pending:
                     inp = c.pool.pending.pop(self.rng.randrange(len(c.pool.pending)))  # random assignment
                     inp.status, inp.container, c.current = "running", cid, inp
+                    c.started = time.monotonic()
                     break
-                if time.monotonic() - c.idle_since >= c.pool.fn["scaledown_window"]:
+                if time.monotonic() - c.idle_since >= c.pool.fn["scaledown_window"] and self._above_minimum(c.pool):
                     c.stopping = True
                     return None
                 self.cond.wait(0.5)
@@ -489,11 +513,16 @@ class Service:
         self._emit("input_started", service=self, container=cid, function=c.pool.fn["name"], input=inp)
         return inp.iid, inp.method, inp.blob
 
+    def _above_minimum(self, pool: Pool) -> bool:
+        """Whether an idle container may scale down: `min_containers` of the pool stay up (under the lock)."""
+        live = sum(1 for c in pool.containers if not c.gone and not c.stopping)
+        return live > (pool.fn.get("min_containers") or 0)
+
     def op_container_output(self, cid: str, iid: str, ok: bool, result: bytes) -> None:
         with self.cond:
             c, inp = self.containers[cid], self.inputs[iid]
-            if c.preempted:
-                return  # the input runs again elsewhere once this container is gone (_reap)
+            if c.preempted or c.timed_out:
+                return  # the input runs again elsewhere (or fails) once this container is gone (_reap)
             c.current, c.idle_since = None, time.monotonic()
             c.inputs_done += 1
             if inp.status != "running" or inp.container != cid:
@@ -548,7 +577,59 @@ class Service:
         while not self._closed:
             time.sleep(0.5)
             with self.cond:
+                now = time.monotonic()
+                for c in self.containers.values():  # Modal terminates an input's container at its timeout
+                    if c.current is not None and not c.gone and not c.timed_out \
+                            and now - c.started > c.pool.fn["timeout"]:
+                        c.timed_out = c.stopping = True
+                        c.proc.kill()
                 self.cond.notify_all()  # idle containers re-check their scale-down window
+
+    def _timed_out(self, inp: Input) -> None:
+        """An input whose container was terminated at its timeout (under the lock; it is pending again)."""
+        from modal.exception import FunctionTimeoutError
+
+        if inp.attempts < inp.pool.fn["retries"]:
+            inp.attempts += 1
+            inp.pool.pending.append(inp)
+        else:
+            timeout = inp.pool.fn["timeout"]
+            self._finish(inp, False, _pickle(FunctionTimeoutError(f"Function timed out after {timeout} seconds "
+                                                                  f"(the timeout of {inp.pool.fn['name']})")))
+
+    def op_container_current(self, cid: str) -> str | None:
+        """The call of the input the container runs now (`modal.current_function_call_id()`)."""
+        with self.cond:
+            c = self.containers[cid]
+            return c.current.call.fcid if c.current is not None else None
+
+    # -- dicts --------------------------------------------------------------------------------------
+    def op_dict_open(self, name: str, create: bool) -> None:
+        from modal.exception import NotFoundError
+
+        with self.cond:
+            if name not in self.dicts:
+                if not create:
+                    raise NotFoundError(f"Dict '{name}' not found")
+                self.dicts[name] = {}
+
+    def op_dict_get(self, name: str, key: bytes) -> tuple[bool, bytes | None]:
+        with self.cond:
+            data = self.dicts[name]
+            return (True, data[key]) if key in data else (False, None)
+
+    def op_dict_put(self, name: str, key: bytes, value: bytes, skip_if_exists: bool) -> bool:
+        with self.cond:
+            data = self.dicts[name]
+            if skip_if_exists and key in data:
+                return False
+            data[key] = value
+            return True
+
+    def op_dict_pop(self, name: str, key: bytes) -> tuple[bool, bytes | None]:
+        with self.cond:
+            data = self.dicts[name]
+            return (True, data.pop(key)) if key in data else (False, None)
 
     # -- volumes ------------------------------------------------------------------------------------
     def _volume_dir(self, name: str, create: bool = False) -> Path:
@@ -645,6 +726,19 @@ class Service:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(data)
 
+    def op_volume_remove(self, name: str, path: str, recursive: bool) -> None:
+        """`Volume.remove_file`: from the committed state, from anywhere (a directory needs `recursive`)."""
+        target = self._volume_dir(name) / path.lstrip("/")
+        with self.cond:
+            if not target.exists():
+                raise FileNotFoundError(f"No such file or directory: {path}")
+            if target.is_dir():
+                if not recursive:
+                    raise IsADirectoryError(f"{path} is a directory: remove_file(recursive=True) removes it")
+                shutil.rmtree(target)
+            else:
+                target.unlink()
+
     # -- sandboxes ----------------------------------------------------------------------------------
     def op_sandbox_create(self, spec: dict) -> str:
         sid = self._new_id("sb")
@@ -668,6 +762,8 @@ class Service:
         threading.Thread(target=self._reap_sandbox, args=(sb,), daemon=True).start()
         if spec["timeout"]:
             self._later(spec["timeout"], lambda: proc.poll() is None and proc.kill())
+        if spec.get("idle_timeout"):
+            threading.Thread(target=self._idle_watch, args=(sb, spec["idle_timeout"]), daemon=True).start()
         return sid
 
     def _pump(self, sb: SandboxState, fd: int, stream) -> None:
@@ -687,10 +783,22 @@ class Service:
         for volume, _view in sb.mounts.values():
             self.op_volume_commit(sb.sid, volume, False)
 
+    def _idle_watch(self, sb: SandboxState, idle_s: float) -> None:
+        """`idle_timeout`: a sandbox with no activity for that long is terminated. Activity is a running
+        `exec`, stdin being written, or an open tunnel connection (modal.com/docs/guide/sandbox, "Idle
+        Timeouts"); the emulated sandboxes have only stdin."""
+        while sb.proc.poll() is None and not self._closed:
+            left = sb.active_at + idle_s - time.monotonic()
+            if left <= 0:
+                sb.proc.kill()
+                return
+            time.sleep(min(left, 0.5))
+
     def op_sandbox_stdin(self, sid: str, data: bytes, eof: bool) -> None:
         sb = self.sandboxes[sid]
         self._emit("sandbox_stdin", service=self, sandbox=sb, data=data)
         sb.stdin_bytes += len(data)
+        sb.active_at = time.monotonic()
         try:
             if data:
                 sb.proc.stdin.write(data)

@@ -211,3 +211,29 @@ def test_modal_sandbox_runs_kimina_as_a_sidecar():
     # Inside the sandbox Lean is at hand: the re-check runs there, in the image's Mathlib project.
     assert spec.options["recheck"] == "local" and spec.options["lean_project"] == KIMINA.lean_project
     assert rebuilt.verifier().rechecker.project == KIMINA.lean_project
+
+
+def test_a_lean_sandbox_is_ready_only_with_mathlib_loaded_and_a_proof_judged():
+    """Issue 25 item 5: kimina's /health answers before Mathlib is imported, so readiness is the REPLs
+    preloading lean_workbook's imports (LEAN_SERVER_INIT_REPLS) and a warm-up proof the sandbox's own
+    verifier must pass; the sandbox gets kimina's 8 GiB per REPL. The warm-up attempt is one the
+    validity policy accepts for its theorem, in the file shape the verifier sends (emulated: no Lean
+    here, so that it passes in Lean is not checked)."""
+    import json
+
+    from vrl_lean.environment import WARMUP_IMPORTS, warmup_attempt
+    from vrl_lean.policy import prepare
+    from vrl_lean.verifier import theorem_of
+
+    sandbox = pytest.importorskip("vrl.runtime.modal.sandbox", reason="the Modal runtime is not installed in this tree")
+    env = LeanEnvironment(server="http://remote:8000", recheck="off", repls=3)
+    spec = sandbox.spec_for(env, "lean", {"server": "http://remote:8000", "recheck": "off"})
+    assert json.loads(spec.env["LEAN_SERVER_INIT_REPLS"]) == {WARMUP_IMPORTS: 3}
+    assert spec.memory_mb == 3 * KIMINA.memory_per_repl_mb == 3 * 8192
+    (warm,) = spec.warmup
+    attempt = warmup_attempt()
+    assert warm == attempt.model_dump(mode="json")
+    header = attempt.task.data["header"]
+    assert header.startswith(WARMUP_IMPORTS + "\n")  # the REPLs preload exactly this file's imports
+    submission = prepare(attempt.completion.text, theorem_of(attempt.task.data))
+    assert "vrl_warmup" in submission.code and "norm_num" in submission.code

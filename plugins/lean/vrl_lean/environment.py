@@ -10,7 +10,7 @@ from pydantic import Field, field_validator
 
 from vrl.environment import Environment, EnvOptions
 from vrl.errors import OptionsError
-from vrl.types import Task
+from vrl.types import Attempt, Completion, Task
 from vrl.verifier import Verifier
 from vrl_lean import data as data_mod
 from vrl_lean.data import Problem, parse_jsonl_row
@@ -75,6 +75,19 @@ class LeanOptions(EnvOptions):
                 f"file, or {data_mod.STP_DATASET}"
             )
         return data
+
+
+WARMUP_IMPORTS = "import Mathlib\nimport Aesop"
+"""The imports of lean_workbook's header (`data.parse_jsonl_row`'s default), which the sandbox's REPLs preload."""
+
+
+def warmup_attempt() -> Attempt:
+    """A proof every working verifier passes: what a Lean sandbox must judge before it counts as ready."""
+    header = WARMUP_IMPORTS + "\n\nopen BigOperators Real Nat Topology Rat\n"
+    statement = "theorem vrl_warmup : (2 : ℕ) + 2 = 4"  # as tasks hold it: without `:=`
+    task = Task(id="vrl_warmup", prompt="", data={"name": "vrl_warmup", "header": header, "statement": statement})
+    text = f"```lean4\n{header}\n{statement} := by\n  norm_num\n```"
+    return Attempt(task=task, completion=Completion(task_id="vrl_warmup", text=text))
 
 
 class LeanEnvironment(Environment):
@@ -176,9 +189,13 @@ class LeanEnvironment(Environment):
         return {
             "image": KIMINA.image,
             "sidecar": KIMINA.command,
-            "wait_url": f"{local}/health",
+            "wait_url": f"{local}/health",  # liveness only: kimina answers before Mathlib is loaded
             "workdir": KIMINA.workdir,
-            "env": KIMINA.environment(self.repls),
+            # Every REPL imports Mathlib at start-up, and the sandbox is ready only once the warm-up
+            # proof below passed through the whole verifier (policy, Lean, re-check, canary).
+            "env": KIMINA.environment(self.repls, preload=WARMUP_IMPORTS),
+            "memory_mb": KIMINA.memory_per_repl_mb * self.repls,
+            "warmup": [warmup_attempt().model_dump(mode="json")],
             "options": options,
         }
 

@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vrl.runtime.modal import workers
-from vrl.runtime.modal.images import ImageRecipe, gpu_recipe, orchestrator_recipe
+from vrl.runtime.modal.images import ImageRecipe, gpu_recipe, orchestrator_recipe, requested_plugins
 
-ORCHESTRATOR_TIMEOUT_S = 24 * 3600  # Modal's maximum for one function call
 PREPARE_TIMEOUT_S = 3 * 3600
 
 
@@ -34,12 +33,17 @@ def gpu_options(runtime: Any) -> dict[str, Any]:
         "retries": runtime.retries,
         "max_containers": runtime.max_containers,
         "scaledown_window": runtime.scaledown_window_s,
+        # kept warm while the app runs (a run's ephemeral app: the run)
+        **({"min_containers": runtime.min_containers} if runtime.min_containers else {}),
     }
 
 
 def orchestrator_options(runtime: Any) -> dict[str, Any]:
-    """The detached orchestrator's options: long timeout, optional GPU (GRPO's learner), no retries."""
-    return {"gpu": runtime.orchestrator_gpu, "timeout": ORCHESTRATOR_TIMEOUT_S, "retries": 0, "cpu": 2.0}
+    """The detached orchestrator's options: long timeout (it continues itself in a new call before it),
+    optional GPU (GRPO's learner), no retries, and not preemptible where Modal allows it (a CPU function;
+    a GPU one is restarted on the same input and resumes its run: detached.py)."""
+    return {"gpu": runtime.orchestrator_gpu, "timeout": runtime.orchestrator_timeout_s, "retries": 0, "cpu": 2.0,
+            "nonpreemptible": not runtime.orchestrator_gpu}
 
 
 @dataclass
@@ -69,7 +73,8 @@ def build_app(config: Any) -> ModalApp:
         raise RuntimeError("the Modal runtime needs the modal package: pip install 'vrl-core[modal]'") from exc
 
     rt = config.runtime.modal
-    recipes = {"gpu": gpu_recipe(), "orchestrator": orchestrator_recipe(gpu=bool(rt.orchestrator_gpu))}
+    plugins = requested_plugins(config)  # the run's plugins only, installed in each image as distributions
+    recipes = {"gpu": gpu_recipe(plugins), "orchestrator": orchestrator_recipe(plugins, gpu=bool(rt.orchestrator_gpu))}
     images = {role: recipe.build() for role, recipe in recipes.items()}
     volume = modal.Volume.from_name(rt.volume, create_if_missing=True)
     secrets = [modal.Secret.from_name(name) for name in rt.secrets]
@@ -89,19 +94,26 @@ def build_app(config: Any) -> ModalApp:
             workers.warm_up()
 
         @modal.method()
-        def sample(self, variant: dict, start: int, stop: int, *, config: dict, tasks: list, seed: int | None,
-                   spec: dict | None = None, updates: list | None = None, weights: str | None = None) -> list[dict]:
+        def sample(self, variant: dict | list, start: int, stop: int, write_snapshot: bool = False, *, config: dict,
+                   tasks: list, seed: int | None, spec: dict | None = None, es: dict | None = None,
+                   weights: str | None = None) -> dict:
             if weights:
                 # New GRPO weights were committed after this container mounted the Volume.
                 _reload(self.root)
-            return workers.sample(variant, start, stop, config=config, tasks=tasks, seed=seed, spec=spec,
-                                  updates=updates, weights=weights)
+            # ES: a worker that is behind reloads to see the newest updates; a θ snapshot it writes is committed.
+            return workers.sample_call(variant, start, stop, write_snapshot, config=config, tasks=tasks, seed=seed,
+                                       spec=spec, es=es, weights=weights, root=self.root,
+                                       reload=lambda: _reload(self.root), commit=lambda: _commit(self.root))
 
     volume_name = rt.volume
 
     def _reload(mount: str) -> None:
         if mount == workers.VOLUME_ROOT:  # only inside Modal; a local run reads the directory itself
             modal.Volume.from_name(volume_name).reload()
+
+    def _commit(mount: str) -> None:
+        if mount == workers.VOLUME_ROOT:
+            modal.Volume.from_name(volume_name).commit()
 
     @app.function(image=images["gpu"], volumes={root: volume}, secrets=secrets, timeout=PREPARE_TIMEOUT_S,
                   cpu=2.0, memory=8192, serialized=True, name="prepare_model")
@@ -114,10 +126,13 @@ def build_app(config: Any) -> ModalApp:
     @app.function(image=images["orchestrator"], volumes={root: volume}, secrets=secrets, serialized=True,
                   env=workers.volume_env(root, offline=False),  # datasets may still come from the Hub
                   name="orchestrate", **opts["orchestrator"])
-    def orchestrate(config_data: dict, resume: bool = False, worker: Any = None) -> dict:
-        from vrl.runtime.modal.detached import orchestrate as run_loop
+    def orchestrate(config_data: dict, resume: bool = False, worker: Any = None, orchestrator: Any = None,
+                    predecessor: str | None = None) -> dict:
+        # `orchestrator`: this function's own handle (passed in: a closure cannot hold it before the app
+        # runs), so the loop can continue itself in a new call before the timeout.
+        from vrl.runtime.modal.detached import run_on_modal
 
-        vol = modal.Volume.from_name(volume_name)
-        return run_loop(config_data, root, worker, resume=resume, on_iteration=lambda _m: vol.commit())
+        return run_on_modal(config_data, root, worker, resume=resume, volume=volume_name, orchestrator=orchestrator,
+                            predecessor=predecessor, timeout_s=opts["orchestrator"]["timeout"])
 
     return ModalApp(app, recipes, images, volume, secrets, GPUWorker, prepare_model, orchestrate, opts)

@@ -37,7 +37,7 @@ class Iteration:
     sandbox_cores: float = 2.0
     sandbox_memory_gib: float = 8.0
     gpu_price_per_s: float = H100_PER_S
-    scaledown_s: float = 300.0  # runtime.modal.scaledown_window_s: idle GPU containers stay warm (and billed) this long
+    scaledown_s: float = 1200.0  # runtime.modal.scaledown_window_s (its default): idle GPU containers stay warm (and billed) this long
 
     @property
     def attempts(self) -> int:

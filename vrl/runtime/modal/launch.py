@@ -1,6 +1,7 @@
-"""Entry points that talk to the Modal service: `vrl modal prepare` and detached training.
+"""Entry points that talk to the Modal service: `vrl modal prepare`, detached training and its
+`vrl modal resume | status | logs | stop NAME`.
 
-Both need a Modal account (`pip install 'vrl-core[modal]'`, then `modal setup`); without credentials they
+All need a Modal account (`pip install 'vrl-core[modal]'`, then `modal setup`); without credentials they
 fail at once with that advice.
 """
 
@@ -67,9 +68,13 @@ def recorded_config(name: str, volume: str, iterations: int | None, read: Any = 
 
 
 def resume_detached(name: str, volume: str = "vrl", iterations: int | None = None) -> tuple[str, Any]:
-    """Continue the detached run `name` on Modal: its recorded config, only `iterations` changed."""
+    """Continue the detached run `name` on Modal: its recorded config, only `iterations` changed.
+    Refused (one line) while another call owns the run."""
+    from vrl.runtime.modal.lease import RunLease
+
     require_credentials()
     cfg = recorded_config(name, volume, iterations)
+    RunLease(volume, name).check_free()  # the orchestrator checks again when it starts
     return launch_detached(cfg, resume=True), cfg
 
 
@@ -82,10 +87,104 @@ def launch_detached(config: Any, resume: bool = False) -> str:
                          "(or --set runtime.kind=modal)")
     if not config.logging.name:
         raise ValueError("a detached run needs --name, so you can find (and resume) it on the Volume")
+    if not resume:
+        _refuse_existing(config.logging.name, config.runtime.modal.volume)
     app = build_app(config)
     try:
         with app.app.run(detach=True):
-            call = app.orchestrate.spawn(dump(config), resume, worker=app.worker())
+            call = app.orchestrate.spawn(dump(config), resume, worker=app.worker(), orchestrator=app.orchestrate)
     except _modal_errors() as exc:
         raise ModalUnavailable(NO_ACCOUNT.format(error=exc)) from None
     return call.object_id
+
+
+def _refuse_existing(name: str, volume: str) -> None:
+    """A new detached run may not reuse a name on the Volume (the orchestrator checks again)."""
+    from vrl.errors import RunDirError
+    from vrl.runtime.modal.lease import already_exists
+
+    try:
+        read_volume_file(volume, f"runs/{name}/config.json")
+    except FileNotFoundError:
+        return
+    raise RunDirError(already_exists(name, volume))
+
+
+# -- status, logs, stop ------------------------------------------------------------------------------
+
+
+def _read_json(volume: str, path: str, read: Any) -> Any:
+    import json
+
+    try:
+        return json.loads(read(volume, path))
+    except FileNotFoundError:
+        return None
+
+
+def _read_jsonl(volume: str, path: str, read: Any) -> list[dict[str, Any]]:
+    import json
+
+    try:
+        text = read(volume, path).decode()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a torn last line
+    return rows
+
+
+def run_status(name: str, volume: str = "vrl", read: Any = read_volume_file, lease: Any = None) -> dict[str, Any]:
+    """What the Volume and the lease say about detached run `name` (as last committed)."""
+    from vrl.errors import RunDirError
+    from vrl.runtime.modal.lease import RunLease
+
+    require_credentials()
+    config = _read_json(volume, f"runs/{name}/config.json", read)
+    if config is None:
+        raise RunDirError(f"no detached run {name!r} on the Volume {volume!r} (no runs/{name}/config.json)")
+    lease = lease or RunLease(volume, name)
+    call = lease.latest_call()
+    state = _read_json(volume, f"runs/{name}/state.json", read) or {}
+    summary = _read_json(volume, f"runs/{name}/summary.json", read) or {}
+    metrics = _read_jsonl(volume, f"runs/{name}/metrics.jsonl", read)
+    return {
+        "name": name, "volume": volume, "call": call, "running": call is not None and lease.alive(call),
+        "iterations_completed": int(state.get("iteration", 0)), "iterations": config.get("iterations"),
+        "status": summary.get("status"), "error": summary.get("error"), "last": metrics[-1] if metrics else None,
+    }
+
+
+def format_metrics(row: dict[str, Any]) -> str:
+    """One finished iteration as one line (what the orchestrator logged)."""
+    return (f"iteration {row.get('iteration')}: reward {row.get('reward_mean', 0.0):.3f} · pass "
+            f"{100 * row.get('pass_rate', 0.0):.0f}% · {row.get('loop_s', 0.0):.1f} s")
+
+
+def run_logs(name: str, volume: str = "vrl", read: Any = read_volume_file) -> list[str]:
+    """The run's iteration lines and its end, from the Volume (what the orchestrator committed)."""
+    status = run_status(name, volume, read)
+    lines = [format_metrics(row) for row in _read_jsonl(volume, f"runs/{name}/metrics.jsonl", read)]
+    if status["error"]:
+        lines.append(f"{status['status']}: {status['error']}")
+    return lines
+
+
+def stop_run(name: str, volume: str = "vrl", lease: Any = None) -> str | None:
+    """Cancel the call that owns run `name` (its finished iterations stay on the Volume); return its id,
+    or None when no call is running it."""
+    require_credentials()  # before `import modal`: a missing package is a one-line error too
+    import modal
+
+    from vrl.runtime.modal.lease import RunLease
+
+    lease = lease or RunLease(volume, name)
+    call = lease.latest_call()
+    if call is None or not lease.alive(call):
+        return None
+    modal.FunctionCall.from_id(call).cancel(terminate_containers=True)
+    return call

@@ -22,7 +22,8 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,7 +34,16 @@ from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Trainable, Unsup
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.runtime.modal import workers
 from vrl.runtime.modal.credentials import require_credentials
-from vrl.runtime.modal.sandbox import ModalSandbox, ProcessSandbox, SandboxPool, pool_size, spec_for
+from vrl.runtime.modal.sandbox import (
+    ModalSandbox,
+    ProcessSandbox,
+    SandboxPool,
+    pool_size,
+    sandbox_memory_mb,
+    spec_for,
+)
+from vrl.runtime.modal.verification import SandboxVerification
+from vrl.runtime.modal.volume import VolumeWeights
 from vrl.types import Completion, Task
 from vrl.verifier import Verifier
 
@@ -62,6 +72,10 @@ class ModalCaller(Caller):
         columns = [list(col) for col in zip(*argsets)]
         for out in method.map(*columns, kwargs=kwargs, order_outputs=False, return_exceptions=True):
             if isinstance(out, BaseException):
+                # Modal retried it (runtime.modal.retries; preemptions and lost containers restart on their
+                # own): the iteration fails with what went wrong, it is never scored without this call.
+                log.error("a GPU worker call failed after Modal's retries, so this iteration is not scored "
+                          "(resume the run once the cause is fixed): %s: %s", type(out).__name__, out)
                 raise out
             yield out
 
@@ -105,41 +119,88 @@ class ModalPolicy(PolicyHost):
 
     name = "modal"
 
-    def __init__(self, caller: Caller, worker: Any, config: Any, weights_dir: Path, commit: Any = None):
+    def __init__(self, caller: Caller, worker: Any, config: Any, store: VolumeWeights,
+                 before_sample: Callable[[], None] | None = None, put: Callable[[dict[str, bytes]], None] | None = None):
         self.caller, self.worker, self.config = caller, worker, config
-        self.weights_dir, self._commit = Path(weights_dir), commit
+        self.store = store  # where published weights go, by the Volume's rules (volume.py)
+        self.before_sample = before_sample  # the detached orchestrator's check at each iteration's start
         self.spec: PerturbationSpec | None = None
-        self.updates: list[dict[str, Any]] = []  # every seeded update so far (`to_wire` data), replayed by workers
+        # Every seeded update so far (`to_wire` data): on the Volume once each (`put`), the newest in every call.
+        self.log = workers.UpdateLog(f"{workers.RUNS_DIR}/{store.run}/{workers.ES_DIR}", put or (lambda files: None),
+                                     config.runtime.modal.snapshot_every)
+        self.updates = self.log.updates
         self.weights: str | None = None  # the Volume file of the last published weights
         self.version = 0
         self._trainable: Trainable | None = None
         self.calls = 0  # worker calls made (tests check the fan-out)
+        self.replayed: list[int] = []  # updates each call applied (catching up included)
+        self._last_sample: float | None = None
+        self._warned_cold = False
 
     # -- sampling ------------------------------------------------------------------------------------
     def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
                ) -> Iterator[list[Completion]]:
         if not tasks or not variants:
             return
+        if self.before_sample is not None:
+            self.before_sample()
         if any(v.seed is not None for v in variants) and self.spec is None:
             raise RuntimeError("seeded variants need perturbations(spec) first")
+        self._check_warm()
+        seeded = [v for v in variants if v.seed is not None]
+        if seeded:
+            self.log.flush()  # the updates a behind worker catches up from, before any call can need them
         shared = {
             "config": workers.engine_config(self.config),
             "tasks": workers.tasks_to_wire(tasks),
             "seed": seed,
             "spec": workers.spec_to_wire(self.spec),
-            "updates": self.updates,
+            "es": self.log.head() if seeded else None,  # only what is new: the newest update and digests
             "weights": self.weights,
         }
         size = self.config.sampling.batch_size
         argsets: list[tuple] = []
+        per_call = self.members_per_call(len(seeded))
+        for i in range(0, len(seeded), per_call):  # members: on as many containers as Modal gives
+            group = [workers.variant_to_wire(v) for v in seeded[i:i + per_call]]
+            argsets.append((group if per_call > 1 else group[0], 0, len(tasks), False))
+        if argsets and self.log.snapshot_due():
+            argsets[0] = (*argsets[0][:3], True)  # one call writes θ to the Volume for cold workers
         for v in variants:
-            if v.seed is not None:  # one member per call: members run on as many containers as Modal gives
-                argsets.append((workers.variant_to_wire(v), 0, len(tasks)))
-            else:  # the current weights: shards of tasks
-                argsets += [(workers.variant_to_wire(v), s, min(s + size, len(tasks))) for s in range(0, len(tasks), size)]
+            if v.seed is None:  # the current weights: shards of tasks
+                argsets += [(workers.variant_to_wire(v), s, min(s + size, len(tasks)), False)
+                            for s in range(0, len(tasks), size)]
         self.calls += len(argsets)
         for out in self.caller.imap(self.worker.sample, argsets, shared):
-            yield [workers.completion_from_wire(c) for c in out]
+            if out["snapshot"]:
+                self.log.snapshot = max(self.log.snapshot, out["snapshot"])
+            self.replayed.append(out["replayed"])
+            by_variant: dict[int, list[Completion]] = {}
+            for c in out["completions"]:
+                completion = workers.completion_from_wire(c)
+                by_variant.setdefault(completion.variant, []).append(completion)
+            yield from by_variant.values()
+
+    def _check_warm(self) -> None:
+        """Warn once when an iteration outlasts the workers' scale-down window: they go cold between
+        iterations, and each cold one reloads the model and catches up from the Volume."""
+        rt, now = self.config.runtime.modal, time.monotonic()
+        last, self._last_sample = self._last_sample, now
+        if last is not None and now - last > rt.scaledown_window_s and not rt.min_containers and not self._warned_cold:
+            self._warned_cold = True
+            log.warning("an iteration took %.0f s, longer than runtime.modal.scaledown_window_s=%d: GPU workers scale "
+                        "down between iterations and start cold; raise it above the iteration time (at most 3600) or "
+                        "set runtime.modal.min_containers", now - last, rt.scaledown_window_s)
+
+    def members_per_call(self, members: int) -> int:
+        """ES members per worker call: `runtime.modal.members_per_call`, or by default one for full-rank
+        noise and, for low-rank, as many as share the containers (one engine pass serves several)."""
+        rt = self.config.runtime.modal
+        if rt.members_per_call:
+            return rt.members_per_call
+        if self.spec is None or self.spec.noise != "lowrank" or members == 0:
+            return 1
+        return -(-members // rt.max_containers)
 
     # -- seeded perturbations: the workers replay the update list ----------------------------------
     def perturbations(self, spec: PerturbationSpec) -> WeightsInfo:
@@ -150,7 +211,7 @@ class ModalPolicy(PolicyHost):
         """Record a `vrl.weights.update` update (as its `to_wire` data) for the workers to replay."""
         if self.spec is None:
             raise RuntimeError("update before perturbations(spec)")
-        self.updates.append(update.to_wire())
+        self.log.append(update.to_wire())
 
     def state(self) -> dict[str, Any]:
         raise Unsupported("the Modal runtime keeps the weights on its workers")
@@ -169,12 +230,10 @@ class ModalPolicy(PolicyHost):
 
     def publish(self, model: Any) -> None:
         self.version += 1
-        path = workers.save_weights(model, self.weights_dir / f"v{self.version:06d}.safetensors")
-        if self._commit is not None:
-            self._commit()
-        self.weights = str(path)
-        for old in sorted(self.weights_dir.glob("v*.safetensors"))[:-2]:
-            old.unlink()
+        self.weights = self.store.publish(model, self.version)
+
+    def close(self) -> None:
+        self.store.close()
 
 
 # -- the runtime -----------------------------------------------------------------------------------------
@@ -184,7 +243,9 @@ class ModalConfig(Section):
     """The Modal runtime (`runtime.kind: modal`): GPU workers, verifier sandboxes, a Volume (docs/modal.md)."""
 
     app_name: str = Field("vrl", min_length=1, description="Modal app name (shown in the Modal dashboard).")
-    gpu: str = Field("H100", min_length=1, description="GPU type of the generation functions, e.g. 'H100', 'A100-80GB', 'L40S'.")
+    gpu: str | list[str] = Field(
+        "H100", min_length=1, description="GPU type of the generation functions, e.g. 'H100', 'A100-80GB', 'L40S'; or a "
+        "list of types Modal tries in order (a fallback when the first is scarce), e.g. ['H100', 'A100-80GB'].")
     cpu: float = Field(4.0, gt=0, description="CPU cores reserved per GPU container.")
     memory_mb: int = Field(65536, ge=1024, description="Memory (MiB) reserved per GPU container.")
     timeout_s: int = Field(3600, ge=10, description="Wall-clock cap for one GPU call (an ES member or a generation shard).")
@@ -193,8 +254,18 @@ class ModalConfig(Section):
         30, ge=1, description="GPU containers at most (ES: members evaluated at once; GRPO: shards at once)."
     )
     scaledown_window_s: int = Field(
-        300, ge=2, description="Seconds an idle GPU container stays warm (keeps the base weights and replayed ES state)."
-    )
+        1200, ge=2, le=3600, description="Seconds an idle GPU container stays warm (keeps the base weights and replayed "
+        "ES state); above one iteration's time (`loop_s`) workers stay warm across iterations (a Lean iteration of the "
+        "case study takes 538 s); the run warns when an iteration outlasts it.")
+    min_containers: int = Field(
+        0, ge=0, description="GPU containers Modal keeps running while the app runs (a run's app lives as long as the "
+        "run): warm workers for the whole run, billed while idle; 0: only scaledown_window_s keeps them.")
+    snapshot_every: int = Field(
+        10, ge=0, description="ES: every this many updates one worker writes θ to the Volume; a cold or behind worker "
+        "starts from the newest snapshot, so it replays at most this many updates (0: never; it replays from the base).")
+    members_per_call: int = Field(
+        0, ge=0, description="ES members sampled by one worker call; 0: one for es.noise=full, and for lowrank as many "
+        "as share runtime.modal.max_containers (one engine pass serves several low-rank members).")
     volume: str = Field("vrl", min_length=1, description="Modal Volume holding base weights, the HF cache and run directories.")
     secrets: list[str] = Field(
         default_factory=list,
@@ -204,6 +275,10 @@ class ModalConfig(Section):
     detach: bool = Field(False, description="Run the orchestrator itself on Modal; the run directory lives on the Volume.")
     orchestrator_gpu: str | None = Field(
         None, description="GPU for the detached orchestrator (GRPO trains there); None: CPU only (ES needs none)."
+    )
+    orchestrator_timeout_s: int = Field(
+        86400, ge=60, le=86400, description="Function timeout of one detached orchestrator call (Modal's maximum is "
+        "24 h); before it, the orchestrator saves and continues the run in a new call."
     )
     verify_in: Literal["sandbox", "local"] = Field(
         "sandbox", description="'sandbox': verifiers run in Modal Sandboxes; 'local': in the orchestrator process."
@@ -215,6 +290,9 @@ class ModalConfig(Section):
     sandbox_cpu: float = Field(2.0, gt=0, description="CPU cores per verifier sandbox.")
     sandbox_memory_mb: int = Field(8192, ge=256, description="Memory (MiB) per verifier sandbox.")
     sandbox_timeout_s: int = Field(3600, ge=60, description="Lifetime of a verifier sandbox; the pool replaces expired ones.")
+    sandbox_idle_timeout_s: int = Field(
+        600, ge=10, description="A verifier sandbox nobody writes to for this long ends (Modal's idle_timeout), so a dead "
+        "orchestrator's sandboxes go away; the pool pings idle ones three times as often while the run lives.")
     sandbox_start_timeout_s: float = Field(
         600.0, gt=0, description="How long a sandbox may take to become healthy (a Lean server imports Mathlib)."
     )
@@ -243,6 +321,7 @@ class ModalRuntime(Runtime):
         self._running = False
         self._lock = threading.Lock()
         self.sandbox_pool: SandboxPool | None = None
+        self.before_sample: Callable[[], None] | None = None  # set by the detached orchestrator (detached.py)
 
     @classmethod
     def from_config(cls, config: Any) -> ModalRuntime:
@@ -267,13 +346,35 @@ class ModalRuntime(Runtime):
     def policy(self, config: Any, needs: HostNeeds | None = None) -> PolicyHost:
         self._ensure_running()
         run = config.logging.name or "run"
-        weights_dir = self.volume_root / workers.RUNS_DIR / run / "weights"
-        return ModalPolicy(self.caller, self.worker, config, weights_dir, self._commit_volume())
+        return ModalPolicy(self.caller, self.worker, config, self._weights_store(run), self.before_sample,
+                           put=self._put_files)
 
-    def _commit_volume(self) -> Any:
-        if self.execute == "local" or self.app is None:
-            return None
-        return self.app.volume.commit
+    def _put_files(self, files: dict[str, bytes]) -> None:
+        """Files onto the Volume for the workers (ES updates): one batch upload, allowed from anywhere and
+        committed at once; plain files in the directory standing in for the Volume (`execute="local"`)."""
+        import io
+
+        if self.execute == "local":
+            for rel, data in files.items():
+                path = self.volume_root / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+            return
+        import modal
+
+        with modal.Volume.from_name(self.config.runtime.modal.volume).batch_upload(force=True) as batch:
+            for rel, data in files.items():
+                batch.put_file(io.BytesIO(data), rel)
+
+    def _weights_store(self, run: str) -> VolumeWeights:
+        """Inside a container: write the mounted Volume and commit; on this machine: upload (Modal allows
+        `commit()` only in a container); `execute="local"`: the directory standing in for the Volume."""
+        if self.execute == "local":
+            return VolumeWeights(run, root=self.volume_root)
+        import modal
+
+        volume = modal.Volume.from_name(self.config.runtime.modal.volume)
+        return VolumeWeights(run, volume=volume, root=self.volume_root if self.in_container else None)
 
     def verification(self, verifier: Verifier, config: Any, attempts_per_iteration: int | None = None) -> VerificationPool:
         v, rt = config.verifier, config.runtime.modal
@@ -282,9 +383,8 @@ class ModalRuntime(Runtime):
         # The sandboxes run their own copy of the plugin's verifier; the local one is not needed.
         _close_quietly(verifier)
         self.sandbox_pool = self.sandboxes(config, attempts_per_iteration)
-        # The first batch also waits for the pool to start (a Lean server imports Mathlib).
-        outer = v.timeout_s + rt.sandbox_start_timeout_s
-        return VerificationPool(self.sandbox_pool, batch_size=v.batch_size, concurrency=v.concurrency, timeout_s=outer)
+        # The pool bounds each request and start itself; an infrastructure failure fails the iteration.
+        return SandboxVerification(self.sandbox_pool, batch_size=v.batch_size, concurrency=v.concurrency)
 
     def sandboxes(self, config: Any, attempts_per_iteration: int | None = None) -> SandboxPool:
         """The verifier sandbox pool for this run, sized from the iteration's attempts."""
@@ -303,14 +403,18 @@ class ModalRuntime(Runtime):
 
             image = verifier_recipe(plugin_for_environment(config.plugin), base=spec.image).build()
             argv = spec.command("python", rt.sandbox_start_timeout_s)
+            memory_mb = sandbox_memory_mb(spec, rt.sandbox_memory_mb)
 
             def factory():
-                return ModalSandbox(self.app.app, image, argv, cpu=rt.sandbox_cpu, memory_mb=rt.sandbox_memory_mb,
+                # In the detached orchestrator `app` is None: Modal then uses the container's own app.
+                return ModalSandbox(self.app.app if self.app is not None else None, image, argv, cpu=rt.sandbox_cpu,
+                                    memory_mb=memory_mb,
                                     timeout_s=rt.sandbox_timeout_s, block_network=rt.block_network and not spec.network,
-                                    workdir=spec.workdir, env=spec.env)
+                                    workdir=spec.workdir, env=spec.env, idle_timeout_s=rt.sandbox_idle_timeout_s)
         lifetime = max(30.0, rt.sandbox_timeout_s - 60.0)  # replace before Modal ends it
         return SandboxPool(factory, size, mode=rt.sandbox_mode, request_timeout_s=v.timeout_s,
-                           start_timeout_s=rt.sandbox_start_timeout_s, lifetime_s=lifetime)
+                           start_timeout_s=rt.sandbox_start_timeout_s, lifetime_s=lifetime,
+                           keepalive_s=rt.sandbox_idle_timeout_s / 3)
 
     def close(self) -> None:
         """Stop background callers and the ephemeral app."""

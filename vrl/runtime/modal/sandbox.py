@@ -7,10 +7,16 @@ inside the sandbox) and speaks JSON lines over stdin/stdout; a plugin may add a 
 (`ProcessSandbox`, used by the tests and by anyone without a Modal account).
 
 Pool rules: started lazily and all at once (a Lean REPL importing Mathlib costs seconds, so warm
-sandboxes are reused); a sandbox that dies is restarted and its batch retried once; a batch that
-overruns its timeout scores `timeout` and the sandbox is replaced (its state is unknown); a sandbox
-older than its lifetime is replaced before Modal kills it. `per_attempt` mode starts a fresh sandbox
-for every attempt instead.
+sandboxes are reused); a sandbox that dies is restarted and its batch retried (`trials` tries in all);
+a batch that still kills its sandbox is split in halves, so an attempt that kills the sandbox on its
+own scores `crashed` without zeroing its neighbours; a batch of which nothing can be judged, while
+nothing else is judged either, is an infrastructure failure (`SandboxFailure`), and so is a sandbox
+that fails to start twice in a row (`SandboxUnavailable`): `SandboxVerification` (verification.py)
+fails the iteration with them rather than score them as wrong answers (issue 25, defect 10). A batch
+that overruns its timeout scores `timeout` and the sandbox is replaced (its state is unknown); a
+sandbox older than its lifetime is replaced before Modal kills it; idle sandboxes are pinged every
+`keepalive_s`, so Modal's `idle_timeout` ends only those of an orchestrator that died. `per_attempt`
+mode starts a fresh sandbox for every attempt instead.
 """
 
 from __future__ import annotations
@@ -25,11 +31,11 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vrl.types import Attempt, Status, Verdict
-from vrl.verifier import Verifier
+from vrl.verifier import Verifier, VerifierUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +46,12 @@ class SandboxDied(RuntimeError):
     """The sandbox's process ended (or its stream closed) while a request was in flight."""
 
 
-class SandboxUnavailable(RuntimeError):
-    """A sandbox could not be started or did not become healthy in time."""
+class SandboxUnavailable(VerifierUnavailable):
+    """A sandbox could not be started or did not become healthy in time (twice in a row)."""
+
+
+class SandboxFailure(VerifierUnavailable):
+    """The sandboxes, not the attempts, failed a batch: it died in fresh sandboxes on every try."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,10 @@ class SandboxSpec:
     workdir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     network: bool = False  # a verifier that must reach the network sets this (code verifiers never do)
+    # Attempts (`Attempt` JSON) the verify server judges before it answers its first ping; every one must
+    # pass. Ready then means ready to judge (a Lean server with Mathlib imported), not merely alive.
+    warmup: tuple[dict[str, Any], ...] = ()
+    memory_mb: int | None = None  # what the sidecar needs (e.g. kimina: 8 GiB per REPL); the sandbox gets at least this
 
     def command(self, python: str = "python", wait_timeout_s: float = 600.0) -> list[str]:
         """argv of the sandbox's main process."""
@@ -68,7 +82,11 @@ class SandboxSpec:
         for key, value in self.options.items():
             serve += ["-o", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
         if self.wait_url:
-            serve += ["--wait-url", self.wait_url, "--wait-timeout", str(wait_timeout_s)]
+            serve += ["--wait-url", self.wait_url]
+        if self.wait_url or self.warmup:
+            serve += ["--wait-timeout", str(wait_timeout_s)]
+        if self.warmup:
+            serve += ["--warmup", json.dumps(list(self.warmup))]
         if not self.sidecar:
             return serve
         sidecar = " ".join(_quote(a) for a in self.sidecar)
@@ -81,6 +99,16 @@ def _quote(arg: str) -> str:
     return shlex.quote(arg)
 
 
+def sandbox_memory_mb(spec: SandboxSpec, configured: int) -> int:
+    """The sandbox's memory: `runtime.modal.sandbox_memory_mb`, raised to what the spec's sidecar needs
+    (kimina-lean-server takes up to 8 GiB per REPL: four REPLs do not fit the default 8 GiB)."""
+    if spec.memory_mb and spec.memory_mb > configured:
+        log.warning("the %s sandbox needs %d MiB (runtime.modal.sandbox_memory_mb=%d): giving it %d MiB",
+                    spec.plugin, spec.memory_mb, configured, spec.memory_mb)
+        return spec.memory_mb
+    return configured
+
+
 def spec_for(environment: Any, plugin: str, options: dict[str, Any]) -> SandboxSpec:
     """The environment's own sandbox (`Environment.modal_sandbox()`), or the default (it returns None):
     its verifier, no network."""
@@ -89,6 +117,8 @@ def spec_for(environment: Any, plugin: str, options: dict[str, Any]) -> SandboxS
         return SandboxSpec(plugin=plugin, options=dict(options))
     if isinstance(spec, Mapping):
         spec = SandboxSpec(**{"plugin": plugin, "options": options, **spec})
+        if not isinstance(spec.warmup, tuple):
+            spec = replace(spec, warmup=tuple(spec.warmup))
     if not isinstance(spec, SandboxSpec):
         raise TypeError(f"{plugin}: modal_sandbox() must return a SandboxSpec, a dict or None, got {type(spec).__name__}")
     return spec
@@ -119,8 +149,8 @@ class SandboxHandle(ABC):
         """Terminate the sandbox and release what it holds; safe to call twice."""
 
     @abstractmethod
-    def running(self) -> bool:
-        """Whether the sandbox is still alive."""
+    async def running(self) -> bool:
+        """Whether the sandbox is still alive (a coroutine: asking Modal is a round trip)."""
 
     def describe(self) -> str:
         return type(self).__name__
@@ -199,7 +229,7 @@ class ProcessSandbox(SandboxHandle):
             if stream is not None:
                 stream.close()
 
-    def running(self) -> bool:
+    async def running(self) -> bool:
         return self._proc is not None and self._proc.returncode is None
 
     def _require(self) -> asyncio.subprocess.Process:
@@ -216,13 +246,16 @@ STDIN_CHUNK_CHARS = 512 * 1024
 
 
 class ModalSandbox(SandboxHandle):
-    """A Modal Sandbox running the verify server (needs a Modal account; not exercised in tests)."""
+    """A Modal Sandbox running the verify server (exercised on the Modal emulator, tests/modal_emulator)."""
 
     def __init__(self, app: Any, image: Any, argv: Sequence[str], *, cpu: float, memory_mb: int, timeout_s: int,
-                 block_network: bool, workdir: str | None = None, env: dict[str, str] | None = None):
+                 block_network: bool, workdir: str | None = None, env: dict[str, str] | None = None,
+                 idle_timeout_s: int | None = None):
         self.app, self.image, self.argv = app, image, list(argv)
+        # idle_timeout: a sandbox whose stdin nobody writes (its orchestrator died) ends on its own; a live
+        # pool pings idle sandboxes more often than that (SandboxPool keepalive_s).
         self.options = {"cpu": cpu, "memory": memory_mb, "timeout": timeout_s, "block_network": block_network,
-                        "workdir": workdir, "env": env or None}
+                        "workdir": workdir, "env": env or None, "idle_timeout": idle_timeout_s}
         self._sb: Any = None
         self._chunks: Any = None
         self._buffer = ""
@@ -264,8 +297,10 @@ class ModalSandbox(SandboxHandle):
             except Exception as exc:  # noqa: BLE001 - already gone
                 log.debug("terminating sandbox: %s", exc)
 
-    def running(self) -> bool:
-        return self._sb is not None and self._sb.poll() is None
+    async def running(self) -> bool:
+        # The async interface: the blocking `poll()` would stall the pool's event loop for one round trip
+        # (Modal warns AsyncUsageWarning).
+        return self._sb is not None and await self._sb.poll.aio() is None
 
     def describe(self) -> str:
         return f"modal sandbox {getattr(self._sb, 'object_id', '-')}"
@@ -320,6 +355,8 @@ class SandboxPool(Verifier):
         request_timeout_s: float = 600.0,
         start_timeout_s: float = 600.0,
         lifetime_s: float | None = None,
+        trials: int = 2,
+        keepalive_s: float | None = None,
     ):
         if size < 1:
             raise ValueError("a sandbox pool needs at least one sandbox")
@@ -327,7 +364,11 @@ class SandboxPool(Verifier):
             raise ValueError(f"sandbox mode {mode!r}; choose pool or per_attempt")
         self.factory, self.size, self.mode = factory, size, mode
         self.request_timeout_s, self.start_timeout_s, self.lifetime_s = request_timeout_s, start_timeout_s, lifetime_s
-        self.stats = {"starts": 0, "restarts": 0, "crashes": 0, "timeouts": 0, "batches": 0}
+        self.trials = max(1, trials)  # tries of a batch in fresh sandboxes before it is split
+        self.keepalive_s = keepalive_s  # ping idle sandboxes this often (their idle_timeout must not end them)
+        self._keepalive: asyncio.Task | None = None
+        self.stats = {"starts": 0, "restarts": 0, "crashes": 0, "timeouts": 0, "batches": 0, "judged": 0,
+                      "attempt_crashes": 0, "failures": 0, "keepalives": 0}
         self._slots = [_Slot(i) for i in range(size)]
         self._idle: asyncio.Queue[_Slot] | None = None
         self._started = False
@@ -348,6 +389,8 @@ class SandboxPool(Verifier):
             for slot in self._slots:
                 self._idle.put_nowait(slot)  # a failed slot is rebooted when it is next used
             self._started = True
+            if self.keepalive_s:
+                self._keepalive = asyncio.create_task(self._keep_alive())
             if len(failed) == len(self._slots):
                 raise SandboxUnavailable(f"no verifier sandbox started: {failed[0]}")
             for exc in failed:
@@ -375,14 +418,46 @@ class SandboxPool(Verifier):
         log.info("verifier sandbox %d ready in %.1f s (%s)", slot.index, time.monotonic() - t0, slot.handle.describe())
 
     async def _restart(self, slot: _Slot, reason: str) -> None:
+        """A fresh sandbox in the slot; a start that fails is tried once more, then `SandboxUnavailable`."""
         log.warning("restarting verifier sandbox %d: %s", slot.index, reason)
         self.stats["restarts"] += 1
-        await self._boot(slot)
+        try:
+            await self._boot(slot)
+        except SandboxUnavailable as exc:
+            log.warning("verifier sandbox %d failed to start (%s); trying once more", slot.index, exc)
+            await self._boot(slot)
 
     def _expired(self, slot: _Slot) -> bool:
         return self.lifetime_s is not None and time.monotonic() - slot.handle.started_at > self.lifetime_s
 
+    async def _keep_alive(self) -> None:
+        """Ping every idle sandbox each `keepalive_s`: a live run's sandboxes stay up between batches, while
+        those of a dead orchestrator reach their idle timeout and go away."""
+        assert self._idle is not None
+        while True:
+            await asyncio.sleep(self.keepalive_s)
+            for _ in range(self._idle.qsize()):
+                try:
+                    slot = self._idle.get_nowait()
+                except asyncio.QueueEmpty:
+                    break
+                try:
+                    if slot.handle is not None:
+                        await slot.request({"op": "ping"}, self.start_timeout_s)
+                        self.stats["keepalives"] += 1
+                except (SandboxDied, asyncio.TimeoutError) as exc:
+                    log.info("verifier sandbox %d did not answer a keep-alive ping (%s); it restarts when next used",
+                             slot.index, exc or "timeout")
+                    await _stop(slot.handle)
+                    slot.handle = None
+                finally:
+                    self._idle.put_nowait(slot)
+
     async def aclose(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            await asyncio.gather(self._keepalive, return_exceptions=True)
+            self._keepalive = None
         await asyncio.gather(*(s.handle.stop() for s in self._slots if s.handle is not None), return_exceptions=True)
         self._started = False
 
@@ -399,10 +474,31 @@ class SandboxPool(Verifier):
             self._idle.put_nowait(slot)
 
     async def _judge(self, slot: _Slot, attempts: Sequence[Attempt]) -> list[Verdict]:
-        payload = {"op": "verify", "attempts": [a.model_dump(mode="json") for a in attempts]}
+        """Verdicts for a batch; raises `SandboxFailure` when the sandboxes, not the attempts, failed it.
+
+        A batch whose sandbox dies on every try is split in halves, each tried on its own: an attempt
+        that kills a fresh sandbox alone, while the sandboxes judge its neighbours (or other batches),
+        crashed on its own and scores `crashed`; when nothing of the batch can be judged and nothing
+        else was judged meanwhile, the failure is the infrastructure's, never a wrong answer.
+        """
         self.stats["batches"] += 1
-        for trial in range(2):
-            if slot.handle is None or not slot.handle.running():
+        judged_before = self.stats["judged"]
+        verdicts = await self._try(slot, list(attempts))
+        if verdicts is None:
+            verdicts = await self._settle(slot, list(attempts), lambda: self.stats["judged"] > judged_before)
+        if verdicts is None:
+            self.stats["failures"] += 1
+            raise SandboxFailure(
+                f"the verifier sandboxes died on every try of a batch of {len(attempts)} attempt(s) "
+                f"({self.trials} tries, then each half alone) and judged nothing else meanwhile: an infrastructure "
+                "failure, not a verdict; the iteration is not scored (resume the run once Modal's sandboxes work)")
+        return verdicts
+
+    async def _try(self, slot: _Slot, attempts: list[Attempt]) -> list[Verdict] | None:
+        """The batch judged in the slot's sandbox, restarted between tries; None if it died on every try."""
+        payload = {"op": "verify", "attempts": [a.model_dump(mode="json") for a in attempts]}
+        for trial in range(self.trials):
+            if slot.handle is None or not await slot.handle.running():
                 await self._restart(slot, "not running")
             elif self._expired(slot):
                 await self._restart(slot, f"older than its lifetime ({self.lifetime_s:g} s)")
@@ -417,8 +513,8 @@ class SandboxPool(Verifier):
                                      elapsed_s=elapsed) for _ in attempts]
             except SandboxDied as exc:
                 self.stats["crashes"] += 1
-                log.warning("verifier sandbox %d died during a batch (%s)%s", slot.index, exc,
-                            "; retrying once" if trial == 0 else "")
+                log.warning("verifier sandbox %d died during a batch of %d (%s)%s", slot.index, len(attempts), exc,
+                            "; retrying in a fresh one" if trial + 1 < self.trials else "")
                 await _stop(slot.handle)
                 slot.handle = None
                 continue
@@ -429,8 +525,32 @@ class SandboxPool(Verifier):
                 raise
             if "verdicts" not in reply:
                 raise RuntimeError(f"verifier sandbox error: {reply.get('error', reply)}")
+            self.stats["judged"] += 1
             return [Verdict.model_validate(v) for v in reply["verdicts"]]
-        return [Verdict.fail(Status.CRASHED, "the verifier sandbox died twice on this batch") for _ in attempts]
+        return None
+
+    async def _settle(self, slot: _Slot, attempts: list[Attempt], judged: Callable[[], bool]) -> list[Verdict] | None:
+        """Verdicts for a batch that killed its sandbox on every try: each half tried alone, and a half
+        that dies again split further while anything else is being judged; None if nothing could be."""
+        if len(attempts) == 1:
+            if not judged():
+                return None
+            self.stats["attempt_crashes"] += 1
+            return [Verdict.fail(Status.CRASHED, f"the verifier sandbox died {self.trials} times judging this attempt "
+                                 "alone, while it judged others")]
+        half = len(attempts) // 2
+        parts = [attempts[:half], attempts[half:]]
+        tried = [await self._try(slot, part) for part in parts]
+        if all(t is None for t in tried) and not judged():
+            return None
+        out: list[Verdict] = []
+        for part, verdicts in zip(parts, tried):
+            if verdicts is None:
+                verdicts = await self._settle(slot, part, judged)
+                if verdicts is None:
+                    return None
+            out += verdicts
+        return out
 
     async def _per_attempt(self, attempts: Sequence[Attempt]) -> list[Verdict]:
         if self._sem is None:
@@ -442,8 +562,6 @@ class SandboxPool(Verifier):
                 try:
                     await self._boot(slot)
                     return (await self._judge(slot, [attempt]))[0]
-                except SandboxUnavailable as exc:
-                    return Verdict.fail(Status.CRASHED, str(exc))
                 finally:
                     if slot.handle is not None:
                         await slot.handle.stop()

@@ -9,7 +9,10 @@ stdin carries one request per line, stdout one response per line (same `id`):
 
 Anything a plugin prints goes to stderr: file descriptor 1 is taken for the protocol at start-up.
 With `--wait-url`, pings are answered only once that URL is healthy (a sidecar server such as
-kimina-lean-server importing Mathlib), so the pool's start timeout covers the warm-up.
+kimina-lean-server is up: alive, which is not ready). With `--warmup` (a JSON list of attempts), the
+first ping is answered only once the plugin's own verifier has judged every one of them as passed: a
+Lean server has then imported Mathlib and checked a proof, so the pool's start timeout covers the
+warm-up and the first batch does not pay it inside the verifier's timeout.
 """
 
 from __future__ import annotations
@@ -42,6 +45,20 @@ def _wait_healthy(url: str, timeout_s: float) -> str | None:
     return f"{url} not healthy after {timeout_s:g} s ({last})"
 
 
+async def _warm_up(verifier, attempts: list[dict], timeout_s: float) -> str | None:
+    """Judge the warm-up attempts; None when every one passed, else why the sandbox is not ready."""
+    from vrl.types import Attempt
+    from vrl.verifier import verify_safely
+
+    t0 = time.monotonic()
+    verdicts = await verify_safely(verifier, [Attempt.model_validate(a) for a in attempts], timeout_s)
+    failed = [v for v in verdicts if not v.passed]
+    if failed:
+        return f"the warm-up attempt did not pass ({failed[0].status.value}: {failed[0].detail[:300]})"
+    log.info("warm-up: %d attempt(s) passed in %.1f s", len(verdicts), time.monotonic() - t0)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plugin", required=True)
@@ -49,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-url")
     parser.add_argument("--wait-timeout", type=float, default=600.0)
     parser.add_argument("--batch-timeout", type=float, default=None)
+    parser.add_argument("--warmup", default=None, help="JSON list of attempts that must pass before the first ping")
     args = parser.parse_args(argv)
 
     # Keep fd 1 for the protocol; everything else written to stdout lands on stderr.
@@ -61,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     from vrl.plugins import registry
     from vrl.types import Attempt
     from vrl.verifier import verify_safely
+
+    started = time.monotonic()
 
     options: dict = {}
     for item in args.option:
@@ -88,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         if op == "ping":
             if not waited and args.wait_url and error is None:
                 error = _wait_healthy(args.wait_url, args.wait_timeout)
+            if not waited and args.warmup and error is None:
+                left = max(1.0, args.wait_timeout - (time.monotonic() - started))
+                error = loop.run_until_complete(_warm_up(verifier, json.loads(args.warmup), left))
             waited = True
             reply({"id": rid, "ok": error is None, **({"error": error} if error else {})})
         elif op == "verify":

@@ -8,15 +8,18 @@ Volume layout (mounted at `VOLUME_ROOT` in Modal containers)::
 
     hf/                      Hugging Face cache (`vrl modal prepare` fills it; workers read it offline)
     runs/<name>/             run directories of detached runs (metrics, es_history.json, state)
+    runs/<name>/es/          ES updates (updates/<n>.json) and θ snapshots (theta/<n>.safetensors) workers catch up from
     runs/<name>/weights/vN/  GRPO weights after update N (the shard workers reload them)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -96,6 +99,68 @@ def engine_config(config: Any) -> dict[str, Any]:
     return {k: data[k] for k in ("model", "seed", "generator", "sampling")}
 
 
+# -- ES state: what a member call carries, and what a worker catches up from --------------------------
+#
+# A member call carries only what is new since the previous iteration: the newest update, the digests
+# that say which history it extends, and where the rest lives. Every update is on the Volume once
+# (`runs/<name>/es/updates/<n>.json`, uploaded by the orchestrator), and every `snapshot_every` updates
+# one worker writes θ there (`runs/<name>/es/theta/<n>.safetensors`). A warm worker applies the new
+# update; one that is behind (cold, or it missed an iteration) replays from its own state or the newest
+# snapshot, whichever is nearer, so catch-up costs at most `snapshot_every` updates.
+
+ES_DIR = "es"
+
+
+def chain(digest: str, update: dict[str, Any]) -> str:
+    """The digest of a history after `update`, from the digest before it ('' for no update)."""
+    return hashlib.sha256((digest + json.dumps(update, sort_keys=True)).encode()).hexdigest()[:32]
+
+
+def update_file(store: str | os.PathLike, n: int) -> Path:
+    return Path(store) / "updates" / f"{n:06d}.json"
+
+
+def snapshot_file(store: str | os.PathLike, n: int) -> Path:
+    return Path(store) / "theta" / f"{n:06d}.safetensors"
+
+
+class UpdateLog:
+    """The orchestrator's side: the run's ES updates, each put on the Volume once, summarised per call.
+
+    `put(files)` writes {Volume path: bytes} (a batch upload on Modal, plain files when the bodies run
+    here); `store` is the run's ES directory on the Volume (`runs/<name>/es`).
+    """
+
+    def __init__(self, store: str, put: Callable[[dict[str, bytes]], None], snapshot_every: int = 0):
+        self.store, self.put, self.snapshot_every = store, put, snapshot_every
+        self.updates: list[dict[str, Any]] = []
+        self.digests = [""]
+        self.snapshot = 0  # the newest θ snapshot a call of this process wrote (0: none yet; a resumed run writes one)
+        self._unsent: list[int] = []
+
+    def append(self, update: dict[str, Any]) -> None:
+        self.updates.append(update)
+        self.digests.append(chain(self.digests[-1], update))
+        self._unsent.append(len(self.updates) - 1)
+
+    def flush(self) -> None:
+        """Put the updates recorded since the last flush on the Volume (one upload, before the calls)."""
+        if self._unsent:
+            self.put({str(update_file(self.store, i)): json.dumps(self.updates[i]).encode() for i in self._unsent})
+            self._unsent = []
+
+    def snapshot_due(self) -> bool:
+        return bool(self.snapshot_every) and len(self.updates) - self.snapshot >= self.snapshot_every
+
+    def head(self) -> dict[str, Any]:
+        """What every call carries: the newest update and the digests of the history before and after it
+        (a worker finds the θ snapshots on the Volume itself)."""
+        n = len(self.updates)
+        recent = self.updates[-1:]
+        return {"store": self.store, "count": n, "digest": self.digests[n], "before": self.digests[n - len(recent)],
+                "recent": recent}
+
+
 # -- the GPU worker's one method: sample variants of the weights ---------------------------------
 
 
@@ -105,8 +170,15 @@ class _Warm:
     key: str | None = None
     host: Any = None
     spec: PerturbationSpec | None = None
-    applied: list[Any] = []  # the `vrl.weights.update` updates replayed so far
+    count: int = 0  # updates applied to the host's θ
+    digest: str = ""  # their history's digest
     weights: str | None = None
+    replayed: int = 0  # updates applied in the last call (what catching up cost)
+
+    @property
+    def applied(self) -> range:
+        """The updates θ holds, by index (its length: how many)."""
+        return range(self.count)
 
 
 _WARM = _Warm()
@@ -124,48 +196,182 @@ def sample(
     updates: list[dict[str, Any]] | None = None,
     weights: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Completions of one variant on tasks[start:stop], from the host the local runtime would build.
+    """`sample_call` for a caller in this process that holds the run's whole update list (`updates`,
+    `to_wire` data): the completions only. Modal calls carry `UpdateLog.head()` instead."""
+    es = None
+    if updates is not None:
+        log = UpdateLog("", lambda files: None)
+        for update in updates:
+            log.append(update)
+        es = log.head()
+    out = sample_call(variant, start, stop, config=config, tasks=tasks, seed=seed, spec=spec, es=es, weights=weights,
+                      history=updates)
+    return out["completions"]
+
+
+def sample_call(
+    variant: dict[str, Any] | list[dict[str, Any]],
+    start: int,
+    stop: int,
+    write_snapshot: bool = False,
+    *,
+    config: dict[str, Any],
+    tasks: list[dict[str, Any]],
+    seed: int | None,
+    spec: dict[str, Any] | None = None,
+    es: dict[str, Any] | None = None,
+    weights: str | None = None,
+    root: str | os.PathLike = VOLUME_ROOT,
+    reload: Callable[[], None] | None = None,
+    commit: Callable[[], None] | None = None,
+    history: Sequence[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Completions of one variant (or several: low-rank members share one engine pass) on tasks[start:stop],
+    from the host the local runtime would build.
 
     `config`: the run's model, seed, generator and sampling sections (`generator.backend` picks
-    vllm or hf, as locally). Seeded variants (ES members) need `spec` and the run's `updates` so far:
-    the warm host replays only the updates it has not applied yet, then samples the member with
-    in-engine perturbation. `weights`: a Volume file of trained weights (GRPO) to sample instead of
-    the base model. Sampling seeds follow the task's position in the whole list, so shards give
-    what one call over every task gives.
+    vllm or hf, as locally). Seeded variants (ES members) need `spec` and `es` (`UpdateLog.head()`):
+    the warm host applies the newest update, or catches up from the Volume under `root` (`reload` first
+    makes the Volume's newest files visible; or from `history`, the whole update list, when the caller
+    has it), then samples with in-engine perturbation; with `write_snapshot` it first writes θ to the
+    Volume (`commit` publishes it). `weights`: a Volume file of trained weights (GRPO) to sample
+    instead of the base model. Sampling seeds follow the task's position in the whole list, so shards
+    give what one call over every task gives.
+    Returns {"completions": [...], "snapshot": count written or None, "replayed": updates applied,
+    "catch_up_s": seconds spent bringing θ up to date (reload, snapshot load, replay)}.
     """
     from vrl.config import SamplingConfig, TrainConfig
-    from vrl.generate import make_generator
     from vrl.generate.base import shard_seed
 
     cfg = TrainConfig.model_validate(config)
     wanted = spec_from_wire(spec)
-    from vrl.weights.update import update_from_wire
-
-    updates = [update_from_wire(u) for u in (updates or [])]
     key = json.dumps({k: config[k] for k in ("model", "generator")}, sort_keys=True)
-    # Start from the base model for another run, or for history that does not extend what we hold.
-    stale = (_WARM.key != key or _WARM.spec != wanted or updates[: len(_WARM.applied)] != _WARM.applied
-             or (weights is None and _WARM.weights is not None))
-    if stale:
-        if _WARM.host is not None:
-            _WARM.host.close()
-        _WARM.host = _WARM.key = None
-        # One call samples one variant (Modal maps members over calls).
-        host = make_generator(cfg, HostNeeds("perturbations", wanted) if wanted is not None else None)
-        if wanted is not None:
-            host.perturbations(wanted)
-        _WARM.key, _WARM.host, _WARM.spec, _WARM.applied, _WARM.weights = key, host, wanted, [], None
+    # Start from the base model for another model or selection, or after trained weights.
+    if _WARM.key != key or _WARM.spec != wanted or (weights is None and _WARM.weights is not None):
+        _fresh_host(cfg, key, wanted)
     if weights and weights != _WARM.weights:  # newly published trained weights: load them into the warm host
         _WARM.host.publish(load_weights_file(weights))
         _WARM.weights = weights
+    _WARM.replayed = 0
+    written = None
+    t0 = time.perf_counter()
+    if es is not None and wanted is not None:
+        _catch_up(cfg, key, wanted, es, Path(root), reload or (lambda: None), history)
+    catch_up_s = time.perf_counter() - t0
+    if es is not None and wanted is not None and write_snapshot and es["count"]:
+        written = _write_snapshot(Path(root) / es["store"], es["count"], es["digest"], reload or (lambda: None),
+                                  commit or (lambda: None))
     host = _WARM.host
-    for update in updates[len(_WARM.applied):]:
-        host.update(update)
-        _WARM.applied.append(update)
     host.sampling = SamplingConfig(**config["sampling"])
-    v = Variant(**variant)
-    out = host.sample(tasks_from_wire(tasks[start:stop]), [v], shard_seed(seed, start, v.samples_per_task))
-    return [completion_to_wire(c) for batch in out for c in batch]
+    variants = [Variant(**v) for v in (variant if isinstance(variant, list) else [variant])]
+    per_task = variants[0].samples_per_task
+    out = host.sample(tasks_from_wire(tasks[start:stop]), variants, shard_seed(seed, start, per_task))
+    return {"completions": [completion_to_wire(c) for batch in out for c in batch], "snapshot": written,
+            "replayed": _WARM.replayed, "catch_up_s": catch_up_s}
+
+
+def _fresh_host(cfg: Any, key: str, wanted: PerturbationSpec | None) -> None:
+    from vrl.generate import make_generator
+
+    if _WARM.host is not None:
+        _WARM.host.close()
+    _WARM.host = _WARM.key = None
+    host = make_generator(cfg, HostNeeds("perturbations", wanted) if wanted is not None else None)
+    if wanted is not None:
+        host.perturbations(wanted)
+    _WARM.key, _WARM.host, _WARM.spec, _WARM.count, _WARM.digest, _WARM.weights = key, host, wanted, 0, "", None
+
+
+def _catch_up(cfg: Any, key: str, wanted: PerturbationSpec, es: dict[str, Any], root: Path,
+              reload: Callable[[], None], history: Sequence[dict[str, Any]] | None = None) -> None:
+    """Bring the warm host's θ to the history `es` describes, replaying as few updates as it can (from
+    the Volume's files, or from `history` when the caller passed the whole list)."""
+    from vrl.weights.update import update_from_wire
+
+    n, target = es["count"], es["digest"]
+    if (_WARM.count, _WARM.digest) == (n, target):
+        return
+    recent = es["recent"]
+    if (_WARM.count, _WARM.digest) == (n - len(recent), es["before"]):  # warm: only the newest update is new
+        _apply(update_from_wire(u) for u in recent)
+        return
+    store = root / es["store"]
+    if history is None:
+        reload()  # the orchestrator's uploads (and workers' snapshots) since this container mounted the Volume
+    updates: dict[int, dict[str, Any]] = {}
+
+    def extends(start: int, digest: str) -> bool:
+        for i in range(start, n):
+            if i not in updates:
+                updates[i] = history[i] if history is not None else json.loads(update_file(store, i).read_text())
+            digest = chain(digest, updates[i])
+        return digest == target
+
+    # The nearest start that leads to the run's history: this host's own θ, the newest θ snapshot on the
+    # Volume (its digest is in its header), or the base model.
+    starts = [(_WARM.count, "own", _WARM.digest)] if _WARM.count <= n else []
+    for path in (store / "theta").glob("*.safetensors") if history is None else ():
+        if path.stem.isdigit() and _WARM.count < int(path.stem) <= n:
+            starts.append((int(path.stem), "snapshot", path))
+    for count, kind, where in sorted(starts, key=lambda s: s[0], reverse=True):
+        if kind == "own":
+            if extends(count, where):
+                break
+            continue
+        meta = _snapshot_meta(where)
+        if meta.get("count") == str(count) and extends(count, meta.get("digest", "")):
+            state, _ = _read_snapshot(where)
+            _WARM.host.load_state(state)
+            _WARM.count, _WARM.digest = count, meta["digest"]
+            break
+    else:  # another history (another run, a rewind): from the base model
+        if _WARM.count:
+            _fresh_host(cfg, key, wanted)
+        if not extends(0, ""):
+            raise RuntimeError(f"the ES updates on the Volume under {store} do not give the run's history")
+    _apply(update_from_wire(updates[i]) for i in range(_WARM.count, n))
+    if _WARM.digest != target:
+        raise RuntimeError("the replayed ES history does not match the run's (digest mismatch)")
+
+
+def _apply(updates: Any) -> None:
+    for update in updates:
+        _WARM.host.update(update)
+        _WARM.digest = chain(_WARM.digest, update.to_wire())
+        _WARM.count += 1
+        _WARM.replayed += 1
+
+
+def _write_snapshot(store: Path, count: int, digest: str, reload: Callable[[], None], commit: Callable[[], None]) -> int:
+    """θ after `count` updates onto the Volume (safetensors, atomically, committed); older ones but the
+    previous are removed (after a reload, so this container sees the snapshots others wrote)."""
+    from safetensors.torch import save_file
+
+    reload()
+    path = snapshot_file(store, count)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in _WARM.host.state().items()}
+    with atomic_path(path) as tmp:
+        save_file(state, str(tmp), metadata={"count": str(count), "digest": digest})
+    for old in sorted(path.parent.glob("*.safetensors"))[:-2]:
+        old.unlink()
+    commit()
+    return count
+
+
+def _snapshot_meta(path: Path) -> dict[str, str]:
+    """A θ snapshot's header metadata (count, digest), without reading its tensors."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def _read_snapshot(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
 
 
 def save_weights(model: Any, path: Path) -> Path:

@@ -23,8 +23,8 @@ from modal._emu import Dual, call, container_id, dumps, loads
 from modal.exception import Error, ExecutionError, InvalidError
 
 __version__ = "1.6.4"
-__all__ = ["App", "Cls", "Error", "Function", "FunctionCall", "Image", "Sandbox", "Secret", "Volume", "enter",
-           "exception", "is_local", "method", "parameter"]
+__all__ = ["App", "Cls", "Dict", "Error", "Function", "FunctionCall", "Image", "Sandbox", "Secret", "Volume",
+           "current_function_call_id", "enter", "exception", "is_local", "method", "parameter"]
 
 # The keyword names of modal 1.6.4's decorators (inspect.signature of the installed package); a name
 # outside these is a TypeError there too. tests/test_modal_emulator.py checks them against the source.
@@ -40,6 +40,13 @@ COMMIT_OUTSIDE = "commit() can only be called on a mounted volume inside a conta
 def is_local() -> bool:
     """False only inside a container running a Modal Function (modal/_runtime/execution_context.py)."""
     return container_id() is None
+
+
+def current_function_call_id() -> str | None:
+    """The call of the input this container runs (modal/_runtime/execution_context.py); None outside one.
+    A restarted or retried input keeps its call's id."""
+    cid = container_id()
+    return None if cid is None else call("container_current", cid)
 
 
 def _client_python() -> str:
@@ -180,6 +187,11 @@ class Image:
                     gpu: str | None = None) -> Image:
         return self._extend("pip", "pip", _packages(packages), index_url, extra_index_url, extra_options)
 
+    def apt_install(self, *packages: str | list[str], force_build: bool = False, env: dict | None = None,
+                    secrets: Any = None, gpu: str | None = None) -> Image:
+        pkgs = _packages(packages)
+        return self._extend("apt", pkgs) if pkgs else self
+
     def env(self, vars: dict[str, str]) -> Image:
         bad = [key for key, value in vars.items() if not isinstance(value, str)]
         if bad:
@@ -202,14 +214,16 @@ class Image:
             raise InvalidError("image.add_local_file() currently only supports absolute remote_path values")
         if remote_path.endswith("/"):
             remote_path += Path(local_path).name
-        return self._extend("file", str(Path(local_path).resolve()), remote_path, copy)
+        # Read here, in the defining process (a client or a container), as Modal's client uploads it.
+        path = Path(local_path).resolve()
+        return self._extend("file", str(path), remote_path, path.read_bytes(), copy)
 
     def add_local_dir(self, local_path: str | Path, remote_path: str, *, copy: bool = False,
                       ignore: Any = []) -> Image:  # noqa: B006 - Modal's signature
         if not PurePosixPath(remote_path).is_absolute():
             raise InvalidError("image.add_local_dir() currently only supports absolute remote_path values")
         base = Path(local_path).resolve()
-        files = tuple(str(p.relative_to(base)) for p in sorted(base.rglob("*"))
+        files = tuple((str(p.relative_to(base)), p.read_bytes()) for p in sorted(base.rglob("*"))
                       if p.is_file() and not (ignore and _ignored(ignore, p.relative_to(base))))
         return self._extend("dir", str(base), remote_path, files, copy)
 
@@ -296,6 +310,10 @@ class Volume:
     def batch_upload(self, force: bool = False) -> _BatchUpload:
         return _BatchUpload(self._name, force)
 
+    def remove_file(self, path: str, recursive: bool = False) -> None:
+        """Remove a file (or, `recursive`, a directory) from the committed Volume, from anywhere."""
+        call("volume_remove", self._name, str(path), recursive)
+
     def _mount_spec(self) -> tuple[str, bool]:
         return self._name, self._create
 
@@ -350,6 +368,68 @@ class _BatchUpload:
             if path.is_file():
                 self._files.append((str(PurePosixPath(remote_path) / path.relative_to(base).as_posix()),
                                     path.read_bytes()))
+
+
+# -- dicts --------------------------------------------------------------------------------------------
+
+
+class Dict:
+    """A named `modal.Dict` (modal/dict.py): keys and values cross as pickles; hydrated on first use."""
+
+    def __init__(self, name: str, create: bool):
+        self._name, self._create, self._opened = name, create, False
+
+    @staticmethod
+    def from_name(name: str, *, environment_name: str | None = None, create_if_missing: bool = False,
+                  client: Any = None) -> Dict:
+        return Dict(name, create_if_missing)
+
+    def _open(self) -> str:
+        if not self._opened:
+            call("dict_open", self._name, self._create)
+            self._opened = True
+        return self._name
+
+    def _get(self, key: Any, default: Any | None = None) -> Any:
+        found, value = call("dict_get", self._open(), dumps(key))
+        return loads(value) if found else default
+
+    def _contains(self, key: Any) -> bool:
+        return call("dict_get", self._open(), dumps(key))[0]
+
+    def _put(self, key: Any, value: Any, *, skip_if_exists: bool = False) -> bool:
+        return call("dict_put", self._open(), dumps(key), dumps(value), skip_if_exists)
+
+    def _pop(self, key: Any, default: Any = _MISSING) -> Any:
+        found, value = call("dict_pop", self._open(), dumps(key))
+        if found:
+            return loads(value)
+        if default is _MISSING:
+            raise KeyError(f"{key} not in dict {self._name}")
+        return default
+
+    get = Dual(_get)
+    contains = Dual(_contains)
+    put = Dual(_put)
+    pop = Dual(_pop)
+
+    def __getitem__(self, key: Any) -> Any:
+        found, value = call("dict_get", self._open(), dumps(key))
+        if not found:
+            raise KeyError(f"{key} not in dict {self._name}")
+        return loads(value)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._put(key, value)
+
+    def __contains__(self, key: Any) -> bool:
+        return self._contains(key)
+
+    def __reduce__(self):
+        return Dict, (self._name, self._create)
+
+    def __repr__(self) -> str:
+        return f"modal.Dict.from_name({self._name!r})"
 
 
 # -- apps, functions, classes -------------------------------------------------------------------------
@@ -426,6 +506,7 @@ def _spec(kind: str, name: str, options: dict, raw: Any, serialized: bool, clien
         "secrets": [s._spec() for s in options.get("secrets") or ()],
         "retries": _retries(options.get("retries")), "max_containers": options.get("max_containers"),
         "scaledown_window": options.get("scaledown_window") or 60, "timeout": options.get("timeout") or 300,
+        "min_containers": options.get("min_containers") or 0,
         "nonpreemptible": bool(options.get("nonpreemptible")), "gpu": options.get("gpu"),
     }
 
@@ -726,7 +807,8 @@ class Sandbox:
             raise ExecutionError(_not_hydrated("App"))
         spec = {"args": list(args), "image": (image or Image.debian_slim())._layers, "env": dict(env or {}),
                 "secrets": [s._spec() for s in secrets or ()], "timeout": timeout, "workdir": workdir,
-                "block_network": block_network, "volumes": {str(m): v._mount_spec() for m, v in volumes.items()}}
+                "block_network": block_network, "volumes": {str(m): v._mount_spec() for m, v in volumes.items()},
+                "idle_timeout": idle_timeout}
         return Sandbox(call("sandbox_create", spec))
 
     create = Dual(_create, static=True)
