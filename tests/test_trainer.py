@@ -263,7 +263,7 @@ def test_a_verifier_that_breaks_later_stops_there_keeping_finished_iterations(tm
         def verifier(self):
             return BreaksAfterOne()
 
-    with pytest.raises(PluginError, match=r"all 8 attempts of iteration 1, .*the first: KeyError: 'answer'"):
+    with pytest.raises(PluginError, match=r"all 8 attempts of iteration 1 .*the first: KeyError: 'answer'"):
         Trainer(small_config(tmp_path, iterations=3), environment=Env()).run()
     assert told == [8]
     run = RunDir.open(tmp_path / "run")
@@ -307,6 +307,49 @@ def test_a_check_that_raises_on_some_attempts_does_not_stop_the_run(tmp_path):
     rows = RunDir.open(tmp_path / "run").metrics()
     assert sum(r["status/crashed"] for r in rows) > 0
     assert all(r["status/crashed"] < r["completions"] for r in rows)
+
+
+def test_most_attempts_raising_stops_the_run_and_fewer_are_reported_once_per_kind(tmp_path, monkeypatch):
+    """Issue 26 item 1: more than verifier.max_error_fraction (0.5) of an iteration's verdicts being the
+    verifier's own errors stops the run before the update; at or under the setting the run goes on and
+    each kind of error (type and place) is reported once on the console, however often it recurs."""
+    import io
+
+    from rich.console import Console
+
+    told = counting_tell(monkeypatch)
+
+    def raising(every: int):
+        checks = itertools.count()
+
+        class MostlyRaises(LettersVerifier):
+            def check(self, attempt):
+                n = next(checks)
+                if n % 4 != 0:  # 3 of every 4 attempts: 6 of the 8 of an iteration
+                    raise ValueError("cannot parse this one")
+                if every and n % every == 4:  # a second kind of error, from another line (once per iteration)
+                    raise KeyError("missing")
+                return super().check(attempt)
+
+        class Env(LettersEnvironment):
+            def verifier(self):
+                return MostlyRaises()
+
+        return Env()
+
+    with pytest.raises(PluginError, match=r"raised on 6 of 8 attempts of iteration 0 \(verifier.max_error_fraction=0.5\); "
+                                          r"the first: ValueError: cannot parse this one"):
+        Trainer(small_config(tmp_path), environment=raising(every=0)).run()
+    assert told == []
+    out = io.StringIO()
+    console = Console(file=out, width=300)
+    cfg = small_config(tmp_path / "tolerant", verifier={"max_error_fraction": 1.0})
+    summary = Trainer(cfg, environment=raising(every=8), console=console).run()
+    assert summary["status"] == "finished" and told == [8, 8, 8]
+    reports = [line for line in out.getvalue().splitlines() if "reported once" in line]
+    assert len(reports) == 2, reports  # ValueError and KeyError, each once over three iterations
+    assert any("ValueError: cannot parse this one" in r for r in reports)
+    assert any("KeyError: 'missing'" in r for r in reports)
 
 
 def test_a_shaper_that_raises_stops_the_run_before_the_update(tmp_path, monkeypatch):

@@ -52,3 +52,13 @@ def test_engines_are_checked_before_the_tiny_model_is_written(monkeypatch):
     cfg = build({"generator": {"backend": "vllm", "vllm": {"sleep": True}}, "runtime": {"local": {"engines": 2}}})
     with pytest.raises(ValueError, match="generator.vllm.sleep .* only helps optimizer=grpo"):
         VLLMGenerator.engines(cfg, HostNeeds("perturbations", FULL), [None, None])
+
+
+def test_only_a_trained_engine_samples_while_its_copy_trains():
+    """Asynchronous rollouts (grpo.max_staleness > 0) decouple the host: a 'trained' engine already
+    samples its own weights while the HF copy trains; an ES or sampling engine refuses."""
+    engine("trained").decouple()
+    for mode in ("sample", "perturb", "lowrank"):
+        with pytest.raises(Unsupported, match=rf"started in mode '{mode}'; asynchronous rollouts need .*'trained'"):
+            engine(mode).decouple()
+

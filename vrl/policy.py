@@ -15,7 +15,8 @@ A host offers two ways to move weights, one per family of update rules:
   variant with a `seed` is sampled from θ + sign·σ·ε(seed) and θ is restored exactly afterwards;
   `update(update)` adds Σⱼ cⱼ·ε(seedⱼ) to θ on every copy. The state is replayable from seeds.
 - **Trained weights** (GRPO): `trainable()` is the in-process model a gradient step changes;
-  `publish(model)` makes every sampling copy use that model's weights.
+  `publish(model)` makes every sampling copy use that model's weights. `decouple()` (asynchronous
+  rollouts) makes the trained model a copy apart from the sampled one, so sampling can run meanwhile.
 
 A new update rule uses one of these (or both) and needs no change here; a new runtime implements
 `PolicyHost` (or deals variants over hosts that do, as `vrl.runtime.pool.HostPool` does).
@@ -139,6 +140,13 @@ class PolicyHost(ABC):
     def publish(self, model: Any) -> None:
         """Make sampling use `model`'s weights from the next `sample` on (after each update)."""
         raise Unsupported(f"{self.name} cannot load trained weights")
+
+    def decouple(self) -> None:
+        """Asynchronous rollouts (`grpo.max_staleness` > 0, `vrl.rollouts`): from now on the sampled weights
+        change only by `publish` (`trainable()` is a separate copy, trained while `sample` runs in another
+        thread), and completions carry their tokens' sampling log-probs (`Completion.logprobs`) so the
+        update can correct for the weights being a few updates old. Called before `trainable()`."""
+        raise Unsupported(f"{self.name} cannot sample while its weights are trained (grpo.max_staleness > 0)")
 
     # -- instrumentation ---------------------------------------------------------------------------
     def counters(self) -> dict[str, float]:

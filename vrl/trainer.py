@@ -7,9 +7,11 @@ iteration waits for the last verdicts only before the update.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import math
+import os
 import random
 import re
 import time
@@ -17,6 +19,8 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -24,9 +28,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
+from vrl import distributed, rollouts
 from vrl.environment import Environment
-from vrl.errors import IntegrityAlarm, PluginError, UsageError, describe
+from vrl.errors import IntegrityAlarm, PluginError, RunDirError, UsageError, describe
 from vrl.optim import Optimizer, make_optimizer, optimizer_class
+from vrl.optim.checkpoints import CheckpointRefused
 from vrl.policy import PolicyHost
 from vrl.rundir import RunDir
 from vrl.runtime import runtime_class
@@ -67,6 +73,10 @@ class Trainer:
         self.config = config
         self.console = console or Console(stderr=True, log_path=False)
         self.on_iteration = on_iteration
+        self._follower = distributed.is_follower()
+        if self._follower:  # a rank > 0 of a torchrun launch: rank 0 owns the run directory and the loop
+            self.run_dir = run_dir
+            return
         # Everything that can fail runs before the run directory is created or changed, so a bad
         # option, model or server leaves nothing behind and never alters a run it was to resume.
         if run_dir is not None:
@@ -85,14 +95,21 @@ class Trainer:
                 runtime = make_runtime(config)
             self.runtime = runtime
             self.sinks = Sinks.from_config(config.logging)  # a missing package fails here
+            if run_dir is None:
+                check_runs_dir(config.logging.runs_dir)
             self._pool_tasks = self._task_pool()
             preflight(self.config, self.env)
+            distributed.check(self.config)  # under torchrun: what several processes cannot train
+            rollouts.check(self.config)  # grpo.max_staleness > 0: what cannot sample while it trains
         except BaseException:
             if run_dir is not None:
                 run_dir.release()
             raise
         self._created = run_dir is None
-        self.run_dir = run_dir or RunDir.create(config)
+        try:
+            self.run_dir = run_dir or RunDir.create(config)
+        except OSError as exc:  # what `check_runs_dir` could not foresee (a full disk, a quota)
+            raise _runs_dir_error(config.logging.runs_dir, exc) from exc
         try:  # a sink that cannot start stops the run here, before iteration 0
             self.sinks.start(self.run_dir.path, self.run_dir.config())
         except BaseException:
@@ -106,14 +123,16 @@ class Trainer:
         self.start_iteration = self.run_dir.completed_iterations()
         self._last_stats = "first iteration"  # the live line: last iteration's numbers + current queue
         self._updating = False
+        self._reported_errors: set[str] = set()  # kinds of verifier error already reported on the console
 
     def _check_verifier_alive(self, results: list[Result]) -> None:
         """Stop before the update when the verifier is down or broken, instead of learning from its crashes.
 
         Down: at least half of the iteration crashed and `check_ready` raises (VerifierUnavailable).
-        Broken: every verdict of the iteration is the verifier's own error (`is_verifier_error`: its
-        `check` or `verify` raised, or broke the contract), so there is no reward at all (PluginError).
-        Some verifier errors among real verdicts are kept as `crashed` verdicts and the run goes on.
+        Broken: more than `verifier.max_error_fraction` of the iteration's verdicts (or all of them) are
+        the verifier's own errors (`is_verifier_error`: its `check` or `verify` raised, or broke the
+        contract), so the reward is mostly noise (PluginError). Fewer are kept as `crashed` verdicts, each
+        kind of error (exception type and place) reported once on the console, and the run goes on.
         """
         crashed = sum(r.verdict.status is Status.CRASHED for r in results)
         if results and crashed * 2 >= len(results) and verifies_in_process(self.config):
@@ -121,12 +140,21 @@ class Trainer:
                 ensure_ready(self.env.verifier())
             except VerifierUnavailable as exc:
                 raise VerifierUnavailable(f"{crashed} of {len(results)} verdicts crashed and the verifier is down: {exc}") from None
-        if results and all(is_verifier_error(r.verdict) for r in results):
-            first = results[0].verdict.detail.removeprefix(VERIFIER_ERROR)
-            raise PluginError(f"environment {self.env.name!r}: its verifier raised on all {len(results)} attempts of "
-                              f"iteration {self.start_iteration + self._iterations_done}, so there is no reward to "
-                              f"learn from; the first: {first}. Fix the verifier (`vrl verify` runs it on attempts "
-                              "you write); the run stopped before this iteration's update")
+        errors = [r.verdict.detail.removeprefix(VERIFIER_ERROR) for r in results if is_verifier_error(r.verdict)]
+        if not errors:
+            return
+        if len(errors) == len(results) or len(errors) > self.config.verifier.max_error_fraction * len(results):
+            share = "all" if len(errors) == len(results) else f"{len(errors)} of"
+            raise PluginError(f"environment {self.env.name!r}: its verifier raised on {share} {len(results)} attempts of "
+                              f"iteration {self.start_iteration + self._iterations_done} (verifier.max_error_fraction="
+                              f"{self.config.verifier.max_error_fraction:g}); the first: {errors[0]}. Fix the verifier "
+                              "(`vrl verify` runs it on attempts you write); the run stopped before this iteration's update")
+        for detail in errors:
+            kind = error_kind(detail)
+            if kind not in self._reported_errors:
+                self._reported_errors.add(kind)
+                self._log(f"[yellow]verifier error on {sum(error_kind(d) == kind for d in errors)} of {len(results)} "
+                          f"attempts (scored as crashed; reported once): {detail}")
 
     def _check_alarms(self, iteration: int, results: list[Result]) -> None:
         """The verifier found its own integrity breached (a canary false theorem passed): keep the
@@ -165,6 +193,8 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        if self._follower:
+            return distributed.follow(self.config)
         cfg = self.config
         pool_tasks = self._pool_tasks
         shaper = _guard_shaper(self.env.shaper(), self.env.name)
@@ -178,46 +208,55 @@ class Trainer:
         }
         self.run_dir.write_summary(summary)
         self._print_start()
-        policy = optimizer = pool = None
+        policy = optimizer = pool = pipeline = None
         sinks = self.sinks
         try:
+            distributed.start(cfg)  # under torchrun: this rank's GPU, before any model loads
             optimizer = make_optimizer(cfg)
             policy = self.runtime.policy(cfg, optimizer.needs())
+            if rollouts.asynchronous(cfg):  # sampling runs ahead in a thread, on weights only `publish` changes
+                policy = rollouts.VersionedHost(policy, cfg.grpo.max_staleness)
             optimizer.setup(policy)
             if self.start_iteration:
                 optimizer.load(self.run_dir.path, self.start_iteration)
                 resumed_at = optimizer.iteration
                 if resumed_at < self.start_iteration:  # its newest checkpoint is older (grpo.save_every)
-                    self.console.log(f"the optimizer's newest checkpoint is after iteration {resumed_at}: "
-                                     f"redoing iterations {resumed_at + 1}..{self.start_iteration}")
+                    self._log(f"the optimizer's newest checkpoint is after iteration {resumed_at}: "
+                              f"redoing iterations {resumed_at + 1}..{self.start_iteration}")
                     self.run_dir.rewind(resumed_at)
                     self.start_iteration = resumed_at
                 self.run_dir.truncate_metrics(self.start_iteration)
-                self.console.log(f"resuming {self.run_dir.path} after iteration {self.start_iteration}")
+                self._log(f"resuming {self.run_dir.path} after iteration {self.start_iteration}")
             attempts = cfg.tasks_per_iteration * optimizer.samples_per_task()
             pool = self.runtime.verification(self.env.verifier(), cfg, attempts)
             with self._progress() as progress:
                 bar = progress.add_task("training", total=cfg.iterations, completed=self.start_iteration, stats="")
+                if isinstance(policy, rollouts.VersionedHost):
+                    pipeline = rollouts.Rollouts(self, policy, optimizer, pool, shaper, pool_tasks, progress, bar,
+                                                 IterationStats)
                 for iteration in range(self.start_iteration, cfg.iterations):
                     tasks = self.tasks_for(pool_tasks, iteration)
-                    stats = self._iteration(iteration, tasks, optimizer, policy, pool, shaper, progress, bar)
+                    stats = (pipeline.step(iteration) if pipeline is not None else
+                             self._iteration(iteration, tasks, optimizer, policy, pool, shaper, progress, bar))
                     metrics = self._finish_iteration(iteration, stats, optimizer)
                     self._iterations_done += 1
                     sinks.log(metrics, step=iteration)
                     self._last_stats = _short(metrics)
                     progress.update(bar, advance=1, stats=self._last_stats)
-                    self.console.log(_line(metrics))
+                    self._log(_line(metrics))
             summary["status"] = "finished"
         except KeyboardInterrupt:
             summary["status"] = "interrupted"
             self._save_on_stop(optimizer)
-            self.console.log("[yellow]interrupted: finished iterations are saved; continue with "
-                             f"`vrl train --resume {self.run_dir.path}`")
+            self._log("[yellow]interrupted: finished iterations are saved; continue with "
+                      f"`vrl train --resume {self.run_dir.path}`")
         except BaseException as exc:
             summary.update(status="failed", error=f"{type(exc).__name__}: {exc}")
             self._save_on_stop(optimizer)
             raise
         finally:
+            if pipeline is not None:  # the producer stops before the pool and the engines it uses close
+                pipeline.close()
             if pool is not None:
                 pool.close()
             try:
@@ -225,6 +264,7 @@ class Trainer:
                     policy.close()
             finally:
                 self.runtime.close()
+            self._close_optimizer(optimizer, summary)
             sinks.finish(summary["status"])
             summary.update(_totals(self.run_dir.metrics()), finished_at=time.time(),
                            iterations_completed=self.run_dir.completed_iterations())
@@ -248,6 +288,19 @@ class Trainer:
             self.run_dir.write_summary(summary)
         self.run_dir.release()
 
+    def _close_optimizer(self, optimizer: Optimizer | None, summary: dict[str, Any]) -> None:
+        """Let the optimizer finish what it does in the background (GRPO: the checkpoint being written,
+        overlapped with the teardown above) and release the other ranks of a torchrun launch."""
+        if optimizer is None:
+            return
+        start = time.perf_counter()
+        try:
+            optimizer.close()
+            summary["checkpoint_wait_s"] = time.perf_counter() - start  # what the run waited for at its end
+        except Exception as exc:  # the checkpoint being written is lost; the one before it stands
+            summary.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+            self.console.log(f"[red]writing the last checkpoint failed: {type(exc).__name__}: {exc}")
+
     def _save_on_stop(self, optimizer: Optimizer | None) -> None:
         """The run stops between two updates: have the optimizer write its state for the last finished
         iteration even if it only checkpoints every k (grpo.save_every), so a resume loses nothing."""
@@ -258,7 +311,7 @@ class Trainer:
             if finished and optimizer.iteration == finished:  # state matches the run
                 optimizer.save(self.run_dir.path, final=True)
         except Exception as exc:  # the run is failing already; its last regular checkpoint still stands
-            self.console.log(f"[yellow]could not save the optimizer's state on stopping: {type(exc).__name__}: {exc}")
+            self._log(f"[yellow]could not save the optimizer's state on stopping: {type(exc).__name__}: {exc}")
 
     def _iteration(self, iteration: int, tasks: list[Task], optimizer: Optimizer, policy: PolicyHost,
                    pool: VerificationPool, shaper, progress: Progress, bar) -> IterationStats:
@@ -332,16 +385,30 @@ class Trainer:
         metrics.update(self.env.iteration_metrics(_verifier_sums(results)))
         metrics.update(stats.optimizer_metrics)
         start = time.perf_counter()
-        optimizer.save(self.run_dir.path)
-        metrics["save_s"] = time.perf_counter() - start  # ES: a few hundred bytes; GRPO: a full checkpoint
+        refused = None
+        try:
+            optimizer.save(self.run_dir.path)
+        except CheckpointRefused as exc:  # no room on disk (grpo.on_disk_full=stop): record the iteration, then stop
+            refused = exc
+        # ES: a few hundred bytes; GRPO: the copy to host memory (its files are written in the background)
+        metrics["save_s"] = time.perf_counter() - start
         self.run_dir.append("metrics.jsonl", [metrics])
         self.run_dir.append("samples.jsonl", _samples(iteration, results, self.config.logging.samples_per_iteration))
         self.run_dir.finish_iteration(iteration)
+        if refused is not None:
+            raise refused
         if self.on_iteration:
             self.on_iteration(metrics)
         return metrics
 
     # -- presentation ------------------------------------------------------------------------------
+    def _log(self, text: str) -> None:
+        """A timestamped line: wrapped to a terminal's width, but one line in a file or pipe (logs are grepped)."""
+        if self.console.is_terminal:
+            self.console.log(text)
+        else:
+            self.console.print(f"[{datetime.now():%H:%M:%S}] {text}", soft_wrap=True, highlight=False)
+
     def _print_start(self) -> None:
         cfg = self.config
         self.console.print(f"[bold]vrl train[/] run [cyan]{self.run_dir.path}[/] · plugin {self.env.name} · "
@@ -371,6 +438,43 @@ class Trainer:
                 table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
         table.add_row("run directory", str(self.run_dir.path))
         self.console.print(table)
+
+
+def check_runs_dir(runs_dir: Path) -> None:
+    """`logging.runs_dir` can take new run directories (it, or the nearest folder above it that exists, is a
+    writable directory); else a `RunDirError` naming the setting. Creates nothing: a refused run leaves no trace."""
+    runs_dir = Path(runs_dir)
+    existing = next((p for p in (runs_dir, *runs_dir.absolute().parents) if os.path.lexists(p)), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        raise _runs_dir_error(runs_dir, NotADirectoryError(errno.ENOTDIR, "not a directory"))
+    if _read_only(existing):
+        raise _runs_dir_error(runs_dir, OSError(errno.EROFS, os.strerror(errno.EROFS)))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise _runs_dir_error(runs_dir, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _runs_dir_error(runs_dir: Path, exc: OSError) -> RunDirError:
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if isinstance(exc, (FileExistsError, NotADirectoryError)):
+        reason = "a file is in the way"
+    return RunDirError(f"logging.runs_dir={runs_dir}: cannot create run directories there ({reason}); choose a "
+                       "writable directory with --set logging.runs_dir=PATH")
+
+
+def error_kind(detail: str) -> str:
+    """A verifier error's kind: its exception type and place (`describe`'s text without the message)."""
+    kind = detail.split(":", 1)[0]
+    place = re.search(r" \(([^()]*:\d+ in [^()]*)\)$", detail)
+    return f"{kind} at {place.group(1)}" if place else kind
 
 
 def verifies_in_process(config: TrainConfig) -> bool:

@@ -42,6 +42,10 @@ class Completion(BaseModel):
     prompt_token_ids: list[int] | None = Field(None, exclude=True, repr=False)
     token_ids: list[int] | None = Field(None, exclude=True, repr=False)
     logprobs: list[float] | None = Field(None, exclude=True, repr=False)
+    weights_version: int | None = Field(
+        None, description="Updates published to the sampler when the pass that made it started (asynchronous "
+        "GRPO, grpo.max_staleness > 0); None when the loop is synchronous.",
+    )
 
 
 class Status(str, Enum):

@@ -140,6 +140,8 @@ class HFGenerator(Generator):
 
     def __init__(self, model: Any, tokenizer: Any, sampling: Any):
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
+        self.train_device: Any = None  # where `decouple`'s training copy goes (None: the sampler's device)
+        self._decoupled, self._train_model = False, None
 
     @classmethod
     def from_config(cls, config: Any, needs: HostNeeds | None = None, *, gpu: str | None = None) -> HFGenerator:
@@ -152,7 +154,9 @@ class HFGenerator(Generator):
 
             torch.set_num_threads(threads)
         model, tokenizer = load_model_and_tokenizer(config.model, device or g.device, g.dtype, g.revision)
-        return cls(model, tokenizer, config.sampling)
+        gen = cls(model, tokenizer, config.sampling)
+        gen.train_device = resolve_device(g.device)
+        return gen
 
     @property
     def device(self) -> torch.device:
@@ -165,7 +169,21 @@ class HFGenerator(Generator):
         return perturbable(self.model, spec)  # FlatParams, or LowRankParams (its `layers` serve `_population`)
 
     def trainable(self) -> Trainable:
-        return Trainable(self.model, self.tokenizer, self.sampling)
+        if not self._decoupled:
+            return Trainable(self.model, self.tokenizer, self.sampling)
+        if self._train_model is None:  # made once, on generator.device: with runtime.local.gpus elsewhere, side by side
+            import copy
+
+            self._train_model = copy.deepcopy(self.model).to(self.train_device or self.device)
+        return Trainable(self._train_model, self.tokenizer, self.sampling)
+
+    def decouple(self) -> None:
+        """Asynchronous rollouts: `trainable()` becomes a copy of the model (made on first call, on
+        `generator.device`), `self.model` changes only by `publish`, and sampling reports each token's
+        log-prob under the distribution it was drawn from (`_RowSampler(record=True)`)."""
+        if self._train_model is not None:
+            raise RuntimeError("decouple() must come before trainable()")
+        self._decoupled = True
 
     def publish(self, model: Any) -> None:
         """Sampling reads `self.model`; weights trained elsewhere (another host's model, or tensors by
@@ -266,6 +284,8 @@ class HFGenerator(Generator):
     def _generate_batch(self, tasks: Sequence[Task], n: int, variant: int, seed: int | None) -> list[Completion]:
         import torch
 
+        if self._decoupled and self.sampling.temperature > 0:
+            return self._generate_recorded(tasks, n, variant, seed)
         with torch.inference_mode():
             enc = self._encode(tasks)
             # n rows per prompt (rather than num_return_sequences, which greedy decoding refuses).
@@ -277,6 +297,34 @@ class HFGenerator(Generator):
                     torch.manual_seed(seed)
                 out = self.model.generate(**rows, **kwargs)
             return self._completions(tasks, enc, out, [(variant, *divmod(row, n)) for row in range(out.shape[0])])
+
+    def _generate_recorded(self, tasks: Sequence[Task], n: int, variant: int, seed: int | None) -> list[Completion]:
+        """As `_generate_batch`, each row drawn by `_RowSampler` from its own generator (seed + row: no
+        global RNG, which the training thread reseeds), with each sampled token's log-prob kept.
+
+        The log-probs are vLLM's `processed_logprobs`: log-softmax of the logits divided by the
+        temperature and cut to the top-p nucleus (renormalised over it), the distribution the token was
+        drawn from; with top_p = 1 that is what GRPO's `completion_logprobs` computes.
+        """
+        import torch
+        from transformers import LogitsProcessorList
+
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - 1, ()).item())
+        with torch.inference_mode():
+            enc = self._encode(tasks)
+            rows = {k: v.repeat_interleave(n, dim=0) for k, v in enc.items()}
+            count = rows["input_ids"].shape[0]
+            sampler = _RowSampler([seed + r for r in range(count)], self.sampling.temperature, self.sampling.top_p,
+                                  self.device, record=True)
+            kwargs = self._generate_kwargs(False)  # greedy over the row sampler's Gumbel-perturbed scores
+            kwargs["logits_processor"] = LogitsProcessorList([sampler])
+            out = self.model.generate(**rows, **kwargs)
+            logps = sampler.sampled_logprobs(out).float().cpu()
+            completions = self._completions(tasks, enc, out, [(variant, *divmod(row, n)) for row in range(count)])
+        for row, c in enumerate(completions):
+            c.logprobs = logps[row, : len(c.token_ids)].tolist()
+        return completions
 
     def _completions(self, tasks: Sequence[Task], enc: Any, out: torch.Tensor, rows: Sequence[tuple[int, int, int]]
                      ) -> list[Completion]:
@@ -322,11 +370,23 @@ class _RowSampler:
     row's seed and advanced once per step, so a row's draws do not depend on the rest of the batch.
     """
 
-    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, device: torch.device):
+    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, device: torch.device,
+                 record: bool = False):
         import torch
 
         self.temperature, self.top_p, self.device = temperature, top_p, device
         self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        # record: the log-softmax of each step's processed scores, to read the sampled token's log-prob
+        # at the next step (or in `sampled_logprobs`) once `generate` has appended it.
+        self.record, self._last, self._taken = record, None, []
+
+    def sampled_logprobs(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[rows, steps]: each sampled token's log-prob under the distribution it was drawn from (after
+        `generate` returned `sequences`; rows that finished early have pad tokens, and junk, at the end)."""
+        import torch
+
+        taken = [*self._taken, self._last.gather(1, sequences[:, -1:]).squeeze(1)] if self._last is not None else []
+        return torch.stack(taken, 1) if taken else torch.zeros(sequences.shape[0], 0)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         import torch
@@ -337,6 +397,10 @@ class _RowSampler:
             cut = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - self.top_p
             cut[..., -1] = False
             scores = scores.masked_fill(cut.scatter(1, order, cut), float("-inf"))
+        if self.record:
+            if self._last is not None:  # input_ids ends with the token drawn from the last step's scores
+                self._taken.append(self._last.gather(1, input_ids[:, -1:]).squeeze(1))
+            self._last = scores.log_softmax(dim=-1)
         u = torch.stack([torch.rand(scores.shape[-1], generator=g, device=self.device, dtype=torch.float64)
                          for g in self.generators])
         gumbel = -torch.log(-torch.log(u.clamp(min=1e-300)))

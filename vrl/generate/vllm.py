@@ -567,6 +567,14 @@ class VLLMGenerator(Generator):
                 self._asleep = False
             self.weights_changed()
 
+    def decouple(self) -> None:
+        """Asynchronous rollouts (`grpo.max_staleness` > 0): nothing to change in mode 'trained', whose
+        trained copy is already separate from the engine's weights (`publish` pushes it); `vrl.rollouts`
+        keeps a push from running while a pass samples. Other modes refuse."""
+        if self.mode != "trained":
+            raise Unsupported(f"this engine was started in mode {self.mode!r}; asynchronous rollouts need one started "
+                              "with the GRPO run's needs (mode 'trained')")
+
     # -- weights pushed whole (GRPO) -----------------------------------------------------------------
     def publish(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
         """Push `model` (the trained copy, or tensors by checkpoint name) into the engine (modes 'trained'

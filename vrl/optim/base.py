@@ -89,6 +89,11 @@ class Optimizer(ABC):
     def load(self, run_dir: Path, completed: int) -> None:
         """Restore the state saved by `save` for a run that finished `completed` iterations (resume)."""
 
+    def close(self) -> None:
+        """Finish what the rule does in the background (GRPO: the checkpoint being written) and release
+        what it holds; called once at the end of every run, after the engines closed. Raises if that
+        background work failed (the run is then recorded as failed)."""
+
     @classmethod
     def export(cls, run_dir: Path, config: dict[str, Any], finished: int, folder: Path,
                load: Callable[[str, str, str | None], tuple[Any, Any]]) -> dict[str, Any]:

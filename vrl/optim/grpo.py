@@ -12,7 +12,10 @@ follow TRL's `GRPOConfig`; docs/grpo.md writes each formula out and maps every f
     loss     = grpo: mean_i (Σ_t m ℓ / Σ_t m) · dapo: Σ m ℓ / Σ m · dr_grpo: Σ m ℓ / (N · max_new_tokens)
 
 Every normaliser is taken over the whole batch of the iteration, so the gradient does not depend
-on `micro_batch_size` (gradient accumulation only bounds memory).
+on `micro_batch_size` (gradient accumulation only bounds memory; TRL's 'bnpo' and the entropy
+quantile are per micro-batch by definition). The rest of TRL 1.16's family (bnpo, cispo, sapo,
+luspo, vespo, GSPO's sequence ratio, delta, top_entropy_quantile, and the correction by
+π_old/π_sampler when the generator reports its log-probs) is in `vrl.optim.grpo_loss`.
 """
 
 from __future__ import annotations
@@ -22,15 +25,25 @@ import copy
 import logging
 import math
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from vrl import distributed
 from vrl.errors import UsageError
-from vrl.fileio import TMP_SUFFIX, atomic_path
+from vrl.fileio import TMP_SUFFIX
 from vrl.optim.base import Optimizer
-from vrl.optim.grpo_loss import LORA_FIELDS, GRPOConfig, group_advantages, grpo_loss
+from vrl.optim.checkpoints import BackgroundWriter, Cadence, CheckpointRefused, check_room, finish
+from vrl.optim.grpo_loss import (
+    LORA_FIELDS,
+    GRPOConfig,
+    group_advantages,
+    grpo_loss,
+    high_entropy_mask,
+    sampling_correction,
+)
 from vrl.policy import PolicyHost, Variant
 from vrl.types import Result
 
@@ -44,7 +57,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_KEEP_CHECKPOINTS = 2
+_VESPO_NEEDS_TOKEN_MODE = (
+    "grpo.loss_type=vespo folds the sampling correction into its sequence weight token by token, but "
+    "grpo.vllm_importance_sampling_mode is {mode!r}; set it to token_truncate or token_mask (as TRL requires)"
+)
 
 
 # -- one micro-batch --------------------------------------------------------------------------------
@@ -54,6 +70,7 @@ class SamplingGap(NamedTuple):
     total: torch.Tensor  # summed over the tokens
     max: torch.Tensor
     tokens: torch.Tensor  # how many tokens
+    kl: torch.Tensor  # Σ k3 estimate of KL(π_sampler ‖ π_old) over the tokens (they were drawn from π_sampler)
 
 
 @dataclass
@@ -66,10 +83,13 @@ class MicroBatch:
     packed: Packed  # prompt + completion token ids, padded as generation laid them out
     mask: torch.Tensor  # completion tokens that enter the loss (truncated ones dropped with mask_truncated_completions)
     advantages: torch.Tensor  # [B]
-    old_logps: torch.Tensor | None  # under the sampling policy (None: the current policy's, detached, so ρ = 1)
-    from_sampler: bool  # `old_logps` are the generator's own sampling log-probs (not recomputed here)
+    old_logps: torch.Tensor | None  # π_old, the trainer's (None: the current policy's, detached, so ρ = 1)
+    from_sampler: bool  # the generator reported its own sampling log-probs (`sampling_logps`)
     ref_logps: torch.Tensor | None = None  # under the frozen reference (beta > 0)
     sampling_gap: SamplingGap | None = None  # set at the first step when `from_sampler`
+    sampling_logps: torch.Tensor | None = None  # the generator's log-probs of the sampled tokens (vllm)
+    sampling_weight: torch.Tensor | None = None  # π_old/π_sampler, truncated or masked ([B, C] or [B, 1]), first step
+    filler: bool = False  # no weight in the loss: keeps FSDP2's collectives even when a rank has no rows left
 
 
 # -- the optimizer ----------------------------------------------------------------------------------
@@ -96,6 +116,14 @@ class GRPO(Optimizer):
             raise UsageError(f"optimizer=grpo needs sampling.temperature > 0 (got {config.sampling.temperature}): "
                              "greedy decoding gives the group's samples identical and their advantages zero; "
                              "set e.g. --set sampling.temperature=1.0")
+        g, backend = config.grpo, getattr(config.generator, config.generator.backend, None)
+        if g.loss_type == "vespo" and g.vllm_importance_sampling_correction and getattr(backend, "sampling_logprobs", False) \
+                and not g.vllm_importance_sampling_mode.startswith("token"):
+            raise UsageError(_VESPO_NEEDS_TOKEN_MODE.format(mode=g.vllm_importance_sampling_mode))
+        if getattr(backend, "sync_every", 1) > 1 and not g.vllm_importance_sampling_correction:
+            log.warning("generator.%s.sync_every=%d samples with stale weights, and "
+                        "grpo.vllm_importance_sampling_correction=false leaves that uncorrected",
+                        config.generator.backend, backend.sync_every)
 
     @property
     def iteration(self) -> int:
@@ -125,11 +153,21 @@ class GRPO(Optimizer):
         self.model, self.tokenizer = model, tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.device = next(model.parameters()).device
+        self.host_model = model  # the host samples from it; on one process it is also the module trained
+        self.group = None  # the ranks of a torchrun launch (vrl.optim.grpo_dist), None on one process
+        if distributed.world_size() > 1:
+            from vrl.optim.grpo_dist import Group
+
+            self.group = Group(self.device)
         self.ref_model = None
         if cfg.beta > 0 and not cfg.use_peft:
             # The frozen reference is the policy as loaded (TRL's default); with LoRA it is the
             # same module with its adapters disabled, so it costs no memory.
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            if self.group is not None:
+                from vrl.optim.grpo_dist import shard
+
+                self.ref_model = shard(self.ref_model, self.group, next(model.parameters()).dtype, trainable=False)
         self.peft_model = self._apply_lora(model) if cfg.use_peft else None
         # New modules (LoRA dropout) start in training mode; sampling must never run dropout.
         model.eval()
@@ -140,7 +178,16 @@ class GRPO(Optimizer):
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.group is not None:
+            # FSDP2 trains a sharded copy in fp32 (its shards are the masters); the host's model stays
+            # whole for sampling and gets the trained weights after each step (`_publish`).
+            from vrl.optim.grpo_dist import shard
+
+            self.model = model = shard(model, self.group, next(model.parameters()).dtype)
+            if not self.group.leader:  # only rank 0 samples: the other ranks' whole copies are dropped
+                self.host_model.to("meta")
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.param_names = [name for name, p in model.named_parameters() if p.requires_grad]  # checkpoint keys
         if not self.params:
             raise ValueError("the model has no trainable parameters")
         # bf16 cannot hold a 1e-6-sized step on most weights: keep fp32 master copies for AdamW.
@@ -167,6 +214,9 @@ class GRPO(Optimizer):
             fused=self.device.type == "cuda",
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optim, self.lr_factor)
+        self._cadence = Cadence(cfg.save_every, cfg.save_interval_s, self.total_iterations)
+        self._writer = BackgroundWriter()
+        self._saved = self._refused = None  # the iteration of the last checkpoint written / refused
 
     def _apply_lora(self, model):
         try:
@@ -211,6 +261,8 @@ class GRPO(Optimizer):
         import torch
 
         cfg = self.config
+        if self.group is not None and self.group.leader:
+            self.group.send("tell", results)  # every rank sees the whole batch (see vrl.optim.grpo_dist)
         if not results:
             raise ValueError("GRPO.tell got no results")
         for r in results:
@@ -231,26 +283,40 @@ class GRPO(Optimizer):
         order = sorted(range(len(results)), key=lambda i: len(results[i].completion.prompt_token_ids)
                        + len(results[i].completion.token_ids))
         batches = [self._micro_batch(results, order[s : s + cfg.micro_batch_size], advantages, truncated)
-                   for s in range(0, len(order), cfg.micro_batch_size)]
+                   for s in range(0, len(order), cfg.micro_batch_size)] if self.group is None \
+            else self._rank_batches(results, order, advantages, truncated)
         num_sequences = len(results)
         num_tokens = float(sum(b.mask.sum() for b in batches))
+        if self.group is not None:
+            num_tokens = self.group.sum({"tokens": num_tokens})["tokens"]
 
         self._fill_reference_and_old(batches, results)
-        totals: dict[str, float] = {"loss": 0.0, "grad_norm": 0.0, "kl_sum": 0.0, "clip_low_sum": 0.0,
-                                    "clip_high_sum": 0.0, "tokens": 0.0}
+        if cfg.loss_type == "vespo" and cfg.vllm_importance_sampling_correction and batches[0].from_sampler \
+                and not cfg.vllm_importance_sampling_mode.startswith("token"):
+            raise ValueError(_VESPO_NEEDS_TOKEN_MODE.format(mode=cfg.vllm_importance_sampling_mode))
+        totals: dict[str, float] = {"loss": 0.0, "grad_norm": 0.0, "kl_sum": 0.0, "tokens": 0.0}
         lr = 0.0
         for _ in range(cfg.num_iterations):
             lr = self.optim.param_groups[0]["lr"]
             loss, stats = self._accumulate(batches, num_sequences, num_tokens)
+            if self.group is not None:  # each rank summed its own micro-batches: the batch's sums are over ranks
+                stats = self.group.sum({**stats, "_loss": loss})
+                loss = stats.pop("_loss")
             totals["loss"] += loss / cfg.num_iterations
             totals["grad_norm"] += self._apply_step() / cfg.num_iterations
-            for key in ("kl_sum", "clip_low_sum", "clip_high_sum", "tokens"):
-                totals[key] += stats.get(key, 0.0)
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value
         self._iteration += 1
-        self.host.publish(self.model)
+        self._publish()
 
         rewards = torch.tensor([r.reward for r in results])
         tokens = max(totals["tokens"], 1.0)
+        units = max(totals.get("clip_units", 0.0), 1.0)  # tokens, or completions at importance_sampling_level=sequence
+        clip = {}
+        if "clip_low_sum" in totals:  # the losses that clip the ratio (not cispo, sapo, vespo)
+            clip = {"grpo/clip_ratio/low_mean": totals["clip_low_sum"] / units,
+                    "grpo/clip_ratio/high_mean": totals["clip_high_sum"] / units,
+                    "grpo/clip_ratio/region_mean": (totals["clip_low_sum"] + totals["clip_high_sum"]) / units}
         metrics = {
             "grpo/loss": totals["loss"],
             "grpo/grad_norm": totals["grad_norm"],
@@ -258,20 +324,107 @@ class GRPO(Optimizer):
             "grpo/reward_std": float(rewards.std()) if len(results) > 1 else 0.0,
             "grpo/frac_reward_zero_std": float(zero_std.float().mean()),
             "grpo/advantage_abs_mean": float(advantages.abs().mean()),
-            "grpo/clip_ratio/low_mean": totals["clip_low_sum"] / tokens,
-            "grpo/clip_ratio/high_mean": totals["clip_high_sum"] / tokens,
-            "grpo/clip_ratio/region_mean": (totals["clip_low_sum"] + totals["clip_high_sum"]) / tokens,
+            **clip,
             "grpo/completions/clipped_ratio": sum(truncated) / len(truncated),
             "grpo/completions/mean_length": sum(len(r.completion.token_ids) for r in results) / len(results),
             "grpo/trained_tokens": num_tokens,
         }
+        if "cispo_clip_sum" in totals:
+            metrics["grpo/cispo_clip_ratio"] = totals["cispo_clip_sum"] / units
+        if "vespo_phi_sum" in totals:
+            metrics["grpo/vespo/phi_seq_mean"] = totals["vespo_phi_sum"] / max(totals["sequences"], 1.0)
+        if "entropy_sum" in totals:  # computed with top_entropy_quantile < 1
+            metrics["grpo/entropy"] = totals["entropy_sum"] / tokens
         if cfg.beta > 0:
             metrics["grpo/kl"] = totals["kl_sum"] / tokens
         gaps = [b.sampling_gap for b in batches if b.sampling_gap is not None]
         if gaps:  # the generator reported sampling log-probs (vllm): how far they are from training's
             metrics["grpo/sampling_logprob_diff_mean"] = float(sum(g.total for g in gaps) / max(float(sum(g.tokens for g in gaps)), 1.0))
             metrics["grpo/sampling_logprob_diff_max"] = float(max(g.max for g in gaps))
+            metrics["grpo/sampling_kl"] = float(sum(g.kl for g in gaps) / max(float(sum(g.tokens for g in gaps)), 1.0))
+        weights = [b.sampling_weight[b.mask.bool()] if b.sampling_weight.shape[-1] > 1 or b.mask.shape[-1] == 1
+                   else b.sampling_weight.flatten() for b in batches if b.sampling_weight is not None]
+        weights = torch.cat(weights) if weights else torch.zeros(0)
+        if weights.numel():  # the sampling correction's weights (TRL: sampling/importance_sampling_ratio/*)
+            metrics["grpo/sampling/importance_sampling_ratio/min"] = float(weights.min())
+            metrics["grpo/sampling/importance_sampling_ratio/mean"] = float(weights.mean())
+            metrics["grpo/sampling/importance_sampling_ratio/max"] = float(weights.max())
+        if self.group is not None:
+            metrics.update(self._sampling_metrics_over_ranks(batches))
         return metrics
+
+    # several ranks (torchrun, FSDP2; vrl.optim.grpo_dist) --------------------------------------------
+    def _rank_batches(self, results: list[Result], order: list[int], advantages: torch.Tensor,
+                      truncated: list[bool]) -> list[MicroBatch]:
+        """This rank's micro-batches: as many on every rank; a rank left without rows trains a filler."""
+        from vrl.optim.grpo_dist import share_rows
+
+        batches = []
+        for rows in share_rows(order, self.group.world, self.config.micro_batch_size, self.group.rank):
+            b = self._micro_batch(results, rows or order[:1], advantages, truncated)
+            if not rows:
+                b.mask, b.advantages, b.filler = b.mask * 0, b.advantages * 0, True
+            batches.append(b)
+        return batches
+
+    def _sampling_metrics_over_ranks(self, batches: list[MicroBatch]) -> dict[str, float]:
+        """The sampler-gap and correction-weight metrics of the whole batch (each rank saw its share)."""
+        import torch
+
+        out: dict[str, float] = {}
+        real = [b for b in batches if not b.filler]
+        if any(b.sampling_gap is not None for b in batches):  # the same on every rank: it follows the results
+            gaps = [b.sampling_gap for b in real if b.sampling_gap is not None]
+            s = self.group.sum({"total": float(sum(g.total for g in gaps)), "tokens": float(sum(g.tokens for g in gaps)),
+                                "kl": float(sum(g.kl for g in gaps))})
+            out["grpo/sampling_logprob_diff_mean"] = s["total"] / max(s["tokens"], 1.0)
+            out["grpo/sampling_logprob_diff_max"] = self.group.max(max((float(g.max) for g in gaps), default=0.0))
+            out["grpo/sampling_kl"] = s["kl"] / max(s["tokens"], 1.0)
+        if any(b.sampling_weight is not None for b in batches):
+            w = [b.sampling_weight[b.mask.bool()] if b.sampling_weight.shape[-1] > 1 or b.mask.shape[-1] == 1
+                 else b.sampling_weight.flatten() for b in real if b.sampling_weight is not None]
+            w = torch.cat(w) if w else torch.zeros(0)
+            s = self.group.sum({"sum": float(w.sum()), "n": float(w.numel())})
+            if s["n"]:
+                inf = float("inf")
+                out["grpo/sampling/importance_sampling_ratio/min"] = self.group.min(float(w.min()) if w.numel() else inf)
+                out["grpo/sampling/importance_sampling_ratio/mean"] = s["sum"] / s["n"]
+                out["grpo/sampling/importance_sampling_ratio/max"] = self.group.max(float(w.max()) if w.numel() else -inf)
+        return out
+
+    def _publish(self) -> None:
+        """Hand the trained weights to the host (on several ranks: gathered into rank 0's whole model)."""
+        if self.group is not None:
+            from vrl.optim.grpo_dist import copy_into
+
+            copy_into(self.model, self.host_model, write=self.group.leader)
+            if not self.group.leader:
+                return
+        self.host.publish(self.host_model)
+
+    def follow(self) -> None:
+        """A rank > 0: do what rank 0's GRPO does (tell, save, load) until it closes the run."""
+        if self.group is None or self.group.leader:
+            raise RuntimeError("GRPO.follow runs on ranks > 0 of a torchrun launch")
+        while True:
+            command, args = self.group.receive()
+            if command == "stop":
+                break
+            try:
+                getattr(self, command)(*args)
+            except CheckpointRefused:
+                pass  # rank 0 says so (one line) and stops or goes on; it leads what happens next
+
+    def close(self) -> None:
+        """The run is over: finish the checkpoint being written, and release the other ranks."""
+        writer = getattr(self, "_writer", None)
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            if self.group is not None and self.group.leader:
+                self.group.send("stop")
+                self.group = None
 
     def _micro_batch(self, results: list[Result], rows: list[int], advantages: torch.Tensor,
                      truncated: list[bool]) -> MicroBatch:
@@ -291,7 +444,7 @@ class GRPO(Optimizer):
             for row, c in enumerate(comps):
                 sampled[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
         return MicroBatch(packed=packed, mask=mask, advantages=advantages[rows].to(self.device),
-                          old_logps=sampled, from_sampler=sampled is not None)
+                          old_logps=None, from_sampler=sampled is not None, sampling_logps=sampled)
 
     def _logprobs_no_grad(self, model, packed: Packed) -> torch.Tensor:
         import torch
@@ -305,9 +458,9 @@ class GRPO(Optimizer):
         """Reference log-probs (beta > 0) and sampling-policy log-probs (num_iterations > 1), once per batch."""
         cfg = self.config
         if any(b.from_sampler for b in batches) and not all(b.from_sampler for b in batches):
-            log.warning("only some completions carry sampling log-probs; recomputing them for all")
+            log.warning("only some completions carry sampling log-probs; ignoring them (no sampling correction this batch)")
             for b in batches:
-                b.old_logps, b.from_sampler = None, False
+                b.sampling_logps, b.from_sampler = None, False
         self.model.eval()
         for b in batches:
             if cfg.beta > 0:
@@ -338,21 +491,38 @@ class GRPO(Optimizer):
                 # Dropout (LoRA) masks are a pure function of (seed, step): resume replays them.
                 torch.manual_seed((self.seed * 1_000_003 + self.step) % (2**63))
                 for b in batches:
-                    logps = completion_logprobs(self.model, b.packed, self.temperature, cfg.logprob_chunk_size)
+                    entropies = entropy_mask = None
+                    if cfg.top_entropy_quantile < 1.0:
+                        logps, entropies = completion_logprobs(self.model, b.packed, self.temperature,
+                                                               cfg.logprob_chunk_size, entropy=True)
+                        entropy_mask = high_entropy_mask(entropies, b.mask, cfg.top_entropy_quantile)
+                    else:
+                        logps = completion_logprobs(self.model, b.packed, self.temperature, cfg.logprob_chunk_size)
                     old = logps.detach() if b.old_logps is None else b.old_logps
                     if b.from_sampler and b.sampling_gap is None:
-                        # First step: the policy is the one that sampled, so any gap is the sampler's
-                        # numerics (or weights it had not been synced to yet).
+                        # First step: π_old is the trainer's view of the policy that sampled, so any gap
+                        # is the sampler's numerics (or weights it had not been synced to yet).
                         completion = b.packed.completion_mask
-                        gap = torch.where(completion.bool(), (logps.detach() - old).abs(), 0.0)
-                        b.sampling_gap = SamplingGap(gap.sum(), gap.max(), completion.sum())
+                        d = torch.where(completion.bool(), old - b.sampling_logps, 0.0)
+                        b.sampling_gap = SamplingGap(d.abs().sum(), d.abs().max(), completion.sum(),
+                                                     (torch.exp(d) - d - 1).sum())
+                        if cfg.vllm_importance_sampling_correction:
+                            b.sampling_weight = sampling_correction(
+                                old, b.sampling_logps, b.mask, cfg.vllm_importance_sampling_mode,
+                                cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
                     loss, stats = grpo_loss(
                         logps, old, b.advantages, b.mask,
                         loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                         beta=cfg.beta, ref_logps=b.ref_logps, use_bias_correction_kl=cfg.use_bias_correction_kl,
                         num_sequences=num_sequences, num_tokens=num_tokens,
-                        max_completion_length=self.max_completion_length,
+                        max_completion_length=self.max_completion_length, num_micro_batches=len(batches) * (self.group.world if self.group else 1),
+                        importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
+                        sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
+                        vespo_params=(cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg),
+                        sampling_weight=b.sampling_weight, entropy_mask=entropy_mask,
                     )
+                    if entropies is not None:
+                        stats["entropy_sum"] = torch.where(b.mask.bool(), entropies, 0.0).sum()
                     loss.backward()
                     self._move_grads_to_master()
                     # Summed on the device: one host sync per step, not per micro-batch.
@@ -376,7 +546,12 @@ class GRPO(Optimizer):
         import torch
 
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(self.master, max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(self.master, max_norm)
+        if self.group is not None:
+            from vrl.optim.grpo_dist import full
+
+            norm = full(norm)  # the global norm over every rank's shards
+        norm = float(norm)
         self.optim.step()
         self.scheduler.step()
         self.optim.zero_grad(set_to_none=True)
@@ -404,44 +579,173 @@ class GRPO(Optimizer):
         return usable[-1] if usable else None
 
     def save(self, run_dir: Path, final: bool = False) -> None:
-        """Write grpo/iter-NNNNNN/: the policy (save_pretrained + tokenizer) and optimizer/schedule/RNG state.
+        """Write grpo/iter-NNNNNN/ when one is due: the policy (a Hugging Face folder), `train/` (fp32 masters
+        and AdamW state, a `torch.distributed.checkpoint` folder any number of ranks loads) and `state.pt`
+        (step, schedule, RNG, config).
 
-        Written to a temporary directory and renamed (`vrl.fileio.atomic_path`), and the previous
-        checkpoint is kept, so a crash at any point leaves the checkpoint that matches the run's last
-        finished iteration.
+        Due every `save_every` iterations, once `save_interval_s` have passed since the last, after the
+        run's last iteration, and on `final` (the run stops here). The loop waits only for the state to
+        be copied to host memory; the files are written in the background (`async_save`) under a
+        temporary name and renamed when complete, and `keep_checkpoints` are kept, so a crash at any
+        point leaves the newest complete checkpoint. A checkpoint the disk cannot hold is refused
+        (`CheckpointRefused`, or a warning with `on_disk_full=continue`), keeping the last good one.
         """
         import torch
 
-        k = self.config.save_every
-        if self.iteration % k and self.iteration != self.total_iterations and not final:
+        from vrl.optim import checkpoints as ckpts
+
+        cfg, group = self.config, self.group
+        if group is not None and group.leader:
+            group.send("save", run_dir, final)
+        due = self._saved != self.iteration and (final or self._cadence.due(self.iteration))
+        if final and self._refused == self.iteration:
+            due = False  # refused already, with its line
+        if group is not None:
+            due = group.share(due)  # rank 0's clock decides
+        if not due:
             return  # `load` falls back to the last checkpoint and the trainer redoes the rest
-        policy = self.peft_model if self.peft_model is not None else self.model
-        with atomic_path(self._checkpoint_dir(run_dir, self.iteration)) as tmp:
-            tmp.mkdir(parents=True)
-            with _quiet_transformers():
-                policy.save_pretrained(tmp / "policy")
-                self.tokenizer.save_pretrained(tmp / "policy")
-            state = {
-                "iteration": self.iteration,
-                "step": self.step,
-                "config": self.config.model_dump(mode="json"),
-                "optimizer": self.optim.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "master": None if self.master is self.params else [m.detach().cpu() for m in self.master],
-                "rng_cpu": torch.get_rng_state(),
-                "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            }
-            torch.save(state, tmp / "state.pt")
-        for old in self._checkpoints(run_dir)[:-_KEEP_CHECKPOINTS]:
-            shutil.rmtree(old, ignore_errors=True)
+        leader = group is None or group.leader
+        failed = self._finish_previous()  # one checkpoint in flight: host memory holds at most one snapshot
+        if failed is not None:
+            if leader:  # what the failed write left
+                lost = self._checkpoint_dir(run_dir, self._saved)
+                shutil.rmtree(lost.with_name(lost.name + TMP_SUFFIX), ignore_errors=True)
+            kept = self._checkpoints(run_dir)
+            line = (f"writing the checkpoint of iteration {self._saved} failed ({failed}); "
+                    f"{f'the last good one, {kept[-1].name}, is kept' if kept else 'there is no earlier checkpoint'}")
+            if cfg.on_disk_full == "stop":
+                self._refused = self.iteration
+                raise CheckpointRefused(f"{line}; the run stops (grpo.on_disk_full=stop)")
+            if leader:
+                log.warning("%s; the run goes on (grpo.on_disk_full=continue)", line)
+        target = self._checkpoint_dir(run_dir, self.iteration)
+        tmp = target.with_name(target.name + TMP_SUFFIX)
+        train = self._train_state()
+        needed = _bytes(t for d in (train["model"], *train["optim"].values()) for t in d.values())
+        if group is not None:
+            needed = int(group.sum({"bytes": float(needed)})["bytes"])
+        reason = None
+        if leader:
+            needed += _bytes(self._policy_tensors())
+            reason = check_room(target.parent, needed, cfg.keep_checkpoints, probe=ckpts.free_bytes)
+            if reason is None:
+                tmp.mkdir(parents=True)
+        if group is not None:
+            reason = group.share(reason)
+        if reason is not None:
+            self._refused = self.iteration
+            if cfg.on_disk_full == "stop":
+                raise CheckpointRefused(f"{reason}; the run stops (grpo.on_disk_full=stop)")
+            if leader:  # one line, from rank 0
+                log.warning("%s; the run goes on (grpo.on_disk_full=continue)", reason)
+            return
+        import torch.distributed.checkpoint as dcp
+
+        # Copied to host memory now (DCP's default stager); written by DCP's own thread.
+        with _one_process_dcp(group is None):
+            upload = dcp.async_save(train, checkpoint_id=str(tmp / "train"), no_dist=group is None,
+                                    process_group=None if group is None else group.checkpoints)
+        upload = getattr(upload, "upload_completion", upload)
+        write_policy = self._snapshot_policy(tmp / "policy") if leader else None
+        state = {
+            "iteration": self.iteration,
+            "step": self.step,
+            "world_size": 1 if group is None else group.world,
+            "config": cfg.model_dump(mode="json"),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optim.param_groups],
+            "optimizer_fields": sorted({k for st in train["optim"].values() for k in st}),
+            "scheduler": copy.deepcopy(self.scheduler.state_dict()),
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+        keep = cfg.keep_checkpoints
+
+        def write() -> None:
+            upload.result()  # on rank 0: every rank's shards and the metadata are written
+            if leader:
+                write_policy()
+                torch.save(state, tmp / "state.pt")
+                finish(tmp, target, keep)
+
+        if cfg.async_save and not final:
+            self._writer.submit(write)
+        else:
+            write()
+        self._saved = self.iteration
+        self._cadence.done()
+
+    def _finish_previous(self) -> str | None:
+        """Wait for the checkpoint being written; None when it (on every rank) completed, else why not."""
+        try:
+            self._writer.wait()
+            error = None
+        except Exception as exc:  # the disk filled after the check, a file system went away, ...
+            error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        if self.group is not None and self.group.sum({"failed": float(error is not None)})["failed"]:
+            error = error or "another rank could not write its shard"
+        return error
+
+    def _train_state(self) -> dict[str, Any]:
+        """The fp32 masters and AdamW state by parameter name (DTensor shards on several ranks)."""
+        optim = {}
+        for name, m in zip(self.param_names, self.master):
+            st = self.optim.state.get(m)
+            if st:
+                optim[name] = dict(st)
+        return {"model": dict(zip(self.param_names, self.master)), "optim": optim}
+
+    def _policy_tensors(self) -> list[torch.Tensor]:
+        """The tensors of the policy folder: the adapter (LoRA) or the whole model, each storage once."""
+        if self.peft_model is not None:
+            return [p for p in self.params]
+        seen: dict[int, torch.Tensor] = {}
+        for t in self.host_model.state_dict().values():
+            seen.setdefault(t.data_ptr(), t)
+        return list(seen.values())
+
+    def _snapshot_policy(self, folder: Path) -> Callable[[], None]:
+        """Copy the policy to host memory now; return the function that writes its folder later.
+
+        LoRA adapters are megabytes: peft writes them now. A whole model is copied (tied tensors once)
+        and written as one safetensors file with its config and tokenizer, as `save_pretrained` lays it out.
+        """
+        folder.mkdir(parents=True)
+        with _quiet_transformers():
+            self.tokenizer.save_pretrained(folder)
+            if self.peft_model is not None:
+                self.peft_model.save_pretrained(folder)
+                return lambda: None
+            model = self.host_model
+            model.config.save_pretrained(folder)
+            if getattr(model, "generation_config", None) is not None and model.can_generate():
+                model.generation_config.save_pretrained(folder)
+        copies: dict[int, torch.Tensor] = {}
+        snapshot = {}
+        for name, t in model.state_dict().items():
+            if t.data_ptr() in copies:
+                continue  # a tied weight (e.g. lm_head = embeddings): loaders re-tie it
+            copies[t.data_ptr()] = snapshot[name] = t.detach().to("cpu", copy=True).contiguous()
+
+        def write() -> None:
+            from safetensors.torch import save_file
+
+            save_file(snapshot, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+        return write
 
     def load(self, run_dir: Path, completed: int) -> None:
         """Resume from the newest checkpoint at or before the run's last finished iteration (`completed`).
 
         With `save_every` > 1 that may be older than the run: `self.iteration` then says where the
-        weights are, and the trainer redoes the iterations after it.
+        weights are, and the trainer redoes the iterations after it. A checkpoint written by any number
+        of ranks loads on any number of ranks (one process included).
         """
+        group = self.group
+        if group is not None and group.leader:
+            group.send("load", run_dir, completed)
         ckpt = self._newest_checkpoint(run_dir, completed)
+        if group is not None:
+            ckpt = group.share(ckpt)  # the file system may lag on other nodes: rank 0's choice
         if ckpt is None:
             found = [p.name for p in self._checkpoints(run_dir)]
             raise FileNotFoundError(
@@ -459,20 +763,50 @@ class GRPO(Optimizer):
             if saved.get(key) != getattr(self.config, key):
                 raise ValueError(f"checkpoint {ckpt} was trained with grpo.{key}={saved.get(key)!r}, "
                                  f"the config says {getattr(self.config, key)!r}; resume with the recorded config")
-        self._load_policy(ckpt / "policy")
-        if state["master"] is not None:
+        if (ckpt / "train").is_dir():
+            self._load_train_state(ckpt / "train", state)
+        else:  # written before sharded checkpoints (one process): masters and AdamW state in state.pt
+            if group is not None:
+                raise ValueError(f"checkpoint {ckpt} predates sharded checkpoints; resume it on one process")
+            self._load_policy(ckpt / "policy")
+            if state["master"] is not None:
+                with torch.no_grad():
+                    for m, saved_m in zip(self.master, state["master"]):
+                        m.copy_(saved_m)
+            self.optim.load_state_dict(state["optimizer"])
+        if self.master is not self.params:
             with torch.no_grad():
-                for m, saved_m in zip(self.master, state["master"]):
-                    m.copy_(saved_m)
                 for p, m in zip(self.params, self.master):
                     p.copy_(m)
-        self.optim.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng_cuda"])
         self._iteration, self.step = state["iteration"], state["step"]
-        self.host.publish(self.model)
+        self._saved = self._iteration  # that checkpoint exists: on stopping now, nothing new to write
+        self._publish()
+
+    def _load_train_state(self, path: Path, state: dict[str, Any]) -> None:
+        """Read `train/` into the masters and AdamW state in place (DCP reshards to this run's ranks)."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        have = {"exp_avg", "exp_avg_sq", "step"}
+        fields = state.get("optimizer_fields") or sorted(have)
+        on_device = bool(self.optim.defaults.get("fused") or self.optim.defaults.get("capturable"))
+        optim = {}
+        with torch.no_grad():
+            for name, m in zip(self.param_names, self.master):
+                optim[name] = {f: (torch.zeros((), dtype=torch.float32, device=self.device if on_device else "cpu")
+                                   if f == "step" else torch.zeros_like(m.detach())) for f in fields}
+        train = {"model": dict(zip(self.param_names, self.master)), "optim": optim}
+        with _one_process_dcp(self.group is None):
+            dcp.load(train, checkpoint_id=str(path), no_dist=self.group is None,
+                     process_group=None if self.group is None else self.group.checkpoints)
+        for name, m in zip(self.param_names, self.master):
+            self.optim.state[m] = optim[name]
+        for group, saved in zip(self.optim.param_groups, state["param_groups"]):
+            group.update(saved)
 
     @classmethod
     def export(cls, run_dir: Path, config: dict[str, Any], finished: int, folder: Path, load: ModelLoader
@@ -542,6 +876,22 @@ def _quiet_transformers() -> Iterator[None]:
     finally:
         if enabled:
             hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _one_process_dcp(alone: bool) -> Iterator[None]:
+    """DCP on one process warns that it assumes one process, on every save and load: it is meant. (A
+    process-wide filter: DCP's writer thread warns too, where a `catch_warnings` block does not reach.)"""
+    if alone:
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    yield
+
+
+def _bytes(tensors) -> int:
+    """Bytes of `tensors` as written (a DTensor: this rank's shard)."""
+    from vrl.optim.grpo_dist import local_bytes
+
+    return local_bytes(tensors)
 
 
 def _into_master(master: torch.Tensor):

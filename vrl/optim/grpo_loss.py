@@ -6,18 +6,21 @@ on their own; docs/grpo.md writes each one out.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # torch is imported in the functions that use it: `vrl.config` imports this module for `GRPOConfig`,
 # and `import vrl` or `vrl --help` must not load torch.
 if TYPE_CHECKING:
     import torch
 
-LossType = Literal["grpo", "dapo", "dr_grpo"]
+LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 ScaleRewards = Literal["group", "batch", "none"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+SamplingCorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 
 
@@ -29,17 +32,60 @@ class GRPOConfig(BaseModel):
     num_generations: int = Field(8, ge=2, description="Samples per task (the group size G).")
     loss_type: LossType = Field(
         "dapo",
-        description="How token losses are averaged: 'grpo' (per-sequence mean, then mean over sequences), "
-        "'dapo' (mean over all completion tokens of the batch), 'dr_grpo' (sum / (sequences × max_new_tokens)).",
+        description="The loss (TRL's loss_type; docs/grpo.md writes each out): 'grpo' (per-sequence mean, then mean "
+        "over sequences), 'dapo' (mean over all completion tokens of the batch), 'dr_grpo' (sum / (sequences × "
+        "max_new_tokens)), 'bnpo' (token mean per micro-batch, averaged over micro-batches), 'cispo' (clipped, "
+        "detached IS weight × A × log π), 'sapo' (sigmoid-gated ratio), 'luspo' (per-sequence token sum, mean over "
+        "sequences; for importance_sampling_level='sequence'), 'vespo' (Gamma-weighted sequence ratio).",
     )
     scale_rewards: ScaleRewards = Field(
         "group",
         description="Advantage scaling: 'group' divides by each task group's reward std, 'batch' by the batch's, "
-        "'none' only subtracts the group mean (Dr. GRPO).",
+        "'none' only subtracts the group mean (Dr. GRPO). As in TRL, true means 'group' and false 'none'.",
     )
     epsilon: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clipping bound: ratios below 1 − ε are clipped.")
     epsilon_high: float | None = Field(
-        None, ge=0.0, description="Upper clipping bound 1 + ε_high; default: epsilon (DAPO recommends 0.28)."
+        None, ge=0.0, description="Upper clipping bound 1 + ε_high; default: epsilon (DAPO recommends 0.28). With "
+        "loss_type='cispo' it is the cap on the ratio itself (ScaleRL recommends 5.0).",
+    )
+    delta: float | None = Field(
+        None, gt=1.0, description="Two-sided clipping (INTELLECT-2): the ratio in the unclipped term is capped at "
+        "delta, which bounds the loss of negative-advantage tokens; null: off. Recommended > 1 + epsilon.",
+    )
+    importance_sampling_level: ImportanceSamplingLevel = Field(
+        "token", description="'token': one ratio π_θ/π_old per token; 'sequence' (GSPO): one per completion, "
+        "exp of the mean token log-ratio, shared by its tokens.",
+    )
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0.0, description="SAPO gate temperature τ for tokens with positive advantage (loss_type='sapo')."
+    )
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0.0, description="SAPO gate temperature τ for tokens with advantage ≤ 0 (loss_type='sapo')."
+    )
+    vespo_k_pos: float = Field(2.0, description="VESPO power k for advantages ≥ 0 (loss_type='vespo').")
+    vespo_lambda_pos: float = Field(3.0, description="VESPO decay λ for advantages ≥ 0 (loss_type='vespo').")
+    vespo_k_neg: float = Field(3.0, description="VESPO power k for negative advantages (loss_type='vespo').")
+    vespo_lambda_neg: float = Field(2.0, description="VESPO decay λ for negative advantages (loss_type='vespo').")
+    top_entropy_quantile: float = Field(
+        1.0, ge=0.0, le=1.0, description="Train the policy term only on the tokens whose entropy is in this top "
+        "quantile of each micro-batch (Beyond the 80/20 Rule recommends 0.2); 1.0 keeps every token, 0.0 only the "
+        "highest-entropy one.",
+    )
+    vllm_importance_sampling_correction: bool = Field(
+        True, description="When the generator reports sampling log-probs (vllm), multiply each token's policy loss "
+        "by the truncated or masked ratio π_old/π_sampler (trainer's over sampler's log-probs; TRL's default). "
+        "False: the sampler's log-probs only feed the logged gap.",
+    )
+    vllm_importance_sampling_mode: SamplingCorrectionMode = Field(
+        "sequence_mask", description="How that ratio is taken: per 'token' or per 'sequence' (product over the "
+        "completion's tokens), and 'truncate' (clamped to [clip_min, clip_max]) or 'mask' (0 outside them).",
+    )
+    vllm_importance_sampling_clip_max: float | None = Field(
+        3.0, gt=0.0, description="Upper bound C_max of the sampling correction ratio (TRL's former "
+        "vllm_importance_sampling_cap); null: none.",
+    )
+    vllm_importance_sampling_clip_min: float | None = Field(
+        None, ge=0.0, description="Lower bound C_min of the sampling correction ratio; null: none."
     )
     beta: float = Field(
         0.0, ge=0.0, description="KL coefficient to the frozen initial policy (k3 estimator); 0 loads no reference."
@@ -52,6 +98,12 @@ class GRPOConfig(BaseModel):
     )
     num_iterations: int = Field(
         1, ge=1, description="Optimizer steps per batch (μ); steps after the first use importance ratios."
+    )
+    max_staleness: int = Field(
+        0, ge=0, description="Asynchronous rollouts: sample and verify iteration k+s while training on k, for s up "
+        "to this bound (each batch is trained exactly s updates after the weights that sampled it, the first s "
+        "batches fewer), corrected by the sampling log-probs (vllm_importance_sampling_*). 0: the synchronous loop. "
+        "Helps when verification or generation takes as long as the update (docs/grpo.md).",
     )
     mask_truncated_completions: bool = Field(
         False, description="Drop completions that hit max_new_tokens (finish_reason 'length') from the loss."
@@ -75,9 +127,25 @@ class GRPOConfig(BaseModel):
         2048, ge=1, description="Completion tokens per output-head chunk when computing log-probs (bounds memory)."
     )
     save_every: int = Field(
-        1, ge=1,
-        description="Write a checkpoint every k iterations and after the last one (a full 1.5B checkpoint is "
-        "~21 GB and takes tens of seconds); a resume redoes the iterations since the last checkpoint.",
+        0, ge=0,
+        description="Also write a checkpoint every k iterations (0: by time only, see save_interval_s). One is "
+        "always written after the last iteration and when the run stops; a resume redoes the iterations since "
+        "the last checkpoint.",
+    )
+    save_interval_s: float = Field(
+        600.0, ge=0.0,
+        description="Write a checkpoint once this many seconds have passed since the last (0: off). A full 1.5B "
+        "checkpoint is ~21 GB; written in the background it blocks the loop for the copy to host memory only.",
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="How many complete checkpoints to keep (the newest).")
+    async_save: bool = Field(
+        True, description="Copy the checkpoint to host memory and write its files in the background (false: "
+        "the loop waits for the write)."
+    )
+    on_disk_full: Literal["stop", "continue"] = Field(
+        "stop",
+        description="When a checkpoint would not fit on the disk (checked before writing; the last good one is "
+        "kept): 'stop' the run after recording the iteration, or 'continue' without that checkpoint.",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward: less memory, about a third more compute."
@@ -91,6 +159,22 @@ class GRPOConfig(BaseModel):
         description="Module names to adapt, e.g. [q_proj, v_proj] or [all-linear]; null: peft's default for the "
         "architecture (with use_peft).",
     )
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _scale_rewards_bool(cls, value: object) -> object:
+        # TRL's boolean spelling: True is 'group', False is 'none'.
+        return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _sampling_correction_bounds(self) -> GRPOConfig:
+        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if lo is not None and hi is not None and lo >= hi:
+            raise ValueError(f"vllm_importance_sampling_clip_min ({lo}) must be below vllm_importance_sampling_clip_max ({hi})")
+        if self.vllm_importance_sampling_mode.endswith("_truncate") and lo is None and hi is None:
+            raise ValueError(f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} needs "
+                             "vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max")
+        return self
 
     @model_validator(mode="after")
     def _lora_needs_peft(self) -> GRPOConfig:
@@ -131,6 +215,86 @@ def group_advantages(
     return advantages, torch.isclose(std, torch.zeros_like(std))
 
 
+def sampling_correction(
+    old_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: SamplingCorrectionMode = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> torch.Tensor:
+    """TRL's vLLM importance-sampling correction: the detached weight π_old/π_sampler per token [B, T] or,
+    in the `sequence_*` modes, per completion [B, 1] (the product of its tokens' ratios).
+
+    `*_truncate` clamps the weight to [clip_min, clip_max]; `*_mask` sets it to 0 outside them. Padding
+    (mask 0) and tokens whose sampler log-prob is NaN (not reported) count as ratio 1, as in TRL.
+    """
+    import torch
+
+    diff = torch.nan_to_num(torch.where(mask.bool(), old_logps - sampling_logps, 0.0), nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    weight = torch.exp(diff)
+    if mode.endswith("_truncate"):
+        weight = torch.clamp(weight, min=clip_min, max=clip_max)
+    elif mode.endswith("_mask"):
+        lo = -math.inf if clip_min is None else clip_min
+        hi = math.inf if clip_max is None else clip_max
+        weight = weight.masked_fill((weight < lo) | (weight > hi), 0.0)
+    else:
+        raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}; choose token_truncate, token_mask, "
+                         "sequence_truncate or sequence_mask")
+    return weight.detach()
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The tokens (under `mask`) whose entropy is at or above the (1 − quantile) quantile of the masked
+    tokens' entropies (linear interpolation, as `torch.quantile`): the top `quantile` of them."""
+    import torch
+
+    keep = mask.bool()
+    values = entropies[keep].detach().float().sort().values
+    if values.numel() == 0:
+        return torch.zeros_like(keep)
+    # torch.quantile refuses inputs above 2^24 elements; its linear interpolation written out has no limit.
+    pos = (1.0 - quantile) * (values.numel() - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    threshold = values[lo] + (values[hi] - values[lo]) * (pos - lo)
+    return (entropies >= threshold) & keep
+
+
+def vespo_weights(
+    advantages: torch.Tensor,
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    sampling_weight: torch.Tensor | None = None,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+) -> torch.Tensor:
+    """VESPO's per-completion weight φ(w) = e^λ · w^k · e^(−λw) (φ(1) = 1), detached, [B, 1].
+
+    w = exp(Σ_t log ρ_t) is the sequence ratio π_θ/π_old (times the token-level sampling correction
+    when given); log-ratios are clamped to [−20, 20] and log w to [log 1e-8, 20]; (k, λ) are the `_pos`
+    pair for advantages ≥ 0, the `_neg` pair otherwise.
+    """
+    import torch
+
+    floor = math.log(1e-8)
+    with torch.no_grad():
+        keep = mask.bool()
+        log_w = torch.where(keep, log_ratio.clamp(-20.0, 20.0), 0.0).sum(-1, keepdim=True)
+        if sampling_weight is not None:
+            log_w = log_w + torch.where(keep, torch.log(sampling_weight).clamp(floor, 20.0), 0.0).sum(-1, keepdim=True)
+        log_w = log_w.clamp(floor, 20.0)
+        adv = advantages.reshape(-1, 1)
+        k = torch.where(adv >= 0, k_pos, k_neg)
+        lam = torch.where(adv >= 0, lambda_pos, lambda_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def grpo_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor,
@@ -146,50 +310,98 @@ def grpo_loss(
     num_sequences: int | None = None,
     num_tokens: float | None = None,
     max_completion_length: int | None = None,
+    num_micro_batches: int = 1,
+    importance_sampling_level: ImportanceSamplingLevel = "token",
+    delta: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_params: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
+    sampling_weight: torch.Tensor | None = None,
+    entropy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO loss of a (micro-)batch and detached statistics for logging.
 
     `logps`, `old_logps`, `ref_logps`, `mask` are [B, T]; `advantages` is [B]. `num_sequences` and
     `num_tokens` are the counts of the *whole* batch when this is one micro-batch of it, so that
-    summing micro-batch losses gives the batch loss; they default to this batch's own counts.
-    `use_bias_correction_kl` multiplies the KL term by ρ (not detached); this function's default is
-    the plain k3 term, the optimizer passes `GRPOConfig.use_bias_correction_kl` (default on).
+    summing micro-batch losses gives the batch loss; they default to this batch's own counts
+    (`num_micro_batches` is what 'bnpo' averages over). `use_bias_correction_kl` multiplies the KL
+    term by ρ (not detached); this function's default is the plain k3 term, the optimizer passes
+    `GRPOConfig.use_bias_correction_kl` (default on). `vespo_params` is (k_pos, λ_pos, k_neg, λ_neg).
+    `sampling_weight` ([B, T] or [B, 1], from `sampling_correction`) and `entropy_mask` (from
+    `high_entropy_mask`) multiply the policy term, not the KL term, as in TRL.
     """
     import torch
 
     eps_high = epsilon if epsilon_high is None else epsilon_high
     adv = advantages.unsqueeze(1)
-    ratio = torch.exp(logps - old_logps)
-    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv)
-    per_token = -surrogate
+    keep = mask.bool()
+    log_ratio = logps - old_logps
+    if importance_sampling_level == "sequence":  # GSPO: one ratio per completion, exp of the mean log-ratio
+        log_ratio_seq = torch.where(keep, log_ratio, 0.0).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        ratio = torch.exp(log_ratio_seq)
+    elif importance_sampling_level == "token":
+        ratio = torch.exp(log_ratio)
+    else:
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; choose token or sequence")
     stats: dict[str, torch.Tensor] = {}
+    clip_ratio = ratio  # the ratio the clipping statistics look at
+    if loss_type == "cispo":
+        # The weight, not the objective, is clipped: every token keeps a gradient, scaled by min(ρ, ε_high).
+        per_token = -torch.clamp(ratio, max=eps_high).detach() * adv * logps
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    elif loss_type == "vespo":
+        phi = vespo_weights(adv, log_ratio, mask, sampling_weight, *vespo_params)
+        per_token = -phi * adv * logps
+    elif loss_type in ("grpo", "dapo", "dr_grpo", "bnpo", "luspo"):
+        if delta is not None:
+            clip_ratio = torch.clamp(ratio, max=delta)
+        surrogate = torch.minimum(clip_ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv)
+        per_token = -surrogate
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose grpo, dapo, dr_grpo, bnpo, cispo, sapo, luspo or vespo")
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask
+    if sampling_weight is not None and loss_type != "vespo":  # VESPO folds it into φ
+        per_token = per_token * sampling_weight
     if beta:
         if ref_logps is None:
             raise ValueError("beta > 0 needs ref_logps")
-        delta = ref_logps - logps
-        kl = torch.exp(delta) - delta - 1  # k3: unbiased, non-negative estimate of KL(π_θ ‖ π_ref)
+        delta_ref = ref_logps - logps
+        kl = torch.exp(delta_ref) - delta_ref - 1  # k3: unbiased, non-negative estimate of KL(π_θ ‖ π_ref)
         if use_bias_correction_kl:
             # Tokens were sampled from π_old: the ratio makes the estimate (and its gradient, through ρ)
             # that of KL(π_θ ‖ π_ref) under π_θ. Its value is 1 on-policy, its gradient is not.
             kl = kl * ratio
         per_token = per_token + beta * kl
-        stats["kl_sum"] = torch.where(mask.bool(), kl, 0.0).sum().detach()
+        stats["kl_sum"] = torch.where(keep, kl, 0.0).sum().detach()
     # where, not multiply: a non-finite value under the mask (inf · 0 = nan) must not leak in.
-    masked = torch.where(mask.bool(), per_token, 0.0) * mask
+    masked = torch.where(keep, per_token, 0.0) * mask
     n = logps.shape[0] if num_sequences is None else num_sequences
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / n
-    elif loss_type == "dapo":
+    elif loss_type in ("dapo", "cispo", "vespo"):
         tokens = float(mask.sum()) if num_tokens is None else float(num_tokens)
         loss = masked.sum() / max(tokens, 1.0)
     elif loss_type == "dr_grpo":
         if not max_completion_length:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length (sampling.max_new_tokens)")
         loss = masked.sum() / (n * max_completion_length)
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose grpo, dapo or dr_grpo")
+    elif loss_type == "bnpo":  # this micro-batch's own token mean, averaged over the micro-batches
+        loss = masked.sum() / mask.sum().clamp(min=1.0) / num_micro_batches
+    else:  # luspo: each completion's token sum (its loss scaled by its length), mean over completions
+        loss = masked.sum() / n
     with torch.no_grad():
-        low = ((ratio < 1 - epsilon) & (adv < 0)).float() * mask
-        high = ((ratio > 1 + eps_high) & (adv > 0)).float() * mask
-        stats.update(clip_low_sum=low.sum(), clip_high_sum=high.sum(), tokens=mask.sum())
+        # Token level: counted over masked tokens; sequence level: over completions, as TRL logs them.
+        weight = mask if clip_ratio.shape[-1] > 1 or mask.shape[-1] == 1 else torch.ones_like(clip_ratio)
+        stats.update(tokens=mask.sum(), clip_units=weight.sum())
+        if loss_type == "cispo":
+            stats["cispo_clip_sum"] = (((ratio > eps_high) & (adv > 0)).float() * weight).sum()
+        elif loss_type == "vespo":
+            stats.update(vespo_phi_sum=phi.sum(), sequences=torch.tensor(float(phi.shape[0])))
+        elif loss_type != "sapo":
+            low = ((clip_ratio < 1 - epsilon) & (adv < 0)).float() * weight
+            high = ((clip_ratio > 1 + eps_high) & (adv > 0)).float() * weight
+            stats.update(clip_low_sum=low.sum(), clip_high_sum=high.sum())
     return loss, stats

@@ -58,23 +58,33 @@ def pack(
 
 
 def _chunk_logprobs(
-    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, softcap: float | None
-) -> torch.Tensor:
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, softcap: float | None,
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     logits = head(hidden).float()
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits / temperature
     # log p(target) = logit(target) - logsumexp(logits): no [rows, vocab] log-softmax tensor is kept.
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if not entropy:
+        return logps
+    with torch.no_grad():  # H = logsumexp(z) − Σ softmax(z)·z; a statistic, no gradient
+        z = logits.detach()
+        h = lse.detach() - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return logps, h
 
 
 def completion_logprobs(
-    model: torch.nn.Module, batch: Packed, temperature: float = 1.0, chunk_size: int = 2048
-) -> torch.Tensor:
+    model: torch.nn.Module, batch: Packed, temperature: float = 1.0, chunk_size: int = 2048, entropy: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log π(token | prefix) for every completion token, as float32 [B, C] (0 at padding).
 
     Logits are divided by the sampling temperature first, so these are the log-probs of the
-    distribution the tokens were sampled from (as TRL does; top-p is not modelled).
+    distribution the tokens were sampled from (as TRL does; top-p is not modelled). With `entropy`,
+    also the entropy of that distribution at each completion position, [B, C] (0 at padding),
+    detached, computed in the same chunks (GRPO's `top_entropy_quantile`).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs (got {temperature})")
@@ -91,15 +101,24 @@ def completion_logprobs(
     states = hidden[:, width_p - 1 : width_p + width_c - 1]
     selected = batch.completion_mask.bool()
     rows, targets = states[selected], batch.completion_ids[selected]
-    pieces = []
+    pieces, entropies = [], []
     for start in range(0, rows.shape[0], chunk_size):
-        args = (head, rows[start : start + chunk_size], targets[start : start + chunk_size], temperature, softcap)
+        args = (head, rows[start : start + chunk_size], targets[start : start + chunk_size], temperature, softcap, entropy)
         if torch.is_grad_enabled():
             # Recompute the chunk's logits in backward instead of keeping them.
-            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+            piece = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
-            pieces.append(_chunk_logprobs(*args))
+            piece = _chunk_logprobs(*args)
+        if entropy:
+            piece, h = piece
+            entropies.append(h)
+        pieces.append(piece)
     out = torch.zeros(selected.shape, dtype=torch.float32, device=rows.device)
     if pieces:
         out = out.masked_scatter(selected, torch.cat(pieces))
-    return out
+    if not entropy:
+        return out
+    ent = torch.zeros(selected.shape, dtype=torch.float32, device=rows.device)
+    if entropies:
+        ent = ent.masked_scatter(selected, torch.cat(entropies))
+    return out, ent

@@ -147,6 +147,10 @@ class HostPool(PolicyHost):
     def publish(self, model: Any) -> None:
         self._each(lambda h: h.publish(model))
 
+    def decouple(self) -> None:
+        for h in self.hosts:
+            h.decouple()
+
     def counters(self) -> dict[str, float]:
         """Each counter's slowest value over the hosts (they move their weights side by side)."""
         out: dict[str, float] = {}

@@ -1,0 +1,55 @@
+"""One rank of a GRPO step under FSDP2, started by `torchrun` from tests/test_grpo_fsdp.py (not a test module).
+
+Every rank builds the tiny model's generator and GRPO as `vrl train` does; rank 0 samples the batch,
+trains on it (the other ranks follow its commands), checkpoints into RUN_DIR, and writes what it saw
+to OUT: the metrics, the whole pre-clipping gradient of every step, the weights after the step, and
+the AdamW state gathered from the shards.
+
+    torchrun --standalone --nproc-per-node 2 tests/grpo_fsdp_worker.py OUT RUN_DIR '{"beta": 0.1, ...}'
+
+(`"_dtype": "bfloat16"` in the fields loads the model in bf16.)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from tests.test_grpo import make_generator, sample_results
+from vrl.optim.grpo import GRPO, GRPOConfig
+from vrl.optim.grpo_dist import full
+
+
+def main(out: str, run_dir: str, fields: dict) -> None:
+    grads: list[list[torch.Tensor]] = []
+    step = GRPO._apply_step
+
+    def spy(self):  # every rank gathers (a collective); rank 0 keeps them
+        grads.append([full(m.grad).clone() for m in self.master])
+        return step(self)
+
+    GRPO._apply_step = spy
+    gen = make_generator(dtype=getattr(torch, fields.pop("_dtype", "float32")))
+    opt = GRPO(GRPOConfig(**fields), seed=0, total_iterations=10)
+    opt.setup(gen)
+    leader = opt.group.leader
+    if leader:
+        metrics = opt.tell(sample_results(gen))
+        opt.save(run_dir, final=True)
+        opt.group.send("stop")
+    else:
+        opt.follow()
+    # Every rank takes part in gathering the AdamW state from its shards.
+    optim = {name: {k: full(v).clone() for k, v in opt.optim.state[m].items()}
+             for name, m in zip(opt.param_names, opt.master)}
+    if leader:
+        torch.save({"metrics": metrics, "grads": grads, "optim": optim, "world": opt.group.world,
+                    "weights": {k: v.clone() for k, v in gen.model.state_dict().items()}}, out)
+    opt.group = None  # released above
+    opt.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))

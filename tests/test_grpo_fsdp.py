@@ -1,0 +1,232 @@
+"""GRPO on FSDP2 across 2 CPU ranks (gloo), launched with the real `torchrun`, against one process.
+
+Nothing is emulated: `torch.distributed.fsdp.fully_shard` shards the tiny Qwen2 model over a CPU
+device mesh, gradients are reduce-scattered over gloo, AdamW steps on DTensor shards, and
+checkpoints are written with `torch.distributed.checkpoint`. Only the GPUs are absent (NCCL is the
+same code path with another backend).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+
+from tests.test_grpo import make_generator, sample_results
+from vrl.envs.letters import LettersEnvironment
+from vrl.optim.grpo import GRPO, GRPOConfig
+from vrl.optim.grpo_dist import share_rows
+from vrl.rundir import RunDir
+from vrl.trainer import Trainer
+
+HERE = Path(__file__).parent
+# beta > 0 shards a frozen reference too; 12 samples in micro-batches of 5 make 2 per rank.
+FIELDS = {"loss_type": "grpo", "micro_batch_size": 5, "learning_rate": 1e-3, "beta": 0.1, "num_iterations": 1,
+          "lr_scheduler_type": "constant"}
+
+
+def torchrun(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Two ranks on this machine, as a user starts them (`torchrun --standalone --nproc-per-node 2`)."""
+    path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    with socket.socket() as s:  # a free port: two test sessions on one machine must not meet
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=HERE.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One GRPO step on 2 ranks (tests/grpo_fsdp_worker.py): what rank 0 saw, and its checkpoint."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp / "out.pt"), str(tmp / "run"), json.dumps(FIELDS))
+    return torch.load(tmp / "out.pt", weights_only=False), tmp / "run"
+
+
+def one_process_step(monkeypatch):
+    grads: list[list[torch.Tensor]] = []
+    step = GRPO._apply_step
+
+    def spy(self):
+        grads.append([m.grad.detach().clone() for m in self.master])
+        return step(self)
+
+    monkeypatch.setattr(GRPO, "_apply_step", spy)
+    gen = make_generator()
+    opt = GRPO(GRPOConfig(**FIELDS), seed=0, total_iterations=10)
+    opt.setup(gen)
+    metrics = opt.tell(sample_results(gen))
+    return metrics, grads, gen.model.state_dict(), opt
+
+
+@pytest.mark.slow
+def test_two_ranks_train_as_one_process(two_ranks, monkeypatch):
+    """Loss, gradient and updated weights of a 2-rank FSDP2 step equal the one-process step's.
+
+    Tolerances: the loss and the gradient norm to 1e-6 relative, every gradient element to 1e-6 of its
+    tensor's largest (the ranks sum their micro-batches in another order: measured 3.5e-7). The weights
+    differ by exactly what AdamW's first step makes of that gradient difference: the step is
+    lr·ĝ/(|ĝ| + ε) of the clipped gradient ĝ, whose slope ε/(|ĝ| + ε)² turns a 1e-7 difference in a
+    near-zero gradient into up to 2% of lr; each element is held to that bound (plus 4 fp32 ulps)."""
+    dist, _ = two_ranks
+    assert dist["world"] == 2
+    metrics, grads, weights, opt = one_process_step(monkeypatch)
+    assert dist["metrics"]["grpo/loss"] == pytest.approx(metrics["grpo/loss"], rel=1e-6)
+    assert dist["metrics"]["grpo/kl"] == pytest.approx(metrics["grpo/kl"], rel=1e-5)
+    assert dist["metrics"]["grpo/grad_norm"] == pytest.approx(metrics["grpo/grad_norm"], rel=1e-6)
+    for key in ("grpo/trained_tokens", "grpo/clip_ratio/region_mean", "grpo/advantage_abs_mean", "grpo/reward_std"):
+        assert dist["metrics"][key] == metrics[key], key
+    assert len(dist["grads"]) == len(grads) == 1
+    for a, b in zip(dist["grads"][0], grads[0]):
+        assert a.shape == b.shape
+        assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max())
+    assert any(g.abs().sum() > 0 for g in grads[0])
+    moved = max(float((dist["weights"][k] - make_generator().model.state_dict()[k]).abs().max()) for k in weights)
+    assert moved > 0.5 * FIELDS["learning_rate"]  # the step did move them
+    eps, lr = 1e-8, FIELDS["learning_rate"]
+    clip = [min(1.0, 1.0 / (m["grpo/grad_norm"] + 1e-6)) for m in (metrics, dist["metrics"])]
+    for name, g1, g2 in zip(opt.param_names, grads[0], dist["grads"][0]):
+        g1, g2 = g1 * clip[0], g2 * clip[1]
+        diff = (g1 - g2).abs()
+        slope = eps / ((g1.abs() - diff).clamp(min=0) + eps) ** 2
+        ulps = 4 * torch.finfo(torch.float32).eps * (weights[name].abs() + lr)  # AdamW's arithmetic, another order
+        bound = lr * torch.clamp(slope * diff, max=2.0) + ulps
+        assert bool(((dist["weights"][name] - weights[name]).abs() <= bound).all()), name
+
+@pytest.mark.slow
+def test_two_rank_checkpoint_resumes_on_one_process_exactly(two_ranks):
+    """The sharded checkpoint of 2 ranks loads on one process to the same bits: weights, AdamW moments,
+    step counts, learning rate; its policy folder holds the same weights."""
+    dist, run = two_ranks
+    ckpt = run / "grpo" / "iter-000001"
+    assert sorted(p.name for p in (ckpt / "train").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    gen = make_generator()
+    opt = GRPO(GRPOConfig(**FIELDS), seed=0, total_iterations=10)
+    opt.setup(gen)
+    opt.load(run, 1)
+    assert opt.iteration == 1 and opt.step == 1
+    own = gen.model.state_dict()
+    assert all(torch.equal(own[k], v) for k, v in dist["weights"].items())
+    for name, m in zip(opt.param_names, opt.master):
+        saved = dist["optim"][name]
+        assert set(opt.optim.state[m]) == set(saved)
+        for field, value in saved.items():
+            assert torch.equal(opt.optim.state[m][field], value), (name, field)
+    assert opt.optim.param_groups[0]["lr"] == FIELDS["learning_rate"]
+    policy = load_file(str(ckpt / "policy" / "model.safetensors"))
+    assert all(torch.equal(policy[k], dist["weights"][k]) for k in policy)
+    # and it trains on from there
+    opt.tell(sample_results(gen, seed=7))
+    assert opt.step == 2
+
+
+def test_micro_batches_are_dealt_evenly():
+    """Every rank gets as many micro-batches (FSDP2's collectives need it), none larger than asked,
+    every row exactly once; a rank short of rows gets an empty one (trained as a zero-weight filler)."""
+    for n in range(1, 40):
+        for world in (1, 2, 3, 4):
+            for mbs in (1, 3, 8):
+                shares = [share_rows(list(range(n)), world, mbs, r) for r in range(world)]
+                assert len({len(s) for s in shares}) == 1
+                rows = sorted(i for s in shares for chunk in s for i in chunk)
+                assert rows == list(range(n))
+                assert all(len(chunk) <= mbs for s in shares for chunk in s)
+                if n >= world * len(shares[0]):
+                    assert all(chunk for s in shares for chunk in s)
+    assert share_rows(list(range(3)), 2, 1, 0) == [[], [1]] and share_rows(list(range(3)), 2, 1, 1) == [[0], [2]]
+
+
+@pytest.mark.slow
+def test_vrl_train_under_torchrun_then_resume_on_one_process(tmp_path):
+    """`torchrun --nproc-per-node 2 vrl train` on the toy environment: rank 0 alone writes the run (one
+    metrics line per iteration, its console), both ranks train; then `vrl train --resume` on one
+    process continues the 2-rank run from its sharded checkpoint to the end."""
+    runs = tmp_path / "runs"
+    vrl = str(Path(sys.executable).parent / "vrl")
+    args = ["train", "--plugin", "letters", "--optimizer", "grpo", "--iterations", "2", "--name", "fsdp",
+            "--set", f"logging.runs_dir={runs}", "--set", "tasks_per_iteration=3", "--set", "grpo.num_generations=4",
+            "--set", "sampling.max_new_tokens=8", "--set", "sampling.temperature=1.0", "--set", "grpo.micro_batch_size=4",
+            "--set", "grpo.learning_rate=1e-2"]
+    done = torchrun(vrl, *args)
+    assert done.stderr.count("vrl train") == 1, done.stderr[-3000:]  # one console: rank 0's
+    run = runs / "fsdp"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1] and all(r["grpo/grad_norm"] > 0 for r in rows)
+    state = torch.load(run / "grpo" / "iter-000002" / "state.pt", weights_only=True)
+    assert state["world_size"] == 2 and state["iteration"] == 2
+    trainer = Trainer(_toy_config_from(run, 3), run_dir=RunDir.open(run), environment=LettersEnvironment(),
+                      console=Console(file=io.StringIO()))
+    assert trainer.start_iteration == 2
+    assert trainer.run()["status"] == "finished"
+    assert [r["iteration"] for r in trainer.run_dir.metrics()] == [0, 1, 2]
+
+
+def _toy_config_from(run: Path, iterations: int):
+    from vrl.config import build
+
+    recorded = json.loads((run / "config.json").read_text())
+    recorded["iterations"] = iterations
+    return build(recorded)
+
+
+
+def test_a_torchrun_launch_refuses_what_it_cannot_train_before_writing_anything(tmp_path, monkeypatch):
+    """WORLD_SIZE > 1 (what torchrun sets): ES, or GRPO with LoRA, is refused in one line before a run
+    directory exists; a rank > 0 never creates one (rank 0 owns it)."""
+    from vrl.config import build
+    from vrl.errors import UsageError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    runs = tmp_path / "runs"
+    base = {"plugin": "letters", "iterations": 1, "logging": {"runs_dir": str(runs), "name": "r"}}
+    for fields, match in (({"optimizer": "es"}, "optimizer=grpo only"),
+                          ({"optimizer": "grpo", "grpo": {"use_peft": True}}, "use_peft=true")):
+        with pytest.raises(UsageError, match=match) as err:
+            Trainer(build({**base, **fields}), environment=LettersEnvironment(), console=Console(file=io.StringIO()))
+        assert "\n" not in str(err.value)
+        assert not (runs / "r").exists()
+    monkeypatch.setenv("RANK", "1")
+    follower = Trainer(build({**base, "optimizer": "grpo"}), environment=LettersEnvironment())
+    assert follower.run_dir is None and not (runs / "r").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_in_bf16_train_through_fp32_shards(tmp_path, monkeypatch):
+    """A bf16 model: FSDP2 keeps fp32 shards (the masters), computes in bf16 and reduces in fp32, as
+    one process does with its fp32 masters. The gradient agrees to bf16's forward noise (2% of its
+    norm, the bound tests/test_grpo.py puts on micro-batching in bf16), and rank 0's sampling model
+    ends in bf16 holding the fp32 masters rounded."""
+    fields = {**FIELDS, "_dtype": "bfloat16"}
+    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp_path / "out.pt"), str(tmp_path / "run"), json.dumps(fields))
+    dist = torch.load(tmp_path / "out.pt", weights_only=False)
+    grads: list[list[torch.Tensor]] = []
+    step = GRPO._apply_step
+    monkeypatch.setattr(GRPO, "_apply_step", lambda self: grads.append([m.grad.clone() for m in self.master]) or step(self))
+    gen = make_generator(dtype=torch.bfloat16)
+    opt = GRPO(GRPOConfig(**FIELDS), seed=0, total_iterations=10)
+    opt.setup(gen)
+    opt.tell(sample_results(gen))
+    one, two = torch.cat([g.flatten() for g in grads[0]]), torch.cat([g.flatten() for g in dist["grads"][0]])
+    assert two.dtype == torch.float32 and one.abs().sum() > 0
+    assert float((one - two).norm() / one.norm()) < 0.02
+    assert all(w.dtype == torch.bfloat16 for w in dist["weights"].values())
+    gen2 = make_generator(dtype=torch.bfloat16)
+    resumed = GRPO(GRPOConfig(**FIELDS), seed=0, total_iterations=10)
+    resumed.setup(gen2)
+    resumed.load(tmp_path / "run", 1)
+    assert all(torch.equal(gen2.model.state_dict()[k], v) for k, v in dist["weights"].items())
+    assert all(m.dtype == torch.float32 for m in resumed.master)

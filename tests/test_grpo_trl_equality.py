@@ -1,0 +1,111 @@
+"""vrl's `grpo_loss` against TRL 1.16's own `GRPOTrainer._compute_loss`, on random batches: every loss type,
+token and sequence importance sampling, KL with and without the bias correction, delta, the entropy
+mask and the vLLM importance-sampling weight, value and gradient.
+
+TRL is not a dependency: the test runs where `trl==1.16.0` is importable (`pip install trl==1.16.0`, or
+its wheel on PYTHONPATH) and is skipped otherwise. TRL's method is called unbound on a stand-in trainer
+that holds only the attributes the loss reads (one process, no gradient accumulation), with the
+log-probs and entropies given instead of a model forward, so the numbers compared are TRL's own code's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+
+from vrl.optim.grpo_loss import grpo_loss, high_entropy_mask
+
+trl = pytest.importorskip("trl", reason="the TRL comparison needs trl==1.16.0 (pip install trl==1.16.0)")
+if trl.__version__ != "1.16.0":
+    pytest.skip(f"compares with TRL 1.16.0's private loss code; trl {trl.__version__} is installed",
+                allow_module_level=True)
+from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
+
+
+class _OneProcess:
+    num_processes = 1
+    sync_gradients = True
+
+    def pad_across_processes(self, x, dim=0, pad_index=0):
+        return x
+
+    def gather(self, x):
+        return x
+
+    def gather_for_metrics(self, x):
+        return x
+
+    def reduce(self, x, reduction="sum"):
+        return x
+
+
+def trl_loss(logps, old, ref, adv, mask, entropies, is_ratio, o):
+    t = types.SimpleNamespace(
+        accelerator=_OneProcess(), top_entropy_quantile=o["q"], off_policy_mask_threshold=None,
+        importance_sampling_level=o["level"], beta=o["beta"], loss_type=o["loss"], epsilon_low=0.2,
+        epsilon_high=0.2 if o["eps_high"] is None else o["eps_high"], use_vllm=is_ratio is not None,
+        vllm_importance_sampling_correction=is_ratio is not None, _entropy_bonus_enabled=False,
+        model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        max_completion_length=o["L"], aux_loss_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
+        get_gamma_weights=GRPOTrainer.get_gamma_weights, get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
+        args=types.SimpleNamespace(use_bias_correction_kl=o["bc"], delta=o["delta"], sapo_temperature_pos=1.0,
+                                   sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
+                                   vespo_k_neg=3.0, vespo_lambda_neg=2.0, steps_per_generation=1),
+    )
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, entropies, None)
+    t.get_high_entropy_mask = types.MethodType(GRPOTrainer.get_high_entropy_mask, t)
+    b, n = logps.shape
+    inputs = {"prompt_ids": torch.zeros(b, 2, dtype=torch.long), "prompt_mask": torch.ones(b, 2, dtype=torch.long),
+              "completion_ids": torch.zeros(b, n, dtype=torch.long), "completion_mask": mask, "advantages": adv,
+              "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+    if o["beta"]:
+        inputs["ref_per_token_logps"] = ref
+    if is_ratio is not None:
+        inputs["importance_sampling_ratio"] = is_ratio
+    return GRPOTrainer._compute_loss(t, None, inputs)
+
+
+CASES = [
+    c for c in itertools.product(
+        ["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"], ["token", "sequence"], [0.0, 0.04],
+        [False, True], [None, 1.5], [1.0, 0.3], [None, "token", "sequence"], [None, 0.28])
+    if not (c[0] == "vespo" and c[6] == "sequence")  # TRL refuses it
+    and not (c[4] is not None and c[0] in ("cispo", "sapo", "vespo"))  # delta only acts on the clipped losses
+]
+
+
+def test_loss_and_gradient_equal_trl():
+    torch.manual_seed(0)
+    b, n, max_len = 6, 9, 12
+    worst_value = worst_grad = 0.0
+    for loss, level, beta, bc, delta, q, is_kind, eps_high in CASES:
+        mask = (torch.arange(n)[None] < torch.randint(1, n + 1, (b, 1))).float()
+        base = -torch.rand(b, n) * 3
+        old, ref = base + 0.3 * torch.randn(b, n), base + 0.3 * torch.randn(b, n)
+        adv, entropies = torch.randn(b), torch.rand(b, n) * 4
+        is_ratio = None
+        if is_kind == "token":
+            is_ratio = torch.where(mask.bool(), torch.exp(0.4 * torch.randn(b, n)), 1.0)
+            is_ratio = is_ratio.masked_fill(is_ratio > 1.5, 0.0)  # a token_mask weight
+        elif is_kind == "sequence":
+            is_ratio = torch.exp(0.5 * torch.randn(b, 1))
+        o = {"q": q, "level": level, "beta": beta, "loss": loss, "eps_high": eps_high, "L": max_len, "bc": bc,
+             "delta": delta}
+        theirs_lp = base.clone().requires_grad_(True)
+        theirs = trl_loss(theirs_lp, old, ref, adv, mask, entropies, is_ratio, o)
+        theirs.backward()
+        ours_lp = base.clone().requires_grad_(True)
+        ours, _ = grpo_loss(ours_lp, old, adv, mask, loss_type=loss, epsilon=0.2, epsilon_high=eps_high, beta=beta,
+                            ref_logps=ref, use_bias_correction_kl=bc, max_completion_length=max_len,
+                            importance_sampling_level=level, delta=delta, sampling_weight=is_ratio,
+                            entropy_mask=high_entropy_mask(entropies, mask, q) if q < 1 else None)
+        ours.backward()
+        value = abs(float(theirs.detach()) - float(ours.detach())) / max(abs(float(theirs.detach())), 1e-6)
+        grad = float((theirs_lp.grad - ours_lp.grad).abs().max() / theirs_lp.grad.abs().max().clamp(min=1e-12))
+        assert value < 1e-5 and grad < 1e-5, o
+        worst_value, worst_grad = max(worst_value, value), max(worst_grad, grad)
+    print(f"{len(CASES)} cases: worst relative difference {worst_value:.1e} (loss), {worst_grad:.1e} (gradient)")

@@ -1,0 +1,84 @@
+"""Which process of a `torchrun` launch this is, and the loop of the ranks that follow rank 0.
+
+`torchrun --nproc-per-node K vrl train ...` starts K copies of `vrl train` (on each of N nodes with
+`--nnodes N`). Rank 0 runs the trainer's loop as a single process would: it samples, verifies,
+shapes, writes the run directory, the metrics and the console. Every other rank *follows*: it
+builds the same model and optimizer and then does what rank 0's optimizer tells it (train on this
+batch, save, load, stop), so the update itself (forward, backward, the AdamW step) runs on every
+rank on its shard of the model (`vrl.optim.grpo_dist`). Only GRPO trains this way; ES runs on
+one process (its workers are engines, not ranks).
+
+Standard library only at import: the trainer imports this module, and `import vrl` must not load torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+
+def rank() -> int:
+    """This process's global rank (0 outside a `torchrun` launch)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    """How many processes train together (1 outside a `torchrun` launch)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_follower() -> bool:
+    """A rank > 0 of a multi-process launch: it writes nothing and runs no loop of its own."""
+    return world_size() > 1 and rank() > 0
+
+
+def check(config: Any) -> None:
+    """Refuse a multi-process launch this run cannot use (one line, what to change)."""
+    from vrl.errors import UsageError
+
+    if world_size() <= 1:
+        return
+    if config.optimizer != "grpo":
+        raise UsageError(f"a torchrun launch ({world_size()} processes) trains with optimizer=grpo only; "
+                         f"optimizer={config.optimizer} runs as one process (start it without torchrun)")
+    if config.grpo.use_peft:
+        raise UsageError(f"grpo.use_peft=true trains LoRA adapters on one process; a torchrun launch "
+                         f"({world_size()} processes) shards full fine-tuning only: drop torchrun or use_peft")
+
+
+def start(config: Any) -> None:
+    """Before any model loads: refuse what a multi-process launch cannot train, and give each rank of
+    a GPU node its own GPU (`LOCAL_RANK`), so the models it builds land there."""
+    if world_size() <= 1:
+        return
+    check(config)
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def follow(config: Any) -> dict[str, Any]:
+    """The whole life of a rank > 0: build the model and the optimizer as rank 0 does, then serve rank 0's
+    commands until it stops the run. Returns a summary like `Trainer.run`'s (status only)."""
+    import signal
+
+    from vrl.generate import generator_class
+    from vrl.optim import make_optimizer
+
+    start(config)
+    # Rank 0 decides when the run stops (Ctrl-C included): it still needs this rank to write the
+    # checkpoint of the last finished iteration, then sends "stop".
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.getLogger("vrl").setLevel(logging.ERROR)  # rank 0 speaks for the run; errors still show
+    optimizer = make_optimizer(config)
+    # Only rank 0 samples: here the model is loaded for its weights alone, with the in-process backend
+    # whatever rank 0 samples with (a vLLM engine per rank would hold GPU memory for nothing).
+    host = generator_class("hf").from_config(config)
+    try:
+        optimizer.setup(host)
+        optimizer.follow()
+    finally:
+        host.close()
+    return {"status": "finished", "rank": rank()}

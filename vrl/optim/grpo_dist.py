@@ -1,0 +1,158 @@
+"""GRPO over several processes with PyTorch's FSDP2 (`fully_shard`), and its sharded checkpoints (DCP).
+
+Who does what (see `vrl.distributed` for the launch):
+
+- Rank 0 samples and verifies the whole batch (its host is the only one that generates) and sends
+  the rewarded results to every rank (`broadcast_object_list`), so every rank sees the whole batch:
+  advantages and every loss normaliser (sequences, tokens) are those of the whole batch, as on one
+  process. Sampling on one rank keeps generation exactly today's (same engine, same seeds).
+- The batch, sorted by length, is cut into `world × k` micro-batches of near-equal size; rank r
+  trains on micro-batches r, r + world, ... Each micro-batch loss is divided by the whole-batch
+  normalisers, so the micro-batch losses of all ranks sum to the batch loss; FSDP2 *sums* the
+  gradients over ranks (reduce-scatter with the divide factor set to 1), so the gradient equals the
+  one-process gradient up to summation order.
+- Parameters, gradients and AdamW state are sharded (DTensor, dim 0): the trainable parameters are
+  kept in fp32 (they are the master weights) and cast to the model's dtype for forward and
+  backward (`MixedPrecisionPolicy`), gradients reduced in fp32.
+- After each step the full weights are gathered one tensor at a time into rank 0's sampling model.
+
+Checkpoints: `train/` is a `torch.distributed.checkpoint` folder of the fp32 masters and the AdamW
+state, keyed by parameter name, so any number of ranks (one process included) loads it.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class Group:
+    """The ranks that train together; rank 0 leads (sends commands and the batch), the others follow."""
+
+    def __init__(self, device: torch.device):
+        if not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.leader = self.rank == 0
+        self.device = device
+        self.mesh = init_device_mesh(device.type, (self.world,))
+        # Objects travel over gloo (CPU) whatever the device; background checkpoint writes get a group of
+        # their own, so their collectives never interleave with the training step's.
+        self.objects = dist.new_group(backend="gloo")
+        self.checkpoints = dist.new_group(backend="gloo")
+
+    # -- rank 0 leads -------------------------------------------------------------------------------
+    def send(self, command: str, *args: Any) -> None:
+        dist.broadcast_object_list([(command, args)], src=0, group=self.objects)
+
+    def receive(self) -> tuple[str, tuple[Any, ...]]:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.objects)
+        return box[0]
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's `value`, on every rank."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.objects)
+        return box[0]
+
+    # -- reductions ---------------------------------------------------------------------------------
+    def sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Each key summed over the ranks (every rank passes the same keys, in any order)."""
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+        dist.all_reduce(t, group=self.objects)
+        return dict(zip(keys, t.tolist()))
+
+    def max(self, value: float) -> float:
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.objects)
+        return float(t)
+
+    def min(self, value: float) -> float:
+        return -self.max(-value)
+
+
+def share_rows(order: list[int], world: int, micro_batch_size: int, rank: int) -> list[list[int]]:
+    """This rank's micro-batches (row indices), the same number on every rank (FSDP2's collectives need
+    equal work). The `order`ed rows are cut into `world × k` contiguous chunks of near-equal size, k as
+    small as `micro_batch_size` allows; rank r takes chunks r, r + world, ... An empty chunk (fewer rows
+    than chunks) is returned as [] and trained as a filler micro-batch with no weight in the loss."""
+    n = len(order)
+    k = max(1, -(-n // (world * micro_batch_size)))
+    chunks = world * k
+    bounds = [n * i // chunks for i in range(chunks + 1)]
+    return [order[bounds[c] : bounds[c + 1]] for c in range(rank, chunks, world)]
+
+
+def shard(model: nn.Module, group: Group, compute_dtype: torch.dtype, trainable: bool = True) -> nn.Module:
+    """A sharded copy of `model` for training: fp32 parameters sharded over the ranks (the masters),
+    forward and backward in `compute_dtype`, gradients summed (not averaged) in fp32 over the ranks."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    with torch.no_grad():  # every rank starts from rank 0's weights, however each loaded its copy
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+    train = copy.deepcopy(model)
+    if trainable:
+        train = train.float()
+    mp = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+                              reduce_dtype=torch.float32)
+    layers = set(getattr(train, "_no_split_modules", None) or ())
+    for module in train.modules():
+        if type(module).__name__ in layers:
+            fully_shard(module, mesh=group.mesh, mp_policy=mp)
+    fully_shard(train, mesh=group.mesh, mp_policy=mp)
+    # `completion_logprobs` runs the decoder and then the output head chunk by chunk, never the model's
+    # own forward; but FSDP2 gathers the root's parameters (embeddings, final norm, head, tied or not)
+    # around the root's call. So the decoder is reached *through* the root: its call gathers them, and
+    # the root keeps them gathered after forward (FSDP2's root default), for the head's chunks and for
+    # their recomputation in backward, which then reduce-scatters their gradients.
+    decoder = train.get_decoder()
+    train.forward = lambda *args, **kwargs: decoder(*args, **kwargs)
+    train.get_decoder = lambda: train
+    for module in train.modules():
+        if isinstance(module, FSDPModule):
+            # Every rank's micro-batch loss is already divided by the whole batch's normalisers: the
+            # gradients add up. A plain SUM (gloo has no pre-multiplied sum).
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return train
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) tensor; a collective for a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def copy_into(sharded: nn.Module, target: nn.Module, write: bool) -> None:
+    """Gather every parameter of `sharded` (a collective on all ranks) and, where `write`, copy it into
+    the same-named parameter of `target` (cast to its dtype), one tensor at a time."""
+    own = dict(target.named_parameters())
+    with torch.no_grad():
+        for name, p in sharded.named_parameters():
+            whole = full(p.detach())
+            if write:
+                own[name].copy_(whole)
+
+
+def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of this rank's part of `tensors` (a DTensor's local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
