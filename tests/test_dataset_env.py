@@ -165,11 +165,15 @@ def test_malformed_answers_of_a_reward_function_are_verdicts():
     assert [v.metrics["reward/a_string_for_abc"] for v in verdicts[1:]] == [0.25, 0.25]
 
 
-def test_vrl_verify_judges_attempts_at_dataset_rows():
+@pytest.mark.parametrize("spelling", ["comma", "repeated"])
+def test_vrl_verify_judges_attempts_at_dataset_rows(spelling):
+    """Two reward functions, given comma-separated or as a repeated -o reward= (each occurrence kept)."""
     lines = json.dumps({"task_id": "train-1", "completion": "abc"}) + "\n" + \
         json.dumps({"task_id": "train-1", "completion": "abcdefghijkl"}) + "\n"
+    rewards = (["-o", f"reward={spec('share_wanted')},{spec('short')}"] if spelling == "comma" else
+               ["-o", f"reward={spec('share_wanted')}", "-o", f"reward={spec('short')}"])
     res = CliRunner().invoke(main, ["verify", "--plugin", "dataset", "-o", f"data={PROBLEMS}", "-o", "prompt_column=question",
-                                    "-o", f"reward={spec('share_wanted')},{spec('short')}", "-"], input=lines)
+                                    *rewards, "-"], input=lines)
     assert res.exit_code == 0, res.output
     first, second = [json.loads(line) for line in res.stdout.splitlines()]
     assert (first["status"], first["metrics"]["reward/short"]) == ("passed", 1.0)

@@ -58,3 +58,64 @@ def test_readme_names_the_pass_at_k_that_eval_prints():
     assert res.exit_code == 0, res.output
     printed = list(json.loads(res.stdout)["pass_at"])
     assert re.findall(r"pass@(\d+)", line) == printed
+
+
+def test_python_md_examples_run(tmp_path, monkeypatch):
+    """docs/python.md's examples, top to bottom in one namespace as the page says, in a fresh directory
+    (they train and evaluate the tiny model for real: a few seconds each)."""
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    blocks = _blocks((ROOT / "docs" / "python.md").read_text(), "python")
+    assert len(blocks) >= 8
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/python.md, example {i + 1}", "exec"), namespace)
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert [name.split("-")[:2] for name in runs] == [["letters", "es"], ["letters", "es"], ["vowels", "es"]]
+    assert namespace["summary"]["status"] == "finished" and set(namespace["report"]["pass_at"]) == {"1"}
+
+
+def test_python_md_is_linked_from_the_readme_and_the_docs_list():
+    readme = (ROOT / "README.md").read_text()
+    docs = readme[readme.index("## Documentation"):]
+    assert "[docs/python.md](docs/python.md)" in docs
+    assert "(docs/python.md)" in readme[: readme.index("## Documentation")]  # the quick start points to it
+
+
+def test_plugins_md_shows_letters_defaults_as_the_template():
+    from vrl.envs.letters import LettersEnvironment
+
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    block = next(b for b in _blocks(text, "python") if b.startswith("class LettersEnvironment"))
+    namespace: dict = {}
+    exec("import vrl\n" + block, namespace)
+    assert namespace["LettersEnvironment"].defaults == LettersEnvironment.defaults
+
+
+def test_plugins_md_pyproject_installs_as_written(tmp_path):
+    """The page's pyproject.toml, plugin module and environment, written out as the page says and
+    pip-installed (into a folder: the test venv stays untouched): vrl finds the plugin and its environment."""
+    import os
+    import subprocess
+    import sys
+
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    src = tmp_path / "src"
+    (src / "vrl_reverse").mkdir(parents=True)
+    (src / "pyproject.toml").write_text(next(b for b in _blocks(text, "toml") if b.startswith("# pyproject.toml")))
+    (src / "vrl_reverse" / "__init__.py").write_text("")
+    (src / "vrl_reverse" / "plugin.py").write_text(
+        next(b for b in _blocks(text, "python") if b.startswith("# vrl_reverse/plugin.py (beside")))
+    env = text[text.index("## An environment in full"):]
+    (src / "vrl_reverse" / "env.py").write_text(_blocks(env, "python")[0])
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
+                           "--target", str(tmp_path / "site"), str(src)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    environ = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-m", "vrl.cli", "plugins", "--json"], env=environ, capture_output=True,
+                         text=True)
+    plugins = {p["name"]: p for p in json.loads(out.stdout)}
+    assert plugins["reverse"]["distribution"] == "vrl-reverse" and plugins["reverse"]["error"] is None
+    shown = subprocess.run([sys.executable, "-m", "vrl.cli", "config", "--plugin", "reverse"], env=environ,
+                           capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert "max_new_tokens: 24" in shown.stdout  # the environment's defaults reach the configuration

@@ -42,7 +42,7 @@ def _config(tmp_path: Path, name: str, iterations: int, **es: Any) -> TrainConfi
         sampling={"max_new_tokens": 4, "temperature": 1.0},
         generator={"device": "cpu"},
         logging={"runs_dir": str(tmp_path), "name": name, "samples_per_iteration": 100},
-        es={"population_size": 4, "sigma": 0.05, "alpha": 0.05, **es},
+        es={"population_size": 4, "sigma": 0.05, "alpha": 0.05, "include": ["*"], **es},  # not letters' lm_head only
     )
 
 

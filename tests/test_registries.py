@@ -184,7 +184,7 @@ def test_train_and_config_share_their_options():
     del shared["resume"]
     mine = options(config)
     del mine["fields"]
-    assert shared == mine and len(shared) == 10
+    assert shared == mine and len(shared) == 11  # with --seed
 
 
 PLUGIN = """

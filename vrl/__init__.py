@@ -17,6 +17,7 @@ _EXPORTS: dict[str, str] = {
     "Attempt": "vrl.types",
     "Binary": "vrl.reward",
     "Completion": "vrl.types",
+    "DatasetEnvironment": "vrl.envs.dataset",
     "EnvOptions": "vrl.environment",
     "Environment": "vrl.environment",
     "FormatBonus": "vrl.reward",
@@ -25,12 +26,14 @@ _EXPORTS: dict[str, str] = {
     "Optimizer": "vrl.optim.base",
     "PartialCredit": "vrl.reward",
     "Result": "vrl.types",
+    "RewardFunctions": "vrl.reward_functions",
     "RewardShaper": "vrl.reward",
     "Runtime": "vrl.runtime.base",
     "SimpleVerifier": "vrl.verifier",
     "Status": "vrl.types",
     "Task": "vrl.types",
     "TrainConfig": "vrl.config",
+    "resolve_config": "vrl.config",
     "Trainer": "vrl.trainer",
     "UsageError": "vrl.errors",
     "Variant": "vrl.optim.base",
@@ -49,8 +52,14 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'vrl' has no attribute {name!r}")
     value = getattr(import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
+    if name not in _BUILT_PER_REGISTRY:
+        globals()[name] = value  # later lookups skip this function
     return value
+
+
+# Built from the installed plugins on each use (`vrl.config.TrainConfig`): never cached here, so it
+# stays the class of the current plugin registry.
+_BUILT_PER_REGISTRY = frozenset({"TrainConfig"})
 
 
 def __dir__() -> list[str]:
@@ -58,13 +67,15 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names (tests/test_import_light.py checks both lists agree)
-    from vrl.config import TrainConfig  # noqa: F401
+    from vrl.config import TrainConfig, resolve_config  # noqa: F401
     from vrl.environment import Environment, EnvOptions  # noqa: F401
+    from vrl.envs.dataset import DatasetEnvironment  # noqa: F401
     from vrl.errors import UsageError  # noqa: F401
     from vrl.generate.base import Generator  # noqa: F401
     from vrl.hookspecs import hookimpl  # noqa: F401
     from vrl.optim.base import Optimizer, Variant  # noqa: F401
     from vrl.reward import Binary, FormatBonus, LengthPenalty, PartialCredit, RewardShaper, Weighted  # noqa: F401
+    from vrl.reward_functions import RewardFunctions  # noqa: F401
     from vrl.runtime.base import Runtime  # noqa: F401
     from vrl.trainer import Trainer  # noqa: F401
     from vrl.types import Attempt, Completion, Result, Status, Task, Verdict  # noqa: F401

@@ -33,11 +33,27 @@ from vrl.meta import DISTRIBUTION
 console = Console(stderr=True, log_path=False)
 
 
+class _LogHandler(RichHandler):
+    """Rich's log lines on a terminal; in a file or pipe, one unwrapped line per record (`warning: ...`),
+    as `error: ...` lines are: a log is grepped, not read at 80 columns."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.console.is_terminal:
+            return super().emit(record)
+        try:
+            text = self.format(record)
+            stamp = self.formatter.formatTime(record, "%H:%M:%S") if self.formatter else ""
+            self.console.print(f"[{stamp}] {record.levelname.lower()}: {text}", soft_wrap=True, highlight=False,
+                               markup=False)
+        except Exception:
+            self.handleError(record)
+
+
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=False)],
+        handlers=[_LogHandler(console=console, show_path=False)],
         force=True,
     )
     for noisy in ("httpx", "urllib3", "transformers", "datasets", "filelock", "huggingface_hub"):
@@ -115,42 +131,63 @@ class _Main(click.Group):
             _fail(f"{type(exc).__name__}: {exc} (unexpected; `vrl -v ...` shows the traceback)", 1)
 
 
-def _options(pairs: tuple[str, ...]) -> dict[str, Any]:
-    """KEY=VALUE pairs (dotted keys allowed) merged into one nested mapping."""
+def _options(pairs: tuple[str, ...], repeatable: bool = False) -> dict[str, Any]:
+    """KEY=VALUE pairs (dotted keys allowed) merged into one nested mapping. With `repeatable` (an
+    environment's -o options), a key given more than once collects its values into one list
+    (`-o reward=a:f -o reward=b:g` → reward=[a:f, b:g]); otherwise the last one wins, as for --set."""
     from vrl.config import merge, parse_override  # here, not at the top: `vrl --help` needs none of it
 
+    if repeatable:
+        keys = [pair.partition("=")[0].strip() for pair in pairs]
+        repeated = {k for k in keys if keys.count(k) > 1}
+        collected: dict[str, list[Any]] = {}
+        for key, pair in zip(keys, pairs):
+            if key in repeated:
+                value = next(iter(_leaves(parse_override(pair))))
+                collected.setdefault(key, []).extend(value if isinstance(value, list) else [value])
+        pairs = tuple(p for k, p in zip(keys, pairs) if k not in repeated)
+        out = _options(pairs)
+        for key, values in collected.items():
+            node = out
+            *parents, last = key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = values
+        return out
     out: dict[str, Any] = {}
     for pair in pairs:
         out = merge(out, parse_override(pair))
     return out
 
 
+def _leaves(tree: Any) -> Any:
+    """The values at the leaves of a nested mapping (one override has one)."""
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _leaves(value)
+    else:
+        yield tree
+
+
 def _resolve_config(
     config_file: Path | None, flags: dict[str, Any], overrides: tuple[str, ...], env_options: tuple[str, ...], base: dict | None = None
 ):
-    """Layers: defaults < environment defaults < base (resumed run) < file < flags < --set overrides.
+    """`vrl.resolve_config` (the library's resolution too): defaults < environment defaults < base (resumed
+    run) < file < flags < --set overrides (with -o options as `env_options`).
 
     A resumed run's recorded config (`base`) may use keys that have moved since (`vrl.config.MOVED`):
     it is migrated; the user's own layers must use the new keys (the error names them).
     """
-    from vrl.config import build, load_file, merge, migrate, nest  # here, not at the top: see `_options`
-    from vrl.plugins import registry
+    from vrl.config import merge, resolve_config  # here, not at the top: see `_options`
 
-    base = migrate(base) if base else base
-    file_layer = load_file(config_file) if config_file else {}
-    flag_layer = nest({k: v for k, v in flags.items() if v is not None})
     set_layer = _options(overrides)
     if env_options:
-        set_layer = merge(set_layer, {"env_options": _options(env_options)})
-    upper = merge(merge(merge(base or {}, file_layer), flag_layer), set_layer)
-    plugin = upper.get("plugin", "countdown")
-    # A resumed run already carries its resolved defaults.
-    env_defaults = {} if base else nest(_environment_defaults(registry(), plugin))
-    return build(env_defaults, upper)
+        set_layer = merge(set_layer, {"env_options": _options(env_options, repeatable=True)})
+    return resolve_config({k: v for k, v in flags.items() if v is not None}, file=config_file, overrides=set_layer, base=base)
 
 
 def _environment_defaults(reg, plugin: str) -> dict[str, Any]:
-    """Defaults declared on the registered factory (an Environment subclass's `defaults`)."""
+    """Defaults declared on the registered factory (an Environment subclass's `defaults`), dotted keys."""
     factory = reg.factory("environments", plugin)
     return dict(getattr(factory, "defaults", {}) or {})
 
@@ -163,6 +200,7 @@ def main(verbose: bool) -> None:
 
     \b
     Quick start (offline, CPU, a few minutes):
+      vrl train --plugin letters                 # the tiny model learns to write a-p, in seconds
       vrl train                                  # countdown, tiny model, ES
       vrl train --optimizer grpo --iterations 5
       vrl train --plugin lean --model AI-MO/Kimina-Prover-Preview-Distill-1.5B -o server=http://localhost:8000 -o recheck=http://localhost:8001
@@ -184,6 +222,7 @@ def _run_options(command: Any) -> Any:
         click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields."),
         click.option("--iterations", "-n", type=int, help="Training iterations."),
         click.option("--name", help="Run name (directory under logging.runs_dir)."),
+        click.option("--seed", type=int, help="Seeds task order, sampling and the optimizer (the `seed` field). Default: 0."),
         click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_set_help),
         click.option("-o", "--option", "env_options", multiple=True, metavar="KEY=VALUE", help=_opt_help),
         click.option("--runtime", help="Where generation and verification run: local, modal, or one a plugin registers. "
@@ -197,19 +236,19 @@ def _run_options(command: Any) -> Any:
 
 
 _FLAG_OF = {"plugin": "--plugin", "optimizer": "--optimizer", "model": "--model", "iterations": "--iterations",
-            "logging.name": "--name", "runtime.kind": "--runtime", "runtime.modal.detach": "--detach"}
+            "logging.name": "--name", "seed": "--seed", "runtime.kind": "--runtime", "runtime.modal.detach": "--detach"}
 
 
-def _run_flags(plugin, optimizer, model, iterations, name, runtime, detach) -> dict[str, Any]:
+def _run_flags(plugin, optimizer, model, iterations, name, runtime, detach, seed=None) -> dict[str, Any]:
     """The shared flags as dotted config keys (None: not given)."""
     return {"plugin": plugin, "optimizer": optimizer, "model": model, "iterations": iterations, "logging.name": name,
-            "runtime.kind": runtime, "runtime.modal.detach": detach}
+            "seed": seed, "runtime.kind": runtime, "runtime.modal.detach": detach}
 
 
 @click.command()
 @_run_options
 @click.option("--resume", type=click.Path(path_type=Path), help="Continue the run in this directory.")
-def train(plugin, optimizer, model, config_file, iterations, name, overrides, env_options, runtime, detach, resume) -> None:
+def train(plugin, optimizer, model, config_file, iterations, name, seed, overrides, env_options, runtime, detach, resume) -> None:
     """Train a model against a verifier.
 
     Writes runs/<name>/ (config, metrics.jsonl, samples.jsonl, optimizer state, summary.json).
@@ -219,7 +258,7 @@ def train(plugin, optimizer, model, config_file, iterations, name, overrides, en
     from vrl.runtime import make_runtime
     from vrl.trainer import Trainer
 
-    flags = _run_flags(plugin, optimizer, model, iterations, name, runtime, detach)
+    flags = _run_flags(plugin, optimizer, model, iterations, name, runtime, detach, seed)
     run_dir = None
     try:
         with _checking_input():
@@ -282,11 +321,12 @@ def _kept(run_dir) -> str:
 @click.option("--k", "k", type=int, default=1, show_default=True,
               help="Samples per task; reports pass@j for j = 1, 2, 4, ... (powers of two) and k.")
 @click.option("--limit", type=int, default=50, show_default=True, help="Tasks to evaluate (0: all).")
+@click.option("--seed", type=int, help="Seeds sampling (the `seed` field). Default: 0.")
 @click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=_set_help)
 @click.option("-o", "--option", "env_options", multiple=True, metavar="KEY=VALUE", help=_opt_help)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def eval_(plugin, model, split, k, limit, config_file, overrides, env_options, as_json) -> None:
+def eval_(plugin, model, split, k, limit, seed, config_file, overrides, env_options, as_json) -> None:
     """Measure pass@k of a model on an environment split.
 
     --model may name a run directory: its trained model is exported to a temporary folder first
@@ -308,7 +348,7 @@ def eval_(plugin, model, split, k, limit, config_file, overrides, env_options, a
                 info = export_run(model, Path(tmp) / "model")
                 console.print(f"evaluating {model} (iteration {info['iteration']}, {info['optimizer']})")
                 model = info["out"]
-            cfg = _resolve_config(config_file, {"plugin": plugin, "model": model}, overrides, env_options)
+            cfg = _resolve_config(config_file, {"plugin": plugin, "model": model, "seed": seed}, overrides, env_options)
             env = registry().environment(cfg.plugin, **cfg.env_options)
         # evaluate checks the split, the model and the verifier before it generates anything
         report = evaluate(cfg, split=split, k=k, limit=limit or None, console=console, environment=env)
@@ -374,7 +414,7 @@ def verify(attempts, plugin, splits, out, env_options, server) -> None:
 
     # Every check before the first verdict: a bad --out found afterwards would lose them all.
     with _checking_input():
-        options = _options(env_options)
+        options = _options(env_options, repeatable=True)
         if server:
             options["server"] = server
         env = registry().environment(plugin, **options)
@@ -410,7 +450,7 @@ def _check_writable(out: Path) -> None:
 @click.command()
 @_run_options
 @click.option("--fields", is_flag=True, help="Print every field, grouped by section (markdown), instead.")
-def config(plugin, optimizer, model, config_file, iterations, name, overrides, env_options, runtime, detach, fields) -> None:
+def config(plugin, optimizer, model, config_file, iterations, name, seed, overrides, env_options, runtime, detach, fields) -> None:
     """Print the resolved configuration as YAML: what `vrl train` with the same flags would use.
 
     Takes train's flags except --resume (a resumed run's configuration is runs/NAME/config.json).
@@ -423,7 +463,7 @@ def config(plugin, optimizer, model, config_file, iterations, name, overrides, e
         click.echo(field_table(), nl=False)
         return
     with _checking_input():
-        flags = _run_flags(plugin, optimizer, model, iterations, name, runtime, detach)
+        flags = _run_flags(plugin, optimizer, model, iterations, name, runtime, detach, seed)
         cfg = _resolve_config(config_file, flags, overrides, env_options)
     click.echo(yaml.safe_dump(dump(cfg), sort_keys=False), nl=False)
 
@@ -483,6 +523,52 @@ def modal_resume(name, iterations, volume) -> None:
         call, cfg = resume_detached(name, volume=volume, iterations=iterations)
     console.print(f"detached run {name!r} resumed on Modal up to iteration {cfg.iterations} (call {call}); "
                   f"its run directory is runs/{name} on the Volume {volume!r}")
+
+
+@modal.command(name="status")
+@click.argument("name")
+@click.option("--volume", default="vrl", show_default=True, help="The Modal Volume the run lives on.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a line.")
+def modal_status(name, volume, as_json) -> None:
+    """Where a detached run stands: the call that owns it, iterations finished, its last metrics."""
+    from vrl.runtime.modal.launch import format_metrics, run_status
+
+    with _checking_input():
+        info = run_status(name, volume)
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+        return
+    owner = f"running (call {info['call']})" if info["running"] else f"not running ({info['status'] or 'never started'})"
+    last = f"; last {format_metrics(info['last'])}" if info["last"] else ""
+    console.print(f"{name}: {owner}, {info['iterations_completed']}/{info['iterations']} iterations{last}")
+    if info["error"]:
+        console.print(f"error: {escape(info['error'])}")
+
+
+@modal.command(name="logs")
+@click.argument("name")
+@click.option("--volume", default="vrl", show_default=True, help="The Modal Volume the run lives on.")
+def modal_logs(name, volume) -> None:
+    """The iterations a detached run finished (as committed to the Volume), and how it ended."""
+    from vrl.runtime.modal.launch import run_logs
+
+    with _checking_input():
+        lines = run_logs(name, volume)
+    for line in lines:
+        click.echo(line)
+
+
+@modal.command(name="stop")
+@click.argument("name")
+@click.option("--volume", default="vrl", show_default=True, help="The Modal Volume the run lives on.")
+def modal_stop(name, volume) -> None:
+    """Stop a detached run (finished iterations stay on the Volume; `vrl modal resume NAME` continues it)."""
+    from vrl.runtime.modal.launch import stop_run
+
+    with _checking_input():
+        call = stop_run(name, volume)
+    console.print(f"stopped {name!r} (call {call}); continue it with `vrl modal resume {name}`" if call
+                  else f"{name!r} is not running; nothing to stop")
 
 
 @click.command()

@@ -1,7 +1,8 @@
 """Run configuration: one pydantic `TrainConfig`, loadable from YAML/TOML, overridable per field.
 
 Layers, lowest first: field defaults < the environment's defaults < the config file < command-line
-overrides (`--set sampling.temperature=0.7`). Every field is documented here, once.
+overrides (`--set sampling.temperature=0.7`); `resolve_config` layers them, for `vrl train` and for
+Python alike (`TrainConfig(**fields)` too). Every field is documented here, once.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
+import contextvars
 import copy
 import re
 import weakref
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -39,6 +42,16 @@ class Section(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An assignment that is not valid is a one-line `ConfigError`, as in `TrainConfig(...)` (not a pydantic dump)."""
+        if name not in type(self).model_fields and not name.startswith("_"):
+            known = ", ".join(sorted(type(self).model_fields))
+            raise ConfigError(f"invalid configuration: {name}: unknown field; known fields: {known}")
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, section=type(self))) from None
 
 
 class SamplingConfig(Section):
@@ -82,6 +95,12 @@ class VerifierConfig(Section):
     concurrency: int = Field(4, ge=1, description="verify() calls in flight at once.")
     timeout_s: float = Field(
         600.0, gt=0, description="Wall-clock cap for one verify() call; an overrun scores the batch as timeouts."
+    )
+    max_error_fraction: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="Stop the run (exit 2, before the update) when more than this share of an iteration's verdicts "
+        "are the verifier's own errors (its code raised or broke the contract), and always when all are; below it "
+        "each kind of error is reported once on the console and its attempts score as crashed.",
     )
 
 
@@ -145,6 +164,7 @@ class _RunConfig(Section):
     """Everything a training run needs. `vrl train --help` lists the flags that set these."""
 
     optimizers: ClassVar[tuple[str, ...]] = ()  # the registered update rules (`build_config_model` sets them)
+    _registry: ClassVar[Any] = None  # a weak reference to the plugins' registry the class was built from
 
     plugin: str = Field("countdown", description="Environment name, as listed by `vrl plugins`.")
     env_options: dict[str, Any] = Field(
@@ -164,6 +184,35 @@ class _RunConfig(Section):
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    def __init__(self, **fields: Any) -> None:
+        """`TrainConfig(plugin="letters", iterations=10)`: the fields given, over the environment's suggested
+        `defaults`, over each field's default: what `vrl train --plugin letters --iterations 10` runs
+        (`resolve_config` layers them; a plugin name no installed plugin registered adds no defaults). A bad field
+        is a one-line `ConfigError`."""
+        layer = {key: value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
+                 for key, value in fields.items()}
+        plugin = layer.get("plugin", type(self).model_fields["plugin"].default)
+        registry = type(self)._registry() if type(self)._registry is not None else None
+        given = _AS_GIVEN.get() or not isinstance(plugin, str)
+        merged = layer if given else merge(environment_defaults(plugin, registry, strict=False), layer)
+        check_moved(merged)
+        try:
+            super().__init__(**merged)
+        except ValidationError as exc:
+            if _AS_GIVEN.get():  # inside `model_validate`: pydantic's error (`build` says it in one line)
+                raise
+            raise ConfigError(format_validation_error(exc)) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Any:
+        """Validate data as it is (a recorded config, a config sent to a worker): no environment defaults are
+        added, unlike `TrainConfig(**fields)`. Errors are pydantic's (`build` words them in one line)."""
+        token = _AS_GIVEN.set(True)
+        try:
+            return super().model_validate(obj, **kwargs)
+        finally:
+            _AS_GIVEN.reset(token)
 
     @field_validator("optimizer")
     @classmethod
@@ -219,6 +268,7 @@ def build_config_model(registry: Any) -> type[BaseModel]:
                          generator=(generator, Field(default_factory=generator)),
                          runtime=(runtime, Field(default_factory=runtime)), **rules)
     model.optimizers = tuple(rules)
+    model._registry = weakref.ref(registry)
     model.__doc__ = _RunConfig.__doc__
     return model
 
@@ -358,8 +408,9 @@ def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 def build(*layers: dict[str, Any]) -> TrainConfig:
-    """Validate merged layers into a TrainConfig; errors name each bad field and what is allowed
-    (a key that moved names its new place: `runtime.gpu: moved to runtime.modal.gpu`)."""
+    """Validate merged layers into a TrainConfig as they are (no environment defaults are added:
+    `resolve_config` adds them); errors name each bad field and what is allowed (a key that moved names its new place:
+    `runtime.gpu: moved to runtime.modal.gpu`)."""
     merged: dict[str, Any] = {}
     for layer in layers:
         merged = merge(merged, layer)
@@ -370,15 +421,83 @@ def build(*layers: dict[str, Any]) -> TrainConfig:
         raise ConfigError(format_validation_error(exc)) from None
 
 
-def format_validation_error(exc: ValidationError) -> str:
-    """One line: each bad field, what is wrong with it, the value given (errors apart by ' | ')."""
+#: Set while `TrainConfig.model_validate` runs: `TrainConfig.__init__` (which pydantic's `model_validate` calls)
+#: then adds no environment defaults.
+_AS_GIVEN: contextvars.ContextVar[bool] = contextvars.ContextVar("vrl_config_as_given", default=False)
+
+
+def environment_defaults(environment: Any, registry: Any = None, *, strict: bool = True) -> dict[str, Any]:
+    """The settings an environment suggests (its `defaults`), as a nested config layer.
+
+    `environment`: a registered name (looked up in `registry`, default: the installed plugins'), or an
+    `Environment` class or object. An unknown name is an `UnknownNameError` (with `strict=False`: no defaults).
+    """
+    if isinstance(environment, str):
+        if registry is None:
+            from vrl.plugins import registry as installed  # here: the registry loads plugins, which import vrl.config
+
+            registry = installed()
+        try:
+            environment = registry.factory("environments", environment)
+        except LookupError:
+            if strict:
+                raise
+            return {}
+    out: dict[str, Any] = {}
+    for key, value in dict(getattr(environment, "defaults", None) or {}).items():
+        out = merge(out, nest({key: copy.deepcopy(value)}))
+    return out
+
+
+def resolve_config(fields: Mapping[str, Any] | None = None, *, file: str | Path | None = None,
+                   overrides: Iterable[str] | Mapping[str, Any] = (), environment: Any = None,
+                   base: Mapping[str, Any] | None = None) -> TrainConfig:
+    """The configuration of a run, as `vrl train` resolves it. Layers, lowest first:
+
+    each field's default < the environment's suggested `defaults` < `base` (a resumed run's recorded
+    config, which already holds its environment's defaults, so they are not added again) < the config
+    `file` (YAML or TOML) < `fields` < `overrides` (`"key=value"` strings as `--set` takes, or a mapping).
+
+    Keys may be dotted (`{"es.sigma": 0.1}`). `environment`: whose `defaults` to layer, a registered name
+    (default: the `plugin` the layers name) or an `Environment` class or object (whose name becomes
+    `plugin` unless the layers name one). Every problem is a one-line `UsageError` (`ConfigError` for a
+    bad field; `UnknownNameError` for an environment no plugin registered).
+    """
+    base_layer = migrate(dict(base)) if base else {}
+    file_layer = load_file(file) if file else {}
+    field_layer: dict[str, Any] = {}
+    for key, value in (fields or {}).items():
+        if isinstance(value, BaseModel):  # a section given whole: the fields it was given
+            value = value.model_dump(exclude_unset=True)
+        field_layer = merge(field_layer, nest({key: value}))
+    if isinstance(overrides, Mapping):
+        pairs = [nest({key: value}) for key, value in overrides.items()]
+    else:
+        pairs = [parse_override(item) for item in ([overrides] if isinstance(overrides, str) else overrides)]
+    over_layer: dict[str, Any] = {}
+    for pair in pairs:
+        over_layer = merge(over_layer, pair)
+    upper = merge(merge(merge(base_layer, file_layer), field_layer), over_layer)
+    if environment is not None and not isinstance(environment, str) and "plugin" not in upper:
+        upper["plugin"] = environment.name
+    if base:
+        return build(upper)
+    if environment is None:
+        environment = upper.get("plugin", _RunConfig.model_fields["plugin"].default)
+    return build(environment_defaults(environment), upper)
+
+
+def format_validation_error(exc: ValidationError, section: type[BaseModel] | None = None) -> str:
+    """One line: each bad field, what is wrong with it, the value given (errors apart by ' | ').
+
+    `section`: the model the error's field paths start from (default: `TrainConfig`)."""
     lines = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
-            parent = _section_for(err["loc"][:-1])
+            parent = _section_for(err["loc"][:-1], section)
             if parent is not None:
                 msg += f"; known fields: {', '.join(sorted(parent.model_fields))}"
         value = err.get("input")
@@ -387,8 +506,8 @@ def format_validation_error(exc: ValidationError) -> str:
     return "invalid configuration: " + " | ".join(lines)
 
 
-def _section_for(loc: tuple) -> type[BaseModel] | None:
-    model: type[BaseModel] = train_config()
+def _section_for(loc: tuple, model: type[BaseModel] | None = None) -> type[BaseModel] | None:
+    model = model or train_config()
     for part in loc:
         field = model.model_fields.get(str(part))
         ann = getattr(field, "annotation", None)

@@ -80,6 +80,7 @@ class Registry:
         self._factories: dict[str, dict[str, tuple[str, Any]]] = {k: {} for k in KINDS}
         self._collected: set[str] = set()
         self._conflicts: list[str] = []
+        self._warned: set[str] = set()
 
     # -- loading -----------------------------------------------------------------------------------
     def load(self, entry_points: bool = True, plugins: Mapping[str, Any] | None = None) -> Registry:
@@ -120,7 +121,14 @@ class Registry:
             if self.pm.has_plugin(name):
                 self.pm.unregister(name=name)
             info.error = _describe(exc)
-            log.warning("plugin %r (%s) failed to load and was skipped: %s", name, module, info.error)
+            self._warn(name, exc)
+
+    def _warn(self, plugin: str, exc: BaseException) -> None:
+        """One short warning line per failed plugin and registry (that is, per command); `vrl plugins` has the error."""
+        if plugin in self._warned:
+            return
+        self._warned.add(plugin)
+        log.warning("plugin %r failed (%s) and was skipped; `vrl plugins` shows the error", plugin, type(exc).__name__)
 
     def _check_hooks(self, name: str) -> None:
         """pluggy's `check_pending`: every hookimpl of the plugin just registered has a hookspec; a
@@ -159,7 +167,7 @@ class Registry:
             except Exception as exc:
                 error = f"register_{kind} raised {_describe(exc)}"
                 info.error = f"{info.error}; {error}" if info.error else error
-                log.warning("plugin %r: %s; its %s were skipped", plugin, error, kind)
+                self._warn(plugin, exc)
 
     def _register(self, kind: str, plugin: str, name: str, obj: Any) -> None:
         what = KINDS[kind]
@@ -251,7 +259,7 @@ class Registry:
                 cli.commands.update(before)
                 error = f"register_commands raised {_describe(exc)}"
                 info.error = f"{info.error}; {error}" if info.error else error
-                log.warning("plugin %r: %s; its commands were skipped", plugin, error)
+                self._warn(plugin, exc)
                 continue
             for name, command in list(cli.commands.items()):
                 if name in before and command is not before[name]:

@@ -184,6 +184,38 @@ def plot_outcomes(runs: list[Run], path: Path) -> Path:
     return _save(fig, path)
 
 
+def reward_functions(run: Run) -> list[str]:
+    """The reward functions a run logged one by one (`reward/<name>/mean`, the dataset environment's)."""
+    return sorted({k[len("reward/"):-len("/mean")] for m in run.metrics for k in m
+                   if k.startswith("reward/") and k.endswith("/mean")})
+
+
+def plot_reward_functions(runs: list[Run], path: Path) -> Path:
+    """One panel per reward function: its mean over the completions it applied to, a line per run."""
+    names = sorted({n for run in runs for n in reward_functions(run)})
+    cols = min(PANEL_COLUMNS, len(names))
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(min(MAX_WIDTH_IN, max(6.0, 3.6 * cols)), min(MAX_HEIGHT_IN, 1.0 + 2.8 * rows)),
+                             squeeze=False, layout="constrained")
+    flat = [ax for row in axes for ax in row]
+    for ax, name in zip(flat, names):
+        for run, style in zip(runs, _styles(len(runs))):
+            points = [(r["iteration"] + 1, r[f"reward/{name}/mean"]) for r in run.metrics if f"reward/{name}/mean" in r]
+            if points:
+                ax.plot(*zip(*points), marker="o", ms=3, label=run.short_label, **style)
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in flat[len(names):]:
+        ax.set_visible(False)
+    legend = {label: handle for ax in flat for handle, label in zip(*ax.get_legend_handles_labels())}
+    handles, labels = list(legend.values()), list(legend)
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(3, max(1, len(labels))), fontsize=8, frameon=False)
+    fig.suptitle("mean reward per function (over the completions it applied to)", fontsize=10)
+    return _save(fig, path)
+
+
 def _save(fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -217,6 +249,8 @@ def render(run_paths: list[str | Path], out: str | Path) -> Path:
         "Where the time goes": plot_time(runs, out / "time.png"),
         "Verifier outcomes": plot_outcomes(runs, out / "outcomes.png"),
     }
+    if any(reward_functions(run) for run in runs):
+        images["Reward per function"] = plot_reward_functions(runs, out / "reward_functions.png")
     (out / "report.html").write_text(_html(runs, images))
     return out / "report.html"
 
@@ -244,7 +278,7 @@ def _verifier_counters(runs: list[Run], e: Any) -> list[str]:
     run, with the last iteration's value; and the integrity alarms a run stopped on."""
     parts: list[str] = []
     for run in runs:
-        keys = sorted({k for m in run.metrics for k in m if "/" in k and not k.startswith("status/")})
+        keys = sorted({k for m in run.metrics for k in m if "/" in k and not k.startswith(("status/", "reward/"))})
         alarms = run.path / "alarms.jsonl"
         if not keys and not alarms.exists():
             continue
@@ -258,6 +292,21 @@ def _verifier_counters(runs: list[Run], e: Any) -> list[str]:
             first = e(lines[0]["alarm"]) if lines else ""
             parts.append(f"<p><b>{len(lines)} integrity alarm(s)</b> (alarms.jsonl); the first: {first}</p>")
     return parts
+
+
+def _reward_function_table(runs: list[Run], e: Any) -> list[str]:
+    """Each reward function's mean, first and last iteration, per run (TRL's `rewards/<name>/mean`)."""
+    rows = []
+    for run in runs:
+        for name in reward_functions(run):
+            means = [m[f"reward/{name}/mean"] for m in run.metrics if f"reward/{name}/mean" in m]
+            applied = sum(float(m.get(f"reward/{name}/applied", 0)) for m in run.metrics)
+            rows.append(f"<tr><td>{e(run.path.name)}</td><td>{e(name)}</td><td>{means[0]:.4g} → {means[-1]:.4g}</td>"
+                        f"<td>{max(means):.4g}</td><td>{applied:.0f}</td></tr>")
+    if not rows:
+        return []
+    return ["<h2>Reward functions</h2><table><tr><th>run</th><th>function</th><th>mean first → last</th><th>best</th>"
+            "<th>completions scored</th></tr>", *rows, "</table>"]
 
 
 def _html(runs: list[Run], images: dict[str, Path]) -> str:
@@ -283,6 +332,7 @@ def _html(runs: list[Run], images: dict[str, Path]) -> str:
             f"<td>{sum(r['loop_s'] for r in m):.1f}</td></tr>"
         )
     parts.append("</table>")
+    parts.extend(_reward_function_table(runs, e))
     parts.extend(_verifier_counters(runs, e))
     for title, path in images.items():
         data = base64.b64encode(path.read_bytes()).decode()

@@ -50,6 +50,10 @@ class Sink:
 
     def finish(self, status: str) -> None: ...
 
+    def hint(self, exc: BaseException) -> str:
+        """What to do about `exc`, an error from `start` (empty: nothing specific to say)."""
+        return ""
+
 
 def mlflow_tracking_uri(runs_dir: Path) -> str:
     """The user's MLFLOW_TRACKING_URI if set, else a SQLite store in the runs directory (.mlflow/mlflow.db).
@@ -127,6 +131,13 @@ class WandbSink(Sink):
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
 
+    def hint(self, exc: BaseException) -> str:
+        text = str(exc).lower()
+        if "api key" in text or "api_key" in text or "login" in text:
+            return ("set WANDB_API_KEY (or run `wandb login`), or set WANDB_MODE=offline to keep the W&B run in the "
+                    "run directory without an account (`wandb sync` uploads it later)")
+        return ""
+
     def finish(self, status: str) -> None:
         self.run.finish(exit_code=0 if status == "finished" else 1)
 
@@ -169,8 +180,9 @@ class Sinks:
                 reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
                 if not self.best_effort:
                     Sinks(started, best_effort=True).finish("failed")  # close the runs already opened
+                    fix = sink.hint(exc) or "fix it"
                     raise SinkError(
-                        f"metric sink {sink.name} could not start ({reason}); fix it, turn logging.{sink.name} off, "
+                        f"metric sink {sink.name} could not start ({reason}); {fix}, turn logging.{sink.name} off, "
                         "or set logging.sinks_best_effort=true to train without it"
                     ) from exc
                 self._drop(sink, exc)

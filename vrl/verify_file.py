@@ -6,9 +6,25 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
 from vrl.environment import Environment
+from vrl.errors import UsageError
 from vrl.types import Attempt, Completion, Status, Task, Verdict
 from vrl.verifier import verify_safely
+
+
+class TaskError(UsageError, ValueError):
+    """A line's inline task is not one the environment can build: the input is wrong, not the attempt, so
+    `vrl verify` stops (exit 2) before judging anything."""
+
+
+def _problem(exc: Exception) -> str:
+    """What is wrong with an inline task, in one line (a pydantic error lists each field and its problem)."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'task'}: {e['msg'].removeprefix('Value error, ')}"
+                         for e in exc.errors())
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _parse(line: str, env: Environment, index: dict[str, Task]) -> Attempt:
@@ -24,7 +40,10 @@ def _parse(line: str, env: Environment, index: dict[str, Task]) -> Attempt:
     if "task" in row:
         if not isinstance(row["task"], dict):
             raise ValueError('"task" must be an object')
-        task = env.task_from_data(row["task"])
+        try:
+            task = env.task_from_data(row["task"])
+        except Exception as exc:
+            raise TaskError(f"{_problem(exc)}") from exc
     elif "task_id" in row:
         task_id = str(row["task_id"])
         if task_id not in index:
@@ -36,7 +55,10 @@ def _parse(line: str, env: Environment, index: dict[str, Task]) -> Attempt:
 
 
 async def verify_lines(env: Environment, lines: Sequence[str], splits: Sequence[str] | None = None, batch_size: int = 64) -> list[dict[str, Any]]:
-    """Verify every non-blank line; malformed lines get a `rejected` verdict naming the problem."""
+    """Verify every non-blank line; malformed lines get a `rejected` verdict naming the problem.
+
+    An inline task the environment cannot build is the input's fault, not the attempt's: `TaskError`
+    (one line naming the line and the problem), before anything is verified."""
     numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
     index: dict[str, Task] = {}
     if any('"task_id"' in line for _, line in numbered):
@@ -47,6 +69,9 @@ async def verify_lines(env: Environment, lines: Sequence[str], splits: Sequence[
     for slot, (number, line) in enumerate(numbered):
         try:
             good.append((slot, _parse(line, env, index)))
+        except TaskError as exc:
+            raise TaskError(f"line {number}: ill-formed task for environment {env.name!r}: {exc}; give its inline form "
+                            "or the Task fields id, prompt and data (docs/cli.md); nothing was verified") from None
         except Exception as exc:
             verdict = Verdict.fail(Status.REJECTED, f"line {number}: {exc}")
             rows[slot] = _row(number, None, verdict)
