@@ -97,6 +97,8 @@ class Trainer:
             self.sinks = Sinks.from_config(config.logging)  # a missing package fails here
             if run_dir is None:
                 check_runs_dir(config.logging.runs_dir)
+            if verifies_in_process(self.config):
+                _close_quietly(self.env.verifier())  # its options refused before tasks load (one line)
             self._pool_tasks = self._task_pool()
             preflight(self.config, self.env)
             distributed.check(self.config)  # under torchrun: what several processes cannot train
@@ -228,7 +230,7 @@ class Trainer:
                 self.run_dir.truncate_metrics(self.start_iteration)
                 self._log(f"resuming {self.run_dir.path} after iteration {self.start_iteration}")
             attempts = cfg.tasks_per_iteration * optimizer.samples_per_task()
-            pool = self.runtime.verification(self.env.verifier(), cfg, attempts)
+            pool = self.runtime.verification(self.env.verifier() if verifies_in_process(cfg) else None, cfg, attempts)
             with self._progress() as progress:
                 bar = progress.add_task("training", total=cfg.iterations, completed=self.start_iteration, stats="")
                 if isinstance(policy, rollouts.VersionedHost):
@@ -475,6 +477,18 @@ def error_kind(detail: str) -> str:
     kind = detail.split(":", 1)[0]
     place = re.search(r" \(([^()]*:\d+ in [^()]*)\)$", detail)
     return f"{kind} at {place.group(1)}" if place else kind
+
+
+def _close_quietly(verifier: Any) -> None:
+    """Close a verifier built only to check its options (its `aclose`, if it has one, on a private loop)."""
+    import asyncio
+
+    close = getattr(verifier, "aclose", None)
+    if close is not None:
+        try:
+            asyncio.run(close())
+        except Exception as exc:  # noqa: BLE001 - closing an unused verifier must not stop the run
+            log.debug("closing the verifier built for its checks: %s", exc)
 
 
 def verifies_in_process(config: TrainConfig) -> bool:

@@ -55,8 +55,11 @@ class Runtime(ABC):
         """
 
     @abstractmethod
-    def verification(self, verifier: Verifier, config, attempts_per_iteration: int | None = None) -> VerificationPool:
-        """The pool that judges attempts; `attempts_per_iteration` lets a remote runtime size its sandboxes."""
+    def verification(self, verifier: Verifier | None, config, attempts_per_iteration: int | None = None
+                     ) -> VerificationPool:
+        """The pool that judges attempts; `attempts_per_iteration` lets a remote runtime size its sandboxes.
+        `verifier` is the environment's, built here when `verifies_in_process(config)`, else None (the
+        runtime runs the plugin's verifier itself, e.g. in Modal sandboxes)."""
 
     def close(self) -> None:
         """Release what the runtime started (called last)."""

@@ -138,7 +138,9 @@ def test_environment_registration_defaults_and_options():
     assert defaults["model"] == "AI-MO/Kimina-Prover-Preview-Distill-1.5B"
     assert defaults["sampling.temperature"] == 0.6 and defaults["sampling.top_p"] == 0.95
     with pytest.raises(ValueError, match="docker run .*projectnumina/kimina-lean-server:2.0.0"):
-        reg.environment("lean")
+        reg.environment("lean").verifier()  # the options are checked where a verifier runs here (not on Modal)
+    with pytest.raises(ValueError, match="re-checks every pass out of process"):
+        reg.environment("lean", server="http://h:1").verifier()
     with pytest.raises(ValueError, match="test_fraction"):
         LeanEnvironment(server="http://x", recheck="off", test_fraction=1.5)
     env = LeanEnvironment(server="http://h:1", recheck="off", api_key="k", data=str(FIXTURE / "input"), test_fraction=0.1,
@@ -237,3 +239,19 @@ def test_a_lean_sandbox_is_ready_only_with_mathlib_loaded_and_a_proof_judged():
     assert header.startswith(WARMUP_IMPORTS + "\n")  # the REPLs preload exactly this file's imports
     submission = prepare(attempt.completion.text, theorem_of(attempt.task.data))
     assert "vrl_warmup" in submission.code and "norm_num" in submission.code
+
+
+def test_under_modal_the_lean_plugin_needs_no_server_option():
+    """Issue 25 item 5: `--plugin lean --runtime modal` with no `-o server=` (nor `-o recheck=`): the
+    environment builds, the trainer builds no verifier here (the sandboxes judge), and the sandbox's own
+    environment points at its sidecar and re-checks in the image's Mathlib project."""
+    sandbox = pytest.importorskip("vrl.runtime.modal.sandbox", reason="the Modal runtime is not installed in this tree")
+    from vrl.config import build
+    from vrl.trainer import verifies_in_process
+
+    env = registry().environment("lean")  # what `vrl train --plugin lean --runtime modal` builds
+    assert not verifies_in_process(build({"plugin": "lean", "runtime": {"kind": "modal"}}))
+    assert verifies_in_process(build({"plugin": "lean", "runtime": {"kind": "modal", "modal": {"verify_in": "local"}}}))
+    spec = sandbox.spec_for(env, "lean", {})
+    inside = LeanEnvironment(**spec.options).verifier()  # what the verify server in the sandbox builds
+    assert inside.client.url == f"http://127.0.0.1:{KIMINA.port}" and inside.rechecker.project == KIMINA.lean_project

@@ -106,13 +106,10 @@ class LeanEnvironment(Environment):
     Options = LeanOptions
 
     def __init__(self, **options: Any):
-        """Options (`-o KEY=VALUE`): see `LeanOptions`; `server` is required."""
+        """Options (`-o KEY=VALUE`): see `LeanOptions`. `server` and `recheck` are required where the
+        verifier runs in this process (`verifier()` refuses without them); under `--runtime modal` the
+        sandboxes start their own server and re-check (`modal_sandbox`), so neither is needed."""
         o = self.parse_options(options)
-        if not o.server:
-            raise OptionsError(NO_SERVER)
-        if o.recheck is None:
-            raise OptionsError(f"the lean plugin re-checks every pass out of process before it earns a reward: {START_RECHECK} "
-                               "(or -o recheck=off to trust the server's answer alone)")
         if o.recheck == "local" and not o.lean_project:
             raise OptionsError("-o recheck=local needs -o lean_project=DIR: the Lake project where Mathlib is built")
         self.recheck, self.lean_project, self.recheck_timeout_s = o.recheck, o.lean_project, o.recheck_timeout_s
@@ -159,6 +156,11 @@ class LeanEnvironment(Environment):
         return HttpRechecker(self.recheck, self.api_key, timeout_s=self.recheck_timeout_s)
 
     def verifier(self) -> Verifier:
+        if not self.server:
+            raise OptionsError(NO_SERVER)
+        if self.recheck is None:
+            raise OptionsError(f"the lean plugin re-checks every pass out of process before it earns a reward: {START_RECHECK} "
+                               "(or -o recheck=off to trust the server's answer alone)")
         return LeanVerifier(
             self.server, self.api_key, timeout_s=self.timeout_s, max_heartbeats=self.max_heartbeats, repls=self.repls,
             recheck=self.rechecker(), canary_rate=self.canary_rate, on_exploit=self.on_exploit,

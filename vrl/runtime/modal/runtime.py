@@ -376,12 +376,16 @@ class ModalRuntime(Runtime):
         volume = modal.Volume.from_name(self.config.runtime.modal.volume)
         return VolumeWeights(run, volume=volume, root=self.volume_root if self.in_container else None)
 
-    def verification(self, verifier: Verifier, config: Any, attempts_per_iteration: int | None = None) -> VerificationPool:
+    def verification(self, verifier: Verifier | None, config: Any, attempts_per_iteration: int | None = None
+                     ) -> VerificationPool:
         v, rt = config.verifier, config.runtime.modal
         if rt.verify_in == "local":
+            if verifier is None:
+                raise ValueError("runtime.modal.verify_in=local judges attempts in this process: pass its verifier")
             return VerificationPool(verifier, batch_size=v.batch_size, concurrency=v.concurrency, timeout_s=v.timeout_s)
-        # The sandboxes run their own copy of the plugin's verifier; the local one is not needed.
-        _close_quietly(verifier)
+        # The sandboxes run their own copy of the plugin's verifier; a local one is not needed.
+        if verifier is not None:
+            _close_quietly(verifier)
         self.sandbox_pool = self.sandboxes(config, attempts_per_iteration)
         # The pool bounds each request and start itself; an infrastructure failure fails the iteration.
         return SandboxVerification(self.sandbox_pool, batch_size=v.batch_size, concurrency=v.concurrency)
