@@ -111,13 +111,17 @@ class VerificationPool:
             async with self._sem:
                 start = time.perf_counter()
                 try:
-                    return await verify_safely(self.verifier, chunk, self.timeout_s)
+                    return await self._judge(chunk)
                 finally:
                     with self._lock:
                         self._busy_s += time.perf_counter() - start
         finally:
             with self._lock:
                 self._pending -= len(chunk)
+
+    async def _judge(self, chunk: list[Attempt]) -> list[Verdict]:
+        """One chunk's verdicts: whatever the verifier does wrong becomes verdicts (`verify_safely`)."""
+        return await verify_safely(self.verifier, chunk, self.timeout_s)
 
     def close(self) -> None:
         """Cancel what is pending, close the verifier, stop the loop."""

@@ -6,7 +6,6 @@ import the runtime layer.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from vrl.runtime.base import VerificationPool
@@ -27,19 +26,8 @@ class SandboxVerification(VerificationPool):
     def __init__(self, pool: SandboxPool, batch_size: int = 64, concurrency: int = 4):
         super().__init__(pool, batch_size=batch_size, concurrency=concurrency, timeout_s=None)
 
-    async def _run(self, chunk: list[Attempt]) -> list[Verdict]:
-        # VerificationPool._run's accounting, with the sandbox pool's infrastructure errors let through.
-        try:
-            async with self._sem:
-                start = time.perf_counter()
-                try:
-                    return await _judge(self.verifier, chunk)
-                finally:
-                    with self._lock:
-                        self._busy_s += time.perf_counter() - start
-        finally:
-            with self._lock:
-                self._pending -= len(chunk)
+    async def _judge(self, chunk: list[Attempt]) -> list[Verdict]:
+        return await _judge(self.verifier, chunk)
 
 
 async def _judge(pool: Verifier, chunk: list[Attempt]) -> list[Verdict]:
