@@ -293,3 +293,17 @@ def test_the_plugin_docs_examples_work(tmp_path, monkeypatch):
     with open(os.devnull, "w") as quiet:
         Trainer(cfg, environment=LettersEnvironment(), console=Console(file=quiet)).run()
     assert (tmp_path / "capped" / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_a_name_registered_with_the_wrong_kind_of_class_is_one_typed_error(monkeypatch):
+    """Each axis checks what a plugin registered under its name (one helper, `Registry.subclass`)."""
+    from vrl.generate import generator_class
+    from vrl.optim import optimizer_class
+    from vrl.plugins import Registry
+    from vrl.runtime import runtime_class
+
+    monkeypatch.setattr(Registry, "factory", lambda self, kind, name: dict)
+    for lookup, what, base in ((optimizer_class, "optimizer", "Optimizer"), (runtime_class, "runtime", "Runtime"),
+                               (generator_class, "generator backend", "Generator")):
+        with pytest.raises(TypeError, match=rf"^{what} 'x' is registered as dict, which is not a vrl\.{base}$"):
+            lookup("x")

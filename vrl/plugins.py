@@ -218,6 +218,15 @@ class Registry:
         except KeyError:
             raise UnknownNameError(self.unknown(kind, name)) from None
 
+    def subclass(self, kind: str, name: str, base: type, what: str) -> Any:
+        """`factory(kind, name)`, which must be a subclass of `base` (`what` names it in the error:
+        "optimizer", "runtime", "generator backend")."""
+        cls = self.factory(kind, name)
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            shown = getattr(cls, "__qualname__", repr(cls))
+            raise TypeError(f"{what} {name!r} is registered as {shown}, which is not a vrl.{base.__name__}")
+        return cls
+
     def unknown(self, kind: str, name: str) -> str:
         """One line: the name is not registered, what is, and which plugins failed to load."""
         known = ", ".join(self.names(kind)) or "none"

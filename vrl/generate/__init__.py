@@ -16,10 +16,7 @@ def generator_class(name: str) -> type[Generator]:
     """The `Generator` subclass registered as backend `name` (`UnknownNameError`: one line listing them)."""
     from vrl.plugins import registry
 
-    cls = registry().factory("generators", name)
-    if not issubclass(cls, Generator):
-        raise TypeError(f"generator backend {name!r} is registered as {cls.__qualname__}, which is not a vrl.Generator")
-    return cls
+    return registry().subclass("generators", name, Generator, "generator backend")
 
 
 def make_generator(config, needs=None) -> Generator:

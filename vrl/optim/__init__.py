@@ -24,10 +24,7 @@ def optimizer_class(name: str) -> type[Optimizer]:
     """The `Optimizer` subclass registered as `name` (`UnknownNameError`: one line listing the rules there are)."""
     from vrl.plugins import registry
 
-    cls = registry().factory("optimizers", name)
-    if not issubclass(cls, Optimizer):
-        raise TypeError(f"optimizer {name!r} is registered as {cls.__qualname__}, which is not a vrl.Optimizer")
-    return cls
+    return registry().subclass("optimizers", name, Optimizer, "optimizer")
 
 
 def make_optimizer(config) -> Optimizer:

@@ -16,10 +16,7 @@ def runtime_class(name: str) -> type[Runtime]:
     """The `Runtime` subclass registered as `name` (`UnknownNameError`: one line listing the runtimes there are)."""
     from vrl.plugins import registry
 
-    cls = registry().factory("runtimes", name)
-    if not issubclass(cls, Runtime):
-        raise TypeError(f"runtime {name!r} is registered as {cls.__qualname__}, which is not a vrl.Runtime")
-    return cls
+    return registry().subclass("runtimes", name, Runtime, "runtime")
 
 
 def make_runtime(config) -> Runtime:
