@@ -1,16 +1,27 @@
 """One GRPO training step (`GRPO.tell`) on a Qwen2.5-1.5B-shaped model with random weights, bf16.
 
-Measures training tokens/s, MFU and peak GPU memory for 64 sequences × (512 prompt + 512
-completion) tokens, with and without gradient checkpointing, over a few micro-batch sizes. The step
-is the real one: packing, chunked log-probs, the dapo loss, gradient accumulation into fp32 master
-weights, clipping, fused AdamW, and the bf16 write-back.
+Measures training tokens/s, MFU and peak memory for 64 sequences of 1024 tokens on average, with
+and without gradient checkpointing, over a few micro-batch sizes, padded or padding-free
+(`grpo.padding_free`). The step is the real one: packing, chunked log-probs, the dapo loss,
+gradient accumulation into fp32 master weights, clipping, fused AdamW, and the bf16 write-back.
 
-MFU counts 6 · N · tokens FLOPs per step (N = all parameters, embeddings included; every one of the
-1024 tokens of a sequence counted), against 989.4 TFLOP/s (H100 SXM dense bf16) — the convention of
-the floor in shared/notes/es-noise.md. Checkpointing's recompute is not counted as useful work.
+`--lengths fixed` gives every sequence 512 prompt + 512 completion tokens (no padding at all, so
+padding-free changes nothing but the attention path); `--lengths varied` draws prompts of 256–768 and
+completions of 128–896 tokens (uniform, seeded; 1024 on average), as a real batch of completions
+is, so the padded layout computes on pad tokens (`pad_fraction` in the report) and padding-free
+does not. Padding-free saves compute only under flash-attention (`--attn flash_attention_2`, needs
+the flash-attn package): under sdpa the samples of a packed row are kept apart by a block-diagonal
+mask over the whole row.
 
-    python benchmarks/grpo_step.py --out result.json            # GPU
-    python benchmarks/grpo_step.py --small --out /tmp/r.json    # CPU dry run with small shapes
+MFU counts 6 · N · tokens FLOPs per step (N = all parameters, embeddings included; every real token
+of a sequence counted, padding not), against 989.4 TFLOP/s (H100 SXM dense bf16) — the convention
+of the floor in shared/notes/es-noise.md. Checkpointing's recompute is not counted as useful work.
+Peak memory: `peak_gb` is torch's peak allocated GPU memory over the timed steps (reset per
+setting); `peak_rss_gb` the process's peak resident host memory so far (not reset per setting).
+
+    python benchmarks/grpo_step.py --out result.json                                  # GPU, as before
+    python benchmarks/grpo_step.py --lengths varied --attn flash_attention_2 --padding-free both --out r.json
+    python benchmarks/grpo_step.py --small --padding-free both --lengths varied --out /tmp/r.json  # CPU dry run
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ import gc
 import json
 import logging
 import random
+import resource
+import sys
 import time
 from typing import Any
 
@@ -46,14 +59,19 @@ def qwen25_15b(small: bool) -> Qwen2Config:
                        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
 
 
-def batch(n_seq: int, prompt_len: int, completion_len: int, vocab: int, group: int) -> list[Result]:
+def batch(n_seq: int, prompt_len: int, completion_len: int, vocab: int, group: int, varied: bool = False
+          ) -> list[Result]:
+    """`varied`: prompt lengths uniform in [prompt_len/2, 3·prompt_len/2], completions in
+    [completion_len/4, 7·completion_len/4] (the same means as fixed lengths)."""
     rng = random.Random(0)
     out = []
     for i in range(n_seq):
         task = Task(id=f"t{i // group}", prompt="p")
+        n_p = rng.randint(prompt_len // 2, 3 * prompt_len // 2) if varied else prompt_len
+        n_c = rng.randint(completion_len // 4, 7 * completion_len // 4) if varied else completion_len
         completion = Completion(task_id=task.id, text="x", sample=i % group, finish_reason="stop",
-                                prompt_token_ids=[rng.randrange(vocab) for _ in range(prompt_len)],
-                                token_ids=[rng.randrange(vocab) for _ in range(completion_len)])
+                                prompt_token_ids=[rng.randrange(vocab) for _ in range(n_p)],
+                                token_ids=[rng.randrange(vocab) for _ in range(n_c)])
         reward = rng.random()
         out.append(Result(task=task, completion=completion, verdict=Verdict.fail("failed", "bench", score=reward),
                           reward=reward))
@@ -61,10 +79,11 @@ def batch(n_seq: int, prompt_len: int, completion_len: int, vocab: int, group: i
 
 
 def measure(gen: HFGenerator, results: list[Result], ckpt: bool, micro: int, steps: int, n_params: int,
-            device: torch.device) -> dict[str, Any]:
+            device: torch.device, padding_free: bool = False) -> dict[str, Any]:
     cfg = GRPOConfig(num_generations=8, learning_rate=1e-6, lr_scheduler_type="constant", loss_type="dapo",
-                     micro_batch_size=micro, gradient_checkpointing=ckpt, logprob_chunk_size=2048)
-    row: dict[str, Any] = {"gradient_checkpointing": ckpt, "micro_batch_size": micro}
+                     micro_batch_size=micro, gradient_checkpointing=ckpt, logprob_chunk_size=2048,
+                     padding_free=padding_free)
+    row: dict[str, Any] = {"gradient_checkpointing": ckpt, "micro_batch_size": micro, "padding_free": padding_free}
     opt = None
     try:
         opt = GRPO(cfg, seed=0)
@@ -88,19 +107,20 @@ def measure(gen: HFGenerator, results: list[Result], ckpt: bool, micro: int, ste
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            opt.tell(results)
+            metrics = opt.tell(results)
             _sync(device)
             times.append(time.perf_counter() - t0)
         tokens = sum(len(r.completion.prompt_token_ids) + len(r.completion.token_ids) for r in results)
         best = min(times)
         row.update(step_s=best, step_s_all=times, optimizer_s=min(update_times), tokens=tokens,
-                   tokens_per_s=tokens / best)
+                   tokens_per_s=tokens / best, pad_fraction=metrics["grpo/pad_fraction"])
         if device.type in PEAK_FLOPS:
             row["mfu"] = 6 * n_params * tokens / best / PEAK_FLOPS[device.type]
             row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
     except torch.cuda.OutOfMemoryError as exc:
         row["error"] = f"out of memory: {str(exc).splitlines()[0]}"
     finally:
+        row["peak_rss_gb"] = _peak_rss_bytes() / 1e9
         if opt is not None and ckpt:
             off = getattr(gen.model, "activation_checkpointing_disable", None) or gen.model.gradient_checkpointing_disable
             off()
@@ -112,6 +132,12 @@ def measure(gen: HFGenerator, results: list[Result], ckpt: bool, micro: int, ste
     return row
 
 
+def _peak_rss_bytes() -> int:
+    """The process's peak resident set size (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -121,6 +147,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes on CPU (a dry run of the script)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per setting (best is reported)")
+    ap.add_argument("--lengths", choices=["fixed", "varied"], default="fixed",
+                    help="fixed: 512 + 512 tokens per sequence; varied: random lengths, 1024 on average")
+    ap.add_argument("--padding-free", choices=["off", "on", "both"], default="off",
+                    help="grpo.padding_free for every setting (both: each setting padded, then padding-free)")
+    ap.add_argument("--attn", default=None,
+                    help="attention implementation (sdpa, eager, flash_attention_2, ...; default: transformers')")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -130,14 +162,18 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(dtype).eval()
+    if args.attn:
+        model.set_attn_implementation(args.attn)
     n_params = sum(p.numel() for p in model.parameters())
     n_seq, prompt_len, completion_len = (8, 32, 32) if args.small else (64, 512, 512)
-    results = batch(n_seq, prompt_len, completion_len, config.vocab_size, group=8)
+    results = batch(n_seq, prompt_len, completion_len, config.vocab_size, group=8, varied=args.lengths == "varied")
     gen = HFGenerator(model, tiny.build_tokenizer(), SamplingConfig(temperature=1.0, max_new_tokens=completion_len))
     settings = [(False, 4), (False, 8), (True, 16), (True, 32), (True, 64)]
     if args.small:
         settings = [(False, 4), (True, 8)]
-    rows = [measure(gen, results, ckpt, micro, args.steps, n_params, device) for ckpt, micro in settings]
+    free = {"off": [False], "on": [True], "both": [False, True]}[args.padding_free]
+    rows = [measure(gen, results, ckpt, micro, args.steps, n_params, device, padding_free=f)
+            for ckpt, micro in settings for f in free]
     report = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -145,6 +181,8 @@ def main() -> None:
         "sequences": n_seq,
         "prompt_tokens": prompt_len,
         "completion_tokens": completion_len,
+        "lengths": args.lengths,
+        "attn_implementation": model.config._attn_implementation,
         "dtype": str(dtype),
         "loss_type": "dapo",
         "rows": rows,

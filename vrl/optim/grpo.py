@@ -159,6 +159,12 @@ class GRPO(Optimizer):
             from vrl.optim.grpo_dist import Group
 
             self.group = Group(self.device)
+        if cfg.padding_free:
+            from vrl.optim.logprobs import packing_problem
+
+            problem = packing_problem(model)
+            if problem is not None:
+                raise ValueError(problem)
         self.ref_model = None
         if cfg.beta > 0 and not cfg.use_peft:
             # The frozen reference is the policy as loaded (TRL's default); with LoRA it is the
@@ -328,6 +334,8 @@ class GRPO(Optimizer):
             "grpo/completions/clipped_ratio": sum(truncated) / len(truncated),
             "grpo/completions/mean_length": sum(len(r.completion.token_ids) for r in results) / len(results),
             "grpo/trained_tokens": num_tokens,
+            # The share of the padded micro-batches' positions that are padding: what padding_free removes.
+            "grpo/pad_fraction": self._pad_fraction(batches),
         }
         if "cispo_clip_sum" in totals:
             metrics["grpo/cispo_clip_ratio"] = totals["cispo_clip_sum"] / units
@@ -426,6 +434,14 @@ class GRPO(Optimizer):
                 self.group.send("stop")
                 self.group = None
 
+    def _pad_fraction(self, batches: list[MicroBatch]) -> float:
+        """Padding's share of the padded layout of this batch's micro-batches (over every rank)."""
+        real = [b for b in batches if not b.filler]
+        s = {"slots": float(sum(b.packed.slots for b in real)), "tokens": float(sum(b.packed.tokens for b in real))}
+        if self.group is not None:
+            s = self.group.sum(s)
+        return 1.0 - s["tokens"] / s["slots"] if s["slots"] else 0.0
+
     def _micro_batch(self, results: list[Result], rows: list[int], advantages: torch.Tensor,
                      truncated: list[bool]) -> MicroBatch:
         import torch
@@ -433,7 +449,8 @@ class GRPO(Optimizer):
         from vrl.optim.logprobs import pack
 
         comps = [results[i].completion for i in rows]
-        packed = pack([c.prompt_token_ids for c in comps], [c.token_ids for c in comps], self.pad_id, self.device)
+        packed = pack([c.prompt_token_ids for c in comps], [c.token_ids for c in comps], self.pad_id, self.device,
+                      padding_free=self.config.padding_free)
         mask = packed.completion_mask.clone()
         if self.config.mask_truncated_completions:
             keep = torch.tensor([not truncated[i] for i in rows], dtype=mask.dtype, device=mask.device)

@@ -126,6 +126,12 @@ class GRPOConfig(BaseModel):
     logprob_chunk_size: int = Field(
         2048, ge=1, description="Completion tokens per output-head chunk when computing log-probs (bounds memory)."
     )
+    padding_free: bool = Field(
+        False,
+        description="Pack each micro-batch's samples into one row without padding, position ids restarting per "
+        "sample (TRL's padding_free): same log-probs, no compute on pad tokens with flash_attention_2; under "
+        "sdpa/eager the block-diagonal mask spans the whole row, so it is off by default.",
+    )
     save_every: int = Field(
         0, ge=0,
         description="Also write a checkpoint every k iterations (0: by time only, see save_interval_s). One is "
