@@ -38,7 +38,7 @@ def main(out: str, run_dir: str, fields: dict) -> None:
     if leader:
         metrics = opt.tell(sample_results(gen))
         opt.save(run_dir, final=True)
-        opt.group.send("stop")
+        opt.stop_followers()
     else:
         opt.follow()
     # Every rank takes part in gathering the AdamW state from its shards.
@@ -47,8 +47,7 @@ def main(out: str, run_dir: str, fields: dict) -> None:
     if leader:
         torch.save({"metrics": metrics, "grads": grads, "optim": optim, "world": opt.group.world,
                     "weights": {k: v.clone() for k, v in gen.model.state_dict().items()}}, out)
-    opt.group = None  # released above
-    opt.close()
+    opt.close()  # every rank: checkpoint writes finished, process group released
 
 
 if __name__ == "__main__":

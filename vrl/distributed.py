@@ -79,6 +79,7 @@ def follow(config: Any) -> dict[str, Any]:
     try:
         optimizer.setup(host)
         optimizer.follow()
+        optimizer.close()  # this rank's checkpoint writes finish, then the process group goes
     finally:
         host.close()
     return {"status": "finished", "rank": rank()}

@@ -423,16 +423,24 @@ class GRPO(Optimizer):
             except CheckpointRefused:
                 pass  # rank 0 says so (one line) and stops or goes on; it leads what happens next
 
+    def stop_followers(self) -> None:
+        """Rank 0: end the other ranks' `follow` (once; nothing on one process)."""
+        if self.group is not None and self.group.leader and not getattr(self, "_followers_stopped", False):
+            self.group.send("stop")
+            self._followers_stopped = True
+
     def close(self) -> None:
-        """The run is over: finish the checkpoint being written, and release the other ranks."""
+        """The run is over, on every rank: finish the checkpoint being written, release the other ranks
+        (rank 0), then the process group."""
         writer = getattr(self, "_writer", None)
         try:
             if writer is not None:
                 writer.close()
         finally:
-            if self.group is not None and self.group.leader:
-                self.group.send("stop")
-                self.group = None
+            if self.group is not None:
+                self.stop_followers()
+                group, self.group = self.group, None
+                group.close()
 
     def _pad_fraction(self, batches: list[MicroBatch]) -> float:
         """Padding's share of the padded layout of this batch's micro-batches (over every rank)."""

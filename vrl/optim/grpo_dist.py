@@ -65,6 +65,14 @@ class Group:
         dist.broadcast_object_list(box, src=0, group=self.objects)
         return box[0]
 
+    def close(self) -> None:
+        """Every rank, once, at the end: wait for the others, then release the process groups, so their
+        communication threads end before the interpreter does (a gloo or DCP thread still joinable at
+        exit aborts the process: "terminate called without an active exception")."""
+        if dist.is_initialized():
+            dist.barrier(group=self.objects)
+            dist.destroy_process_group()
+
     # -- reductions ---------------------------------------------------------------------------------
     def sum(self, values: dict[str, float]) -> dict[str, float]:
         """Each key summed over the ranks (every rank passes the same keys, in any order)."""
