@@ -25,6 +25,16 @@ def emu(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
+def module_emu(tmp_path_factory):
+    """One emulated Modal service for a whole test module (its apps, containers and Volumes outlive each
+    test: each test uses its own run names). Not together with `emu` in one module: one fake `modal` at a time."""
+    from tests.modal_emulator import emulated_service
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield from emulated_service(tmp_path_factory.mktemp("emulated"), monkeypatch)
+
+
+@pytest.fixture(scope="module")
 def small_qwen2_dir(tmp_path_factory):
     """A 2-layer Qwen2 (hidden 256, untied lm_head) with random weights and the byte tokenizer of
     `vrl.generate.tiny`, saved for engines to load (the vLLM GPU tests)."""
