@@ -116,7 +116,14 @@ def _check_the_owner(emu, cfg, first, volume, tmp_path):
     stopped = cli.invoke(main, ["modal", "stop", "owned"])
     assert stopped.exit_code == 0 and f"call {first}" in _flat(stopped.output), stopped.output
     _wait(lambda: not _orchestrator_busy(emu))
-    status = json.loads(cli.invoke(main, ["modal", "status", "owned", "--json"]).output)
+
+    def status_now() -> dict:
+        return json.loads(cli.invoke(main, ["modal", "status", "owned", "--json"]).output)
+
+    # The cancelled input ends at once; the container still handles its SIGINT (saves, writes the summary,
+    # commits on exit) within Modal's grace period: wait for that commit, not for a fixed time.
+    _wait(lambda: status_now()["status"] != "running")
+    status = status_now()
     assert not status["running"] and status["iterations_completed"] == 1 and status["status"] == "interrupted"
     logs = cli.invoke(main, ["modal", "logs", "owned"])
     assert logs.exit_code == 0 and logs.output.startswith("iteration 0: reward ")
