@@ -13,7 +13,9 @@ build the same host the local runtime builds (`generator.backend` vllm or hf) an
 - Verification: a `SandboxPool` of warm verifier sandboxes (or the orchestrator, `verify_in: local`).
 
 `execute="local"` runs the very same function bodies in this process through Modal's `.local()`
-(and local processes for sandboxes): how the tests check the runtime without a Modal account.
+(and local processes for sandboxes). The tests no longer run worker bodies this way, since it cannot
+fail where Modal fails: they run the real runtime under the Modal emulator (tests/modal_emulator/);
+what is left of it serves tests of the verification pool's construction.
 """
 
 from __future__ import annotations

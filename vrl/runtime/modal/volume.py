@@ -7,7 +7,7 @@ reach the workers:
 - in a container (the detached orchestrator): write the mounted Volume, then `commit()`;
 - on the user's machine (`--runtime modal` without `--detach`): write a local staging file and send
   it with `Volume.batch_upload()`, which writes the Volume's committed state from anywhere;
-- `execute="local"` (the tests' in-process bodies): a plain directory stands in for the Volume.
+- `execute="local"` (bodies in this process): a plain directory stands in for the Volume.
 
 Either way the workers get the path under their own mount (`/vrl/runs/<run>/weights/vN.safetensors`)
 and reload the Volume before reading it. The two newest versions are kept (a shard may still be
