@@ -138,3 +138,35 @@ def test_a_run_directory_can_keep_its_writer_lock_outside_itself(tmp_path):
     again.acquire()  # released: free again
     assert again.locked
     again.release()
+
+
+def test_status_shows_a_run_no_call_owns_that_recorded_no_ending_as_stopped(monkeypatch):
+    """`vrl modal status`: a summary still saying "running" whose owner call is gone (stopped or killed
+    before it could record its end) reads "stopped"; a live owner, or a recorded ending, is shown as is."""
+    import json
+
+    from vrl.runtime.modal import launch
+
+    monkeypatch.setattr(launch, "require_credentials", lambda: None)
+    files = {"runs/r/config.json": {"iterations": 4}, "runs/r/state.json": {"iteration": 1}}
+
+    class Lease:
+        def __init__(self, alive):
+            self._alive = alive
+
+        def latest_call(self):
+            return "fc-1"
+
+        def alive(self, call):
+            return self._alive
+
+    def read(volume, path):  # what `read_volume_file` does: bytes, or FileNotFoundError
+        if path not in files:
+            raise FileNotFoundError(path)
+        return json.dumps(files[path]).encode()
+
+    for recorded, alive, shown in (("running", False, "stopped"), ("running", True, "running"),
+                                   ("interrupted", False, "interrupted"), ("finished", False, "finished")):
+        files["runs/r/summary.json"] = {"status": recorded}
+        info = launch.run_status("r", read=read, lease=Lease(alive))
+        assert (info["status"], info["running"], info["iterations_completed"]) == (shown, alive, 1)

@@ -152,10 +152,14 @@ def run_status(name: str, volume: str = "vrl", read: Any = read_volume_file, lea
     state = _read_json(volume, f"runs/{name}/state.json", read) or {}
     summary = _read_json(volume, f"runs/{name}/summary.json", read) or {}
     metrics = _read_jsonl(volume, f"runs/{name}/metrics.jsonl", read)
+    running = call is not None and lease.alive(call)
+    status = summary.get("status")
+    if status == "running" and not running:  # no call owns it and it recorded no ending: stopped or killed
+        status = "stopped"
     return {
-        "name": name, "volume": volume, "call": call, "running": call is not None and lease.alive(call),
+        "name": name, "volume": volume, "call": call, "running": running,
         "iterations_completed": int(state.get("iteration", 0)), "iterations": config.get("iterations"),
-        "status": summary.get("status"), "error": summary.get("error"), "last": metrics[-1] if metrics else None,
+        "status": status, "error": summary.get("error"), "last": metrics[-1] if metrics else None,
     }
 
 
