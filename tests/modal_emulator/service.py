@@ -245,6 +245,7 @@ class Service:
                         stream.close()
         if hasattr(self, "_listener"):
             with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as wake:
+                wake.settimeout(2.0)  # an accept thread already gone leaves a full backlog: connect would block
                 wake.connect(self.address)  # the accept thread returns, sees `_closed`, ends
             self._listener.close()
         shutil.rmtree(self.sock_dir, ignore_errors=True)
