@@ -39,7 +39,7 @@ from vrl.runtime import runtime_class
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.sinks import Sinks
 from vrl.types import Attempt, Result, Status, Task, Verdict
-from vrl.verifier import VERIFIER_ERROR, VerifierUnavailable, ensure_ready, is_verifier_error
+from vrl.verifier import VERIFIER_ERROR, VerifierUnavailable, close_unused, ensure_ready, is_verifier_error
 
 if TYPE_CHECKING:
     from vrl.config import TrainConfig
@@ -98,7 +98,7 @@ class Trainer:
             if run_dir is None:
                 check_runs_dir(config.logging.runs_dir)
             if verifies_in_process(self.config):
-                _close_quietly(self.env.verifier())  # its options refused before tasks load (one line)
+                close_unused(self.env.verifier())  # its options refused before tasks load (one line)
             self._pool_tasks = self._task_pool()
             preflight(self.config, self.env)
             distributed.check(self.config)  # under torchrun: what several processes cannot train
@@ -477,18 +477,6 @@ def error_kind(detail: str) -> str:
     kind = detail.split(":", 1)[0]
     place = re.search(r" \(([^()]*:\d+ in [^()]*)\)$", detail)
     return f"{kind} at {place.group(1)}" if place else kind
-
-
-def _close_quietly(verifier: Any) -> None:
-    """Close a verifier built only to check its options (its `aclose`, if it has one, on a private loop)."""
-    import asyncio
-
-    close = getattr(verifier, "aclose", None)
-    if close is not None:
-        try:
-            asyncio.run(close())
-        except Exception as exc:  # noqa: BLE001 - closing an unused verifier must not stop the run
-            log.debug("closing the verifier built for its checks: %s", exc)
 
 
 def verifies_in_process(config: TrainConfig) -> bool:

@@ -14,6 +14,7 @@ The trainer stops a run whose every verdict of an iteration is such an error: th
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -105,6 +106,15 @@ def ensure_ready(verifier: Verifier) -> None:
             await verifier.aclose()
 
     asyncio.run(check())
+
+
+def close_unused(verifier: Verifier) -> None:
+    """Release a verifier built but not used (to check its options, or one a runtime replaces with its
+    own sandboxes) from synchronous code; a failure to close is logged, never raised."""
+    try:
+        asyncio.run(verifier.aclose())
+    except Exception as exc:  # noqa: BLE001 - closing an unused verifier must not stop the run
+        logging.getLogger(__name__).debug("closing an unused verifier: %s", exc)
 
 
 async def verify_safely(verifier: Verifier, attempts: Sequence[Attempt], timeout_s: float | None = None) -> list[Verdict]:

@@ -47,7 +47,7 @@ from vrl.runtime.modal.sandbox import (
 from vrl.runtime.modal.verification import SandboxVerification
 from vrl.runtime.modal.volume import VolumeWeights
 from vrl.types import Completion, Task
-from vrl.verifier import Verifier
+from vrl.verifier import Verifier, close_unused
 
 log = logging.getLogger(__name__)
 
@@ -387,7 +387,7 @@ class ModalRuntime(Runtime):
             return VerificationPool(verifier, batch_size=v.batch_size, concurrency=v.concurrency, timeout_s=v.timeout_s)
         # The sandboxes run their own copy of the plugin's verifier; a local one is not needed.
         if verifier is not None:
-            _close_quietly(verifier)
+            close_unused(verifier)
         self.sandbox_pool = self.sandboxes(config, attempts_per_iteration)
         # The pool bounds each request and start itself; an infrastructure failure fails the iteration.
         return SandboxVerification(self.sandbox_pool, batch_size=v.batch_size, concurrency=v.concurrency)
@@ -427,12 +427,3 @@ class ModalRuntime(Runtime):
         self.caller.close()
         self._stack.close()
         self._running = False
-
-
-def _close_quietly(verifier: Verifier) -> None:
-    import asyncio
-
-    try:
-        asyncio.run(verifier.aclose())
-    except Exception as exc:  # noqa: BLE001 - closing an unused verifier must not stop the run
-        log.debug("closing the unused local verifier: %s", exc)
