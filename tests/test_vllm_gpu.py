@@ -149,6 +149,7 @@ def test_weight_sync_makes_vllm_follow_the_trained_model(grpo_gen):
     opt.setup(grpo_gen)
     metrics = opt.tell(rewarded(by_id, grpo_gen, seed=1))  # trains the HF copy, then publishes it to the engine
     assert "sync_s" in grpo_gen.counters()
+    assert grpo_gen.weight_transfer == "ipc"  # colocated: vLLM's native IPC weight transfer
     grpo_gen.sampling = greedy()
     after = grpo_gen.generate(tasks())
     assert not same(before, after)  # training changed the policy ...
@@ -344,12 +345,13 @@ def _one_grpo_step(gen, seed: int = 1) -> None:
 
 @two_gpus
 def test_separate_gpu_mode_syncs_across_devices(model_dir, es_gen):
-    """generator.device=cuda:1: training on GPU 1, the engine on GPU 0; the push crosses devices."""
+    """generator.device=cuda:1: training on GPU 1, the engine on GPU 0; the push crosses devices (NCCL)."""
 
     es_gen.close()  # one engine at a time
     gen = trained_engine(config(model_dir, dtype="float32", device="cuda:1"))
     try:
         assert next(gen.trainable().model.parameters()).device == torch.device("cuda:1")
+        assert gen.weight_transfer == "nccl"  # vLLM's native NCCL weight transfer to the other GPU
         gen.sampling = greedy()
         before = gen.generate(tasks())
         _one_grpo_step(gen)
@@ -365,11 +367,13 @@ def test_separate_gpu_mode_syncs_across_devices(model_dir, es_gen):
 
 @two_gpus
 def test_tensor_parallel_engine_follows_the_trained_model(model_dir, es_gen):
-    """tensor_parallel_size=2: each worker loads its shard of the pushed weights (same IPC handles)."""
+    """tensor_parallel_size=2: each worker loads its shard of the pushed weights (same IPC handles, vrl's
+    loader: NCCL cannot put the trainer and a worker on one GPU)."""
 
     es_gen.close()
     gen = trained_engine(config(model_dir, dtype="float32", tensor_parallel_size=2))
     try:
+        assert gen.weight_transfer == "extension"  # the engine includes the trainer's GPU: vrl's loader
         gen.sampling = greedy()
         before = gen.generate(tasks())
         _one_grpo_step(gen, seed=4)

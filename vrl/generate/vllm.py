@@ -9,8 +9,8 @@
   mover (`MOVERS`: the driver half) with its own worker extension (the half inside the engine):
   full-rank ES perturbs the engine's own (fused) weights in place (`vllm_inplace`), low-rank ES
   serves members from LoRA slots (`vllm_slots`), GRPO pushes a trained in-process HF copy
-  (`vllm_trained`: CUDA IPC handles + the model's own `load_weights`, every `generator.vllm.sync_every`
-  updates). ES noise is the `hf` backend's (same seeds, HF parameter names, values). With
+  (`vllm_trained`: vLLM's native weight-transfer engines, CUDA IPC or NCCL, or vrl's own loader;
+  every `generator.vllm.sync_every` updates). ES noise is the `hf` backend's (same seeds, HF parameter names, values). With
   `generator.vllm.sleep` the engine frees its GPU memory between generation passes so training can use
   it (colocated mode).
 
@@ -80,6 +80,13 @@ class VLLMConfig(Section):
         1, ge=1,
         description="With grpo: push the trained weights into the engine every k updates; in between the engine "
         "samples slightly stale weights and GRPO's importance ratio uses the engine's log-probs.",
+    )
+    weight_transfer: Literal["auto", "ipc", "nccl", "extension"] = Field(
+        "auto",
+        description="With grpo: how trained weights reach the engine. auto: vLLM's native weight-transfer engines, "
+        "CUDA IPC when the engine is one worker on the trainer's GPU (ipc) and an NCCL broadcast when its workers "
+        "sit on other GPUs (nccl), else vrl's own loader (extension: CUDA IPC handles into a worker extension, "
+        "also across GPUs).",
     )
     sampling_logprobs: bool = Field(
         True,
@@ -254,10 +261,12 @@ class VLLMGenerator(Generator):
         cleanup: str | None = None,
         device_order: list[str] | None = None,
         lora_slots: int = 0,
+        weight_transfer: str = "extension",
     ):
         self.llm, self.tokenizer, self.sampling = llm, tokenizer, sampling
         self.mode = mode
         self.device_order = device_order  # the engine's GPU numbering (physical ids), when not this process's
+        self.weight_transfer = weight_transfer  # how `publish` moves weights ('ipc', 'nccl': vLLM's; 'extension': vrl's)
         self.model_path, self.revision = model_path, revision
         self.train_device, self.dtype = train_device, dtype
         self.sampling_logprobs, self.logprobs = sampling_logprobs, False
@@ -328,16 +337,20 @@ class VLLMGenerator(Generator):
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         # A forked engine process cannot use CUDA once this process has touched it (an HF copy, a test).
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        device = "cuda" if g.device == "auto" else g.device
+        transfer = _weight_transfer(v.weight_transfer, mode_for(needs), gpu, device, v.tensor_parallel_size)
+        if transfer != "extension":
+            kwargs["weight_transfer_config"] = {"backend": transfer}
         t0 = time.perf_counter()
         with _visible_gpu(gpu) as order:
             llm = vllm.LLM(**kwargs)
-        log.info("vLLM engine ready in %.1f s%s", time.perf_counter() - t0, f" on GPU {gpu}" if gpu is not None else "")
-        device = "cuda" if g.device == "auto" else g.device
+        log.info("vLLM engine ready in %.1f s%s (weights move by %s)", time.perf_counter() - t0,
+                 f" on GPU {gpu}" if gpu is not None else "", transfer)
         gen = cls(llm, _load_tokenizer(path, kwargs["revision"]), config.sampling, mode=mode_for(needs), model_path=path,
                   revision=kwargs["revision"], train_device=device, dtype=kwargs["dtype"],
                   sampling_logprobs=v.sampling_logprobs, sync_every=v.sync_every, sleep=v.sleep,
                   tensor_parallel_size=v.tensor_parallel_size, cleanup=cleanup, device_order=order,
-                  lora_slots=kwargs.get("max_loras", 0))
+                  lora_slots=kwargs.get("max_loras", 0), weight_transfer=transfer)
         return gen
 
     @classmethod
@@ -639,6 +652,26 @@ def _visible_gpu(gpu: str | None) -> Iterator[list[str] | None]:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+def _weight_transfer(choice: str, mode: Mode, gpu: str | None, train_device: str, tensor_parallel_size: int) -> str:
+    """`vllm_trained.transfer_for` for an engine about to start on GPU `gpu` (an index among this
+    process's GPUs; None: the first) with the trained copy on `train_device`."""
+    from vrl.generate.vllm_trained import transfer_for, visible_ids
+
+    ids = visible_ids()
+    first = int(gpu) if gpu is not None else 0
+    order = ids[first:first + 1] + [i for n, i in enumerate(ids) if n != first]
+    engine = order[:tensor_parallel_size]
+    train = None
+    if train_device.startswith("cuda"):
+        index = int(train_device.partition(":")[2] or 0)
+        train = ids[index] if index < len(ids) else None
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    try:
+        return transfer_for(choice, mode, engine_gpus=engine, train_gpu=train, in_process=in_process)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def _load_tokenizer(path: str, revision: str | None) -> Any:

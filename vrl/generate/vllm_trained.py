@@ -1,9 +1,15 @@
 """Weights pushed into the engine whole: from the HF copy GRPO trains in this process (mode 'trained'),
 or ready tensors by checkpoint name (mode 'sample': Modal's GRPO workers, evaluation).
 
-Driver half: `PushedWeights` (the mover of both modes: `trainable`, `publish`) and `_share` (CUDA IPC
-handles for tensors on a GPU); worker half: `LoadWeightsExtension`, which loads them through the
-model's own `load_weights` (it fuses and shards).
+Two transports (`generator.vllm.weight_transfer`, resolved per engine by `transfer_for`):
+- vLLM's native weight-transfer engines (`vllm.distributed.weight_transfer`, mode 'trained'):
+  `start_weight_update` → `update_weights` → `finish_weight_update` through `NativeTransfer`, with
+  CUDA IPC handles when the engine is one worker on the trainer's GPU ('ipc') and an NCCL broadcast
+  from the trainer to every worker when it sits on other GPUs ('nccl'); the workers load through
+  vLLM's layerwise reload.
+- vrl's own worker extension ('extension'; mode 'sample', engines in this process, tensor-parallel
+  engines that include the trainer's GPU): `_share` (CUDA IPC handles, device ordinals translated)
+  and `LoadWeightsExtension`, which loads through the model's own `load_weights` (it fuses and shards).
 """
 
 from __future__ import annotations
@@ -11,9 +17,12 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
+import threading
 import time
+import types
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -34,6 +43,7 @@ class PushedWeights(Mover):
         self.model: torch.nn.Module | None = None  # GRPO's trainable HF copy (`trainable`), pushed by `publish`
         self._pushed = False
         self._since_push = 0
+        self._native: NativeTransfer | None = None  # vLLM's weight-transfer engine, set up on the first push
 
     def trainable(self) -> Trainable:
         """An HF copy of the model on `generator.device` (loaded once): GRPO trains it, `publish` pushes it.
@@ -65,9 +75,16 @@ class PushedWeights(Mover):
         if engine._asleep:
             engine._wake_up(["weights"])
         weights = list(model.items()) if isinstance(model, Mapping) else weights_for_engine(model)
-        payload = _share(weights, engine.device_order)
-        engine.rpc("vrl_load_weights", payload)
-        del payload, weights
+        if engine.weight_transfer in ("ipc", "nccl"):
+            if self._native is None:
+                self._native = NativeTransfer(engine.llm, engine.weight_transfer, engine.train_device,
+                                              engine.tensor_parallel_size)
+            self._native.send(weights)
+            del weights
+        else:
+            payload = _share(weights, engine.device_order)
+            engine.rpc("vrl_load_weights", payload)
+            del payload, weights
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
         if engine._asleep:
@@ -107,6 +124,155 @@ def _share(weights: list[tuple[str, torch.Tensor]], engine_order: list[str] | No
     return out
 
 
+Transfer = Literal["auto", "ipc", "nccl", "extension"]
+
+
+def transfer_for(choice: Transfer, mode: str, *, engine_gpus: list[str], train_gpu: str | None,
+                 in_process: bool = False) -> str:
+    """How weights reach an engine: 'ipc', 'nccl' (vLLM's native engines) or 'extension' (vrl's loader).
+
+    `engine_gpus`: the physical ids of the engine's workers' GPUs; `train_gpu`: the physical id of the
+    GPU the trained copy lives on (None: not on a GPU). 'auto' picks IPC for one worker on the
+    trainer's GPU, NCCL for workers all on other GPUs, and vrl's loader otherwise (mode 'sample',
+    an engine in this process, a CPU copy, a tensor-parallel engine that includes the trainer's GPU:
+    NCCL cannot put two ranks on one GPU). An explicit choice that cannot work is refused.
+    """
+    native_possible = mode == "trained" and not in_process and train_gpu is not None
+    if choice == "extension":
+        return "extension"
+    if choice == "auto":
+        if not native_possible:
+            return "extension"
+        if engine_gpus == [train_gpu]:
+            return "ipc"
+        return "extension" if train_gpu in engine_gpus else "nccl"
+    if not native_possible:
+        why = ("it moves weights only in mode 'trained' (GRPO)" if mode != "trained" else
+               "the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)" if in_process else
+               "the trained copy is not on a GPU")
+        raise ValueError(f"generator.vllm.weight_transfer={choice} cannot move this engine's weights: {why}; "
+                         "use generator.vllm.weight_transfer=auto")
+    if choice == "ipc" and engine_gpus != [train_gpu]:
+        raise ValueError(f"generator.vllm.weight_transfer=ipc needs the engine to be one worker on the trainer's GPU "
+                         f"({train_gpu}); it runs on {engine_gpus}: use nccl or auto")
+    if choice == "nccl" and train_gpu in engine_gpus:
+        raise ValueError(f"generator.vllm.weight_transfer=nccl needs the engine on GPUs other than the trainer's "
+                         f"({train_gpu}; NCCL puts one rank on a GPU); it runs on {engine_gpus}: use ipc or auto")
+    return choice
+
+
+def ipc_engine_module() -> types.ModuleType:
+    """vLLM's `weight_transfer.ipc_engine`. vLLM 0.26 imports ray at that module's top, though only its
+    'ray' send mode uses it and vLLM does not depend on ray: where ray is absent, the module is imported
+    against a stand-in that refuses every use, removed again right after (no other import sees it)."""
+    name = "vllm.distributed.weight_transfer.ipc_engine"
+    try:
+        import vllm.distributed.weight_transfer.ipc_engine as module
+        return module
+    except ModuleNotFoundError as exc:
+        if exc.name != "ray":
+            raise
+    stand_in = types.ModuleType("ray")
+
+    def _refuse(attr: str) -> Any:
+        raise ModuleNotFoundError(f"ray is not installed (vLLM's IPC weight transfer asked for ray.{attr})")
+
+    stand_in.__getattr__ = _refuse  # type: ignore[method-assign]
+    sys.modules["ray"] = stand_in
+    try:
+        import importlib
+
+        return importlib.import_module(name)
+    finally:
+        if sys.modules.get("ray") is stand_in:
+            del sys.modules["ray"]
+
+
+class NativeTransfer:
+    """The trainer's side of vLLM's native weight transfer for one engine (`LLM` in this process).
+
+    'ipc': every weight goes as a CUDA IPC handle keyed by the GPU's UUID (vLLM's
+    `IPCWeightTransferEngine.trainer_send_weights`, no copy); 'nccl': the trainer joins an NCCL group
+    with the engine's workers (rank 0; ranks 1.. are the workers) on its first push and broadcasts
+    packed buffers while the workers receive (`update_weights` runs in a thread beside the broadcast).
+    """
+
+    def __init__(self, llm: Any, backend: str, device: str, workers: int):
+        self.llm, self.backend, self.workers = llm, backend, workers
+        self.device = torch.device(device)
+        self._group: Any = None
+
+    def _on_device(self) -> Any:
+        """The trainer's GPU as the current device (vLLM's senders read it), as a context."""
+        import contextlib
+
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def _connect(self) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+        from vllm.utils.network_utils import get_open_port
+
+        info = {"master_address": "127.0.0.1", "master_port": get_open_port(), "world_size": 1 + self.workers}
+        joined = _in_thread(self.llm.init_weight_transfer_engine, {"init_info": {**info, "rank_offset": 1}})
+        with self._on_device():
+            self._group = NCCLWeightTransferEngine.trainer_init(info)
+        joined()
+
+    def send(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        if self.backend == "nccl" and self._group is None:
+            self._connect()
+        self.llm.start_weight_update()
+        try:
+            with self._on_device(), torch.no_grad():
+                if self.backend == "ipc":
+                    self._send_ipc(weights)
+                else:
+                    self._send_nccl(weights)
+        finally:
+            self.llm.finish_weight_update()
+
+    def _send_ipc(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        from dataclasses import asdict
+
+        engine = ipc_engine_module().IPCWeightTransferEngine
+
+        def to_engine(info: Any) -> None:
+            self.llm.update_weights({"update_info": asdict(info)})
+
+        engine.trainer_send_weights(iter(weights), {"send_mode": to_engine})
+
+    def _send_nccl(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        update = {"names": [n for n, _ in weights], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights],
+                  "shapes": [list(t.shape) for _, t in weights], "packed": True}
+        received = _in_thread(self.llm.update_weights, {"update_info": update})
+        NCCLWeightTransferEngine.trainer_send_weights(iter(weights), {"group": self._group, "packed": True})
+        received()
+
+
+def _in_thread(fn: Any, *args: Any) -> Any:
+    """Run `fn(*args)` in a thread (a call that must run beside this one's collective); returns a
+    function that waits for it and raises what it raised."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # handed to the waiting caller
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="vrl-weight-transfer", daemon=True)
+    thread.start()
+
+    def wait() -> None:
+        thread.join()
+        if failure:
+            raise failure[0]
+
+    return wait
+
+
 _STORAGE_DEVICE = 6  # position of the device ordinal in torch's rebuild_cuda_tensor arguments
 
 
@@ -120,8 +286,16 @@ def visible_ids() -> list[str]:
 _LORA = re.compile(r"(^|\.)lora_|\.base_layer\.")
 
 
+if "vllm" in sys.modules:  # inside an engine's worker: before it builds vLLM's IPC transfer engine (see there)
+    try:
+        ipc_engine_module()
+    except ImportError as exc:  # an older vLLM: no native weight transfer ('extension' still works)
+        log.debug("vLLM's IPC weight transfer is unavailable: %s", exc)
+
+
 class LoadWeightsExtension(WorkerBase):
-    """The worker extension of modes 'trained' and 'sample': whole weights loaded in place."""
+    """The worker extension of modes 'trained' and 'sample': whole weights loaded in place (vrl's own
+    loader; vLLM's native transfer engines need nothing here but the import above)."""
 
     def vrl_load_weights(self, payload: list[tuple[str, object]]) -> int:
         """Load HF-named weights in place through the model's own `load_weights` (fuses, shards)."""
