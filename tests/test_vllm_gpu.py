@@ -292,6 +292,50 @@ def test_lora_training_pushes_merged_weights(model_dir, es_gen):
         gen.close()
 
 
+def test_lora_adapter_alone_is_served_and_follows_training(model_dir, es_gen):
+    """grpo.use_peft with weight_transfer=auto: the engine serves the LoRA adapter over its untouched base
+    (no whole-weights push), and after a push it samples from the trained adapter: its log-probs of
+    its own samples match the HF model's with the adapter, not without it."""
+    pytest.importorskip("peft", reason="LoRA needs peft")
+    from vrl.generate import make_generator
+    from vrl.optim.grpo import GRPO, GRPOConfig
+    from vrl.optim.logprobs import completion_logprobs, pack
+
+    es_gen.close()
+    gen = make_generator(config(model_dir, dtype="bfloat16"), HostNeeds("trained", adapter_rank=4))
+    gen.trainable()
+    try:
+        assert gen.weight_transfer == "adapter"
+        by_id = {t.id: t for t in tasks()}
+        gen.sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, batch_size=4)
+        opt = GRPO(GRPOConfig(num_generations=4, learning_rate=3e-2, lr_scheduler_type="constant",
+                              use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0))
+        opt.setup(gen)
+        opt.tell(rewarded(by_id, gen, seed=5))  # a real step; its publish reloads the adapter
+        model = gen.trainable().model
+        torch.manual_seed(0)
+        with torch.no_grad():  # an adapter far from zero, so that serving it or not shows in the log-probs
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.05)
+        gen.publish(model)
+        print(f"\nLoRA adapter sync: {gen.counters()['sync_s'] * 1e3:.1f} ms")
+        gen.sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, batch_size=4)
+        comps = gen.generate(tasks(), n=2, seed=9)
+        packed = pack([c.prompt_token_ids for c in comps], [c.token_ids for c in comps], 256, "cuda")
+        engine = [torch.tensor(c.logprobs) for c in comps]
+        with torch.no_grad():
+            on = completion_logprobs(model, packed, 1.0).float().cpu()
+            with opt.peft_model.disable_adapter():
+                off = completion_logprobs(model, packed, 1.0).float().cpu()
+        gap_on = torch.cat([(on[i, : len(e)] - e).abs() for i, e in enumerate(engine)]).mean()
+        gap_off = torch.cat([(off[i, : len(e)] - e).abs() for i, e in enumerate(engine)]).mean()
+        print(f"engine vs HF log-probs: with the adapter {gap_on:.4f}, without {gap_off:.4f} nats (mean |diff|)")
+        assert gap_on < 0.5 * gap_off
+    finally:
+        gen.close()
+
+
 # -- the whole loop: `vrl train` on the vllm backend, then --resume ---------------------------------------
 @pytest.mark.parametrize("optimizer", ["es", "es-lowrank", "grpo"])
 def test_vrl_train_on_the_vllm_backend_and_resume(model_dir, es_gen, tmp_path, optimizer):

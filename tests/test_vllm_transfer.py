@@ -196,3 +196,150 @@ def test_a_failed_push_still_finishes_the_update_session(fake_nccl):
     with pytest.raises(RuntimeError, match="NCCL error"):
         transfer.send([("a", torch.ones(1))])
     assert engine.calls[-1] == "finish" and not engine._active
+
+
+# -- the LoRA adapter alone ('adapter') ----------------------------------------------------------------------
+@pytest.mark.parametrize(("choice", "adapter", "engine", "train", "expected"), [
+    ("auto", 16, ["0"], "0", "adapter"),        # grpo.use_peft: the engine serves the adapter
+    ("auto", 16, ["1", "2"], "0", "adapter"),   # on any GPUs, in any numbers (the adapter travels by file)
+    ("auto", 1024, ["0"], "0", "ipc"),          # above vLLM's largest LoRA rank: pushed merged
+    ("ipc", 16, ["0"], "0", "ipc"),             # an explicit whole-weights transport pushes W + ΔW merged
+    ("extension", 16, ["0"], "0", "extension"),
+])
+def test_a_lora_run_pushes_its_adapter_alone_where_the_engine_can_serve_it(choice, adapter, engine, train, expected):
+    assert transfer_for(choice, "trained", engine_gpus=engine, train_gpu=train, adapter=adapter) == expected
+
+
+@pytest.mark.parametrize(("mode", "adapter", "reason"), [
+    ("trained", 0, "use_peft is off"),
+    ("trained", 1024, "above the largest rank"),
+])
+def test_an_adapter_transfer_without_a_servable_adapter_is_refused(mode, adapter, reason):
+    with pytest.raises(ValueError, match=reason):
+        transfer_for("adapter", mode, engine_gpus=["0"], train_gpu="0", adapter=adapter)
+
+
+def _lora_model(seed: int = 0, **lora):
+    peft = pytest.importorskip("peft")
+    from vrl.generate import tiny
+
+    torch.manual_seed(seed)
+    base = tiny.build_model()
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                             init_lora_weights=False, **lora)  # B ≠ 0: the adapter changes the outputs
+    model = peft.get_peft_model(base, config)
+    return model, base
+
+
+def test_the_saved_adapter_is_the_trained_one_as_peft_loads_it(tmp_path):
+    """`save_lora_adapter` writes the adapter GRPO trained (read from the injected layers) in peft's
+    format: peft loads it onto a fresh base and gets the trained model's outputs exactly."""
+    peft = pytest.importorskip("peft")
+    from vrl.generate import tiny
+    from vrl.weights.export import save_lora_adapter
+
+    model, base = _lora_model()
+    config = save_lora_adapter(base, str(tmp_path))  # the module GRPO publishes: the base with adapters inside
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
+    torch.manual_seed(0)
+    fresh = tiny.build_model()
+    loaded = peft.PeftModel.from_pretrained(fresh, str(tmp_path))
+    ids = torch.randint(0, 200, (2, 12))
+    model.eval(), loaded.eval()
+    with torch.no_grad():
+        want, got = model(ids).logits, loaded(ids).logits
+        assert torch.equal(got, want)
+        with model.disable_adapter():
+            assert not torch.allclose(model(ids).logits, want)  # the adapter matters in this check
+    # A second push replaces the files whole.
+    with torch.no_grad():
+        next(p for n, p in base.named_parameters() if "lora_B" in n).add_(1.0)
+    save_lora_adapter(base, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+@pytest.mark.parametrize(("lora", "reason"), [
+    ({"use_dora": True}, "DoRA"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+])
+def test_an_adapter_a_served_lora_cannot_carry_is_refused(tmp_path, lora, reason):
+    from vrl.weights.export import save_lora_adapter
+
+    _, base = _lora_model(**lora)
+    with pytest.raises(ValueError, match=reason):
+        save_lora_adapter(base, str(tmp_path))
+
+
+def test_no_adapter_to_save_is_a_clear_error(tmp_path):
+    from vrl.generate import tiny
+    from vrl.weights.export import save_lora_adapter
+
+    with pytest.raises(ValueError, match="no LoRA adapter"):
+        save_lora_adapter(tiny.build_model(), str(tmp_path))
+
+
+class _LoRARequest:
+    """vLLM's `LoRARequest` fields that matter here."""
+
+    def __init__(self, lora_name, lora_int_id, lora_path, load_inplace=False):
+        self.lora_name, self.lora_int_id, self.lora_path, self.load_inplace = lora_name, lora_int_id, lora_path, load_inplace
+
+
+def test_each_push_reloads_the_adapter_in_place_and_every_request_runs_with_it(monkeypatch):
+    """With weight_transfer=adapter a push writes the adapter and reloads it in place under one id
+    (`add_lora(load_inplace=True)`), no whole-weights RPC runs, and every later generation request
+    carries that adapter (without reloading it again); before the first push the requests run on the
+    engine's own weights. The adapter's directory goes when the engine closes."""
+    from pathlib import Path
+
+    from vrl.generate import tiny
+    from vrl.generate.vllm import VLLMGenerator
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
+    lora_module = types.ModuleType("vllm.lora.request")
+    lora_module.LoRARequest = _LoRARequest
+    monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", lora_module)
+    _, base = _lora_model()
+
+    class LLM:
+        def __init__(self):
+            self.added, self.enqueued, self.rpcs = [], [], []
+            self.llm_engine = types.SimpleNamespace(add_lora=self._add, has_unfinished_requests=lambda: False)
+            self.model_config = types.SimpleNamespace(max_model_len=64)
+
+        def _add(self, request):
+            files = sorted(p.name for p in Path(request.lora_path).iterdir())
+            self.added.append((request.lora_int_id, request.load_inplace, files))
+            return True
+
+        def enqueue(self, prompts, params, use_tqdm=False, lora_request=None):
+            self.enqueued.append(lora_request)
+            return []
+
+        def collective_rpc(self, method, args=()):
+            self.rpcs.append(method)
+            return [None]
+
+    llm = LLM()
+    from vrl.config import build
+
+    gen = VLLMGenerator(llm, tiny.build_tokenizer(), build({}).sampling, mode="trained", weight_transfer="adapter")
+    from vrl.types import Task
+
+    tasks = [Task(id="a", prompt="x"), Task(id="b", prompt="y")]
+    gen.generate(tasks)
+    assert llm.enqueued == [None]  # nothing pushed yet: the engine's own weights (B = 0 at the start of training)
+    gen.publish(base)
+    gen.publish(base)
+    assert llm.added == [(1, True, ["adapter_config.json", "adapter_model.safetensors"])] * 2
+    assert llm.rpcs == []  # no whole-weights transfer
+    gen.generate(tasks)
+    requests = llm.enqueued[-1]  # one LoRA request per prompt
+    assert len(requests) == len(tasks) and all(r is requests[0] for r in requests)
+    assert requests[0].lora_int_id == 1 and requests[0].load_inplace is False
+    directory = requests[0].lora_path
+    with pytest.raises(Exception, match="not tensors"):
+        gen.publish({"w": torch.ones(1)})
+    gen.close()
+    assert not Path(directory).exists()

@@ -68,6 +68,7 @@ class HostNeeds:
     moves: Moves
     spec: PerturbationSpec | None = None  # the perturbations it will declare (seeded perturbations)
     variants: int = 1  # the most variants one `sample` call may carry
+    adapter_rank: int = 0  # trained weights: the rank of the LoRA adapter it trains (0: it trains every weight)
 
 
 @dataclass(frozen=True)

@@ -81,12 +81,13 @@ class VLLMConfig(Section):
         description="With grpo: push the trained weights into the engine every k updates; in between the engine "
         "samples slightly stale weights and GRPO's importance ratio uses the engine's log-probs.",
     )
-    weight_transfer: Literal["auto", "ipc", "nccl", "extension"] = Field(
+    weight_transfer: Literal["auto", "ipc", "nccl", "extension", "adapter"] = Field(
         "auto",
-        description="With grpo: how trained weights reach the engine. auto: vLLM's native weight-transfer engines, "
-        "CUDA IPC when the engine is one worker on the trainer's GPU (ipc) and an NCCL broadcast when its workers "
-        "sit on other GPUs (nccl), else vrl's own loader (extension: CUDA IPC handles into a worker extension, "
-        "also across GPUs).",
+        description="With grpo: how trained weights reach the engine. auto: with grpo.use_peft the engine serves the "
+        "LoRA adapter and only its weights travel (adapter); else vLLM's native weight-transfer engines, CUDA IPC "
+        "when the engine is one worker on the trainer's GPU (ipc) and an NCCL broadcast when its workers sit on "
+        "other GPUs (nccl), else vrl's own loader (extension: CUDA IPC handles into a worker extension, also across "
+        "GPUs). ipc, nccl and extension push a LoRA-trained model merged (W + ΔW).",
     )
     sampling_logprobs: bool = Field(
         True,
@@ -162,7 +163,7 @@ def import_vllm() -> Any:
     return vllm
 
 
-LORA_RANKS = (1, 8, 16, 32, 64)  # the max_lora_rank values vLLM accepts, up to es.rank's limit
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
 def lora_settings(needs: HostNeeds | None, model: str, revision: str | None) -> dict[str, Any]:
@@ -338,9 +339,13 @@ class VLLMGenerator(Generator):
         # A forked engine process cannot use CUDA once this process has touched it (an HF copy, a test).
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         device = "cuda" if g.device == "auto" else g.device
-        transfer = _weight_transfer(v.weight_transfer, mode_for(needs), gpu, device, v.tensor_parallel_size)
-        if transfer != "extension":
+        adapter_rank = needs.adapter_rank if needs is not None and needs.moves == "trained" else 0
+        transfer = _weight_transfer(v.weight_transfer, mode_for(needs), gpu, device, v.tensor_parallel_size, adapter_rank)
+        if transfer in ("ipc", "nccl"):
             kwargs["weight_transfer_config"] = {"backend": transfer}
+        elif transfer == "adapter":  # one adapter slot, the trained policy's (reloaded in place at each push)
+            kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
+                          max_lora_rank=next(r for r in LORA_RANKS if r >= adapter_rank))
         t0 = time.perf_counter()
         with _visible_gpu(gpu) as order:
             llm = vllm.LLM(**kwargs)
@@ -444,7 +449,8 @@ class VLLMGenerator(Generator):
         self, tasks: Sequence[Task], n: int = 1, variant: int = 0, seed: int | None = None
     ) -> Iterator[list[Completion]]:
         """All prompts go to the engine at once; finished prompts are yielded `batch_size` at a time."""
-        yield from self._run(tasks, [(i, variant, n, None) for i in range(len(tasks))], seed)
+        lora = self.mover.lora_request()  # the trained adapter, where the engine serves one
+        yield from self._run(tasks, [(i, variant, n, lora) for i in range(len(tasks))], seed)
 
     def _prompts(self, tasks: Sequence[Task]) -> list[list[int]]:
         """Each task's prompt as token ids (as the hf backend encodes it), checked against max_model_len."""
@@ -550,8 +556,10 @@ class VLLMGenerator(Generator):
         self._weights_version += 1
 
     def _sleep(self) -> None:
-        # Level 2 drops the weights too: fine when every wake-up is followed by a full weight push.
-        level = 2 if self.sync_every == 1 and self.mode == "trained" else 1
+        # Level 2 drops the weights too: fine when every wake-up is followed by a full weight push (not
+        # when only an adapter is pushed: the base weights must survive the sleep).
+        full_push = self.mode == "trained" and self.weight_transfer != "adapter"
+        level = 2 if self.sync_every == 1 and full_push else 1
         self.llm.sleep(level=level)
         self._asleep = level
 
@@ -598,6 +606,9 @@ class VLLMGenerator(Generator):
         self.mover.publish(model)
 
     def close(self) -> None:
+        mover = getattr(self, "mover", None)
+        if mover is not None:
+            mover.close()
         llm = getattr(self, "llm", None)
         if llm is not None:
             core = getattr(llm.llm_engine, "engine_core", None)
@@ -654,9 +665,11 @@ def _visible_gpu(gpu: str | None) -> Iterator[list[str] | None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
 
-def _weight_transfer(choice: str, mode: Mode, gpu: str | None, train_device: str, tensor_parallel_size: int) -> str:
+def _weight_transfer(choice: str, mode: Mode, gpu: str | None, train_device: str, tensor_parallel_size: int,
+                     adapter_rank: int = 0) -> str:
     """`vllm_trained.transfer_for` for an engine about to start on GPU `gpu` (an index among this
-    process's GPUs; None: the first) with the trained copy on `train_device`."""
+    process's GPUs; None: the first) with the trained copy on `train_device`, training a LoRA adapter
+    of rank `adapter_rank` (0: none)."""
     from vrl.generate.vllm_trained import transfer_for, visible_ids
 
     ids = visible_ids()
@@ -669,7 +682,8 @@ def _weight_transfer(choice: str, mode: Mode, gpu: str | None, train_device: str
         train = ids[index] if index < len(ids) else None
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
     try:
-        return transfer_for(choice, mode, engine_gpus=engine, train_gpu=train, in_process=in_process)  # type: ignore[arg-type]
+        return transfer_for(choice, mode, engine_gpus=engine, train_gpu=train, in_process=in_process,  # type: ignore[arg-type]
+                            adapter=adapter_rank > 0)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
 

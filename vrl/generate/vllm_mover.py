@@ -35,6 +35,13 @@ class Mover:
     def before_pass(self) -> None:
         """Write what the engine owes before a generation pass reads its weights (nothing by default)."""
 
+    def close(self) -> None:
+        """Release what the mover holds beside the engine (nothing by default)."""
+
+    def lora_request(self) -> Any:
+        """The LoRA adapter every plain generation request runs with (None: the engine's own weights)."""
+        return None
+
     def perturbable(self, spec: PerturbationSpec) -> Any:
         """ES's weights for `spec` (`EngineParams` or `EngineLowRank`); only the ES movers have them."""
         raise Unsupported(f"{type(self).__name__} does not perturb the engine's weights")

@@ -1,7 +1,11 @@
 """Weights pushed into the engine whole: from the HF copy GRPO trains in this process (mode 'trained'),
 or ready tensors by checkpoint name (mode 'sample': Modal's GRPO workers, evaluation).
 
-Two transports (`generator.vllm.weight_transfer`, resolved per engine by `transfer_for`):
+Four transports (`generator.vllm.weight_transfer`, resolved per engine by `transfer_for`):
+- the trained LoRA adapter alone ('adapter', GRPO with `use_peft`): the engine serves it (vLLM's
+  LoRA layers over the untouched base) and each push writes the adapter's factors to a directory in
+  peft's format and reloads it in place (`add_lora(..., load_inplace=True)`, as vLLM's
+  `/v1/load_lora_adapter` does); every plain request runs with it (`PushedWeights.lora_request`).
 - vLLM's native weight-transfer engines (`vllm.distributed.weight_transfer`, mode 'trained'):
   `start_weight_update` → `update_weights` → `finish_weight_update` through `NativeTransfer`, with
   CUDA IPC handles when the engine is one worker on the trainer's GPU ('ipc') and an NCCL broadcast
@@ -44,6 +48,7 @@ class PushedWeights(Mover):
         self._pushed = False
         self._since_push = 0
         self._native: NativeTransfer | None = None  # vLLM's weight-transfer engine, set up on the first push
+        self._adapter: AdapterTransfer | None = None  # the served LoRA adapter ('adapter'), set up likewise
 
     def trainable(self) -> Trainable:
         """An HF copy of the model on `generator.device` (loaded once): GRPO trains it, `publish` pushes it.
@@ -74,17 +79,15 @@ class PushedWeights(Mover):
         t0 = time.perf_counter()
         if engine._asleep:
             engine._wake_up(["weights"])
-        weights = list(model.items()) if isinstance(model, Mapping) else weights_for_engine(model)
-        if engine.weight_transfer in ("ipc", "nccl"):
-            if self._native is None:
-                self._native = NativeTransfer(engine.llm, engine.weight_transfer, engine.train_device,
-                                              engine.tensor_parallel_size)
-            self._native.send(weights)
-            del weights
+        if engine.weight_transfer == "adapter":
+            if isinstance(model, Mapping):
+                raise Unsupported("this engine serves a LoRA adapter (weight_transfer=adapter); it takes the trained "
+                                  "model, not tensors by name")
+            if self._adapter is None:
+                self._adapter = AdapterTransfer(engine.llm)
+            self._adapter.send(model)
         else:
-            payload = _share(weights, engine.device_order)
-            engine.rpc("vrl_load_weights", payload)
-            del payload, weights
+            self._push_whole(list(model.items()) if isinstance(model, Mapping) else weights_for_engine(model))
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
         if engine._asleep:
@@ -94,6 +97,58 @@ class PushedWeights(Mover):
         self._pushed, self._since_push = True, 0
         self._count("sync_s", time.perf_counter() - t0)
         log.debug("vllm: pushed weights in %.3f s", self._counters["sync_s"])
+
+
+    def _push_whole(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Every weight, by vLLM's native transfer ('ipc', 'nccl') or vrl's loader ('extension')."""
+        engine = self.engine
+        if engine.weight_transfer in ("ipc", "nccl"):
+            if self._native is None:
+                self._native = NativeTransfer(engine.llm, engine.weight_transfer, engine.train_device,
+                                              engine.tensor_parallel_size)
+            self._native.send(weights)
+        else:
+            engine.rpc("vrl_load_weights", _share(weights, engine.device_order))
+
+    def lora_request(self) -> Any:
+        """The served adapter's request (after the first push with weight_transfer=adapter), else None."""
+        return self._adapter.request if self._adapter is not None else None
+
+    def close(self) -> None:
+        if self._adapter is not None:
+            self._adapter.close()
+
+
+class AdapterTransfer:
+    """The trained LoRA adapter served by the engine: each push writes its factors to a directory in
+    peft's format (`adapter_config.json`, `adapter_model.safetensors`) and reloads that adapter in
+    place, under one id; only the adapter's weights travel (a few MB where the model is GBs)."""
+
+    ID = 1
+
+    def __init__(self, llm: Any):
+        import tempfile
+
+        self.llm = llm
+        self.directory = tempfile.mkdtemp(prefix="vrl-adapter-")
+        self.request: Any = None  # what generation requests carry (no reload)
+        self.pushes = 0
+
+    def send(self, model: torch.nn.Module) -> None:
+        from vllm.lora.request import LoRARequest
+
+        from vrl.weights.export import save_lora_adapter
+
+        save_lora_adapter(model, self.directory)
+        self.pushes += 1
+        name = "vrl-policy"
+        self.llm.llm_engine.add_lora(LoRARequest(name, self.ID, self.directory, load_inplace=True))
+        self.request = LoRARequest(name, self.ID, self.directory)
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _share(weights: list[tuple[str, torch.Tensor]], engine_order: list[str] | None = None) -> list[tuple[str, Any]]:
@@ -124,22 +179,35 @@ def _share(weights: list[tuple[str, torch.Tensor]], engine_order: list[str] | No
     return out
 
 
-Transfer = Literal["auto", "ipc", "nccl", "extension"]
+Transfer = Literal["auto", "ipc", "nccl", "extension", "adapter"]
+MAX_ADAPTER_RANK = 512  # the largest max_lora_rank vLLM accepts
 
 
 def transfer_for(choice: Transfer, mode: str, *, engine_gpus: list[str], train_gpu: str | None,
-                 in_process: bool = False) -> str:
-    """How weights reach an engine: 'ipc', 'nccl' (vLLM's native engines) or 'extension' (vrl's loader).
+                 in_process: bool = False, adapter: int = 0) -> str:
+    """How weights reach an engine: 'adapter' (the LoRA adapter alone), 'ipc', 'nccl' (vLLM's native
+    engines) or 'extension' (vrl's loader).
 
     `engine_gpus`: the physical ids of the engine's workers' GPUs; `train_gpu`: the physical id of the
-    GPU the trained copy lives on (None: not on a GPU). 'auto' picks IPC for one worker on the
-    trainer's GPU, NCCL for workers all on other GPUs, and vrl's loader otherwise (mode 'sample',
-    an engine in this process, a CPU copy, a tensor-parallel engine that includes the trainer's GPU:
-    NCCL cannot put two ranks on one GPU). An explicit choice that cannot work is refused.
+    GPU the trained copy lives on (None: not on a GPU); `adapter`: the rank of the LoRA adapter GRPO
+    trains (0: none). 'auto' picks the adapter when there is one the engine can serve, else IPC for
+    one worker on the trainer's GPU, NCCL for workers all on other GPUs, and vrl's loader otherwise
+    (mode 'sample', an engine in this process, a CPU copy, a tensor-parallel engine that includes the
+    trainer's GPU: NCCL cannot put two ranks on one GPU). An explicit choice that cannot work is refused.
     """
     native_possible = mode == "trained" and not in_process and train_gpu is not None
+    adapter_possible = mode == "trained" and 0 < adapter <= MAX_ADAPTER_RANK
     if choice == "extension":
         return "extension"
+    if choice == "adapter":
+        if not adapter_possible:
+            why = ("grpo.use_peft is off: there is no adapter" if not adapter else
+                   f"grpo.lora_r={adapter} is above the largest rank vLLM serves ({MAX_ADAPTER_RANK})")
+            raise ValueError(f"generator.vllm.weight_transfer=adapter cannot move this engine's weights: {why}; "
+                             "use generator.vllm.weight_transfer=auto")
+        return "adapter"
+    if choice == "auto" and adapter_possible:
+        return "adapter"
     if choice == "auto":
         if not native_possible:
             return "extension"

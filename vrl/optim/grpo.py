@@ -44,7 +44,7 @@ from vrl.optim.grpo_loss import (
     high_entropy_mask,
     sampling_correction,
 )
-from vrl.policy import PolicyHost, Variant
+from vrl.policy import HostNeeds, PolicyHost, Variant
 from vrl.types import Result
 
 # torch (and `vrl.optim.logprobs`, which needs it) is imported in the functions that use it:
@@ -399,6 +399,11 @@ class GRPO(Optimizer):
                 out["grpo/sampling/importance_sampling_ratio/mean"] = s["sum"] / s["n"]
                 out["grpo/sampling/importance_sampling_ratio/max"] = self.group.max(float(w.max()) if w.numel() else -inf)
         return out
+
+    def needs(self) -> HostNeeds:
+        """Trained weights; with `use_peft`, the adapter's rank (a vLLM engine can then serve the adapter
+        and take only its weights at each push)."""
+        return HostNeeds(self.moves, adapter_rank=self.config.lora_r if self.config.use_peft else 0)
 
     def _publish(self) -> None:
         """Hand the trained weights to the host (on several ranks: gathered into rank 0's whole model)."""
