@@ -293,7 +293,7 @@ def test_lora_training_pushes_merged_weights(model_dir, es_gen):
 
 
 def test_lora_adapter_alone_is_served_and_follows_training(model_dir, es_gen):
-    """grpo.use_peft with weight_transfer=auto: the engine serves the LoRA adapter over its untouched base
+    """grpo.use_peft with weight_transfer=adapter: the engine serves the LoRA adapter over its untouched base
     (no whole-weights push), and after a push it samples from the trained adapter: its log-probs of
     its own samples match the HF model's with the adapter, not without it."""
     pytest.importorskip("peft", reason="LoRA needs peft")
@@ -302,7 +302,7 @@ def test_lora_adapter_alone_is_served_and_follows_training(model_dir, es_gen):
     from vrl.optim.logprobs import completion_logprobs, pack
 
     es_gen.close()
-    gen = make_generator(config(model_dir, dtype="bfloat16"), HostNeeds("trained", adapter_rank=4))
+    gen = make_generator(config(model_dir, dtype="bfloat16", weight_transfer="adapter"), HostNeeds("trained", adapter_rank=4))
     gen.trainable()
     try:
         assert gen.weight_transfer == "adapter"

@@ -200,13 +200,14 @@ def test_a_failed_push_still_finishes_the_update_session(fake_nccl):
 
 # -- the LoRA adapter alone ('adapter') ----------------------------------------------------------------------
 @pytest.mark.parametrize(("choice", "adapter", "engine", "train", "expected"), [
-    ("auto", 16, ["0"], "0", "adapter"),        # grpo.use_peft: the engine serves the adapter
-    ("auto", 16, ["1", "2"], "0", "adapter"),   # on any GPUs, in any numbers (the adapter travels by file)
-    ("auto", 1024, ["0"], "0", "ipc"),          # above vLLM's largest LoRA rank: pushed merged
-    ("ipc", 16, ["0"], "0", "ipc"),             # an explicit whole-weights transport pushes W + ΔW merged
+    ("adapter", 16, ["0"], "0", "adapter"),     # asked for: the engine serves the adapter
+    ("adapter", 16, ["1", "2"], "0", "adapter"),  # on any GPUs, in any numbers (the adapter travels by file)
+    ("auto", 16, ["0"], "0", "ipc"),            # by default a LoRA run pushes W + ΔW merged (faster, measured)
+    ("auto", 16, ["1"], "0", "nccl"),
+    ("ipc", 16, ["0"], "0", "ipc"),
     ("extension", 16, ["0"], "0", "extension"),
 ])
-def test_a_lora_run_pushes_its_adapter_alone_where_the_engine_can_serve_it(choice, adapter, engine, train, expected):
+def test_a_lora_run_pushes_its_adapter_alone_where_asked_and_merged_by_default(choice, adapter, engine, train, expected):
     assert transfer_for(choice, "trained", engine_gpus=engine, train_gpu=train, adapter=adapter) == expected
 
 
@@ -343,3 +344,70 @@ def test_each_push_reloads_the_adapter_in_place_and_every_request_runs_with_it(m
         gen.publish({"w": torch.ones(1)})
     gen.close()
     assert not Path(directory).exists()
+
+
+def test_the_direct_engines_skip_vllms_layerwise_reload_unless_the_model_is_quantized():
+    """`direct_engine` changes only the update session's start and finish: a dense model's weights load
+    in place; a quantized one still goes through the base engine's layerwise reload."""
+    from vrl.generate.vllm_trained import direct_engine
+
+    class Engine:
+        calls: list[str] = []
+
+        def __init__(self, quantization):
+            self.model_config = types.SimpleNamespace(quantization=quantization)
+
+        def start_weight_update(self):
+            self.calls.append("layerwise start")
+
+        def finish_weight_update(self):
+            self.calls.append("layerwise finish")
+
+        def receive_weights(self, info):
+            self.calls.append("receive")
+
+    Direct = direct_engine(Engine)
+    assert issubclass(Direct, Engine) and Direct.__name__ == "DirectEngine"
+    dense = Direct(None)
+    dense.start_weight_update(), dense.receive_weights({}), dense.finish_weight_update()
+    assert Engine.calls == ["receive"]
+    Engine.calls.clear()
+    fp8 = Direct("fp8")
+    fp8.start_weight_update(), fp8.receive_weights({}), fp8.finish_weight_update()
+    assert Engine.calls == ["layerwise start", "receive", "layerwise finish"]
+
+
+def test_the_direct_engines_are_registered_once_under_their_names(monkeypatch):
+    """Registering twice (the driver, then each worker importing the module) keeps one engine per name;
+    vLLM's factory refuses a second registration, which must not escape."""
+    from vrl.generate import vllm_trained
+
+    registry: dict[str, type] = {}
+
+    class Factory:
+        @staticmethod
+        def register_engine(name, cls):
+            if name in registry:
+                raise ValueError(f"Weight transfer engine '{name}' is already registered.")
+            registry[name] = cls
+
+    class IPC:
+        pass
+
+    class NCCL:
+        pass
+
+    modules = {"vllm.distributed.weight_transfer.factory": {"WeightTransferEngineFactory": Factory},
+               "vllm.distributed.weight_transfer.nccl_engine": {"NCCLWeightTransferEngine": NCCL}}
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    for name, attrs in modules.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(vllm_trained, "ipc_engine_module", lambda: types.SimpleNamespace(IPCWeightTransferEngine=IPC))
+    vllm_trained.register_direct_engines()
+    first = dict(registry)
+    vllm_trained.register_direct_engines()
+    assert registry == first and set(registry) == set(vllm_trained.DIRECT.values())
+    assert issubclass(registry["vrl_ipc"], IPC) and issubclass(registry["vrl_nccl"], NCCL)

@@ -83,11 +83,12 @@ class VLLMConfig(Section):
     )
     weight_transfer: Literal["auto", "ipc", "nccl", "extension", "adapter"] = Field(
         "auto",
-        description="With grpo: how trained weights reach the engine. auto: with grpo.use_peft the engine serves the "
-        "LoRA adapter and only its weights travel (adapter); else vLLM's native weight-transfer engines, CUDA IPC "
-        "when the engine is one worker on the trainer's GPU (ipc) and an NCCL broadcast when its workers sit on "
-        "other GPUs (nccl), else vrl's own loader (extension: CUDA IPC handles into a worker extension, also across "
-        "GPUs). ipc, nccl and extension push a LoRA-trained model merged (W + ΔW).",
+        description="With grpo: how trained weights reach the engine. auto: vLLM's native weight-transfer engines, "
+        "CUDA IPC when the engine is one worker on the trainer's GPU (ipc) and an NCCL broadcast when its workers "
+        "sit on other GPUs (nccl), else vrl's own loader (extension: CUDA IPC handles into a worker extension, also "
+        "across GPUs); these push a LoRA-trained model merged (W + ΔW). adapter (grpo.use_peft only): the engine "
+        "serves the LoRA adapter and only its weights travel, reloaded from files at each push (slower at 1.5B: "
+        "docs/benchmarks.md).",
     )
     sampling_logprobs: bool = Field(
         True,
@@ -341,8 +342,11 @@ class VLLMGenerator(Generator):
         device = "cuda" if g.device == "auto" else g.device
         adapter_rank = needs.adapter_rank if needs is not None and needs.moves == "trained" else 0
         transfer = _weight_transfer(v.weight_transfer, mode_for(needs), gpu, device, v.tensor_parallel_size, adapter_rank)
-        if transfer in ("ipc", "nccl"):
-            kwargs["weight_transfer_config"] = {"backend": transfer}
+        if transfer in ("ipc", "nccl"):  # vLLM's engine for it, loading in place (`vllm_trained.DIRECT`)
+            from vrl.generate.vllm_trained import DIRECT, register_direct_engines
+
+            register_direct_engines()
+            kwargs["weight_transfer_config"] = {"backend": DIRECT[transfer]}
         elif transfer == "adapter":  # one adapter slot, the trained policy's (reloaded in place at each push)
             kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
                           max_lora_rank=next(r for r in LORA_RANKS if r >= adapter_rank))

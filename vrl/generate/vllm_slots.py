@@ -52,7 +52,7 @@ class LoRASlots(Mover):
         engine = self.engine
         chosen = select_linear(meta_model(engine.model_path, engine.revision), spec.include, spec.exclude)
         shapes = {name: list(module.weight.shape) for name, module in chosen}  # names of the weights
-        self.params = EngineLowRank(engine, shapes, spec.rank, spec.sigma)
+        self.params = EngineLowRank(engine, shapes, spec.rank, spec.sigma, self.slots)
         return self.params
 
     def load(self, members: Sequence[tuple[int, int]]) -> None:
@@ -71,10 +71,10 @@ class EngineLowRank(EngineWeights):
     requests with its slot. Base weights never change between members, so `restore` is a no-op.
     """
 
-    def __init__(self, generator: Any, hf_shapes: dict[str, list[int]], rank: int, sigma: float):
+    def __init__(self, generator: Any, hf_shapes: dict[str, list[int]], rank: int, sigma: float, slots: int):
         super().__init__(generator, hf_shapes)
         self.rank, self.sigma = rank, sigma
-        info = generator.rpc("vrl_lowrank_setup", hf_shapes, rank, generator.lora_slots)[0]
+        info = generator.rpc("vrl_lowrank_setup", hf_shapes, rank, slots)[0]
         if "unserved" in info:  # selected weights the engine's LoRA layers do not serve (says the fix)
             raise Unsupported(str(info["unserved"]))
         self.numel, self.dtype, self.slots = int(info["numel"]), str(info["dtype"]), list(info["slots"])
