@@ -29,6 +29,24 @@ class LeanServerError(RuntimeError):
     """The server refused the request in a way no retry can fix (bad key, wrong URL, bad request)."""
 
 
+async def probe_health(http: httpx.AsyncClient, timeout_s: float = 10.0) -> str | None:
+    """None if `GET /health` at `http`'s base URL answers `{"status": "ok"}` within `timeout_s`; else what
+    went wrong, in one line. No retries. kimina-lean-server and `recheck_host` answer it alike."""
+    try:
+        resp = await http.get("/health", timeout=timeout_s)
+    except httpx.TimeoutException:
+        return f"/health did not answer within {timeout_s:g} s"
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    try:
+        status = resp.json().get("status") if resp.status_code == 200 else None
+    except (ValueError, AttributeError):
+        status = None
+    if status != "ok":
+        return f"/health answered {resp.status_code} {resp.text[:80]!r}, not {{\"status\": \"ok\"}}"
+    return None
+
+
 class KiminaClient:
     """One connection pool to one kimina-lean-server; results are joined to snippets by id."""
 
@@ -84,19 +102,7 @@ class KiminaClient:
 
     async def probe(self, timeout_s: float = 10.0) -> str | None:
         """None if `GET /health` answers `{"status": "ok"}` within `timeout_s`; else what went wrong. No retries."""
-        try:
-            resp = await self._client().get("/health", timeout=timeout_s)
-        except httpx.TimeoutException:
-            return f"/health did not answer within {timeout_s:g} s"
-        except httpx.HTTPError as exc:
-            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        try:
-            status = resp.json().get("status") if resp.status_code == 200 else None
-        except (ValueError, AttributeError):
-            status = None
-        if status != "ok":
-            return f"/health answered {resp.status_code} {resp.text[:80]!r}, not {{\"status\": \"ok\"}}"
-        return None
+        return await probe_health(self._client(), timeout_s)
 
     async def check(self, snippets: Sequence[tuple[str, str]]) -> dict[str, Result]:
         """Check `(id, code)` pairs; return each id's result (`error` or `response`, and `time`).

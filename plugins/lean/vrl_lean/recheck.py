@@ -25,6 +25,7 @@ import httpx
 
 from vrl.types import Status
 from vrl_lean import recheck_host
+from vrl_lean.client import probe_health
 from vrl_lean.policy import ALLOWED_AXIOMS, Submission
 
 
@@ -169,13 +170,7 @@ class HttpRechecker(Rechecker):
         return body if isinstance(body, dict) else {"status": "unavailable", "detail": "the answer is not a JSON object"}
 
     async def probe(self) -> str | None:
-        try:
-            resp = await self._client().get("/health", timeout=10.0)
-            if resp.status_code == 200 and resp.json().get("status") == "ok":
-                return None
-            return f"/health answered {resp.status_code} {resp.text[:80]!r}"
-        except (httpx.HTTPError, ValueError) as exc:
-            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return await probe_health(self._client())
 
     async def aclose(self) -> None:
         if self._http is not None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from vrl_lean.client import probe_health
+
 log = logging.getLogger(__name__)
 
 
@@ -122,12 +124,8 @@ class ProcessServer(ServerHandle):
 
 async def is_healthy(url: str, timeout_s: float = 5.0) -> bool:
     """True if `GET {url}/health` answers `{"status": "ok"}`."""
-    try:
-        async with httpx.AsyncClient(timeout=timeout_s) as http:
-            resp = await http.get(url.rstrip("/") + "/health")
-        return resp.status_code == 200 and resp.json().get("status") == "ok"
-    except (httpx.HTTPError, ValueError):
-        return False
+    async with httpx.AsyncClient(base_url=url.rstrip("/")) as http:
+        return await probe_health(http, timeout_s) is None
 
 
 async def wait_healthy(handle: ServerHandle, timeout_s: float = 600.0, poll_s: float = 2.0) -> float:
