@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 
 import pytest
 from vrl_python_tests.datasets import to_tasks
@@ -35,14 +36,20 @@ def attempt(task: Task, text: str) -> Attempt:
     return Attempt(task=task, completion=Completion(task_id=task.id, text=text))
 
 
+def sandboxed(**kw) -> Iterator[PythonTestsVerifier]:
+    """For a fixture to `yield from`: a verifier on real bubblewrap sandboxes (the test skips without
+    one), closed after."""
+    if BWRAP_PROBLEM is not None:
+        pytest.skip(f"needs a working bubblewrap: {BWRAP_PROBLEM}")
+    v = PythonTestsVerifier(**kw)
+    yield v
+    v.close()
+
+
 @pytest.fixture(scope="module")
 def verifier():
     """Two warm sandboxes with short timeouts, shared by a test module."""
-    if BWRAP_PROBLEM is not None:
-        pytest.skip(f"needs a working bubblewrap: {BWRAP_PROBLEM}")
-    v = PythonTestsVerifier(workers=2, test_timeout_s=1.0, attempt_timeout_s=4.0, memory_mb=256, max_processes=8)
-    yield v
-    v.close()
+    yield from sandboxed(workers=2, test_timeout_s=1.0, attempt_timeout_s=4.0, memory_mb=256, max_processes=8)
 
 
 @pytest.fixture

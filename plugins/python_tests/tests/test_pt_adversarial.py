@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from conftest import BWRAP_PROBLEM, attempt, make_task, needs_bwrap
+from conftest import BWRAP_PROBLEM, attempt, make_task, needs_bwrap, sandboxed
 from vrl_python_tests.verifier import PythonTestsVerifier
 
 from vrl.types import Status
@@ -35,11 +35,7 @@ def probe():
 @pytest.fixture(scope="module")
 def solo():
     """One sandbox, so a probe attempt lands in the same container as the attack before it."""
-    if BWRAP_PROBLEM is not None:
-        pytest.skip(BWRAP_PROBLEM)
-    v = PythonTestsVerifier(workers=1, test_timeout_s=1.0, attempt_timeout_s=4.0, memory_mb=128, max_processes=8)
-    yield v
-    v.close()
+    yield from sandboxed(workers=1, test_timeout_s=1.0, attempt_timeout_s=4.0, memory_mb=128, max_processes=8)
 
 
 def assert_clean_and_working(v: PythonTestsVerifier) -> None:

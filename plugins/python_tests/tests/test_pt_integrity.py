@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import BWRAP_PROBLEM, attempt, make_task, needs_bwrap
+from conftest import attempt, make_task, needs_bwrap, sandboxed
 from vrl_python_tests.datasets import bundled_path
 from vrl_python_tests.sandbox import pick_python, visible_paths
 from vrl_python_tests.verifier import PythonTestsVerifier
@@ -35,11 +35,7 @@ SCRATCH = ["/dev/shm", "/tmp"]
 @pytest.fixture(scope="module")
 def solo():
     """One sandbox, so each probe lands in the container the attack before it used."""
-    if BWRAP_PROBLEM is not None:
-        pytest.skip(BWRAP_PROBLEM)
-    v = PythonTestsVerifier(workers=1, test_timeout_s=20.0, attempt_timeout_s=40.0, memory_mb=256, max_processes=8)
-    yield v
-    v.close()
+    yield from sandboxed(workers=1, test_timeout_s=20.0, attempt_timeout_s=40.0, memory_mb=256, max_processes=8)
 
 
 # -- 1. nothing survives an attempt; the root is read-only; scratch is bounded ----------------------
