@@ -63,12 +63,10 @@ def check(config: Any) -> None:
     if generator_class(backend).decouple is PolicyHost.decouple:
         raise UsageError(f"grpo.max_staleness={stale}: generator.backend={backend} cannot sample while the policy "
                          "trains (no `decouple`); use generator.backend=hf or set grpo.max_staleness=0")
-    g = config.grpo
-    if g.loss_type == "vespo" and g.vllm_importance_sampling_correction \
-            and not g.vllm_importance_sampling_mode.startswith("token"):
-        from vrl.optim.grpo import _VESPO_NEEDS_TOKEN_MODE
+    from vrl.optim.grpo import vespo_mode_error
 
-        raise UsageError(_VESPO_NEEDS_TOKEN_MODE.format(mode=g.vllm_importance_sampling_mode))
+    if why := vespo_mode_error(config.grpo):
+        raise UsageError(why)
     section = getattr(config.generator, backend, None)
     if not getattr(section, "sampling_logprobs", True):
         raise UsageError(f"grpo.max_staleness={stale} trains on batches sampled by older weights, which only the "

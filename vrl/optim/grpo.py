@@ -57,10 +57,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_VESPO_NEEDS_TOKEN_MODE = (
-    "grpo.loss_type=vespo folds the sampling correction into its sequence weight token by token, but "
-    "grpo.vllm_importance_sampling_mode is {mode!r}; set it to token_truncate or token_mask (as TRL requires)"
-)
+
+def vespo_mode_error(config: GRPOConfig) -> str | None:
+    """What is wrong when loss_type=vespo would correct by the sampler's log-probs per sequence; else None.
+
+    Callers ask only where that correction applies (the generator reports its log-probs)."""
+    if config.loss_type == "vespo" and config.vllm_importance_sampling_correction \
+            and not config.vllm_importance_sampling_mode.startswith("token"):
+        return ("grpo.loss_type=vespo folds the sampling correction into its sequence weight token by token, but "
+                f"grpo.vllm_importance_sampling_mode is {config.vllm_importance_sampling_mode!r}; set it to "
+                "token_truncate or token_mask (as TRL requires)")
+    return None
 
 
 # -- one micro-batch --------------------------------------------------------------------------------
@@ -117,9 +124,8 @@ class GRPO(Optimizer):
                              "greedy decoding gives the group's samples identical and their advantages zero; "
                              "set e.g. --set sampling.temperature=1.0")
         g, backend = config.grpo, getattr(config.generator, config.generator.backend, None)
-        if g.loss_type == "vespo" and g.vllm_importance_sampling_correction and getattr(backend, "sampling_logprobs", False) \
-                and not g.vllm_importance_sampling_mode.startswith("token"):
-            raise UsageError(_VESPO_NEEDS_TOKEN_MODE.format(mode=g.vllm_importance_sampling_mode))
+        if getattr(backend, "sampling_logprobs", False) and (why := vespo_mode_error(g)):
+            raise UsageError(why)
         if getattr(backend, "sync_every", 1) > 1 and not g.vllm_importance_sampling_correction:
             log.warning("generator.%s.sync_every=%d samples with stale weights, and "
                         "grpo.vllm_importance_sampling_correction=false leaves that uncorrected",
@@ -297,9 +303,8 @@ class GRPO(Optimizer):
             num_tokens = self.group.sum({"tokens": num_tokens})["tokens"]
 
         self._fill_reference_and_old(batches, results)
-        if cfg.loss_type == "vespo" and cfg.vllm_importance_sampling_correction and batches[0].from_sampler \
-                and not cfg.vllm_importance_sampling_mode.startswith("token"):
-            raise ValueError(_VESPO_NEEDS_TOKEN_MODE.format(mode=cfg.vllm_importance_sampling_mode))
+        if batches[0].from_sampler and (why := vespo_mode_error(cfg)):
+            raise ValueError(why)
         totals: dict[str, float] = {"loss": 0.0, "grad_norm": 0.0, "kl_sum": 0.0, "tokens": 0.0}
         lr = 0.0
         for _ in range(cfg.num_iterations):
