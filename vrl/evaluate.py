@@ -45,9 +45,7 @@ def evaluate(config: TrainConfig, split: str = "test", k: int = 1, limit: int | 
     pending = []
     try:
         policy = runtime.policy(config)
-        from vrl.trainer import verifies_in_process
-
-        pool = runtime.verification(env.verifier() if verifies_in_process(config) else None, config, len(tasks) * k)
+        pool = runtime.verification(env.verifier() if runtime.verifies_in_process(config) else None, config, len(tasks) * k)
         with Progress(console=console or Console(stderr=True), transient=True) as progress:
             bar = progress.add_task(f"eval {env.name}/{split}", total=len(tasks) * k)
             for batch in policy.sample(tasks, [Variant(index=0, samples_per_task=k)], seed=config.seed):
