@@ -119,7 +119,7 @@ def test_sandboxes_get_the_configured_limits_and_no_network():
     cfg = build({"runtime": {"kind": "modal", "modal": {
         "sandbox_cpu": 3.0, "sandbox_memory_mb": 4096, "sandbox_timeout_s": 900, "sandbox_start_timeout_s": 42.0,
         "sandboxes": 5, "sandbox_mode": "per_attempt"}}})
-    runtime = ModalRuntime(cfg, app=build_app(cfg))  # execute="modal": nothing starts until used
+    runtime = ModalRuntime(cfg, app=build_app(cfg))  # nothing starts until used
     pool = runtime.sandboxes(cfg)
     assert (pool.size, pool.mode, pool.start_timeout_s, pool.lifetime_s) == (5, "per_attempt", 42.0, 840.0)
     handle = pool.factory()
@@ -140,11 +140,11 @@ def test_pool_is_sized_from_the_iteration_when_not_fixed():
     assert ModalRuntime(cfg, app=build_app(cfg)).sandboxes(cfg, 4 * 30).size == 2  # 120 attempts / 64 per batch
 
 
-def test_verify_in_local_keeps_the_verifier_in_the_orchestrator(tmp_path):
+def test_verify_in_local_keeps_the_verifier_in_the_orchestrator():
     from vrl.plugins import registry
 
     cfg = build({"runtime": {"kind": "modal", "modal": {"verify_in": "local"}}})
-    runtime = ModalRuntime(cfg, app=build_app(cfg), execute="local", volume_root=tmp_path)
+    runtime = ModalRuntime(cfg, app=build_app(cfg))
     verifier = registry().environment("countdown").verifier()
     pool = runtime.verification(verifier, cfg)
     try:
@@ -152,7 +152,7 @@ def test_verify_in_local_keeps_the_verifier_in_the_orchestrator(tmp_path):
     finally:
         pool.close()
     cfg = build({"runtime": {"kind": "modal"}})
-    runtime = ModalRuntime(cfg, app=build_app(cfg), execute="local", volume_root=tmp_path)
+    runtime = ModalRuntime(cfg, app=build_app(cfg))
     pool = runtime.verification(registry().environment("countdown").verifier(), cfg)
     try:
         assert pool.verifier is runtime.sandbox_pool
@@ -164,7 +164,7 @@ def test_verify_in_local_keeps_the_verifier_in_the_orchestrator(tmp_path):
 def test_make_runtime_builds_the_modal_runtime():
     cfg = build({"runtime": {"kind": "modal"}})
     runtime = make_runtime(cfg)
-    assert isinstance(runtime, ModalRuntime) and runtime.execute == "modal"
+    assert isinstance(runtime, ModalRuntime) and isinstance(runtime.caller, ModalCaller)
 
 
 def test_unknown_runtime_kind_names_both_choices():

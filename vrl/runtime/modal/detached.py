@@ -44,7 +44,7 @@ LOCK_DIR = Path(tempfile.gettempdir()) / "vrl-run-locks"
 
 
 def orchestrate(config: dict[str, Any], root: str | os.PathLike, worker: Any, resume: bool = False,
-                on_iteration: Any = None, execute: str = "modal", *, restarted: bool = False,
+                on_iteration: Any = None, *, restarted: bool = False,
                 before_sample: Callable[[], None] | None = None, lock_dir: Path = LOCK_DIR) -> dict[str, Any]:
     """Run the whole training loop here, the run directory on the Volume (`root`).
 
@@ -52,8 +52,7 @@ def orchestrate(config: dict[str, Any], root: str | os.PathLike, worker: Any, re
     and the ES history survive a lost container; `resume=True` continues the run directory found on
     the Volume with its recorded config (only `iterations` may grow); `restarted=True` (Modal re-ran
     this call's input) continues the run directory if the first attempt left one, else starts it.
-    `before_sample` runs at each iteration's start (the deadline check). `execute="local"` runs the
-    workers' bodies in this process (tests).
+    `before_sample` runs at each iteration's start (the deadline check).
     """
     path = Path(root) / RUNS_DIR / str(config["logging"]["name"])
     run_dir = None
@@ -70,8 +69,7 @@ def orchestrate(config: dict[str, Any], root: str | os.PathLike, worker: Any, re
     if created:
         run_dir = RunDir.create(cfg, lock_dir)  # refuses a run directory that exists
     try:
-        runtime = runtime_class("modal")(cfg, app=None, worker=worker, execute=execute, volume_root=root,
-                                         in_container=True)
+        runtime = runtime_class("modal")(cfg, app=None, worker=worker, volume_root=root, in_container=True)
         runtime.before_sample = before_sample
         summary = Trainer(cfg, run_dir=run_dir, runtime=runtime, on_iteration=on_iteration).run()
     except BaseException as exc:

@@ -12,15 +12,11 @@ build the same host the local runtime builds (`generator.backend` vllm or hf) an
   writes it to the Volume and the next shard calls load it.
 - Verification: a `SandboxPool` of warm verifier sandboxes (or the orchestrator, `verify_in: local`).
 
-`execute="local"` runs the very same function bodies in this process through Modal's `.local()`
-(and local processes for sandboxes). The tests no longer run worker bodies this way, since it cannot
-fail where Modal fails: they run the real runtime under the Modal emulator (tests/modal_emulator/);
-what is left of it serves tests of the verification pool's construction.
+The tests run this runtime as it is under the Modal emulator (tests/modal_emulator/).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -38,7 +34,6 @@ from vrl.runtime.modal import workers
 from vrl.runtime.modal.credentials import require_credentials
 from vrl.runtime.modal.sandbox import (
     ModalSandbox,
-    ProcessSandbox,
     SandboxPool,
     pool_size,
     sandbox_memory_mb,
@@ -80,29 +75,6 @@ class ModalCaller(Caller):
                           "(resume the run once the cause is fixed): %s: %s", type(out).__name__, out)
                 raise out
             yield out
-
-
-class LocalCaller(Caller):
-    """Runs each call's body in this process with Modal's `.local()`, one at a time, in order.
-
-    One worker thread, because the warm state (the host and its replayed updates) is per process,
-    as in one container.
-    """
-
-    def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vrl-modal-local")
-
-    def imap(self, method: Any, argsets: Sequence[tuple], kwargs: dict[str, Any]) -> Iterator[Any]:
-        futures = [self._pool.submit(method.local, *args, **kwargs) for args in argsets]
-        try:
-            for f in futures:
-                yield f.result()
-        finally:
-            for f in futures:
-                f.cancel()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
 
 
 def worker_dtype(config: Any) -> str:
@@ -308,17 +280,15 @@ class ModalRuntime(Runtime):
     Config = ModalConfig
     weights_here = False  # the workers load the weights from the Volume
 
-    def __init__(self, config: Any, *, app: Any, execute: str = "modal", worker: Any = None,
-                 volume_root: str | Path | None = None, in_container: bool = False):
-        if execute not in ("modal", "local"):
-            raise ValueError(f"execute={execute!r}; choose modal or local")
-        self.config, self.execute, self.in_container = config, execute, in_container
-        if execute == "modal" and not in_container:
+    def __init__(self, config: Any, *, app: Any, worker: Any = None, volume_root: str | Path | None = None,
+                 in_container: bool = False):
+        self.config, self.in_container = config, in_container
+        if not in_container:
             require_credentials()
         self.app = app
         self.volume_root = Path(volume_root or workers.VOLUME_ROOT)
-        self.worker = worker or app.worker(str(self.volume_root) if execute == "local" else workers.VOLUME_ROOT)
-        self.caller: Caller = LocalCaller() if execute == "local" else ModalCaller()
+        self.worker = worker or app.worker(workers.VOLUME_ROOT)
+        self.caller: Caller = ModalCaller()
         self._stack = contextlib.ExitStack()
         self._running = False
         self._lock = threading.Lock()
@@ -340,7 +310,7 @@ class ModalRuntime(Runtime):
     def _ensure_running(self) -> None:
         """Start the ephemeral Modal app (once) when orchestrating from this machine."""
         with self._lock:
-            if self._running or self.execute == "local" or self.in_container:
+            if self._running or self.in_container:
                 return
             self._stack.enter_context(self.app.app.run())
             self._running = True
@@ -353,15 +323,9 @@ class ModalRuntime(Runtime):
 
     def _put_files(self, files: dict[str, bytes]) -> None:
         """Files onto the Volume for the workers (ES updates): one batch upload, allowed from anywhere and
-        committed at once; plain files in the directory standing in for the Volume (`execute="local"`)."""
+        committed at once."""
         import io
 
-        if self.execute == "local":
-            for rel, data in files.items():
-                path = self.volume_root / rel
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(data)
-            return
         import modal
 
         with modal.Volume.from_name(self.config.runtime.modal.volume).batch_upload(force=True) as batch:
@@ -370,9 +334,7 @@ class ModalRuntime(Runtime):
 
     def _weights_store(self, run: str) -> VolumeWeights:
         """Inside a container: write the mounted Volume and commit; on this machine: upload (Modal allows
-        `commit()` only in a container); `execute="local"`: the directory standing in for the Volume."""
-        if self.execute == "local":
-            return VolumeWeights(run, root=self.volume_root)
+        `commit()` only in a container)."""
         import modal
 
         volume = modal.Volume.from_name(self.config.runtime.modal.volume)
@@ -401,22 +363,19 @@ class ModalRuntime(Runtime):
         size = pool_size(attempts, v.batch_size, v.concurrency, rt.sandboxes)
         env = registry().environment(config.plugin, **config.env_options)
         spec = spec_for(env, config.plugin, config.env_options)
-        if self.execute == "local":
-            def factory():
-                return ProcessSandbox.for_spec(spec, rt.sandbox_start_timeout_s)
-        else:
-            from vrl.runtime.modal.images import plugin_for_environment, verifier_recipe
+        from vrl.runtime.modal.images import plugin_for_environment, verifier_recipe
 
-            image = verifier_recipe(plugin_for_environment(config.plugin), base=spec.image).build()
-            argv = spec.command("python", rt.sandbox_start_timeout_s)
-            memory_mb = sandbox_memory_mb(spec, rt.sandbox_memory_mb)
+        image = verifier_recipe(plugin_for_environment(config.plugin), base=spec.image).build()
+        argv = spec.command("python", rt.sandbox_start_timeout_s)
+        memory_mb = sandbox_memory_mb(spec, rt.sandbox_memory_mb)
 
-            def factory():
-                # In the detached orchestrator `app` is None: Modal then uses the container's own app.
-                return ModalSandbox(self.app.app if self.app is not None else None, image, argv, cpu=rt.sandbox_cpu,
-                                    memory_mb=memory_mb,
-                                    timeout_s=rt.sandbox_timeout_s, block_network=rt.block_network and not spec.network,
-                                    workdir=spec.workdir, env=spec.env, idle_timeout_s=rt.sandbox_idle_timeout_s)
+        def factory():
+            # In the detached orchestrator `app` is None: Modal then uses the container's own app.
+            return ModalSandbox(self.app.app if self.app is not None else None, image, argv, cpu=rt.sandbox_cpu,
+                                memory_mb=memory_mb,
+                                timeout_s=rt.sandbox_timeout_s, block_network=rt.block_network and not spec.network,
+                                workdir=spec.workdir, env=spec.env, idle_timeout_s=rt.sandbox_idle_timeout_s)
+
         lifetime = max(30.0, rt.sandbox_timeout_s - 60.0)  # replace before Modal ends it
         return SandboxPool(factory, size, mode=rt.sandbox_mode, request_timeout_s=v.timeout_s,
                            start_timeout_s=rt.sandbox_start_timeout_s, lifetime_s=lifetime,

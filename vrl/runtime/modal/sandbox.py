@@ -4,7 +4,7 @@ Each sandbox runs `python -m vrl.runtime.modal.verify_server` (the plugin's own 
 inside the sandbox) and speaks JSON lines over stdin/stdout; a plugin may add a sidecar server
 (kimina-lean-server) that the verify server waits for. The pool is written against the abstract
 `SandboxHandle`, so the same logic drives Modal Sandboxes (`ModalSandbox`) and local processes
-(`ProcessSandbox`, used by the tests and by anyone without a Modal account).
+(`ProcessSandbox`, used by the tests).
 
 Pool rules: started lazily and all at once (a Lean REPL importing Mathlib costs seconds, so warm
 sandboxes are reused); a sandbox that dies is restarted and its batch retried (`trials` tries in all);

@@ -6,8 +6,7 @@ reach the workers:
 
 - in a container (the detached orchestrator): write the mounted Volume, then `commit()`;
 - on the user's machine (`--runtime modal` without `--detach`): write a local staging file and send
-  it with `Volume.batch_upload()`, which writes the Volume's committed state from anywhere;
-- `execute="local"` (bodies in this process): a plain directory stands in for the Volume.
+  it with `Volume.batch_upload()`, which writes the Volume's committed state from anywhere.
 
 Either way the workers get the path under their own mount (`/vrl/runs/<run>/weights/vN.safetensors`)
 and reload the Volume before reading it. The two newest versions are kept (a shard may still be
@@ -27,12 +26,10 @@ KEEP = 2  # versions kept on the Volume
 
 
 class VolumeWeights:
-    """Publishes weights for run `run`: `root` is where this process sees the Volume (None: not mounted
-    here, so upload through `volume`); without `volume`, `root` is a plain directory (tests)."""
+    """Publishes weights for run `run` to `volume`: `root` is where this process sees the Volume mounted
+    (None: not mounted here, so upload)."""
 
-    def __init__(self, run: str, *, root: str | Path | None = None, volume: Any = None):
-        if root is None and volume is None:
-            raise ValueError("VolumeWeights needs the Volume's mount (root) or a Volume handle to upload to")
+    def __init__(self, run: str, *, volume: Any, root: str | Path | None = None):
         self.run, self.volume = run, volume
         self.root = Path(root) if root is not None else None
         self._staging: Path | None = None
@@ -44,12 +41,11 @@ class VolumeWeights:
     def publish(self, model: Any, version: int) -> str:
         """Write `model` as `version`; return the path the workers read it from."""
         rel = self._rel(version)
-        if self.root is not None:  # the Volume is mounted here (or a directory stands in for it)
+        if self.root is not None:  # the Volume is mounted here
             path = workers.save_weights(model, self.root / rel)
             for old in self._published[:-(KEEP - 1)]:
                 (self.root / old).unlink(missing_ok=True)
-            if self.volume is not None:
-                self.volume.commit()  # only inside a container; nothing of the Volume is held open here
+            self.volume.commit()  # only inside a container; nothing of the Volume is held open here
             seen = str(path)
         else:  # this machine: upload, which needs no container and no commit
             if self._staging is None:
