@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--path", default="/tmp/vrl-bench-model")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--repeats", type=int, default=10, help="timed pushes per transport (after one warm-up push)")
-    ap.add_argument("--transports", nargs="+", default=["extension", "ipc"], choices=["extension", "ipc", "nccl", "auto"])
+    ap.add_argument("--transports", nargs="+", default=["extension", "ipc"], choices=["extension", "ipc", "nccl", "auto", "adapter"])
     ap.add_argument("--gpu", default=None, help="the engines' GPU (an index among this process's GPUs)")
     ap.add_argument("--train-device", default="cuda", help="where the trained copies live (cuda:1: separate GPU)")
     ap.add_argument("--memory", type=float, default=0.2, help="each engine's share of its GPU")
@@ -87,6 +87,9 @@ def main() -> None:
             gen.publish(models[t])
             if rep:  # the first push of each engine warms its path (NCCL joins its group there)
                 times[t].append(gen.counters()["sync_s"])
+                for k in ("adapter_write_s", "adapter_load_s"):
+                    if k in gen.counters():
+                        res.setdefault(k.replace("_s", "_ms"), []).append(round(1e3 * gen.counters()[k], 2))
     res["sync_ms_median"] = {t: 1e3 * statistics.median(v) for t, v in times.items()}
     res["sync_ms_all"] = {t: [round(1e3 * x, 2) for x in v] for t, v in times.items()}
     base = args.transports[0]

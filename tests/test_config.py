@@ -133,9 +133,10 @@ def flat(data: dict) -> dict:
     return out
 
 
-# Settings added after the flat keys moved (issue 25: Modal at scale): no old run directory has them.
+# Settings added after the flat keys moved (issue 25: Modal at scale; issue 29: vLLM weight transfer): no
+# old run directory has them.
 SINCE_ISSUE_28 = {"members_per_call", "min_containers", "orchestrator_timeout_s", "sandbox_idle_timeout_s",
-                  "snapshot_every"}
+                  "snapshot_every", "weight_transfer"}
 
 
 def test_migrate_puts_old_keys_where_they_are_now():

@@ -319,7 +319,9 @@ def test_lora_adapter_alone_is_served_and_follows_training(model_dir, es_gen):
                 if "lora_B" in n:
                     p.normal_(0.0, 0.05)
         gen.publish(model)
-        print(f"\nLoRA adapter sync: {gen.counters()['sync_s'] * 1e3:.1f} ms")
+        c = gen.counters()
+        print(f"\nLoRA adapter sync: {c['sync_s'] * 1e3:.1f} ms (write {c['adapter_write_s'] * 1e3:.1f}, "
+              f"load {c['adapter_load_s'] * 1e3:.1f})")
         gen.sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, batch_size=4)
         comps = gen.generate(tasks(), n=2, seed=9)
         packed = pack([c.prompt_token_ids for c in comps], [c.token_ids for c in comps], 256, "cuda")

@@ -335,6 +335,7 @@ def test_each_push_reloads_the_adapter_in_place_and_every_request_runs_with_it(m
     gen.publish(base)
     assert llm.added == [(1, True, ["adapter_config.json", "adapter_model.safetensors"])] * 2
     assert llm.rpcs == []  # no whole-weights transfer
+    assert {"sync_s", "adapter_write_s", "adapter_load_s"} <= set(gen.counters())
     gen.generate(tasks)
     requests = llm.enqueued[-1]  # one LoRA request per prompt
     assert len(requests) == len(tasks) and all(r is requests[0] for r in requests)

@@ -87,7 +87,9 @@ class PushedWeights(Mover):
                                   "model, not tensors by name")
             if self._adapter is None:
                 self._adapter = AdapterTransfer(engine.llm)
-            self._adapter.send(model)
+            write_s, load_s = self._adapter.send(model)
+            self._count("adapter_write_s", write_s)
+            self._count("adapter_load_s", load_s)
         else:
             self._push_whole(list(model.items()) if isinstance(model, Mapping) else weights_for_engine(model))
         if torch.cuda.is_available():
@@ -132,20 +134,26 @@ class AdapterTransfer:
         import tempfile
 
         self.llm = llm
-        self.directory = tempfile.mkdtemp(prefix="vrl-adapter-")
+        # In memory where the machine has a tmpfs: the files are rewritten at every push.
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.directory = tempfile.mkdtemp(prefix="vrl-adapter-", dir=shm)
         self.request: Any = None  # what generation requests carry (no reload)
         self.pushes = 0
 
-    def send(self, model: torch.nn.Module) -> None:
+    def send(self, model: torch.nn.Module) -> tuple[float, float]:
+        """Write the adapter and reload it in the engine; returns the seconds of each."""
         from vllm.lora.request import LoRARequest
 
         from vrl.weights.export import save_lora_adapter
 
+        t0 = time.perf_counter()
         save_lora_adapter(model, self.directory)
+        t1 = time.perf_counter()
         self.pushes += 1
         name = "vrl-policy"
         self.llm.llm_engine.add_lora(LoRARequest(name, self.ID, self.directory, load_inplace=True))
         self.request = LoRARequest(name, self.ID, self.directory)
+        return t1 - t0, time.perf_counter() - t1
 
     def close(self) -> None:
         import shutil
