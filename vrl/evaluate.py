@@ -29,8 +29,8 @@ def evaluate(config: TrainConfig, split: str = "test", k: int = 1, limit: int | 
              environment: Environment | None = None) -> dict[str, Any]:
     """pass@1, 2, 4, ..., k over a split. Checks the tasks, the model and the verifier before generating."""
     from vrl.plugins import registry
+    from vrl.preflight import preflight
     from vrl.runtime import make_runtime
-    from vrl.trainer import preflight
 
     env = environment or registry().environment(config.plugin, **config.env_options)
     tasks = env.tasks(split, limit=limit)

@@ -8,7 +8,6 @@ iteration waits for the last verdicts only before the update.
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import math
 import os
@@ -31,11 +30,11 @@ from rich.text import Text
 from vrl import distributed, rollouts
 from vrl.environment import Environment
 from vrl.errors import IntegrityAlarm, PluginError, RunDirError, UsageError, describe
-from vrl.optim import Optimizer, make_optimizer, optimizer_class
+from vrl.optim import Optimizer, make_optimizer
 from vrl.optim.checkpoints import CheckpointRefused
 from vrl.policy import PolicyHost
+from vrl.preflight import preflight, verifies_in_process
 from vrl.rundir import RunDir
-from vrl.runtime import runtime_class
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.sinks import Sinks
 from vrl.types import Attempt, Result, Status, Task, Verdict
@@ -477,30 +476,6 @@ def error_kind(detail: str) -> str:
     kind = detail.split(":", 1)[0]
     place = re.search(r" \(([^()]*:\d+ in [^()]*)\)$", detail)
     return f"{kind} at {place.group(1)}" if place else kind
-
-
-def verifies_in_process(config: TrainConfig) -> bool:
-    """Whether the verifier runs in this process (not in Modal sandboxes, which start their own server)."""
-    return runtime_class(config.runtime.kind).verifies_in_process(config)
-
-
-def preflight(config: TrainConfig, env: Environment, *, training: bool = True) -> None:
-    """Seconds of checks before minutes of generation (train and eval): the runtime's own checks (the
-    local one: the model can be loaded, the devices exist), the optimizer's settings fit the model
-    (`training`), the verifier answers."""
-    runtime = runtime_class(config.runtime.kind)
-    runtime.check(config)
-    if training:  # the weightless module tree is built only for a rule that asks for it
-        # Imported here, not at the top: it loads torch, which `import vrl` must not (issue 28).
-        from vrl.generate import generator_class
-        from vrl.generate.hf import meta_model
-
-        model = functools.partial(meta_model, config.model, config.generator.revision) if runtime.weights_here else None
-        rule = optimizer_class(config.optimizer)
-        rule.check_fits(config, model)
-        generator_class(config.generator.backend).check_fits(config, rule.from_config(config).needs(), model)
-    if verifies_in_process(config):
-        ensure_ready(env.verifier())
 
 
 class _TwoLineProgress(Progress):

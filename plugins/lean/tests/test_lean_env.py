@@ -247,7 +247,7 @@ def test_under_modal_the_lean_plugin_needs_no_server_option():
     environment points at its sidecar and re-checks in the image's Mathlib project."""
     sandbox = pytest.importorskip("vrl.runtime.modal.sandbox", reason="the Modal runtime is not installed in this tree")
     from vrl.config import build
-    from vrl.trainer import verifies_in_process
+    from vrl.preflight import verifies_in_process
 
     env = registry().environment("lean")  # what `vrl train --plugin lean --runtime modal` builds
     assert not verifies_in_process(build({"plugin": "lean", "runtime": {"kind": "modal"}}))

@@ -1,0 +1,38 @@
+"""Seconds of checks before minutes of generation, shared by `vrl train` (the trainer) and `vrl eval`."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from vrl.optim import optimizer_class
+from vrl.runtime import runtime_class
+from vrl.verifier import ensure_ready
+
+if TYPE_CHECKING:
+    from vrl.config import TrainConfig
+    from vrl.environment import Environment
+
+
+def verifies_in_process(config: TrainConfig) -> bool:
+    """Whether the verifier runs in this process (not in Modal sandboxes, which start their own server)."""
+    return runtime_class(config.runtime.kind).verifies_in_process(config)
+
+
+def preflight(config: TrainConfig, env: Environment, *, training: bool = True) -> None:
+    """Seconds of checks before minutes of generation (train and eval): the runtime's own checks (the
+    local one: the model can be loaded, the devices exist), the optimizer's settings fit the model
+    (`training`), the verifier answers."""
+    runtime = runtime_class(config.runtime.kind)
+    runtime.check(config)
+    if training:  # the weightless module tree is built only for a rule that asks for it
+        # Imported here, not at the top: it loads torch, which `import vrl` must not (issue 28).
+        from vrl.generate import generator_class
+        from vrl.generate.hf import meta_model
+
+        model = functools.partial(meta_model, config.model, config.generator.revision) if runtime.weights_here else None
+        rule = optimizer_class(config.optimizer)
+        rule.check_fits(config, model)
+        generator_class(config.generator.backend).check_fits(config, rule.from_config(config).needs(), model)
+    if verifies_in_process(config):
+        ensure_ready(env.verifier())
