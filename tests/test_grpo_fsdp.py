@@ -174,6 +174,29 @@ def test_vrl_train_under_torchrun_then_resume_on_one_process(tmp_path):
     assert [r["iteration"] for r in trainer.run_dir.metrics()] == [0, 1, 2]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_torchrun_on_two_gpus_trains_over_nccl_and_resumes_on_one(tmp_path):
+    """The same job on 2 GPUs: each rank on its own GPU (LOCAL_RANK), FSDP2 over NCCL, rank 0 sampling;
+    the sharded checkpoint then resumes on one process."""
+    runs = tmp_path / "runs"
+    vrl = str(Path(sys.executable).parent / "vrl")
+    args = ["train", "--plugin", "letters", "--optimizer", "grpo", "--iterations", "2", "--name", "fsdp",
+            "--set", f"logging.runs_dir={runs}", "--set", "tasks_per_iteration=3", "--set", "grpo.num_generations=4",
+            "--set", "sampling.max_new_tokens=8", "--set", "sampling.temperature=1.0", "--set", "grpo.micro_batch_size=4",
+            "--set", "grpo.learning_rate=1e-2"]
+    done = torchrun(vrl, *args)
+    run = runs / "fsdp"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1] and all(r["grpo/grad_norm"] > 0 for r in rows), done.stderr[-3000:]
+    state = torch.load(run / "grpo" / "iter-000002" / "state.pt", weights_only=True)
+    assert state["world_size"] == 2
+    trainer = Trainer(_toy_config_from(run, 3), run_dir=RunDir.open(run), environment=LettersEnvironment(),
+                      console=Console(file=io.StringIO()))
+    assert trainer.run()["status"] == "finished"
+    assert [r["iteration"] for r in trainer.run_dir.metrics()] == [0, 1, 2]
+
+
 def _toy_config_from(run: Path, iterations: int):
     from vrl.config import build
 

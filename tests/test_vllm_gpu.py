@@ -369,6 +369,28 @@ def test_vrl_train_on_the_vllm_backend_and_resume(model_dir, es_gen, tmp_path, o
         assert len(json.loads((run / "es_history.json").read_text())["iterations"]) == 3
 
 
+def test_asynchronous_grpo_on_the_vllm_backend(model_dir, es_gen, tmp_path):
+    """grpo.max_staleness=1 on one GPU, through the CLI: the engine samples iteration k+1 while the HF copy
+    trains on k (an engine of mode 'trained' decouples as it is; a push waits for the pass in flight).
+    Every batch after the first is exactly one push old, the loss corrects with the engine's log-probs,
+    and the run finishes."""
+    import json
+    import subprocess
+    import sys
+
+    es_gen.close()
+    subprocess.run([sys.executable, "-m", "vrl.cli", "train", "--model", model_dir, "--optimizer", "grpo",
+                    "--iterations", "3", "--name", "run", "--set", f"logging.runs_dir={tmp_path}",
+                    "--set", "generator.backend=vllm", "--set", "generator.vllm.enforce_eager=true",
+                    "--set", "generator.vllm.gpu_memory_utilization=0.2", "--set", "generator.vllm.max_model_len=1024",
+                    "--set", "grpo.max_staleness=1", "--set", "tasks_per_iteration=4", "--set", "grpo.num_generations=4",
+                    "--set", "sampling.max_new_tokens=24", "--set", "sampling.temperature=1.0"], check=True, timeout=400)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    assert [r["grpo/staleness/max"] for r in rows] == [0, 1, 1]
+    assert all("grpo/sampling/importance_sampling_ratio/mean" in r for r in rows)  # the engine's log-probs
+
+
 # -- two GPUs: the engine and the trained copy on different devices; a tensor-parallel engine ------------
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
