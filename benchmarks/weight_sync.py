@@ -87,9 +87,6 @@ def main() -> None:
             gen.publish(models[t])
             if rep:  # the first push of each engine warms its path (NCCL joins its group there)
                 times[t].append(gen.counters()["sync_s"])
-                for k in ("adapter_write_s", "adapter_load_s"):
-                    if k in gen.counters():
-                        res.setdefault(k.replace("_s", "_ms"), []).append(round(1e3 * gen.counters()[k], 2))
     res["sync_ms_median"] = {t: 1e3 * statistics.median(v) for t, v in times.items()}
     res["sync_ms_all"] = {t: [round(1e3 * x, 2) for x in v] for t, v in times.items()}
     base = args.transports[0]

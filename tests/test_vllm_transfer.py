@@ -201,7 +201,7 @@ def test_a_failed_push_still_finishes_the_update_session(fake_nccl):
 # -- the LoRA adapter alone ('adapter') ----------------------------------------------------------------------
 @pytest.mark.parametrize(("choice", "adapter", "engine", "train", "expected"), [
     ("adapter", 16, ["0"], "0", "adapter"),     # asked for: the engine serves the adapter
-    ("adapter", 16, ["1", "2"], "0", "adapter"),  # on any GPUs, in any numbers (the adapter travels by file)
+    ("adapter", 16, ["1"], "0", "adapter"),     # on another GPU too (the factors go as CUDA IPC handles)
     ("auto", 16, ["0"], "0", "ipc"),            # by default a LoRA run pushes W + ΔW merged (faster, measured)
     ("auto", 16, ["1"], "0", "nccl"),
     ("ipc", 16, ["0"], "0", "ipc"),
@@ -218,6 +218,8 @@ def test_a_lora_run_pushes_its_adapter_alone_where_asked_and_merged_by_default(c
 def test_an_adapter_transfer_without_a_servable_adapter_is_refused(mode, adapter, reason):
     with pytest.raises(ValueError, match=reason):
         transfer_for("adapter", mode, engine_gpus=["0"], train_gpu="0", adapter=adapter)
+    with pytest.raises(ValueError, match="tensor-parallel"):  # the factors go whole into one worker's slot
+        transfer_for("adapter", "trained", engine_gpus=["0", "1"], train_gpu="0", adapter=16)
 
 
 def _lora_model(seed: int = 0, **lora):
@@ -232,51 +234,60 @@ def _lora_model(seed: int = 0, **lora):
     return model, base
 
 
-def test_the_saved_adapter_is_the_trained_one_as_peft_loads_it(tmp_path):
-    """`save_lora_adapter` writes the adapter GRPO trained (read from the injected layers) in peft's
-    format: peft loads it onto a fresh base and gets the trained model's outputs exactly."""
-    peft = pytest.importorskip("peft")
-    from vrl.generate import tiny
-    from vrl.weights.export import save_lora_adapter
+@pytest.mark.parametrize("rslora", [False, True])
+def test_the_engines_factors_are_peft_s_delta_weight(rslora):
+    """`lora_factors_for_engine` gives each adapted weight (A, s·B) with s·B·A = peft's ΔW (s = α/r, or
+    α/√r with rsLoRA): what a LoRA slot holding them adds to the layer's output."""
+    from vrl.weights.export import lora_factors_for_engine
 
-    model, base = _lora_model()
-    config = save_lora_adapter(base, str(tmp_path))  # the module GRPO publishes: the base with adapters inside
-    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
-    torch.manual_seed(0)
-    fresh = tiny.build_model()
-    loaded = peft.PeftModel.from_pretrained(fresh, str(tmp_path))
-    ids = torch.randint(0, 200, (2, 12))
-    model.eval(), loaded.eval()
-    with torch.no_grad():
-        want, got = model(ids).logits, loaded(ids).logits
-        assert torch.equal(got, want)
-        with model.disable_adapter():
-            assert not torch.allclose(model(ids).logits, want)  # the adapter matters in this check
-    # A second push replaces the files whole.
-    with torch.no_grad():
-        next(p for n, p in base.named_parameters() if "lora_B" in n).add_(1.0)
-    save_lora_adapter(base, str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    model, base = _lora_model(use_rslora=rslora)
+    factors = lora_factors_for_engine(base)  # the module GRPO publishes: the base with adapters inside
+    layers = {n: m for n, m in base.named_modules() if hasattr(m, "lora_A") and m.lora_A}
+    assert set(factors) == {f"{n}.weight" for n in layers} and len(factors) == 3 * 2  # 3 targets × 2 layers
+    for name, m in layers.items():
+        a, b = factors[f"{name}.weight"]
+        assert a.shape == (4, m.in_features) and b.shape == (m.out_features, 4)
+        torch.testing.assert_close(b @ a, m.get_delta_weight("default").float(), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize(("lora", "reason"), [
     ({"use_dora": True}, "DoRA"),
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
 ])
-def test_an_adapter_a_served_lora_cannot_carry_is_refused(tmp_path, lora, reason):
-    from vrl.weights.export import save_lora_adapter
+def test_an_adapter_a_served_lora_cannot_carry_is_refused(lora, reason):
+    from vrl.weights.export import lora_factors_for_engine
 
     _, base = _lora_model(**lora)
     with pytest.raises(ValueError, match=reason):
-        save_lora_adapter(base, str(tmp_path))
+        lora_factors_for_engine(base)
 
 
-def test_no_adapter_to_save_is_a_clear_error(tmp_path):
+def test_no_adapter_is_a_clear_error():
     from vrl.generate import tiny
-    from vrl.weights.export import save_lora_adapter
+    from vrl.weights.export import lora_factors_for_engine
 
     with pytest.raises(ValueError, match="no LoRA adapter"):
-        save_lora_adapter(tiny.build_model(), str(tmp_path))
+        lora_factors_for_engine(tiny.build_model())
+
+
+def test_an_adapter_slot_takes_the_factors_and_zeros_the_rest_of_its_rank():
+    """`AdapterSlot.write` on stacks shaped like vLLM's (slots×1×R×in, slots×1×out×R): the slot holds
+    (A, s·B), zeros beyond the adapter's rank, the other slots are untouched; a weight set that changed
+    or a rank above the engine's is refused."""
+    from vrl.generate.vllm_slots import AdapterSlot
+
+    layers = {n: (torch.full((3, 1, 8, 5), 7.0), torch.full((3, 1, 6, 8), 7.0)) for n in ("q.weight", "o.weight")}
+    slot = AdapterSlot(layers, 1)
+    factors = {n: (torch.randn(4, 5), torch.randn(6, 4)) for n in layers}
+    slot.write(factors)
+    for n, (a_stack, b_stack) in layers.items():
+        assert torch.equal(a_stack[1, 0, :4], factors[n][0]) and torch.equal(b_stack[1, 0, :, :4], factors[n][1])
+        assert not a_stack[1, 0, 4:].any() and not b_stack[1, 0, :, 4:].any()
+        assert (a_stack[[0, 2]] == 7).all() and (b_stack[[0, 2]] == 7).all()
+    with pytest.raises(ValueError, match="changed since"):
+        slot.write({"q.weight": factors["q.weight"]})
+    with pytest.raises(ValueError, match="above the engine's max_lora_rank"):
+        slot.write({n: (torch.randn(9, 5), torch.randn(6, 9)) for n in layers})
 
 
 class _LoRARequest:
@@ -286,65 +297,148 @@ class _LoRARequest:
         self.lora_name, self.lora_int_id, self.lora_path, self.load_inplace = lora_name, lora_int_id, lora_path, load_inplace
 
 
-def test_each_push_reloads_the_adapter_in_place_and_every_request_runs_with_it(monkeypatch):
-    """With weight_transfer=adapter a push writes the adapter and reloads it in place under one id
-    (`add_lora(load_inplace=True)`), no whole-weights RPC runs, and every later generation request
-    carries that adapter (without reloading it again); before the first push the requests run on the
-    engine's own weights. The adapter's directory goes when the engine closes."""
-    from pathlib import Path
+class _LoRALayer:
+    """A LoRA layer of a vLLM engine as its adapter manager holds it: one (A, B) stack per output slice
+    (q, k, v of `qkv_proj`), `slots`×1×R×in and `slots`×1×out×R."""
 
+    def __init__(self, slices, width, slots=2, rank=8):
+        self.output_slices = tuple(slices)
+        self.lora_a_stacked = tuple(torch.full((slots, 1, rank, width), 7.0) for _ in slices)
+        self.lora_b_stacked = tuple(torch.full((slots, 1, out, rank), 7.0) for out in slices)
+
+
+class _AdapterManager:
+    """The part of vLLM's LoRA model manager that vrl uses: served modules, slots, pinned adapters."""
+
+    def __init__(self, modules, slots=2):
+        self.modules, self.lora_slots = modules, slots
+        self.lora_index_to_id: list[int | None] = [None] * slots
+        self.adapters: dict[int, object] = {}
+        self.pinned: set[int] = set()
+
+    def list_adapters(self):
+        return dict(self.adapters)
+
+    def create_dummy_lora(self, adapter_id, rank, embedding):
+        class Zero:
+            def __init__(self, i):
+                self.id = i
+
+            def clone(self, i):
+                return Zero(i)
+
+        return Zero(adapter_id)
+
+    def add_adapter(self, adapter):
+        self.adapters[adapter.id] = adapter
+        self.lora_index_to_id[self.lora_index_to_id.index(None)] = adapter.id
+
+    def pin_adapter(self, adapter_id):
+        self.pinned.add(adapter_id)
+
+
+def test_each_push_writes_the_adapter_into_its_slot_and_every_request_runs_with_it(monkeypatch):
+    """With weight_transfer=adapter the first push pins adapter id 1 to a LoRA slot (never loaded from
+    disk) and every push writes each adapted weight's (A, s·B) into the slices that serve it (q and v
+    inside the fused qkv_proj); no whole-weights transfer runs; every later generation request carries
+    that adapter. Here vLLM's LoRA layers are CPU stacks in a stand-in manager, and the real worker
+    extension runs in process on a fused model (tests/test_vllm_layout.py's stand-ins)."""
+    peft = pytest.importorskip("peft")
+    from tests.test_vllm_layout import (
+        HEAD_DIM,
+        HEADS,
+        HIDDEN,
+        INTER,
+        KV_HEADS,
+        _EngineModel,
+        _InProcessLLM,
+        fuse,
+        hf_model,
+    )
+    from vrl.config import build
     from vrl.generate import tiny
     from vrl.generate.vllm import VLLMGenerator
+    from vrl.generate.vllm_trained import LoadWeightsExtension
+    from vrl.types import Task
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
     lora_module = types.ModuleType("vllm.lora.request")
     lora_module.LoRARequest = _LoRARequest
     monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
     monkeypatch.setitem(sys.modules, "vllm.lora.request", lora_module)
-    _, base = _lora_model()
-
-    class LLM:
-        def __init__(self):
-            self.added, self.enqueued, self.rpcs = [], [], []
-            self.llm_engine = types.SimpleNamespace(add_lora=self._add, has_unfinished_requests=lambda: False)
-            self.model_config = types.SimpleNamespace(max_model_len=64)
-
-        def _add(self, request):
-            files = sorted(p.name for p in Path(request.lora_path).iterdir())
-            self.added.append((request.lora_int_id, request.load_inplace, files))
-            return True
-
-        def enqueue(self, prompts, params, use_tqdm=False, lora_request=None):
-            self.enqueued.append(lora_request)
-            return []
-
-        def collective_rpc(self, method, args=()):
-            self.rpcs.append(method)
-            return [None]
-
-    llm = LLM()
-    from vrl.config import build
-
+    model = hf_model()
+    engine_model = _EngineModel(fuse(model))
+    qkv = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
+    modules = {}
+    for i in range(2):
+        modules[f"model.layers.{i}.self_attn.qkv_proj"] = _LoRALayer(qkv, HIDDEN)
+        modules[f"model.layers.{i}.self_attn.o_proj"] = _LoRALayer([HIDDEN], HEADS * HEAD_DIM)
+        modules[f"model.layers.{i}.mlp.down_proj"] = _LoRALayer([HIDDEN], INTER)
+    manager = _AdapterManager(modules)
+    llm = _InProcessLLM(engine_model, LoadWeightsExtension)
+    llm.worker.model_runner.lora_manager = types.SimpleNamespace(_adapter_manager=manager, embedding_modules={})
+    llm.enqueued = []
+    llm.enqueue = lambda prompts, params, use_tqdm=False, lora_request=None: llm.enqueued.append(lora_request) or []
     gen = VLLMGenerator(llm, tiny.build_tokenizer(), build({}).sampling, mode="trained", weight_transfer="adapter")
-    from vrl.types import Task
-
+    torch.manual_seed(1)
+    peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                               init_lora_weights=False))
     tasks = [Task(id="a", prompt="x"), Task(id="b", prompt="y")]
     gen.generate(tasks)
-    assert llm.enqueued == [None]  # nothing pushed yet: the engine's own weights (B = 0 at the start of training)
-    gen.publish(base)
-    gen.publish(base)
-    assert llm.added == [(1, True, ["adapter_config.json", "adapter_model.safetensors"])] * 2
-    assert llm.rpcs == []  # no whole-weights transfer
-    assert {"sync_s", "adapter_write_s", "adapter_load_s"} <= set(gen.counters())
+    assert llm.enqueued == [None]  # nothing pushed yet: the engine's own weights
+
+    def served(hf_module: str) -> torch.Tensor:
+        """ΔW that the engine's slot adds for an HF module: s·B·A from the slice that serves it."""
+        layer, part = {"q_proj": ("self_attn.qkv_proj", 0), "v_proj": ("self_attn.qkv_proj", 2),
+                       "down_proj": ("mlp.down_proj", 0)}[hf_module.rsplit(".", 1)[1]]
+        lora = modules[hf_module.rsplit(".", 2)[0] + "." + layer]
+        slot = manager.lora_index_to_id.index(1)
+        return lora.lora_b_stacked[part][slot, 0, :, :4] @ lora.lora_a_stacked[part][slot, 0, :4]
+
+    for push in range(2):
+        with torch.no_grad():  # a new adapter each push
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.add_(0.1 * (push + 1))
+        gen.publish(model)
+        for name, m in model.named_modules():
+            if hasattr(m, "lora_A") and m.lora_A:
+                torch.testing.assert_close(served(name), m.get_delta_weight("default"), rtol=1e-5, atol=1e-6)
+    assert manager.pinned == {1} and "vrl_load_weights" not in llm.calls
+    k_a = modules["model.layers.0.self_attn.qkv_proj"].lora_a_stacked[1]
+    assert (k_a == 7).all()  # k_proj has no adapter: its slice is never written
     gen.generate(tasks)
-    requests = llm.enqueued[-1]  # one LoRA request per prompt
+    requests = llm.enqueued[-1]  # one LoRA request per prompt, the pinned adapter's
     assert len(requests) == len(tasks) and all(r is requests[0] for r in requests)
     assert requests[0].lora_int_id == 1 and requests[0].load_inplace is False
-    directory = requests[0].lora_path
     with pytest.raises(Exception, match="not tensors"):
         gen.publish({"w": torch.ones(1)})
-    gen.close()
-    assert not Path(directory).exists()
+
+
+def test_an_adapter_on_weights_the_engines_lora_layers_do_not_serve_is_refused(monkeypatch):
+    """The engine serves LoRA on some layers only: an adapter on another is refused with the reason,
+    before any slot is taken."""
+    peft = pytest.importorskip("peft")
+    from tests.test_vllm_layout import HEAD_DIM, HEADS, HIDDEN, _EngineModel, _InProcessLLM, fuse, hf_model
+    from vrl.config import build
+    from vrl.generate.vllm import VLLMGenerator
+    from vrl.generate.vllm_trained import LoadWeightsExtension
+    from vrl.policy import Unsupported
+
+    lora_module = types.ModuleType("vllm.lora.request")
+    lora_module.LoRARequest = _LoRARequest
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", lora_module)
+    model = hf_model()
+    manager = _AdapterManager({f"model.layers.{i}.self_attn.o_proj": _LoRALayer([HIDDEN], HEADS * HEAD_DIM) for i in range(2)})
+    llm = _InProcessLLM(_EngineModel(fuse(model)), LoadWeightsExtension)
+    llm.worker.model_runner.lora_manager = types.SimpleNamespace(_adapter_manager=manager, embedding_modules={})
+    gen = VLLMGenerator(llm, None, build({}).sampling, mode="trained", weight_transfer="adapter")
+    peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"]))
+    with pytest.raises(Unsupported, match="does not serve .*down_proj"):
+        gen.publish(model)
+    assert manager.pinned == set()
 
 
 def test_the_direct_engines_skip_vllms_layerwise_reload_unless_the_model_is_quantized():
@@ -412,3 +506,26 @@ def test_the_direct_engines_are_registered_once_under_their_names(monkeypatch):
     vllm_trained.register_direct_engines()
     assert registry == first and set(registry) == set(vllm_trained.DIRECT.values())
     assert issubclass(registry["vrl_ipc"], IPC) and issubclass(registry["vrl_nccl"], NCCL)
+
+
+def test_low_rank_es_takes_its_slots_through_the_same_helpers():
+    """`vrl_lowrank_setup` (low-rank ES) pins adapters 1..members through `pin_empty_adapters` and finds
+    the stacks through `served_lora_layers`, as the served adapter does: each member gets its own slot,
+    more members than slots are refused, and a weight the LoRA layers do not serve comes back as the reason."""
+    from tests.test_vllm_layout import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, _EngineModel, _InProcessLLM, fuse, hf_model
+    from vrl.generate.vllm_slots import LoRASlotsExtension
+
+    model = hf_model()
+    qkv = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
+    manager = _AdapterManager({f"model.layers.{i}.self_attn.qkv_proj": _LoRALayer(qkv, HIDDEN, slots=3) for i in range(2)},
+                              slots=3)
+    llm = _InProcessLLM(_EngineModel(fuse(model)), LoRASlotsExtension)
+    llm.worker.model_runner.lora_manager = types.SimpleNamespace(_adapter_manager=manager, embedding_modules={})
+    hf = {n: list(p.shape) for n, p in model.named_parameters()}
+    q = {n: s for n, s in hf.items() if ".q_proj.weight" in n}
+    with pytest.raises(ValueError, match="4 adapters but the engine has 3 LoRA slots"):
+        llm.worker.vrl_lowrank_setup(q, 2, 4)
+    info = llm.worker.vrl_lowrank_setup(q, 2, 3)
+    assert info["matrices"] == 2 and sorted(info["slots"]) == [0, 1, 2] and manager.pinned == {1, 2, 3}
+    down = {n: s for n, s in hf.items() if ".down_proj.weight" in n}
+    assert "does not serve" in llm.worker.vrl_lowrank_setup(down, 2, 1)["unserved"]

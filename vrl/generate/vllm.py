@@ -86,9 +86,9 @@ class VLLMConfig(Section):
         description="With grpo: how trained weights reach the engine. auto: vLLM's native weight-transfer engines, "
         "CUDA IPC when the engine is one worker on the trainer's GPU (ipc) and an NCCL broadcast when its workers "
         "sit on other GPUs (nccl), else vrl's own loader (extension: CUDA IPC handles into a worker extension, also "
-        "across GPUs); these push a LoRA-trained model merged (W + ΔW). adapter (grpo.use_peft only): the engine "
-        "serves the LoRA adapter and only its weights travel, reloaded from files at each push (slower at 1.5B: "
-        "docs/benchmarks.md).",
+        "across GPUs); these push a LoRA-trained model merged (W + ΔW). adapter (grpo.use_peft, one engine "
+        "worker): the engine serves the LoRA adapter from a LoRA slot and only its factors travel (not yet "
+        "measured on a GPU; docs/vllm.md).",
     )
     sampling_logprobs: bool = Field(
         True,
@@ -610,9 +610,6 @@ class VLLMGenerator(Generator):
         self.mover.publish(model)
 
     def close(self) -> None:
-        mover = getattr(self, "mover", None)
-        if mover is not None:
-            mover.close()
         llm = getattr(self, "llm", None)
         if llm is not None:
             core = getattr(llm.llm_engine, "engine_core", None)

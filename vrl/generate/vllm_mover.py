@@ -35,9 +35,6 @@ class Mover:
     def before_pass(self) -> None:
         """Write what the engine owes before a generation pass reads its weights (nothing by default)."""
 
-    def close(self) -> None:
-        """Release what the mover holds beside the engine (nothing by default)."""
-
     def lora_request(self) -> Any:
         """The LoRA adapter every plain generation request runs with (None: the engine's own weights)."""
         return None

@@ -244,6 +244,75 @@ class LowRankEngine:
         self.params.load_state(dict(state))
 
 
+def lora_manager(worker: Any) -> Any:
+    """The LoRA adapter manager of an engine's worker; refuses an engine started without LoRA."""
+    manager = getattr(getattr(worker.model_runner, "lora_manager", None), "_adapter_manager", None)
+    if manager is None:
+        raise ValueError("this engine was started without LoRA (enable_lora); its LoRA slots are where vrl writes "
+                         "low-rank ES members and served adapters")
+    return manager
+
+
+def served_lora_layers(worker: Any, hf_shapes: Mapping[str, Sequence[int]], names: Sequence[str] | None = None) -> Any:
+    """(engine parameters, layout, {HF weight: (lora_a stack, lora_b stack)}) for the weights `names`
+    (default: every weight `hf_shapes` names; the layout needs the shapes of a fused weight's siblings
+    too), each stack the LoRA layer's slice that serves the weight's rows; or why the engine's LoRA
+    path does not serve one of them (a str: vLLM hands the driver a worker's exception without its message)."""
+    manager = lora_manager(worker)
+    params, layout = worker._vrl_layout(hf_shapes, whole=True)
+    modules = {name: list(m.output_slices) for name, m in manager.modules.items()
+               if hasattr(m, "lora_a_stacked") and hasattr(m, "output_slices")}
+    try:
+        slices = lora_slices(layout if names is None else {n: layout[n] for n in names}, modules)
+    except ValueError as exc:
+        return str(exc)
+    layers = {n: (manager.modules[s.module].lora_a_stacked[s.index], manager.modules[s.module].lora_b_stacked[s.index])
+              for n, s in slices.items()}
+    return params, layout, layers
+
+
+def pin_empty_adapters(worker: Any, ids: Sequence[int], rank: int) -> list[int]:
+    """Register vLLM's zero adapter (as for its warm-up) under `ids`, pinned to LoRA slots and never
+    loaded from disk (requests name them with a placeholder path); returns their slots."""
+    manager = lora_manager(worker)
+    ids = list(ids)
+    if len(ids) > manager.lora_slots:
+        raise ValueError(f"{len(ids)} adapters but the engine has {manager.lora_slots} LoRA slots (max_loras)")
+    zeros = None
+    for i in ids:
+        if i not in manager.list_adapters():
+            if zeros is None:
+                embedding = getattr(worker.model_runner.lora_manager, "embedding_modules", {})
+                zeros = manager.create_dummy_lora(i, rank, embedding)
+            manager.add_adapter(zeros if zeros.id == i else zeros.clone(i))
+        manager.pin_adapter(i)
+    return [manager.lora_index_to_id.index(i) for i in ids]
+
+
+class AdapterSlot:
+    """A trained LoRA adapter held in one LoRA slot of an engine (GRPO with weight_transfer=adapter): each
+    push writes every adapted weight's (A, s·B) into the slot's stacks, zeros beyond its rank."""
+
+    def __init__(self, layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]], slot: int):
+        self.layers, self.slot = dict(layers), slot
+
+    @torch.no_grad()
+    def write(self, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if set(factors) != set(self.layers):
+            odd = sorted(set(factors) ^ set(self.layers))
+            raise ValueError(f"the adapter's weights changed since the engine took its first push (e.g. {odd[0]})")
+        for name, (a, b) in factors.items():
+            a_stack, b_stack = self.layers[name]
+            r = a.shape[0]
+            if r > a_stack.shape[2]:
+                raise ValueError(f"{name}: adapter rank {r} is above the engine's max_lora_rank {a_stack.shape[2]}")
+            a_stack[self.slot, 0, :r, :].copy_(a)
+            b_stack[self.slot, 0, :, :r].copy_(b)
+            if a_stack.shape[2] > r:
+                a_stack[self.slot, 0, r:, :].zero_()
+                b_stack[self.slot, 0, :, r:].zero_()
+
+
 class LoRASlotsExtension(MasterExtension):
     """The worker extension of mode 'lowrank': members into LoRA slots over `LowRankEngine` (update and
     snapshots: `MasterExtension`)."""
@@ -253,34 +322,16 @@ class LoRASlotsExtension(MasterExtension):
         disk) and build the low-rank ES state over the selected matrices; returns a summary, or
         {"unserved": why} (before anything is registered) when the LoRA layers do not serve a selected
         weight: vLLM hands the driver a worker's exception without its message."""
-        manager = getattr(getattr(self.model_runner, "lora_manager", None), "_adapter_manager", None)  # type: ignore[attr-defined]
-        if manager is None:
-            raise ValueError("this engine was started without LoRA (enable_lora); low-rank ES serves members as LoRA adapters")
-        params, layout = self._vrl_layout(hf_shapes, whole=True)
-        served = {name: list(m.output_slices) for name, m in manager.modules.items()
-                  if hasattr(m, "lora_a_stacked") and hasattr(m, "output_slices")}
-        try:
-            slices = lora_slices(layout, served)
-        except ValueError as exc:
-            return {"unserved": str(exc)}
-        if members > manager.lora_slots:
-            raise ValueError(f"{members} members but the engine has {manager.lora_slots} LoRA slots (max_loras)")
-        zeros = None  # vLLM's zero adapter (as for its warm-up), registered under ids 1..members
-        for p in range(members):
-            if p + 1 not in manager.list_adapters():
-                if zeros is None:
-                    embedding = getattr(self.model_runner.lora_manager, "embedding_modules", {})  # type: ignore[attr-defined]
-                    zeros = manager.create_dummy_lora(p + 1, rank, embedding)
-                manager.add_adapter(zeros if zeros.id == p + 1 else zeros.clone(p + 1))
-            manager.pin_adapter(p + 1)
-        slots = [manager.lora_index_to_id.index(p + 1) for p in range(members)]
-        layers = {n: (manager.modules[s.module].lora_a_stacked[s.index], manager.modules[s.module].lora_b_stacked[s.index])
-                  for n, s in slices.items()}
+        served = served_lora_layers(self, hf_shapes)
+        if isinstance(served, str):
+            return {"unserved": served}
+        params, layout, layers = served
+        slots = pin_empty_adapters(self, range(1, members + 1), rank)
         self._vrl_master = LowRankEngine(slot_views(params, layout), layers, rank, slots)
         flat = self._vrl_master.params.flat
         lora_dtype = str(next(iter(layers.values()))[0].dtype).removeprefix("torch.")
-        log.info("vrl: low-rank ES over %d matrices in %d LoRA slots (rank %d, %s)", len(slices), members, rank, lora_dtype)
-        return {"numel": flat.numel, "dtype": flat.dtype, "matrices": len(slices), "slots": slots, "lora_dtype": lora_dtype}
+        log.info("vrl: low-rank ES over %d matrices in %d LoRA slots (rank %d, %s)", len(layers), members, rank, lora_dtype)
+        return {"numel": flat.numel, "dtype": flat.dtype, "matrices": len(layers), "slots": slots, "lora_dtype": lora_dtype}
 
     def vrl_lowrank_members(self, members: list[tuple[int, int]], sigma: float) -> float:
         return _timed(self._vrl_require().load_members, [(int(s), int(g)) for s, g in members], float(sigma))

@@ -2,10 +2,11 @@
 or ready tensors by checkpoint name (mode 'sample': Modal's GRPO workers, evaluation).
 
 Four transports (`generator.vllm.weight_transfer`, resolved per engine by `transfer_for`):
-- the trained LoRA adapter alone ('adapter', GRPO with `use_peft`): the engine serves it (vLLM's
-  LoRA layers over the untouched base) and each push writes the adapter's factors to a directory in
-  peft's format and reloads it in place (`add_lora(..., load_inplace=True)`, as vLLM's
-  `/v1/load_lora_adapter` does); every plain request runs with it (`PushedWeights.lora_request`).
+- the trained LoRA adapter alone ('adapter', GRPO with `use_peft`): the engine serves it from one
+  LoRA slot (vLLM's LoRA layers over the untouched base; the slot is pinned to an adapter id that is
+  never loaded from disk, as low-rank ES's members are) and each push writes the adapter's factors
+  (A, s·B) into the slot's stacks through CUDA IPC handles (`AdapterTransfer`,
+  `vllm_slots.AdapterSlot`); every plain request runs with it (`PushedWeights.lora_request`).
 - vLLM's native weight-transfer engines (`vllm.distributed.weight_transfer`, mode 'trained'):
   `start_weight_update` → `update_weights` → `finish_weight_update` through `NativeTransfer`, with
   CUDA IPC handles when the engine is one worker on the trainer's GPU ('ipc') and an NCCL broadcast
@@ -86,10 +87,8 @@ class PushedWeights(Mover):
                 raise Unsupported("this engine serves a LoRA adapter (weight_transfer=adapter); it takes the trained "
                                   "model, not tensors by name")
             if self._adapter is None:
-                self._adapter = AdapterTransfer(engine.llm)
-            write_s, load_s = self._adapter.send(model)
-            self._count("adapter_write_s", write_s)
-            self._count("adapter_load_s", load_s)
+                self._adapter = AdapterTransfer(engine)
+            self._adapter.send(model)
         else:
             self._push_whole(list(model.items()) if isinstance(model, Mapping) else weights_for_engine(model))
         if torch.cuda.is_available():
@@ -117,49 +116,41 @@ class PushedWeights(Mover):
         """The served adapter's request (after the first push with weight_transfer=adapter), else None."""
         return self._adapter.request if self._adapter is not None else None
 
-    def close(self) -> None:
-        if self._adapter is not None:
-            self._adapter.close()
-
 
 class AdapterTransfer:
-    """The trained LoRA adapter served by the engine: each push writes its factors to a directory in
-    peft's format (`adapter_config.json`, `adapter_model.safetensors`) and reloads that adapter in
-    place, under one id. Only the adapter travels (74 MB at rank 16 on every linear layer of a 1.5B
-    model, against 3.1 GB), but vLLM's reload from the files dominates: slower than a merged push at
-    that size (docs/benchmarks.md)."""
+    """The trained LoRA adapter served from one LoRA slot of the engine: the first push pins adapter id
+    `ID` to a slot (an empty adapter, never loaded from disk); each push writes every adapted weight's
+    (A, s·B) into it through CUDA IPC handles (`vrl_adapter_write`). Only the adapter travels."""
 
     ID = 1
+    PATH = "vrl://lora-slot"  # requests must name a path; this adapter id is never loaded from one
 
-    def __init__(self, llm: Any):
-        import tempfile
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.request: Any = None  # what generation requests carry, once the slot is set up
 
-        self.llm = llm
-        # In memory where the machine has a tmpfs: the files are rewritten at every push.
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self.directory = tempfile.mkdtemp(prefix="vrl-adapter-", dir=shm)
-        self.request: Any = None  # what generation requests carry (no reload)
-        self.pushes = 0
+    def send(self, model: torch.nn.Module) -> None:
+        from vrl.weights.export import lora_factors_for_engine
 
-    def send(self, model: torch.nn.Module) -> tuple[float, float]:
-        """Write the adapter and reload it in the engine; returns the seconds of each."""
-        from vllm.lora.request import LoRARequest
+        factors = lora_factors_for_engine(model)
+        if self.request is None:
+            from vllm.lora.request import LoRARequest
 
-        from vrl.weights.export import save_lora_adapter
+            # Every HF weight's shape (the engine's layout places a weight by its fused siblings), and
+            # which of them the adapter changes.
+            shapes = {n.replace(".base_layer.", "."): list(p.shape) for n, p in model.named_parameters() if "lora_" not in n}
+            rank = max(a.shape[0] for a, _ in factors.values())
+            info = self.engine.rpc("vrl_adapter_setup", shapes, sorted(factors), rank)[0]
+            if "unserved" in info:
+                raise Unsupported(f"{info['unserved']} (generator.vllm.weight_transfer=adapter; use auto to push "
+                                  "the merged weights)")
+            self.request = LoRARequest("vrl-policy", self.ID, self.PATH)
+        flat = [(f"{n}{_A}", a) for n, (a, _) in factors.items()] + [(f"{n}{_B}", b) for n, (_, b) in factors.items()]
+        self.engine.rpc("vrl_adapter_write", _share(flat, self.engine.device_order))
+        del flat, factors
 
-        t0 = time.perf_counter()
-        save_lora_adapter(model, self.directory)
-        t1 = time.perf_counter()
-        self.pushes += 1
-        name = "vrl-policy"
-        self.llm.llm_engine.add_lora(LoRARequest(name, self.ID, self.directory, load_inplace=True))
-        self.request = LoRARequest(name, self.ID, self.directory)
-        return t1 - t0, time.perf_counter() - t1
 
-    def close(self) -> None:
-        import shutil
-
-        shutil.rmtree(self.directory, ignore_errors=True)
+_A, _B = "|lora_a", "|lora_b"  # the two factors of one weight on the wire
 
 
 def _share(weights: list[tuple[str, torch.Tensor]], engine_order: list[str] | None = None) -> list[tuple[str, Any]]:
@@ -204,19 +195,21 @@ def transfer_for(choice: Transfer, mode: str, *, engine_gpus: list[str], train_g
     trains (0: none). 'auto' picks IPC for one worker on the trainer's GPU, NCCL for workers all on
     other GPUs, and vrl's loader otherwise (mode 'sample', an engine in this process, a CPU copy, a
     tensor-parallel engine that includes the trainer's GPU: NCCL cannot put two ranks on one GPU); a
-    LoRA run pushes W + ΔW merged. 'adapter' (asked for explicitly) serves the adapter itself: on an
-    H200 it took 1.9 s per push against 0.13 s merged at rank 16 on every linear layer of a 1.5B model
-    (vLLM reloads the adapter from its files), so it is not the default. An explicit choice that
-    cannot work is refused.
+    LoRA run pushes W + ΔW merged. 'adapter' (asked for explicitly; one engine worker) serves the
+    adapter from a LoRA slot; not the default until it is measured on a GPU (an earlier version that
+    had vLLM reload the adapter from files took 1.6–1.9 s per push against 85–127 ms merged, 1.5B,
+    rank 16, H200). An explicit choice that cannot work is refused.
     """
     native_possible = mode == "trained" and not in_process and train_gpu is not None
-    adapter_possible = mode == "trained" and 0 < adapter <= MAX_ADAPTER_RANK
+    adapter_possible = mode == "trained" and 0 < adapter <= MAX_ADAPTER_RANK and len(engine_gpus) == 1
     if choice == "extension":
         return "extension"
     if choice == "adapter":
         if not adapter_possible:
             why = ("grpo.use_peft is off: there is no adapter" if not adapter else
-                   f"grpo.lora_r={adapter} is above the largest rank vLLM serves ({MAX_ADAPTER_RANK})")
+                   f"grpo.lora_r={adapter} is above the largest rank vLLM serves ({MAX_ADAPTER_RANK})"
+                   if adapter > MAX_ADAPTER_RANK else "the engine is tensor-parallel (vrl writes whole factors into "
+                   "one worker's LoRA slot)")
             raise ValueError(f"generator.vllm.weight_transfer=adapter cannot move this engine's weights: {why}; "
                              "use generator.vllm.weight_transfer=auto")
         return "adapter"
@@ -416,7 +409,34 @@ if "vllm" in sys.modules:  # inside an engine's worker: before it builds its wei
 
 class LoadWeightsExtension(WorkerBase):
     """The worker extension of modes 'trained' and 'sample': whole weights loaded in place (vrl's own
-    loader; vLLM's native transfer engines need nothing here but the import above)."""
+    loader; vLLM's native transfer engines need nothing here but the import above), or a trained LoRA
+    adapter written into its slot."""
+
+    def vrl_adapter_setup(self, hf_shapes: dict[str, list[int]], adapted: list[str], rank: int) -> dict[str, object]:
+        """Pin `AdapterTransfer.ID` to a LoRA slot and find the stacks of each `adapted` weight in it; returns
+        a summary, or {"unserved": why} when the engine's LoRA layers do not serve one of them."""
+        from vrl.generate.vllm_slots import AdapterSlot, pin_empty_adapters, served_lora_layers
+
+        served = served_lora_layers(self, hf_shapes, adapted)
+        if isinstance(served, str):
+            return {"unserved": served}
+        _, _, layers = served
+        [slot] = pin_empty_adapters(self, [AdapterTransfer.ID], rank)
+        self._vrl_adapter = AdapterSlot(layers, slot)
+        return {"slot": slot, "matrices": len(layers)}
+
+    def vrl_adapter_write(self, payload: list[tuple[str, object]]) -> float:
+        """Write the adapter's factors (sent as `<weight>|lora_a`, `<weight>|lora_b`) into its slot."""
+        start = time.perf_counter()
+        slot = getattr(self, "_vrl_adapter", None)
+        if slot is None:
+            raise RuntimeError("call vrl_adapter_setup before writing an adapter")
+        tensors = dict(rebuild_weights(payload))
+        names = {n.rsplit("|", 1)[0] for n in tensors}
+        slot.write({n: (tensors[n + _A], tensors[n + _B]) for n in names})
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
 
     def vrl_load_weights(self, payload: list[tuple[str, object]]) -> int:
         """Load HF-named weights in place through the model's own `load_weights` (fuses, shards)."""

@@ -53,27 +53,20 @@ def weights_for_engine(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     return out
 
 
-def save_lora_adapter(model: torch.nn.Module, folder: str) -> dict[str, Any]:
-    """Write the LoRA adapter peft injected into `model` to `folder` in peft's own format
-    (`adapter_config.json`, `adapter_model.safetensors` with `base_model.model.<module>.lora_A/B.weight`),
-    replacing what is there; returns the config. What a vLLM engine loads as a LoRA adapter.
+def lora_layers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor, int, float, bool]]:
+    """The LoRA adapter peft injected into `model`: (module name, A (r×in), B (out×r), r, α, rsLoRA) per
+    adapted layer.
 
     One active adapter, the same rank and α on every layer, no DoRA, no extra trained modules
-    (`modules_to_save`): what `grpo.use_peft` trains. Anything else is refused (push the merged
-    weights instead: generator.vllm.weight_transfer=ipc, nccl or extension).
+    (`modules_to_save`): what `grpo.use_peft` trains and what a served LoRA adapter carries. Anything
+    else is refused (push the merged weights instead: generator.vllm.weight_transfer=ipc, nccl or extension).
     """
-    import json
-    import os
-
-    from safetensors.torch import save_file
-
     layers = {n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "lora_B") and m.lora_A}
     if not layers:
-        raise ValueError("the model has no LoRA adapter to save (grpo.use_peft is off?)")
+        raise ValueError("the model has no LoRA adapter (grpo.use_peft is off?)")
     if any("modules_to_save" in n for n, _ in model.named_modules()):
         raise ValueError("the adapter trains whole modules too (modules_to_save), which a served adapter cannot carry")
-    tensors: dict[str, torch.Tensor] = {}
-    shape: set[tuple[int, float, bool]] = set()
+    out = []
     for name, m in layers.items():
         active = [a for a in m.active_adapters if a in m.lora_A]
         if len(active) != 1:
@@ -81,25 +74,22 @@ def save_lora_adapter(model: torch.nn.Module, folder: str) -> dict[str, Any]:
         a = active[0]
         if getattr(m, "use_dora", {}).get(a, False):
             raise ValueError(f"{name} uses DoRA, which a served LoRA adapter cannot carry")
-        shape.add((m.r[a], float(m.lora_alpha[a]), bool(getattr(m, "use_rslora", {}).get(a, False))))
-        prefix = f"base_model.model.{name}"
-        tensors[f"{prefix}.lora_A.weight"] = m.lora_A[a].weight.detach().contiguous()
-        tensors[f"{prefix}.lora_B.weight"] = m.lora_B[a].weight.detach().contiguous()
-    if len(shape) != 1:
-        raise ValueError(f"the adapter's layers differ in rank or alpha ({sorted(shape)}); a served adapter has one of each")
-    (r, alpha, rslora), = shape
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "use_rslora": rslora,
-              "use_dora": False, "bias": "none", "modules_to_save": None, "lora_dropout": 0.0,
-              "target_modules": sorted({n.rsplit(".", 1)[-1] for n in layers})}
-    os.makedirs(folder, exist_ok=True)
-    # Each file is replaced whole (written beside it, then renamed): a reader never sees half of one.
-    weights, cfg = os.path.join(folder, "adapter_model.safetensors"), os.path.join(folder, "adapter_config.json")
-    save_file({k: v.cpu() for k, v in tensors.items()}, weights + ".tmp")
-    os.replace(weights + ".tmp", weights)
-    with open(cfg + ".tmp", "w") as f:
-        json.dump(config, f)
-    os.replace(cfg + ".tmp", cfg)
-    return config
+        out.append((name, m.lora_A[a].weight.detach(), m.lora_B[a].weight.detach(), int(m.r[a]), float(m.lora_alpha[a]),
+                    bool(getattr(m, "use_rslora", {}).get(a, False))))
+    if len({(r, alpha, rslora) for *_, r, alpha, rslora in out}) != 1:
+        raise ValueError("the adapter's layers differ in rank or alpha; a served adapter has one of each")
+    return out
+
+
+def lora_factors_for_engine(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The adapter as an engine's LoRA slots hold it: per adapted weight (its HF name, `<module>.weight`),
+    (A, s·B) with the scale s = α/r (α/√r with rsLoRA) folded into B in fp32, as vLLM folds it when it
+    loads an adapter; the layer then adds x·Aᵀ·(s·B)ᵀ = s·B·A·x, peft's ΔW·x."""
+    out = {}
+    for name, a, b, r, alpha, rslora in lora_layers(model):
+        scale = alpha / (r ** 0.5 if rslora else r)
+        out[f"{name}.weight"] = (a, b.float() * scale)
+    return out
 
 
 def save_model(model: torch.nn.Module, tokenizer, folder) -> None:
