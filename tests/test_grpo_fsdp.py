@@ -149,6 +149,14 @@ def test_micro_batches_are_dealt_evenly():
     assert share_rows(list(range(3)), 2, 1, 0) == [[], [1]] and share_rows(list(range(3)), 2, 1, 1) == [[0], [2]]
 
 
+def _letters_job(runs: Path) -> list[str]:
+    """`vrl train` arguments of a 2-iteration GRPO job on the toy environment, writing under `runs`."""
+    return ["train", "--plugin", "letters", "--optimizer", "grpo", "--iterations", "2", "--name", "fsdp",
+            "--set", f"logging.runs_dir={runs}", "--set", "tasks_per_iteration=3", "--set", "grpo.num_generations=4",
+            "--set", "sampling.max_new_tokens=8", "--set", "sampling.temperature=1.0", "--set", "grpo.micro_batch_size=4",
+            "--set", "grpo.learning_rate=1e-2"]
+
+
 @pytest.mark.slow
 def test_vrl_train_under_torchrun_then_resume_on_one_process(tmp_path):
     """`torchrun --nproc-per-node 2 vrl train` on the toy environment: rank 0 alone writes the run (one
@@ -156,10 +164,7 @@ def test_vrl_train_under_torchrun_then_resume_on_one_process(tmp_path):
     process continues the 2-rank run from its sharded checkpoint to the end."""
     runs = tmp_path / "runs"
     vrl = str(Path(sys.executable).parent / "vrl")
-    args = ["train", "--plugin", "letters", "--optimizer", "grpo", "--iterations", "2", "--name", "fsdp",
-            "--set", f"logging.runs_dir={runs}", "--set", "tasks_per_iteration=3", "--set", "grpo.num_generations=4",
-            "--set", "sampling.max_new_tokens=8", "--set", "sampling.temperature=1.0", "--set", "grpo.micro_batch_size=4",
-            "--set", "grpo.learning_rate=1e-2"]
+    args = _letters_job(runs)
     done = torchrun(vrl, *args)
     assert done.stderr.count("vrl train") == 1, done.stderr[-3000:]  # one console: rank 0's
     run = runs / "fsdp"
@@ -181,10 +186,7 @@ def test_torchrun_on_two_gpus_trains_over_nccl_and_resumes_on_one(tmp_path):
     the sharded checkpoint then resumes on one process."""
     runs = tmp_path / "runs"
     vrl = str(Path(sys.executable).parent / "vrl")
-    args = ["train", "--plugin", "letters", "--optimizer", "grpo", "--iterations", "2", "--name", "fsdp",
-            "--set", f"logging.runs_dir={runs}", "--set", "tasks_per_iteration=3", "--set", "grpo.num_generations=4",
-            "--set", "sampling.max_new_tokens=8", "--set", "sampling.temperature=1.0", "--set", "grpo.micro_batch_size=4",
-            "--set", "grpo.learning_rate=1e-2"]
+    args = _letters_job(runs)
     done = torchrun(vrl, *args)
     run = runs / "fsdp"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
