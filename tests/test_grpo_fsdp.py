@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
-from tests.test_grpo import make_generator, sample_results
+from tests.test_grpo import capture_grads, make_generator, sample_results
 from vrl.envs.letters import LettersEnvironment
 from vrl.optim.grpo import GRPO, GRPOConfig
 from vrl.optim.grpo_dist import share_rows
@@ -57,14 +57,7 @@ def two_ranks(tmp_path_factory):
 
 
 def one_process_step(monkeypatch):
-    grads: list[list[torch.Tensor]] = []
-    step = GRPO._apply_step
-
-    def spy(self):
-        grads.append([m.grad.detach().clone() for m in self.master])
-        return step(self)
-
-    monkeypatch.setattr(GRPO, "_apply_step", spy)
+    grads = capture_grads(monkeypatch)
     gen = make_generator()
     opt = GRPO(GRPOConfig(**FIELDS), seed=0, total_iterations=10)
     opt.setup(gen)
