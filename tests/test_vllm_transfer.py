@@ -222,6 +222,19 @@ def test_an_adapter_transfer_without_a_servable_adapter_is_refused(mode, adapter
         transfer_for("adapter", "trained", engine_gpus=["0", "1"], train_gpu="0", adapter=16)
 
 
+def test_the_adapters_rank_reaches_the_choice_of_transport(monkeypatch):
+    """An engine about to start hands the adapter's rank (not only whether there is one) to `transfer_for`:
+    a rank above vLLM's largest is refused before the engine starts, with the reason."""
+    from vrl.errors import UsageError
+    from vrl.generate import vllm_trained
+    from vrl.generate.vllm import _weight_transfer
+
+    monkeypatch.setattr(vllm_trained, "visible_ids", lambda: ["0"])
+    assert _weight_transfer("adapter", "trained", None, "cuda", 1, adapter_rank=16) == "adapter"
+    with pytest.raises(UsageError, match="lora_r=1024 is above the largest rank"):
+        _weight_transfer("adapter", "trained", None, "cuda", 1, adapter_rank=1024)
+
+
 def _lora_model(seed: int = 0, **lora):
     peft = pytest.importorskip("peft")
     from vrl.generate import tiny
