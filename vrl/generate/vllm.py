@@ -342,12 +342,13 @@ class VLLMGenerator(Generator):
         device = "cuda" if g.device == "auto" else g.device
         adapter_rank = needs.adapter_rank if needs is not None and needs.moves == "trained" else 0
         transfer = _weight_transfer(v.weight_transfer, mode_for(needs), gpu, device, v.tensor_parallel_size, adapter_rank)
-        if transfer in ("ipc", "nccl"):  # vLLM's engine for it, loading in place (`vllm_trained.DIRECT`)
-            from vrl.generate.vllm_trained import DIRECT, register_direct_engines
+        if transfer in ("ipc", "nccl"):
+            # vLLM's engine for it, loading in place: the workers register `DIRECT` when they import
+            # the extension's module, before their model loads.
+            from vrl.generate.vllm_trained import DIRECT
 
-            register_direct_engines()
             kwargs["weight_transfer_config"] = {"backend": DIRECT[transfer]}
-        elif transfer == "adapter":  # one adapter slot, the trained policy's (reloaded in place at each push)
+        elif transfer == "adapter":  # one LoRA slot, the trained policy's (its factors written at each push)
             kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
                           max_lora_rank=next(r for r in LORA_RANKS if r >= adapter_rank))
         t0 = time.perf_counter()
@@ -648,14 +649,8 @@ def _visible_gpu(gpu: str | None) -> Iterator[list[str] | None]:
     if gpu is None:
         yield None
         return
-    from vrl.generate.vllm_trained import visible_ids
-
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible_ids()
-    index = int(gpu)
-    if not 0 <= index < len(ids):
-        raise ValueError(f"runtime.local.gpus names GPU {gpu}, but this process sees {len(ids)} GPU(s): {ids}")
-    order = [ids[index]] + [i for i in ids if i != ids[index]]
+    order = _engine_order(gpu)
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(order)
     try:
         yield order
@@ -666,6 +661,20 @@ def _visible_gpu(gpu: str | None) -> Iterator[list[str] | None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
 
+def _engine_order(gpu: str | None) -> list[str]:
+    """The physical ids of this process's GPUs in the order an engine started on GPU `gpu` (an index among
+    them; None: as they are) sees them: `gpu` first (`_visible_gpu`)."""
+    from vrl.generate.vllm_trained import visible_ids
+
+    ids = visible_ids()
+    if gpu is None:
+        return ids
+    index = int(gpu)
+    if not 0 <= index < len(ids):
+        raise ValueError(f"runtime.local.gpus names GPU {gpu}, but this process sees {len(ids)} GPU(s): {ids}")
+    return [ids[index]] + [i for i in ids if i != ids[index]]
+
+
 def _weight_transfer(choice: str, mode: Mode, gpu: str | None, train_device: str, tensor_parallel_size: int,
                      adapter_rank: int = 0) -> str:
     """`vllm_trained.transfer_for` for an engine about to start on GPU `gpu` (an index among this
@@ -674,9 +683,7 @@ def _weight_transfer(choice: str, mode: Mode, gpu: str | None, train_device: str
     from vrl.generate.vllm_trained import transfer_for, visible_ids
 
     ids = visible_ids()
-    first = int(gpu) if gpu is not None else 0
-    order = ids[first:first + 1] + [i for n, i in enumerate(ids) if n != first]
-    engine = order[:tensor_parallel_size]
+    engine = _engine_order(gpu)[:tensor_parallel_size]
     train = None
     if train_device.startswith("cuda"):
         index = int(train_device.partition(":")[2] or 0)

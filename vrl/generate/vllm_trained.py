@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 
 from vrl.generate.vllm_mover import Mover
-from vrl.generate.vllm_worker import WorkerBase, pack_tensor, rebuild_weights
+from vrl.generate.vllm_worker import WorkerBase, _timed, pack_tensor, rebuild_weights
 from vrl.policy import Trainable, Unsupported
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,6 @@ class AdapterTransfer:
             self.request = LoRARequest("vrl-policy", self.ID, self.PATH)
         flat = [(f"{n}{_A}", a) for n, (a, _) in factors.items()] + [(f"{n}{_B}", b) for n, (_, b) in factors.items()]
         self.engine.rpc("vrl_adapter_write", _share(flat, self.engine.device_order))
-        del flat, factors
 
 
 _A, _B = "|lora_a", "|lora_b"  # the two factors of one weight on the wire
@@ -426,17 +425,14 @@ class LoadWeightsExtension(WorkerBase):
         return {"slot": slot, "matrices": len(layers)}
 
     def vrl_adapter_write(self, payload: list[tuple[str, object]]) -> float:
-        """Write the adapter's factors (sent as `<weight>|lora_a`, `<weight>|lora_b`) into its slot."""
-        start = time.perf_counter()
+        """Write the adapter's factors (sent as `<weight>|lora_a`, `<weight>|lora_b`) into its slot; returns
+        the seconds the write took (synchronised)."""
         slot = getattr(self, "_vrl_adapter", None)
         if slot is None:
             raise RuntimeError("call vrl_adapter_setup before writing an adapter")
         tensors = dict(rebuild_weights(payload))
         names = {n.rsplit("|", 1)[0] for n in tensors}
-        slot.write({n: (tensors[n + _A], tensors[n + _B]) for n in names})
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return _timed(slot.write, {n: (tensors[n + _A], tensors[n + _B]) for n in names})
 
     def vrl_load_weights(self, payload: list[tuple[str, object]]) -> int:
         """Load HF-named weights in place through the model's own `load_weights` (fuses, shards)."""
