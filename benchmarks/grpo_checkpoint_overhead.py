@@ -5,7 +5,9 @@ runs it (a subprocess) on countdown with a Qwen2.5-1.5B-shaped model (random bf1
         [--only default every_iteration_sync] [--small]
 
 Jobs, run interleaved `--repeats` times:
-- `default`: the default cadence (grpo.save_interval_s=600, no count cadence), written in the background;
+- `default`: the default cadence (grpo.save_interval_s=600, no count cadence, grpo.save_last=auto: the
+  policy alone after the last iteration for a model this size), written in the background;
+- `last_full`: as `default`, with a whole checkpoint after the last iteration (grpo.save_last=full);
 - `every_iteration_async`: grpo.save_every=1, in the background;
 - `every_iteration_sync`: grpo.save_every=1, grpo.async_save=false (the old default: the loop waits).
 
@@ -30,6 +32,7 @@ from pathlib import Path
 
 JOBS = {
     "default": [],
+    "last_full": ["--set", "grpo.save_last=full"],
     "every_iteration_async": ["--set", "grpo.save_every=1"],
     "every_iteration_sync": ["--set", "grpo.save_every=1", "--set", "grpo.async_save=false"],
 }
@@ -84,7 +87,7 @@ def main() -> None:
             result["runs"][name].append({
                 "wall_s": wall, "loop_s": sum(r["loop_s"] for r in rows), "save_s": saves,
                 "checkpoint_wait_s": waited, "checkpoint_share": (saves + waited) / wall,
-                "checkpoint_bytes": _size(kept[-1]),
+                "checkpoint_bytes": _size(kept[-1]), "checkpoints": [p.name for p in kept],
             })
             shutil.rmtree(runs / run / "grpo", ignore_errors=True)  # ~21 GB each on the full model
             with open(args.out, "w") as f:

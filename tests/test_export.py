@@ -104,9 +104,10 @@ def test_es_export_reproduces_the_trained_model(tmp_path, monkeypatch, snapshot_
 
 
 @pytest.mark.slow  # subprocesses / training runs: tens of seconds on a loaded 2-core machine
-@pytest.mark.parametrize("lora", [False, True])
-def test_grpo_export_reproduces_the_trained_model(tmp_path, monkeypatch, lora):
-    grpo = {"num_generations": 4, "save_every": 2}
+@pytest.mark.parametrize(("lora", "save_last"), [(False, "auto"), (True, "auto"), (False, "policy")])
+def test_grpo_export_reproduces_the_trained_model(tmp_path, monkeypatch, lora, save_last):
+    """save_last=policy: the last iteration (3) writes grpo/policy-000003 alone, which export reads."""
+    grpo = {"num_generations": 4, "save_every": 2, "save_last": save_last}
     if lora:
         grpo.update(use_peft=True, lora_r=4, lora_dropout=0.0, learning_rate=5e-2)
     run_dir, live = train(tmp_path, monkeypatch, "grpo", grpo=grpo)

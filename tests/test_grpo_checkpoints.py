@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 from rich.console import Console
+from safetensors.torch import load_file
 
 from tests.test_grpo import _final_weights, _toy_config, make_generator, make_grpo, sample_results
 from vrl.envs.letters import LettersEnvironment
@@ -123,6 +124,46 @@ def test_cadence_by_iterations_and_by_time():
     assert not by_time.due(7) and by_time.due(100)  # the last iteration always
     by_count = Cadence(every=3, interval_s=0, total=10, clock=lambda: now[0])
     assert [i for i in range(1, 11) if by_count.due(i)] == [3, 6, 9, 10]
+
+
+@pytest.mark.parametrize("how", ["policy", "auto_over_the_limit"])
+def test_the_last_iteration_writes_the_policy_alone_and_a_resume_redoes_the_run(tmp_path, monkeypatch, how):
+    """save_last=policy, or auto with a whole state over its limit (the limit lowered to 0 bytes: a
+    1.5B full fine-tune's 18 GB of masters and AdamW state is over the real 2 GB): the run's only
+    checkpoint, after its last iteration, is grpo/policy-000003, a Hugging Face folder holding the same
+    weights as a whole checkpoint's policy. Resuming that run for one more iteration redoes all of them
+    from the start and ends as a straight 4-iteration run."""
+    import vrl.optim.grpo as grpo_mod
+
+    whole = Trainer(_toy_config(tmp_path, "whole", 3, save_every=0, save_last="full"),
+                    environment=LettersEnvironment(), console=Console(file=io.StringIO()))
+    assert whole.run()["status"] == "finished" and _names(whole.run_dir) == ["iter-000003"]
+    grpo = {"save_every": 0, "save_last": "policy"}
+    if how == "auto_over_the_limit":
+        monkeypatch.setattr(grpo_mod, "AUTO_FULL_BYTES", 0)
+        grpo["save_last"] = "auto"
+    light = Trainer(_toy_config(tmp_path, "light", 3, **grpo), environment=LettersEnvironment(),
+                    console=Console(file=io.StringIO()))
+    assert light.run()["status"] == "finished"
+    assert _names(light.run_dir) == ["policy-000003"]
+    folder = light.run_dir.path / "grpo" / "policy-000003"
+    assert (folder / "config.json").is_file() and not (folder / "train").exists()
+    a, b = _final_weights(whole.run_dir, 3, FILE), load_file(str(folder / FILE))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    straight = Trainer(_toy_config(tmp_path, "straight", 4, save_every=0, save_last="full"),
+                       environment=LettersEnvironment(), console=Console(file=io.StringIO()))
+    assert straight.run()["status"] == "finished"
+    out = io.StringIO()
+    more = Trainer(_toy_config(tmp_path, "light", 4, **grpo), run_dir=RunDir.open(light.run_dir.path),
+                   environment=LettersEnvironment(), console=Console(file=out, width=200))
+    assert more.run()["status"] == "finished" and more.start_iteration == 0
+    assert "redoing iterations 1..3" in out.getvalue()
+    assert [r["reward_mean"] for r in more.run_dir.metrics()] == [r["reward_mean"] for r in straight.run_dir.metrics()]
+    a = _final_weights(straight.run_dir, 4, FILE)
+    b = load_file(str(more.run_dir.path / "grpo" / "policy-000004" / FILE))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _names(more.run_dir) == ["policy-000004"]  # the newest policy alone is kept
 
 
 def test_a_background_write_that_fails_is_reported_at_the_next_checkpoint(tmp_path, monkeypatch):

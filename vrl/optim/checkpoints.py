@@ -56,8 +56,10 @@ class Cadence:
         self.last = clock()
 
     def due(self, iteration: int) -> bool:
-        if iteration == self.total:
-            return True
+        return iteration == self.total or self.regular(iteration)
+
+    def regular(self, iteration: int) -> bool:
+        """Due by count or by time (whether or not it is the last iteration)."""
         if self.every and iteration % self.every == 0:
             return True
         return bool(self.interval_s) and self.clock() - self.last >= self.interval_s

@@ -57,6 +57,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+AUTO_FULL_BYTES = 2 * 10**9  # save_last=auto: the last iteration writes the whole state up to this size
+POLICY_PREFIX = "policy-"  # grpo/policy-NNNNNN/: the policy alone, written after the last iteration
+
 
 def vespo_mode_error(config: GRPOConfig) -> str | None:
     """What is wrong when loss_type=vespo would correct by the sampler's log-probs per sequence; else None.
@@ -228,7 +231,9 @@ class GRPO(Optimizer):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optim, self.lr_factor)
         self._cadence = Cadence(cfg.save_every, cfg.save_interval_s, self.total_iterations)
         self._writer = BackgroundWriter()
-        self._saved = self._refused = None  # the iteration of the last checkpoint written / refused
+        self._saved = self._refused = None  # the iteration of the last whole checkpoint written / refused
+        self._writing: Path | None = None  # the temporary folder of the last checkpoint handed to the writer
+        self._written: int | None = None  # ... and its iteration
 
     def _apply_lora(self, model):
         try:
@@ -608,6 +613,17 @@ class GRPO(Optimizer):
                       if p.is_dir() and not p.name.endswith(TMP_SUFFIX))
 
     @classmethod
+    def _newest_policy(cls, run_dir: Path, finished: int) -> tuple[int, Path] | None:
+        """The newest policy folder at or before iteration `finished` (what `export` reads): a whole
+        checkpoint's `policy/`, or a policy written alone after the last iteration (`save_last`)."""
+        from vrl.optim.checkpoints import complete
+
+        found = [(int(p.name.removeprefix("iter-")), p / "policy") for p in cls._checkpoints(run_dir)]
+        found += [(int(p.name.removeprefix(POLICY_PREFIX)), p) for p in complete(Path(run_dir) / "grpo", POLICY_PREFIX)]
+        found = [f for f in found if f[0] <= finished]
+        return max(found, key=lambda f: f[0]) if found else None
+
+    @classmethod
     def _newest_checkpoint(cls, run_dir: Path, finished: int) -> Path | None:
         """The newest checkpoint at or before iteration `finished` (what a resume loads), or None."""
         usable = [p for p in cls._checkpoints(run_dir) if int(p.name.removeprefix("iter-")) <= finished]
@@ -618,12 +634,13 @@ class GRPO(Optimizer):
         and AdamW state, a `torch.distributed.checkpoint` folder any number of ranks loads) and `state.pt`
         (step, schedule, RNG, config).
 
-        Due every `save_every` iterations, once `save_interval_s` have passed since the last, after the
-        run's last iteration, and on `final` (the run stops here). The loop waits only for the state to
-        be copied to host memory; the files are written in the background (`async_save`) under a
-        temporary name and renamed when complete, and `keep_checkpoints` are kept, so a crash at any
-        point leaves the newest complete checkpoint. A checkpoint the disk cannot hold is refused
-        (`CheckpointRefused`, or a warning with `on_disk_full=continue`), keeping the last good one.
+        Due every `save_every` iterations, once `save_interval_s` have passed since the last, on `final`
+        (the run stops here), and after the run's last iteration, where `save_last` may write the policy
+        alone (grpo/policy-NNNNNN/) instead. The loop waits only for the state to be copied to host
+        memory; the files are written in the background (`async_save`) under a temporary name and renamed
+        when complete, and `keep_checkpoints` are kept, so a crash at any point leaves the newest complete
+        checkpoint. A checkpoint the disk cannot hold is refused (`CheckpointRefused`, or a warning with
+        `on_disk_full=continue`), keeping the last good one.
         """
         import torch
 
@@ -642,23 +659,29 @@ class GRPO(Optimizer):
         leader = group is None or group.leader
         failed = self._finish_previous()  # one checkpoint in flight: host memory holds at most one snapshot
         if failed is not None:
-            if leader:  # what the failed write left
-                lost = self._checkpoint_dir(run_dir, self._saved)
-                shutil.rmtree(lost.with_name(lost.name + TMP_SUFFIX), ignore_errors=True)
+            if leader and self._writing is not None:  # what the failed write left
+                shutil.rmtree(self._writing, ignore_errors=True)
             kept = self._checkpoints(run_dir)
-            line = (f"writing the checkpoint of iteration {self._saved} failed ({failed}); "
+            line = (f"writing the checkpoint of iteration {self._written} failed ({failed}); "
                     f"{f'the last good one, {kept[-1].name}, is kept' if kept else 'there is no earlier checkpoint'}")
             if cfg.on_disk_full == "stop":
                 self._refused = self.iteration
                 raise CheckpointRefused(f"{line}; the run stops (grpo.on_disk_full=stop)")
             if leader:
                 log.warning("%s; the run goes on (grpo.on_disk_full=continue)", line)
-        target = self._checkpoint_dir(run_dir, self.iteration)
-        tmp = target.with_name(target.name + TMP_SUFFIX)
         train = self._train_state()
         needed = _bytes(t for d in (train["model"], *train["optim"].values()) for t in d.values())
         if group is not None:
             needed = int(group.sum({"bytes": float(needed)})["bytes"])
+        whole = final or self._cadence.regular(self.iteration) or cfg.save_last == "full" or (
+            cfg.save_last == "auto" and needed <= AUTO_FULL_BYTES)
+        if group is not None:
+            whole = group.share(whole)
+        if not whole:
+            self._save_policy(run_dir, leader)
+            return
+        target = self._checkpoint_dir(run_dir, self.iteration)
+        tmp = target.with_name(target.name + TMP_SUFFIX)
         reason = None
         if leader:
             needed += _bytes(self._policy_tensors())
@@ -668,11 +691,7 @@ class GRPO(Optimizer):
         if group is not None:
             reason = group.share(reason)
         if reason is not None:
-            self._refused = self.iteration
-            if cfg.on_disk_full == "stop":
-                raise CheckpointRefused(f"{reason}; the run stops (grpo.on_disk_full=stop)")
-            if leader:  # one line, from rank 0
-                log.warning("%s; the run goes on (grpo.on_disk_full=continue)", reason)
+            self._refuse(reason, leader)
             return
         import torch.distributed.checkpoint as dcp
 
@@ -702,12 +721,50 @@ class GRPO(Optimizer):
                 torch.save(state, tmp / "state.pt")
                 finish(tmp, target, keep)
 
-        if cfg.async_save and not final:
+        self._write(write, tmp, background=cfg.async_save and not final)
+        self._saved = self.iteration
+        self._cadence.done()
+
+    def _save_policy(self, run_dir: Path, leader: bool) -> None:
+        """The run's last iteration under `save_last`: write grpo/policy-NNNNNN/ (the policy's Hugging Face
+        folder, or the LoRA adapter's) from rank 0, in the background; the newest one is kept."""
+        from vrl.optim import checkpoints as ckpts
+
+        target = Path(run_dir) / "grpo" / f"{POLICY_PREFIX}{self.iteration:06d}"
+        tmp = target.with_name(target.name + TMP_SUFFIX)
+        reason = None
+        if leader:
+            reason = check_room(target.parent, _bytes(self._policy_tensors()), 1, probe=ckpts.free_bytes,
+                                prefix=POLICY_PREFIX)
+        if self.group is not None:
+            reason = self.group.share(reason)
+        if reason is not None:
+            self._refuse(reason, leader)
+            return
+        if not leader:
+            return
+        write_policy = self._snapshot_policy(tmp)
+
+        def write() -> None:
+            write_policy()
+            finish(tmp, target, 1, prefix=POLICY_PREFIX)
+
+        self._write(write, tmp, background=self.config.async_save)
+
+    def _write(self, write: Callable[[], None], tmp: Path, background: bool) -> None:
+        self._writing, self._written = tmp, self.iteration
+        if background:
             self._writer.submit(write)
         else:
             write()
-        self._saved = self.iteration
-        self._cadence.done()
+
+    def _refuse(self, reason: str, leader: bool) -> None:
+        """The checkpoint of this iteration does not fit: stop the run, or warn once (rank 0) and go on."""
+        self._refused = self.iteration
+        if self.config.on_disk_full == "stop":
+            raise CheckpointRefused(f"{reason}; the run stops (grpo.on_disk_full=stop)")
+        if leader:  # one line, from rank 0
+            log.warning("%s; the run goes on (grpo.on_disk_full=continue)", reason)
 
     def _finish_previous(self) -> str | None:
         """Wait for the checkpoint being written; None when it (on every rank) completed, else why not."""
@@ -771,7 +828,8 @@ class GRPO(Optimizer):
     def load(self, run_dir: Path, completed: int) -> None:
         """Resume from the newest checkpoint at or before the run's last finished iteration (`completed`).
 
-        With `save_every` > 1 that may be older than the run: `self.iteration` then says where the
+        With `save_every` > 1 that may be older than the run, and a run that ended on its policy alone
+        (`save_last`) may have none (then nothing loads: iteration 0). `self.iteration` says where the
         weights are, and the trainer redoes the iterations after it. A checkpoint written by any number
         of ranks loads on any number of ranks (one process included).
         """
@@ -779,8 +837,13 @@ class GRPO(Optimizer):
         if group is not None and group.leader:
             group.send("load", run_dir, completed)
         ckpt = self._newest_checkpoint(run_dir, completed)
+        # The run ended on its policy alone (save_last) with no whole checkpoint before it: start over from
+        # the state a new run starts with; the trainer redoes every iteration, seeded as the first time.
+        over = ckpt is None and self._newest_policy(run_dir, completed) is not None
         if group is not None:
-            ckpt = group.share(ckpt)  # the file system may lag on other nodes: rank 0's choice
+            ckpt, over = group.share((ckpt, over))  # the file system may lag on other nodes: rank 0's choice
+        if over:
+            return
         if ckpt is None:
             found = [p.name for p in self._checkpoints(run_dir)]
             raise FileNotFoundError(
@@ -846,16 +909,16 @@ class GRPO(Optimizer):
     @classmethod
     def export(cls, run_dir: Path, config: dict[str, Any], finished: int, folder: Path, load: ModelLoader
                ) -> dict[str, Any]:
-        """The newest checkpoint at or before `finished` (the one a resume loads); LoRA merged into the base."""
+        """The newest policy at or before `finished` (a whole checkpoint's or one written alone after the
+        last iteration); LoRA merged into the base."""
         run_dir = Path(run_dir)
-        ckpt = cls._newest_checkpoint(run_dir, finished)
-        if ckpt is None:
+        newest = cls._newest_policy(run_dir, finished)
+        if newest is None:
             raise ValueError(f"{run_dir} has no GRPO checkpoint at or before iteration {finished} in {run_dir / 'grpo'}")
-        iteration = int(ckpt.name.removeprefix("iter-"))
+        iteration, policy = newest
         if iteration < finished:
             log.warning("the newest GRPO checkpoint of %s is after iteration %d (the run finished %d): exporting it",
                         run_dir, iteration, finished)
-        policy = ckpt / "policy"
         info = {"optimizer": cls.name, "iteration": iteration, "base_model": config["model"]}
         if not (policy / "adapter_config.json").is_file():
             # Full fine-tuning: the checkpoint is already a Hugging Face folder (save_pretrained + tokenizer).

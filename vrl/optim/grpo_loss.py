@@ -135,13 +135,21 @@ class GRPOConfig(BaseModel):
     save_every: int = Field(
         0, ge=0,
         description="Also write a checkpoint every k iterations (0: by time only, see save_interval_s). One is "
-        "always written after the last iteration and when the run stops; a resume redoes the iterations since "
-        "the last checkpoint.",
+        "always written when the run stops, and after the last iteration as save_last says; a resume redoes the "
+        "iterations since the last checkpoint.",
     )
     save_interval_s: float = Field(
         600.0, ge=0.0,
         description="Write a checkpoint once this many seconds have passed since the last (0: off). A full 1.5B "
         "checkpoint is ~21 GB; written in the background it blocks the loop for the copy to host memory only.",
+    )
+    save_last: Literal["auto", "full", "policy"] = Field(
+        "auto",
+        description="After the run's last iteration (unless save_every or save_interval_s make it due anyway): "
+        "'full' writes a whole checkpoint (policy, masters, AdamW state: resumable), 'policy' the trained "
+        "policy alone (grpo/policy-NNNNNN, a Hugging Face folder, what vrl export reads; ~1/7 of a full "
+        "fine-tune's state); 'auto' the whole state when it is at most 2 GB (LoRA, small models), else the policy. "
+        "A resume of a run that ends on a policy alone redoes the iterations since its last whole checkpoint.",
     )
     keep_checkpoints: int = Field(2, ge=1, description="How many complete checkpoints to keep (the newest).")
     async_save: bool = Field(
