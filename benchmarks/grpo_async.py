@@ -20,7 +20,11 @@ implements `decouple` (docs/grpo.md), the issue's setting is::
         --set generator.vllm.max_model_len=1280 --set grpo.gradient_checkpointing=true
 
 (`--bench-model` writes a Qwen2.5-1.5B-shaped model with random bf16 weights there, as the other GPU
-benchmarks do; `--set` passes any config field). Results: docs/benchmarks.md.
+benchmarks do; `--set` passes any config field). On two GPUs the jobs can be split over two processes
+sharing one calibration (the synchronous instant-verifier run, which is also instant/0's first repeat):
+`--jobs instant/0 slow/0 --calibration c.json` on one GPU, `--jobs instant/1 slow/1 --calibration c.json`
+on the other (its slow job waits for c.json).
+Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -83,6 +88,11 @@ def run(args, runs: Path, name: str, staleness: int, delay: float) -> list[dict]
     return trainer.run_dir.metrics()
 
 
+JOBS = ("slow/0", "slow/1", "instant/0", "instant/1")  # verifier / max_staleness
+ROW_KEYS = ("iteration", "time", "generation_s", "verification_s", "update_s", "loop_s", "grpo/staleness/max",
+            "grpo/sampling_kl", "time/wait_for_rollouts_s", "time/wait_for_trainer_s", "time/publish_wait_s")
+
+
 def per_hour(rows: list[dict]) -> float:
     return (len(rows) - 1) / (rows[-1]["time"] - rows[0]["time"]) * 3600
 
@@ -101,6 +111,11 @@ def main() -> None:
     ap.add_argument("--verify-batch", type=int, default=8, help="attempts per verify call")
     ap.add_argument("--bench-model", metavar="PATH", help="write a Qwen2.5-1.5B-shaped random model here and use it")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config field, as `vrl train`")
+    ap.add_argument("--jobs", nargs="+", default=list(JOBS), choices=JOBS,
+                    help="run these jobs only (to split them over GPUs: see --calibration)")
+    ap.add_argument("--calibration", metavar="PATH",
+                    help="share the calibration between processes: read generation_s from this JSON (waiting for it "
+                         "to appear), or, with instant/0 among --jobs, write it there from that run")
     args = ap.parse_args()
     if args.bench_model:
         sys.path.insert(0, str(Path(__file__).parent))
@@ -109,22 +124,45 @@ def main() -> None:
         build_model(args.bench_model, small=False)
         args.model = args.bench_model
     runs = Path(tempfile.mkdtemp(prefix="vrl-async-"))
-    calibration = run(args, runs, "calibration", 0, 0.0)
-    generation_s = statistics.median(r["generation_s"] for r in calibration[1:])
     calls = -(-args.tasks * args.generations // args.verify_batch)
-    delay = generation_s / calls
-    jobs = {(v, s): [] for v in ("slow", "instant") for s in (0, 1)}
-    result = {"args": vars(args), "generation_s": generation_s, "verify_calls": calls, "delay_s": delay, "runs": {}}
+    jobs = {job: [] for job in args.jobs}  # in the order given
+    result = {"args": vars(args), "verify_calls": calls, "runs": {}}
+    first = None
+    if not args.calibration or "instant/0" in jobs:  # calibrate here: a synchronous run, instant verifier
+        first = run(args, runs, "calibration", 0, 0.0)  # also instant/0's first repeat
+        result["generation_s"] = statistics.median(r["generation_s"] for r in first[1:])
+        if args.calibration:
+            Path(args.calibration).write_text(json.dumps({"generation_s": result["generation_s"]}))
+
+    def delay() -> float:
+        """Each verify call's sleep: the calibration's generation time over the calls (waits for another
+        process's calibration the first time a slow job needs it)."""
+        if "generation_s" not in result:
+            path = Path(args.calibration)
+            while not path.exists():
+                time.sleep(1)
+            result["generation_s"] = json.loads(path.read_text())["generation_s"]
+        result["delay_s"] = result["generation_s"] / calls
+        return result["delay_s"]
+
     for repeat in range(args.repeats):
-        for (verifier, staleness), rates in jobs.items():  # interleaved: a slow minute of the machine hits every job
-            rows = run(args, runs, f"{verifier}-{staleness}-{repeat}", staleness, delay if verifier == "slow" else 0.0)
+        for job, rates in jobs.items():  # interleaved: a slow minute of the machine hits every job
+            verifier, staleness = job.split("/")
+            if job == "instant/0" and repeat == 0 and first is not None:
+                rows = first  # the calibration run is this job's first repeat
+            else:
+                rows = run(args, runs, f"{verifier}-{staleness}-{repeat}", int(staleness),
+                           delay() if verifier == "slow" else 0.0)
             rates.append(per_hour(rows))
             print(f"repeat {repeat} verifier {verifier} max_staleness {staleness}: {rates[-1]:.0f} it/h "
                   f"(generation {statistics.median(r['generation_s'] for r in rows):.3f} s, update "
                   f"{statistics.median(r['update_s'] for r in rows):.3f} s)", flush=True)
-    for (verifier, staleness), rates in jobs.items():
-        result["runs"][f"{verifier}/{staleness}"] = {"iterations_per_hour": rates, "median": statistics.median(rates)}
+            result["runs"][job] = {"iterations_per_hour": rates, "median": statistics.median(rates),
+                                   "rows": [{k: r.get(k) for k in ROW_KEYS} for r in rows]}
+            Path(args.out).write_text(json.dumps(result, indent=2))  # a run cut short keeps what finished
     for verifier in ("slow", "instant"):
+        if f"{verifier}/0" not in result["runs"] or f"{verifier}/1" not in result["runs"]:
+            continue  # the other half ran in another process: compare the two outputs
         ratio = result["runs"][f"{verifier}/1"]["median"] / result["runs"][f"{verifier}/0"]["median"]
         result[f"speedup_{verifier}"] = ratio
         print(f"verifier {verifier}: max_staleness 1 / 0 = {ratio:.2f}x "
