@@ -29,6 +29,7 @@ from vrl.rundir import RunDir
 from vrl.trainer import Trainer
 
 HERE = Path(__file__).parent
+VRL = ("-m", "vrl.cli")  # torchrun's module mode: `vrl` need not be installed as a script (the GPU machine)
 # beta > 0 shards a frozen reference too; 12 samples in micro-batches of 5 make 2 per rank.
 FIELDS = {"loss_type": "grpo", "micro_batch_size": 5, "learning_rate": 1e-3, "beta": 0.1, "num_iterations": 1,
           "lr_scheduler_type": "constant"}
@@ -156,9 +157,7 @@ def test_vrl_train_under_torchrun_then_resume_on_one_process(tmp_path):
     metrics line per iteration, its console), both ranks train; then `vrl train --resume` on one
     process continues the 2-rank run from its sharded checkpoint to the end."""
     runs = tmp_path / "runs"
-    vrl = str(Path(sys.executable).parent / "vrl")
-    args = _letters_job(runs)
-    done = torchrun(vrl, *args)
+    done = torchrun(*VRL, *_letters_job(runs))
     assert done.stderr.count("vrl train") == 1, done.stderr[-3000:]  # one console: rank 0's
     run = runs / "fsdp"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -178,9 +177,7 @@ def test_torchrun_on_two_gpus_trains_over_nccl_and_resumes_on_one(tmp_path):
     """The same job on 2 GPUs: each rank on its own GPU (LOCAL_RANK), FSDP2 over NCCL, rank 0 sampling;
     the sharded checkpoint then resumes on one process."""
     runs = tmp_path / "runs"
-    vrl = str(Path(sys.executable).parent / "vrl")
-    args = _letters_job(runs)
-    done = torchrun(vrl, *args)
+    done = torchrun(*VRL, *_letters_job(runs))
     run = runs / "fsdp"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1] and all(r["grpo/grad_norm"] > 0 for r in rows), done.stderr[-3000:]
