@@ -19,7 +19,8 @@ import string
 import time
 
 
-def build_model(path: str, small: bool) -> None:
+def build_model(path: str, small: bool, shape: str = "1.5b") -> None:
+    """Random bf16 weights in the shape of Qwen2.5-1.5B (`shape="7b"`: Qwen2.5-7B) and vrl's tiny tokenizer."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -28,6 +29,10 @@ def build_model(path: str, small: bool) -> None:
     if small:
         cfg = Qwen2Config(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    elif shape == "7b":  # Qwen2.5-7B (its config.json): 7.6B parameters, embeddings untied
+        cfg = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                          num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                          rope_theta=1_000_000.0, tie_word_embeddings=False, rms_norm_eps=1e-6)
     else:  # Qwen2.5-1.5B
         cfg = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                           num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
