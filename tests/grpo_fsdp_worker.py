@@ -7,7 +7,9 @@ the AdamW state gathered from the shards.
 
     torchrun --standalone --nproc-per-node 2 tests/grpo_fsdp_worker.py OUT RUN_DIR '{"beta": 0.1, ...}'
 
-(`"_dtype": "bfloat16"` in the fields loads the model in bf16.)
+(`"_dtype": "bfloat16"` in the fields loads the model in bf16; `"_load": RUN` resumes RUN's checkpoint of
+iteration 1 first, and `"_seed"` seeds the sampled batch. With `"use_peft": true` the ranks train a
+LoRA adapter data-parallel, and OUT also holds every rank's adapter after the step, `replicas`.)
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ def main(out: str, run_dir: str, fields: dict) -> None:
 
     GRPO._apply_step = spy
     gen = make_generator(dtype=getattr(torch, fields.pop("_dtype", "float32")))
+    resume, seed = fields.pop("_load", None), fields.pop("_seed", 1)
     opt = GRPO(GRPOConfig(**fields), seed=0, total_iterations=10)
     opt.setup(gen)
     leader = opt.group.leader
     if leader:
-        metrics = opt.tell(sample_results(gen))
+        if resume is not None:  # every rank loads that run's checkpoint of iteration 1 (`load` leads them)
+            opt.load(resume, 1)
+        metrics = opt.tell(sample_results(gen, seed=seed))
         opt.save(run_dir, final=True)
         opt.stop_followers()
     else:
@@ -44,8 +49,15 @@ def main(out: str, run_dir: str, fields: dict) -> None:
     # Every rank takes part in gathering the AdamW state from its shards.
     optim = {name: {k: full(v).clone() for k, v in opt.optim.state[m].items()}
              for name, m in zip(opt.param_names, opt.master)}
+    replicas = None
+    if opt.peft_model is not None:  # every rank's whole adapter, to rank 0
+        import torch.distributed as dist
+
+        replicas = [None] * opt.group.world
+        dist.all_gather_object(replicas, [p.detach().clone() for p in opt.params], group=opt.group.objects)
     if leader:
-        torch.save({"metrics": metrics, "grads": grads, "optim": optim, "world": opt.group.world,
+        torch.save({"metrics": metrics, "grads": grads, "optim": optim, "world": opt.group.world, "replicas": replicas,
+                    "syncs": gen.syncs,  # the trained weights handed to rank 0's sampling host
                     "weights": {k: v.clone() for k, v in gen.model.state_dict().items()}}, out)
     opt.close()  # every rank: checkpoint writes finished, process group released
 

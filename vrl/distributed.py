@@ -5,17 +5,25 @@
 shapes, writes the run directory, the metrics and the console. Every other rank *follows*: it
 builds the same model and optimizer and then does what rank 0's optimizer tells it (train on this
 batch, save, load, stop), so the update itself (forward, backward, the AdamW step) runs on every
-rank on its shard of the model (`vrl.optim.grpo_dist`). Only GRPO trains this way; ES runs on
-one process (its workers are engines, not ranks).
+rank on its shard of the model (`vrl.optim.grpo_dist`; with LoRA, on its whole copy of the model and
+adapter, data-parallel). Only GRPO trains this way; ES runs on one process (its workers are engines,
+not ranks).
 
 Standard library only at import: the trainer imports this module, and `import vrl` must not load torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
+
+# What torchrun exports to each rank (besides TORCHELASTIC_*), which a process a rank starts for its own
+# use must not see: see `outside_launch`.
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def rank() -> int:
@@ -42,9 +50,26 @@ def check(config: Any) -> None:
     if config.optimizer != "grpo":
         raise UsageError(f"a torchrun launch ({world_size()} processes) trains with optimizer=grpo only; "
                          f"optimizer={config.optimizer} runs as one process (start it without torchrun)")
-    if config.grpo.use_peft:
-        raise UsageError(f"grpo.use_peft=true trains LoRA adapters on one process; a torchrun launch "
-                         f"({world_size()} processes) shards full fine-tuning only: drop torchrun or use_peft")
+    if config.generator.backend == "vllm" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        # An engine inside rank 0's own process would join (or start) rank 0's torch.distributed world.
+        raise UsageError(f"a torchrun launch ({world_size()} processes) runs rank 0's vLLM engine in a process "
+                         "of its own: unset VLLM_ENABLE_V1_MULTIPROCESSING=0")
+
+
+@contextlib.contextmanager
+def outside_launch() -> Iterator[None]:
+    """Inside the block, this process's environment is a standalone process's: what torchrun exported
+    is hidden, and restored on leaving. For processes a rank starts for itself, which inherit the
+    environment when they start: rank 0's vLLM engine. Its worker sets up a one-process torch.distributed
+    group on a private port, and torchrun's TORCHELASTIC_USE_AGENT_STORE=True would make torch connect
+    to that port as a client of the launcher's store, which nobody serves: the engine would wait until
+    its timeout (10 min) before loading anything (seen on 2 GPUs; tests/test_distributed_env.py)."""
+    hidden = {k: os.environ.pop(k) for k in [*LAUNCH_VARIABLES, *(k for k in os.environ if k.startswith("TORCHELASTIC_"))]
+              if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
 
 
 def start(config: Any) -> None:

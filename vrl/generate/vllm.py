@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
+from vrl import distributed
 from vrl.config import Section
 from vrl.errors import UsageError
 from vrl.generate.base import Generator, cut_at_stop, tokens_covering
@@ -352,7 +353,9 @@ class VLLMGenerator(Generator):
             kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
                           max_lora_rank=next(r for r in LORA_RANKS if r >= adapter_rank))
         t0 = time.perf_counter()
-        with _visible_gpu(gpu) as order:
+        # The engine's processes start here and keep the environment they see: a standalone one, even in
+        # rank 0 of a torchrun launch (vrl.distributed.outside_launch says why).
+        with _visible_gpu(gpu) as order, distributed.outside_launch():
             llm = vllm.LLM(**kwargs)
         log.info("vLLM engine ready in %.1f s%s (weights move by %s)", time.perf_counter() - t0,
                  f" on GPU {gpu}" if gpu is not None else "", transfer)

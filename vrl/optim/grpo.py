@@ -193,7 +193,13 @@ class GRPO(Optimizer):
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.group is not None:
+        if self.group is not None and self.peft_model is not None:
+            # LoRA trains data-parallel: every rank trains the whole (small) adapter on its whole frozen
+            # base, from rank 0's bits; the adapter's gradients are summed over the ranks (vrl.optim.grpo_dist).
+            from vrl.optim.grpo_dist import replicate
+
+            replicate(model)
+        elif self.group is not None:
             # FSDP2 trains a sharded copy in fp32 (its shards are the masters); the host's model stays
             # whole for sampling and gets the trained weights after each step (`_publish`).
             from vrl.optim.grpo_dist import shard
@@ -318,6 +324,8 @@ class GRPO(Optimizer):
             if self.group is not None:  # each rank summed its own micro-batches: the batch's sums are over ranks
                 stats = self.group.sum({**stats, "_loss": loss})
                 loss = stats.pop("_loss")
+                if self.peft_model is not None:  # LoRA trains data-parallel: the adapter's gradients add up
+                    self.group.add_grads(self.master)
             totals["loss"] += loss / cfg.num_iterations
             totals["grad_norm"] += self._apply_step() / cfg.num_iterations
             for key, value in stats.items():
@@ -420,7 +428,8 @@ class GRPO(Optimizer):
         if self.group is not None:
             from vrl.optim.grpo_dist import copy_into
 
-            copy_into(self.model, self.host_model, write=self.group.leader)
+            if self.peft_model is None:  # LoRA trains the host's model itself, on every rank
+                copy_into(self.model, self.host_model, write=self.group.leader)
             if not self.group.leader:
                 return
         self.host.publish(self.host_model)
@@ -671,7 +680,7 @@ class GRPO(Optimizer):
                 log.warning("%s; the run goes on (grpo.on_disk_full=continue)", line)
         train = self._train_state()
         needed = _bytes(t for d in (train["model"], *train["optim"].values()) for t in d.values())
-        if group is not None:
+        if group is not None and self.peft_model is None:  # (a LoRA adapter is whole on every rank)
             needed = int(group.sum({"bytes": float(needed)})["bytes"])
         whole = final or self._cadence.regular(self.iteration) or cfg.save_last == "full" or (
             cfg.save_last == "auto" and needed <= AUTO_FULL_BYTES)

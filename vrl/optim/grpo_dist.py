@@ -16,8 +16,16 @@ Who does what (see `vrl.distributed` for the launch):
   backward (`MixedPrecisionPolicy`), gradients reduced in fp32.
 - After each step the full weights are gathered one tensor at a time into rank 0's sampling model.
 
+LoRA (`use_peft`) trains *data-parallel* instead: every rank holds the whole frozen base and the whole
+adapter (rank 0's bits, broadcast once: `replicate`), trains its micro-batches, and the adapter's
+gradients are summed over the ranks (`Group.add_grads`, one all-reduce of a flat buffer) before
+clipping; AdamW then takes the same step on every rank. The adapter is megabytes: sharding it saves
+nothing, while FSDP2 would hold the frozen base in fp32 (its shards are masters, one dtype per unit).
+Rank 0's model is both the one trained and the one its host samples from, as on one process.
+
 Checkpoints: `train/` is a `torch.distributed.checkpoint` folder of the fp32 masters and the AdamW
-state, keyed by parameter name, so any number of ranks (one process included) loads it.
+state, keyed by parameter name, so any number of ranks (one process included) loads it. (A LoRA
+adapter's tensors are whole on every rank; DCP writes each once.)
 """
 
 from __future__ import annotations
@@ -81,6 +89,20 @@ class Group:
         dist.all_reduce(t, group=self.objects)
         return dict(zip(keys, t.tolist()))
 
+    def add_grads(self, params: list[torch.Tensor]) -> None:
+        """Sum the gradients of `params` (whole tensors, the same on every rank) over the ranks, in place:
+        one all-reduce of one flat buffer. A parameter without a gradient counts as zeros."""
+        if not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)  # SUM, over the device's backend (NCCL on GPUs, gloo on CPUs)
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(g).clone()
+            offset += n
+
     def max(self, value: float) -> float:
         t = torch.tensor([float(value)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.objects)
@@ -102,14 +124,20 @@ def share_rows(order: list[int], world: int, micro_batch_size: int, rank: int) -
     return [order[bounds[c] : bounds[c + 1]] for c in range(rank, chunks, world)]
 
 
+def replicate(model: nn.Module) -> None:
+    """Every rank's `model` takes rank 0's parameters and buffers, in place (however each loaded its
+    copy, and whatever each one's random initialisation of new modules, such as LoRA adapters, drew)."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+
+
 def shard(model: nn.Module, group: Group, compute_dtype: torch.dtype, trainable: bool = True) -> nn.Module:
     """A sharded copy of `model` for training: fp32 parameters sharded over the ranks (the masters),
     forward and backward in `compute_dtype`, gradients summed (not averaged) in fp32 over the ranks."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    with torch.no_grad():  # every rank starts from rank 0's weights, however each loaded its copy
-        for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t.data, src=0)
+    replicate(model)  # every rank starts from rank 0's weights
     train = copy.deepcopy(model)
     if trainable:
         train = train.float()

@@ -1,0 +1,175 @@
+"""GRPO with LoRA (`grpo.use_peft`) across 2 CPU ranks (gloo), launched with the real `torchrun`, against one process.
+
+Under torchrun a LoRA adapter trains data-parallel (vrl.optim.grpo_dist): every rank holds the whole
+frozen base and the whole adapter, starting from rank 0's bits, trains its micro-batches of the whole
+batch, and the adapter's gradients are all-reduced (sum) before clipping and AdamW. Nothing is
+emulated: peft injects the adapters, gloo carries the collectives, `torch.distributed.checkpoint`
+writes `train/`. Only the GPUs are absent (NCCL is the same code path with another backend).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+
+from tests.test_grpo import capture_grads, make_generator, sample_results
+from tests.test_grpo_fsdp import FIELDS, HERE, VRL, _letters_job, _toy_config_from, torchrun
+from vrl.envs.letters import LettersEnvironment
+from vrl.optim.grpo import GRPO, GRPOConfig
+from vrl.rundir import RunDir
+from vrl.trainer import Trainer
+
+pytest.importorskip("peft")
+
+# No LoRA dropout: its masks are drawn per micro-batch in order, and the ranks draw theirs apart.
+LORA = {**FIELDS, "use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+        "lora_target_modules": ["q_proj", "v_proj"]}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One GRPO LoRA step on 2 ranks (tests/grpo_fsdp_worker.py): what rank 0 saw, and its checkpoint."""
+    tmp = tmp_path_factory.mktemp("fsdp_lora")
+    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp / "out.pt"), str(tmp / "run"), json.dumps(LORA))
+    return torch.load(tmp / "out.pt", weights_only=False), tmp / "run"
+
+
+@pytest.mark.slow
+def test_two_ranks_train_a_lora_adapter_as_one_process(two_ranks, monkeypatch):
+    """Loss, adapter gradients and updated adapter of a 2-rank LoRA step equal the one-process step's; the
+    frozen base does not move, both ranks hold the same adapter bits after the step, and rank 0's
+    sampling host got the trained adapter.
+
+    Tolerances (as for full fine-tuning in tests/test_grpo_fsdp.py): the loss and the gradient norm to
+    1e-6 relative, every gradient element to 1e-6 of its tensor's largest (the ranks sum their
+    micro-batches in another order); each updated weight to the bound AdamW's first step puts on that
+    gradient difference, lr · min(2, ε/(|g| + ε)² · |Δg|), plus 4 fp32 ulps."""
+    dist, _ = two_ranks
+    assert dist["world"] == 2
+    grads = capture_grads(monkeypatch)
+    gen = make_generator()
+    opt = GRPO(GRPOConfig(**LORA), seed=0, total_iterations=10)
+    opt.setup(gen)
+    metrics = opt.tell(sample_results(gen))
+    weights = gen.model.state_dict()
+    assert dist["metrics"]["grpo/loss"] == pytest.approx(metrics["grpo/loss"], rel=1e-6)
+    assert dist["metrics"]["grpo/kl"] == pytest.approx(metrics["grpo/kl"], rel=1e-5)
+    assert dist["metrics"]["grpo/grad_norm"] == pytest.approx(metrics["grpo/grad_norm"], rel=1e-6)
+    for key in ("grpo/trained_tokens", "grpo/clip_ratio/region_mean", "grpo/advantage_abs_mean", "grpo/reward_std"):
+        assert dist["metrics"][key] == metrics[key], key
+    assert len(dist["grads"]) == len(grads) == 1
+    assert [g.shape for g in dist["grads"][0]] == [p.shape for p in opt.params]  # the adapter only, whole
+    for a, b in zip(dist["grads"][0], grads[0]):
+        assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max())
+    assert any(g.abs().sum() > 0 for g in grads[0])
+    assert set(dist["weights"]) == set(weights)
+    base = make_generator().model.state_dict()
+    for k, v in dist["weights"].items():
+        if "lora_" not in k:  # the frozen base, as loaded
+            assert torch.equal(v, base[k.replace(".base_layer", "")]), k
+    eps, lr = 1e-8, LORA["learning_rate"]
+    clip = [min(1.0, 1.0 / (m["grpo/grad_norm"] + 1e-6)) for m in (metrics, dist["metrics"])]
+    for name, p, g1, g2 in zip(opt.param_names, opt.params, grads[0], dist["grads"][0]):
+        key = name.removeprefix("base_model.model.")
+        assert torch.equal(p.detach(), weights[key])
+        g1, g2 = g1 * clip[0], g2 * clip[1]
+        diff = (g1 - g2).abs()
+        slope = eps / ((g1.abs() - diff).clamp(min=0) + eps) ** 2
+        ulps = 4 * torch.finfo(torch.float32).eps * (weights[key].abs() + lr)
+        bound = lr * torch.clamp(slope * diff, max=2.0) + ulps
+        assert bool(((dist["weights"][key] - weights[key]).abs() <= bound).all()), name
+    one, two = dist["replicas"]
+    assert all(torch.equal(a, b) for a, b in zip(one, two))  # the ranks never drift apart
+    assert dist["syncs"] == 1  # rank 0's host was handed the trained model after the step
+    trained = {k: v for k, v in dist["weights"].items() if ".lora_B." in k}
+    assert trained and max(float(v.abs().max()) for v in trained.values()) > 0.5 * lr  # B starts at 0: it moved
+
+
+@pytest.mark.slow
+def test_two_rank_lora_checkpoint_resumes_on_one_process_exactly(two_ranks):
+    """The 2-rank LoRA checkpoint loads on one process to the same bits: adapter, AdamW moments, step
+    counts, learning rate; its policy folder is the adapter (peft's files), holding the same weights."""
+    dist, run = two_ranks
+    ckpt = run / "grpo" / "iter-000001"
+    assert (ckpt / "train" / ".metadata").is_file()
+    gen = make_generator()
+    opt = GRPO(GRPOConfig(**LORA), seed=0, total_iterations=10)
+    opt.setup(gen)
+    opt.load(run, 1)
+    assert opt.iteration == 1 and opt.step == 1
+    own = gen.model.state_dict()
+    assert all(torch.equal(own[k], v) for k, v in dist["weights"].items())
+    for name, m in zip(opt.param_names, opt.master):
+        saved = dist["optim"][name]
+        assert set(opt.optim.state[m]) == set(saved)
+        for field, value in saved.items():
+            assert torch.equal(opt.optim.state[m][field], value), (name, field)
+    assert opt.optim.param_groups[0]["lr"] == LORA["learning_rate"]
+    from peft import get_peft_model_state_dict
+
+    adapter = load_file(str(ckpt / "policy" / "adapter_model.safetensors"))
+    mine = get_peft_model_state_dict(opt.peft_model)
+    assert set(adapter) == set(mine) and all(torch.equal(adapter[k], mine[k]) for k in adapter)
+    opt.tell(sample_results(gen, seed=7))  # and it trains on from there
+    assert opt.step == 2
+
+
+@pytest.mark.slow
+def test_vrl_train_with_lora_under_torchrun_then_resume_on_one_process(tmp_path):
+    """`torchrun --nproc-per-node 2 vrl train --set grpo.use_peft=true` on the toy environment (refused
+    before): both ranks train the adapter, rank 0 writes the run; `vrl train --resume` on one process
+    continues it from the 2-rank checkpoint to the end."""
+    runs = tmp_path / "runs"
+    lora = ["--set", "grpo.use_peft=true", "--set", "grpo.lora_r=4", "--set", "grpo.lora_target_modules=[\"q_proj\"]"]
+    done = torchrun(*VRL, *_letters_job(runs), *lora)
+    assert done.stderr.count("vrl train") == 1, done.stderr[-3000:]
+    run = runs / "fsdp"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1] and all(r["grpo/grad_norm"] > 0 for r in rows)
+    ckpt = run / "grpo" / "iter-000002"
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    assert state["world_size"] == 2 and state["iteration"] == 2 and state["config"]["use_peft"]
+    assert (ckpt / "policy" / "adapter_model.safetensors").is_file()
+    trainer = Trainer(_toy_config_from(run, 3), run_dir=RunDir.open(run), environment=LettersEnvironment(),
+                      console=Console(file=io.StringIO()))
+    assert trainer.start_iteration == 2
+    assert trainer.run()["status"] == "finished"
+    assert [r["iteration"] for r in trainer.run_dir.metrics()] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_a_one_process_lora_checkpoint_resumes_on_two_ranks(tmp_path, monkeypatch):
+    """The other way round: a one-process LoRA run's checkpoint loads on 2 ranks (each takes the whole
+    adapter and its AdamW state from `train/`), and the next step there equals the next step of the
+    checkpoint resumed on one process: loss and gradient norm to 1e-6 relative, every adapter gradient
+    element to 1e-6 of its tensor's largest (the ranks sum in another order), both ranks' adapters
+    identical after it. (A resume that missed the adapter would train from B = 0: gradients far apart.)"""
+    gen = make_generator()
+    first = GRPO(GRPOConfig(**LORA), seed=0, total_iterations=10)
+    first.setup(gen)
+    first.tell(sample_results(gen))
+    first.save(tmp_path / "one", final=True)
+    first.close()
+    grads = capture_grads(monkeypatch)
+    gen = make_generator()
+    again = GRPO(GRPOConfig(**LORA), seed=0, total_iterations=10)
+    again.setup(gen)
+    again.load(tmp_path / "one", 1)
+    metrics = again.tell(sample_results(gen, seed=7))
+    fields = {**LORA, "_load": str(tmp_path / "one"), "_seed": 7}
+    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp_path / "out.pt"), str(tmp_path / "two"), json.dumps(fields))
+    dist = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert dist["metrics"]["grpo/loss"] == pytest.approx(metrics["grpo/loss"], rel=1e-6)
+    assert dist["metrics"]["grpo/grad_norm"] == pytest.approx(metrics["grpo/grad_norm"], rel=1e-6)
+    assert len(dist["grads"]) == len(grads) == 1
+    for a, b in zip(dist["grads"][0], grads[0]):
+        assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max())
+    assert all(float(g.abs().max()) > 0 for g in grads[0])  # A's gradients too, now that B ≠ 0
+    one, two = dist["replicas"]
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert (tmp_path / "two" / "grpo" / "iter-000002").is_dir()
