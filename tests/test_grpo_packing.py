@@ -30,46 +30,74 @@ def _model(attn: str, **kw) -> torch.nn.Module:
     return model
 
 
-def test_padding_free_layout():
-    packed = pack(PROMPTS, COMPLETIONS, 256, padding_free=True)
+def test_layouts():
+    """Padded: one row per sample, prompt and completion back to back from position 0, right-padded to
+    the longest sample (here 11 + 1 = 12 positions, not the 11 + 7 of padding prompts and completions
+    separately). Padding-free: the samples back to back in one row, positions restarting."""
     lengths = [len(p) + len(c) for p, c in zip(PROMPTS, COMPLETIONS)]
-    assert packed.input_ids.shape == (1, sum(lengths)) and packed.attention_mask is None
+    padded = pack(PROMPTS, COMPLETIONS, 256)
+    assert padded.input_ids.shape == (4, 12)
+    for row, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS)):
+        assert padded.input_ids[row].tolist() == p + c + [256] * (12 - len(p) - len(c))
+        assert padded.position_ids[row].tolist() == list(range(12))
+    packed = pack(PROMPTS, COMPLETIONS, 256, padding_free=True)
+    assert packed.input_ids.shape == (1, sum(lengths))
     assert packed.input_ids[0].tolist() == [t for p, c in zip(PROMPTS, COMPLETIONS) for t in p + c]
     assert packed.position_ids[0].tolist() == [i for n in lengths for i in range(n)]
-    # The state before each completion token predicts it.
-    for k, (row, col) in enumerate(packed.completion_mask.nonzero().tolist()):
-        assert packed.input_ids[0, packed.predict_index[k] + 1] == COMPLETIONS[row][col]
-    padded = pack(PROMPTS, COMPLETIONS, 256)
-    assert packed.slots == padded.input_ids.numel() == 4 * (11 + 7)
-    assert packed.tokens == padded.attention_mask.sum() == sum(lengths)
-    assert packed.pad_fraction == pytest.approx(1 - sum(lengths) / (4 * 18))
+    for layout in (padded, packed):  # the state before each completion token predicts it
+        flat = layout.input_ids.reshape(-1)
+        for k, (row, col) in enumerate(layout.completion_mask.nonzero().tolist()):
+            assert flat[layout.predict_index[k] + 1] == COMPLETIONS[row][col]
+    assert packed.slots == padded.slots == 4 * 12 and packed.tokens == padded.tokens == sum(lengths)
+    assert padded.pad_fraction == pytest.approx(1 - sum(lengths) / (4 * 12))
     for name in ("completion_ids", "completion_mask"):
         assert torch.equal(getattr(packed, name), getattr(padded, name))
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_padding_free_logprobs_and_gradients_equal_padded(attn):
-    """fp32, tolerance 1e-5 absolute on log-probs and 1e-5 + 1e-4 relative on every parameter's gradient."""
-    assert packing_problem(_model(attn)) is None
-    results = {}
-    for free in (False, True):
-        model = _model(attn)
-        packed = pack(PROMPTS, COMPLETIONS, 256, padding_free=free)
-        logps = completion_logprobs(model, packed, TEMPERATURE, chunk_size=3)
-        (logps * torch.linspace(-1, 1, logps.numel()).view_as(logps)).sum().backward()
-        results[free] = logps.detach(), [p.grad.clone() for p in model.parameters()]
-    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=0)
-    for a, b in zip(results[True][1], results[False][1]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-    assert results[True][0][3].abs().sum() == 0 and results[True][0][1, 1:].abs().sum() == 0  # padding is 0
+def _alone(model, prompts, comps) -> torch.Tensor:
+    """The reference: each sample through the model on its own (no batch, no padding), its full logits,
+    log-softmax at the temperature, gathered; [B, C] right-padded with 0 like `completion_logprobs`."""
+    width = max(1, max(len(c) for c in comps))
+    out = []
+    for p, c in zip(prompts, comps):
+        logits = model(input_ids=torch.tensor([p + c])).logits[0].float() / TEMPERATURE
+        lp = torch.log_softmax(logits[len(p) - 1 : len(p) + len(c) - 1], -1).gather(-1, torch.tensor(c, dtype=torch.long)[:, None])
+        out.append(torch.cat([lp[:, 0], torch.zeros(width - len(c))]))
+    return torch.stack(out)
 
-    # The same row with positions counting on (no restarts) lets samples see each other: the check bites.
-    model = _model(attn)
-    joined = pack(PROMPTS, COMPLETIONS, 256, padding_free=True)
-    joined.position_ids = torch.arange(joined.input_ids.shape[1])[None]
+
+@pytest.mark.parametrize("free", [False, True])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_both_layouts_give_each_sample_its_own_logprobs(attn, free):
+    """Batched (either layout) against each sample alone: fp32, 1e-5 absolute on log-probs, 1e-5 + 1e-4
+    relative on every parameter's gradient. Another pad id changes nothing (padding is never attended)."""
+    ref = _model(attn)
+    weights = torch.linspace(-1, 1, 4 * 7).view(4, 7)
+    want = _alone(ref, PROMPTS, COMPLETIONS)
+    want_grads = torch.autograd.grad((want * weights).sum(), list(ref.parameters()))
+    model = copy.deepcopy(ref)
+    got = completion_logprobs(model, pack(PROMPTS, COMPLETIONS, 256, padding_free=free), TEMPERATURE, chunk_size=3)
+    torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=0)
+    for a, b in zip(torch.autograd.grad((got * weights).sum(), list(model.parameters())), want_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     with torch.no_grad():
+        other = completion_logprobs(model, pack(PROMPTS, COMPLETIONS, 17, padding_free=free), TEMPERATURE)
+    torch.testing.assert_close(other, got.detach(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_restarting_positions_keep_padding_free_samples_apart(attn):
+    """The padding-free row with positions counting on (no restarts) lets samples see each other: the
+    restarts are what the equality above rests on."""
+    assert packing_problem(_model(attn)) is None
+    model = _model(attn)
+    with torch.no_grad():
+        apart = completion_logprobs(model, pack(PROMPTS, COMPLETIONS, 256, padding_free=True), TEMPERATURE)
+        joined = pack(PROMPTS, COMPLETIONS, 256, padding_free=True)
+        joined.position_ids = torch.arange(joined.input_ids.shape[1])[None]
         leaky = completion_logprobs(model, joined, TEMPERATURE)
-    assert (leaky[1:] - results[False][0][1:]).abs().max() > 1e-3
+    assert (leaky[1:] - apart[1:]).abs().max() > 1e-3
+    assert apart[3].abs().sum() == 0 and apart[1, 1:].abs().sum() == 0  # padding is 0
 
 
 def test_grpo_padding_free_gives_the_same_update(monkeypatch):
@@ -87,12 +115,12 @@ def test_grpo_padding_free_gives_the_same_update(monkeypatch):
     for a, b in zip(grads[0] + grads[1], grads[2] + grads[3]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
     assert metrics[True]["grpo/loss"] == pytest.approx(metrics[False]["grpo/loss"], abs=1e-6)
-    # Micro-batches of 5, 5, 2 samples, shortest first, each padded to its widest prompt and completion.
+    # Micro-batches of 5, 5, 2 samples, shortest first, each row padded to the micro-batch's longest sample.
     order = sorted(results, key=lambda r: len(r.completion.prompt_token_ids) + len(r.completion.token_ids))
     slots = tokens = 0
     for s in range(0, len(order), 5):
         chunk = [r.completion for r in order[s : s + 5]]
-        slots += len(chunk) * (max(len(c.prompt_token_ids) for c in chunk) + max(1, max(len(c.token_ids) for c in chunk)))
+        slots += len(chunk) * max(len(c.prompt_token_ids) + len(c.token_ids) for c in chunk)
         tokens += sum(len(c.prompt_token_ids) + len(c.token_ids) for c in chunk)
     assert tokens < slots
     assert metrics[True]["grpo/pad_fraction"] == metrics[False]["grpo/pad_fraction"] == pytest.approx(1 - tokens / slots)
@@ -109,13 +137,13 @@ def test_padding_free_refused_where_samples_would_attend_to_each_other(monkeypat
 
 # -- chunked log-probs ---------------------------------------------------------------------------------
 def _full_logprobs(model, prompts, comps) -> torch.Tensor:
-    """The unchunked reference: the model's whole [tokens, vocab] logits, log-softmax, gather."""
+    """The unchunked reference: the model's whole [batch, length, vocab] logits, log-softmax, gather."""
     packed = pack(prompts, comps, 0)
-    logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
-                   position_ids=packed.position_ids).logits.float() / TEMPERATURE
-    width = packed.prompt_width
-    lp = torch.log_softmax(logits[:, width - 1 : -1], -1).gather(-1, packed.completion_ids[..., None]).squeeze(-1)
-    return lp * packed.completion_mask
+    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids).logits.float() / TEMPERATURE
+    lp = torch.log_softmax(logits, -1).reshape(-1, logits.shape[-1])[packed.predict_index]
+    out = torch.zeros(packed.completion_mask.shape)
+    return out.masked_scatter(packed.completion_mask.bool(),
+                              lp.gather(-1, packed.completion_ids[packed.completion_mask.bool()][:, None])[:, 0])
 
 
 @pytest.mark.parametrize("free", [False, True])

@@ -1,19 +1,25 @@
 """Per-token log-probabilities of sampled completions under a causal LM, computed in chunks.
 
-The batch layout is the one generation used: prompts left-padded, completions right-padded, and
-position ids counted from each row's first real token, so a row's log-probs do not depend on what
-it is batched with. Only completion positions go through the output head, a chunk of rows at a
-time (checkpointed when gradients are needed), so the full [batch, length, vocab] logits tensor
-never exists: for a 152k vocabulary that tensor alone is 2.5 GB per 8 × 1024 tokens in bf16.
+Each sample is laid out as one row, its prompt and completion back to back from position 0, rows
+right-padded to the longest (`pack`). Padding only ever follows a row's real tokens, so the causal
+mask alone keeps it out of every real token's attention: no attention mask is passed, and sdpa and
+flash-attention run their plain causal kernels. Against the layout generation uses (prompts
+left-padded, completions right-padded, each padded to its own longest), this computes fewer
+positions: the batch is trained in micro-batches sorted by total length, so the rows of one
+micro-batch are nearly equally long (for prompts of 256–768 and completions of 128–896 tokens, 64
+samples in micro-batches of 8: 5 % padding instead of 24 %). Only completion positions go through
+the output head, a chunk of tokens at a time (checkpointed when gradients are needed), so the full
+[batch, length, vocab] logits tensor never exists: for a 152k vocabulary that tensor alone is
+2.5 GB per 8 × 1024 tokens in bf16.
 
 `pack(..., padding_free=True)` lays the samples out instead as one row with no padding at all, each
 sample's prompt and completion after the previous sample's, position ids restarting at 0 for each
-sample and no attention mask: the layout of transformers' `DataCollatorWithFlattening` (TRL's
-`padding_free=True`). transformers keeps the samples apart from the position ids: flash-attention
-2/3 take them as varlen sequences (`cu_seqlens`), while sdpa, eager and flex get a block-diagonal
-causal mask built from the restarts (`masking_utils.find_packed_sequence_indices`). Only the
-flash-attention kernels turn that into saved compute; under sdpa the block-diagonal mask spans the
-whole row. The log-probs are the padded layout's (tests/test_grpo_packing.py).
+sample: the layout of transformers' `DataCollatorWithFlattening` (TRL's `padding_free=True`).
+transformers keeps the samples apart from the position ids: flash-attention 2/3 take them as varlen
+sequences (`cu_seqlens`), while sdpa, eager and flex get a block-diagonal causal mask built from the
+restarts (`masking_utils.find_packed_sequence_indices`). Only the flash-attention kernels turn that
+into saved compute; under sdpa the block-diagonal mask spans the whole row. The log-probs are the
+padded layout's (tests/test_grpo_packing.py).
 """
 
 from __future__ import annotations
@@ -27,22 +33,20 @@ from torch.utils.checkpoint import checkpoint
 
 @dataclass
 class Packed:
-    """Prompt + completion token ids of several samples: padded rows, or one padding-free row.
+    """Prompt + completion token ids of several samples: right-padded rows, or one padding-free row.
 
     `completion_ids` and `completion_mask` are [B, C] (right-padded) in both layouts, and so are the
     log-probs `completion_logprobs` returns: only what goes through the model differs.
     """
 
-    input_ids: torch.Tensor  # [B, P + C], or [1, N] padding-free (N = the real tokens)
-    attention_mask: torch.Tensor | None  # [B, P + C]; None padding-free (the position ids separate the samples)
-    position_ids: torch.Tensor  # [B, P + C], or [1, N] restarting at 0 for each sample
+    input_ids: torch.Tensor  # [B, L] (each row: prompt, completion, padding), or [1, N] padding-free
+    position_ids: torch.Tensor  # [B, L] counting from 0, or [1, N] restarting at 0 for each sample
     completion_ids: torch.Tensor  # [B, C]
     completion_mask: torch.Tensor  # [B, C], 1 for real completion tokens
-    prompt_width: int  # P (of the padded layout)
-    # Padding-free: for each real completion token (row-major over completion_mask), the position in
-    # the row of the hidden state that predicts it. None in the padded layout.
-    predict_index: torch.Tensor | None = None
-    slots: int = 0  # positions of the padded layout, B × (P + C)
+    # For each real completion token (row-major over completion_mask), the position in the flattened
+    # input (row × L + column) of the hidden state that predicts it.
+    predict_index: torch.Tensor
+    slots: int = 0  # positions of the padded layout, B × L
     tokens: int = 0  # real (prompt + completion) tokens
 
     @property
@@ -55,55 +59,37 @@ def pack(
     prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu",
     padding_free: bool = False,
 ) -> Packed:
-    """Lay samples out as [left-padded prompt | right-padded completion] rows, or (`padding_free`) as
-    one row of the samples' tokens back to back, position ids restarting for each sample."""
+    """Lay samples out as [prompt | completion | padding] rows, or (`padding_free`) as one row of the
+    samples' tokens back to back, position ids restarting for each sample."""
     if len(prompts) != len(completions) or not prompts:
         raise ValueError(f"pack needs as many prompts as completions (got {len(prompts)} and {len(completions)})")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token: the first completion token is predicted from it")
-    width_p = max(len(p) for p in prompts)
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
     width_c = max(1, max(len(c) for c in completions))
-    rows, masks, comp, comp_mask = [], [], [], []
+    comp = [list(c) + [pad_id] * (width_c - len(c)) for c in completions]
+    comp_mask = [[1] * len(c) + [0] * (width_c - len(c)) for c in completions]
+    ids: list[int] = []
+    positions: list[int] = []
+    predict: list[int] = []
     for p, c in zip(prompts, completions):
-        lead, tail = width_p - len(p), width_c - len(c)
-        rows.append([pad_id] * lead + list(p) + list(c) + [pad_id] * tail)
-        masks.append([0] * lead + [1] * (len(p) + len(c)) + [0] * tail)
-        comp.append(list(c) + [pad_id] * tail)
-        comp_mask.append([1] * len(c) + [0] * tail)
-    slots = len(prompts) * (width_p + width_c)
-    tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions))
-    if padding_free:
-        ids: list[int] = []
-        positions: list[int] = []
-        predict: list[int] = []
-        for p, c in zip(prompts, completions):
-            start = len(ids)
-            ids += list(p) + list(c)
-            positions += range(len(p) + len(c))
-            # The state at the position before each completion token predicts it.
-            predict += range(start + len(p) - 1, start + len(p) + len(c) - 1)
-        return Packed(
-            input_ids=torch.tensor([ids], dtype=torch.long, device=device),
-            attention_mask=None,
-            position_ids=torch.tensor([positions], dtype=torch.long, device=device),
-            completion_ids=torch.tensor(comp, dtype=torch.long, device=device),
-            completion_mask=torch.tensor(comp_mask, dtype=torch.float32, device=device),
-            prompt_width=width_p,
-            predict_index=torch.tensor(predict, dtype=torch.long, device=device),
-            slots=slots,
-            tokens=tokens,
-        )
-    attention_mask = torch.tensor(masks, dtype=torch.long, device=device)
+        start = len(ids)
+        ids += list(p) + list(c)
+        positions += range(len(p) + len(c))
+        # The state at the position before each completion token predicts it.
+        predict += range(start + len(p) - 1, start + len(p) + len(c) - 1)
+        if not padding_free:
+            ids += [pad_id] * (width - len(p) - len(c))
+            positions += range(len(p) + len(c), width)
+    shape = (1, len(ids)) if padding_free else (len(prompts), width)
     return Packed(
-        input_ids=torch.tensor(rows, dtype=torch.long, device=device),
-        attention_mask=attention_mask,
-        # Generation counts positions from the first real token; so must training.
-        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device).view(shape),
+        position_ids=torch.tensor(positions, dtype=torch.long, device=device).view(shape),
         completion_ids=torch.tensor(comp, dtype=torch.long, device=device),
         completion_mask=torch.tensor(comp_mask, dtype=torch.float32, device=device),
-        prompt_width=width_p,
-        slots=slots,
-        tokens=tokens,
+        predict_index=torch.tensor(predict, dtype=torch.long, device=device),
+        slots=len(prompts) * width,
+        tokens=sum(len(p) + len(c) for p, c in zip(prompts, completions)),
     )
 
 
@@ -162,20 +148,11 @@ def completion_logprobs(
         raise ValueError(f"temperature must be > 0 for log-probs (got {temperature})")
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    hidden = decoder(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    ).last_hidden_state
-    width_p, width_c = batch.prompt_width, batch.completion_ids.shape[1]
+    # No attention mask: padding only follows real tokens (causal attention never reaches it), and a
+    # padding-free row's samples are kept apart by its restarting position ids.
+    hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).last_hidden_state
     selected = batch.completion_mask.bool()
-    if batch.predict_index is None:
-        # The hidden state at position t predicts token t + 1.
-        states = hidden[:, width_p - 1 : width_p + width_c - 1]
-        rows = states[selected]
-    else:
-        rows = hidden[0].index_select(0, batch.predict_index)
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.predict_index)
     targets = batch.completion_ids[selected]
     pieces, entropies = [], []
     for start in range(0, rows.shape[0], chunk_size):
