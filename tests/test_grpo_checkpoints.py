@@ -151,6 +151,12 @@ def test_the_last_iteration_writes_the_policy_alone_and_a_resume_redoes_the_run(
     a, b = _final_weights(whole.run_dir, 3, FILE), load_file(str(folder / FILE))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+    again = Trainer(_toy_config(tmp_path, "light", 3, **grpo), run_dir=RunDir.open(light.run_dir.path),
+                    environment=LettersEnvironment(), console=Console(file=io.StringIO()))
+    rows = light.run_dir.metrics()
+    assert again.run()["status"] == "finished"  # resumed as it ended: nothing redone, nothing rewound
+    assert again.run_dir.metrics() == rows and _names(again.run_dir) == ["policy-000003"]
+
     straight = Trainer(_toy_config(tmp_path, "straight", 4, save_every=0, save_last="full"),
                        environment=LettersEnvironment(), console=Console(file=io.StringIO()))
     assert straight.run()["status"] == "finished"

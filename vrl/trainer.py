@@ -218,7 +218,10 @@ class Trainer:
             if rollouts.asynchronous(cfg):  # sampling runs ahead in a thread, on weights only `publish` changes
                 policy = rollouts.VersionedHost(policy, cfg.grpo.max_staleness)
             optimizer.setup(policy)
-            if self.start_iteration:
+            if self.start_iteration >= cfg.iterations:  # nothing to load: a checkpoint older than the end would redo iterations
+                self._log(f"{self.run_dir.path} has finished its {self.start_iteration} iterations: nothing to train "
+                          "(resume with a larger --iterations to train further)")
+            elif self.start_iteration:
                 optimizer.load(self.run_dir.path, self.start_iteration)
                 resumed_at = optimizer.iteration
                 if resumed_at < self.start_iteration:  # its newest checkpoint is older (grpo.save_every)
