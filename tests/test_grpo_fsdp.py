@@ -78,16 +78,7 @@ def test_two_ranks_train_as_one_process(two_ranks, monkeypatch):
     dist, _ = two_ranks
     assert dist["world"] == 2
     metrics, grads, weights, opt = one_process_step(monkeypatch)
-    assert dist["metrics"]["grpo/loss"] == pytest.approx(metrics["grpo/loss"], rel=1e-6)
-    assert dist["metrics"]["grpo/kl"] == pytest.approx(metrics["grpo/kl"], rel=1e-5)
-    assert dist["metrics"]["grpo/grad_norm"] == pytest.approx(metrics["grpo/grad_norm"], rel=1e-6)
-    for key in ("grpo/trained_tokens", "grpo/clip_ratio/region_mean", "grpo/advantage_abs_mean", "grpo/reward_std"):
-        assert dist["metrics"][key] == metrics[key], key
-    assert len(dist["grads"]) == len(grads) == 1
-    for a, b in zip(dist["grads"][0], grads[0]):
-        assert a.shape == b.shape
-        assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max())
-    assert any(g.abs().sum() > 0 for g in grads[0])
+    assert_same_step(dist, metrics, grads)
     moved = max(float((dist["weights"][k] - make_generator().model.state_dict()[k]).abs().max()) for k in weights)
     assert moved > 0.5 * FIELDS["learning_rate"]  # the step did move them
     eps, lr = 1e-8, FIELDS["learning_rate"]
@@ -100,15 +91,11 @@ def test_two_ranks_train_as_one_process(two_ranks, monkeypatch):
         bound = lr * torch.clamp(slope * diff, max=2.0) + ulps
         assert bool(((dist["weights"][name] - weights[name]).abs() <= bound).all()), name
 
-@pytest.mark.slow
-def test_two_rank_checkpoint_resumes_on_one_process_exactly(two_ranks):
-    """The sharded checkpoint of 2 ranks loads on one process to the same bits: weights, AdamW moments,
-    step counts, learning rate; its policy folder holds the same weights."""
-    dist, run = two_ranks
-    ckpt = run / "grpo" / "iter-000001"
-    assert sorted(p.name for p in (ckpt / "train").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+def load_on_one_process(run: Path, fields: dict, dist: dict):
+    """Load the checkpoint of iteration 1 of `run` into one process's GRPO and check it holds what the
+    ranks held (`dist`, tests/grpo_fsdp_worker.py's record) to the bit: weights, AdamW state, step, lr."""
     gen = make_generator()
-    opt = GRPO(GRPOConfig(**FIELDS), seed=0, total_iterations=10)
+    opt = GRPO(GRPOConfig(**fields), seed=0, total_iterations=10)
     opt.setup(gen)
     opt.load(run, 1)
     assert opt.iteration == 1 and opt.step == 1
@@ -119,7 +106,33 @@ def test_two_rank_checkpoint_resumes_on_one_process_exactly(two_ranks):
         assert set(opt.optim.state[m]) == set(saved)
         for field, value in saved.items():
             assert torch.equal(opt.optim.state[m][field], value), (name, field)
-    assert opt.optim.param_groups[0]["lr"] == FIELDS["learning_rate"]
+    assert opt.optim.param_groups[0]["lr"] == fields["learning_rate"]
+    return gen, opt
+
+
+def assert_same_step(dist: dict, metrics: dict, grads: list) -> None:
+    """The ranks' step (`dist`) against one process's: loss and gradient norm to 1e-6 relative, the KL to
+    1e-5, the batch's counts exactly, each gradient element to 1e-6 of its tensor's largest."""
+    assert dist["metrics"]["grpo/loss"] == pytest.approx(metrics["grpo/loss"], rel=1e-6)
+    assert dist["metrics"]["grpo/kl"] == pytest.approx(metrics["grpo/kl"], rel=1e-5)
+    assert dist["metrics"]["grpo/grad_norm"] == pytest.approx(metrics["grpo/grad_norm"], rel=1e-6)
+    for key in ("grpo/trained_tokens", "grpo/clip_ratio/region_mean", "grpo/advantage_abs_mean", "grpo/reward_std"):
+        assert dist["metrics"][key] == metrics[key], key
+    assert len(dist["grads"]) == len(grads) == 1
+    for a, b in zip(dist["grads"][0], grads[0]):
+        assert a.shape == b.shape
+        assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max())
+    assert any(g.abs().sum() > 0 for g in grads[0])
+
+
+@pytest.mark.slow
+def test_two_rank_checkpoint_resumes_on_one_process_exactly(two_ranks):
+    """The sharded checkpoint of 2 ranks loads on one process to the same bits: weights, AdamW moments,
+    step counts, learning rate; its policy folder holds the same weights."""
+    dist, run = two_ranks
+    ckpt = run / "grpo" / "iter-000001"
+    assert sorted(p.name for p in (ckpt / "train").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    gen, opt = load_on_one_process(run, FIELDS, dist)
     policy = load_file(str(ckpt / "policy" / "model.safetensors"))
     assert all(torch.equal(policy[k], dist["weights"][k]) for k in policy)
     # and it trains on from there
@@ -152,18 +165,23 @@ def _letters_job(runs: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_vrl_train_under_torchrun_then_resume_on_one_process(tmp_path):
-    """`torchrun --nproc-per-node 2 vrl train` on the toy environment: rank 0 alone writes the run (one
-    metrics line per iteration, its console), both ranks train; then `vrl train --resume` on one
-    process continues the 2-rank run from its sharded checkpoint to the end."""
+@pytest.mark.parametrize("lora", [False, True])
+def test_vrl_train_under_torchrun_then_resume_on_one_process(tmp_path, lora):
+    """`torchrun --nproc-per-node 2 vrl train` on the toy environment, full fine-tuning or a LoRA adapter
+    (`grpo.use_peft`, data-parallel): rank 0 alone writes the run (one metrics line per iteration, its
+    console), both ranks train; then `vrl train --resume` on one process continues the 2-rank run from
+    its checkpoint to the end."""
     runs = tmp_path / "runs"
-    done = torchrun(*VRL, *_letters_job(runs))
+    adapter = ["--set", "grpo.use_peft=true", "--set", "grpo.lora_r=4", "--set", "grpo.lora_target_modules=[\"q_proj\"]"]
+    done = torchrun(*VRL, *_letters_job(runs), *(adapter if lora else []))
     assert done.stderr.count("vrl train") == 1, done.stderr[-3000:]  # one console: rank 0's
     run = runs / "fsdp"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1] and all(r["grpo/grad_norm"] > 0 for r in rows)
-    state = torch.load(run / "grpo" / "iter-000002" / "state.pt", weights_only=True)
-    assert state["world_size"] == 2 and state["iteration"] == 2
+    ckpt = run / "grpo" / "iter-000002"
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    assert state["world_size"] == 2 and state["iteration"] == 2 and state["config"]["use_peft"] is lora
+    assert (ckpt / "policy" / ("adapter_model.safetensors" if lora else "model.safetensors")).is_file()
     trainer = Trainer(_toy_config_from(run, 3), run_dir=RunDir.open(run), environment=LettersEnvironment(),
                       console=Console(file=io.StringIO()))
     assert trainer.start_iteration == 2

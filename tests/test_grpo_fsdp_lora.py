@@ -9,20 +9,15 @@ writes `train/`. Only the GPUs are absent (NCCL is the same code path with anoth
 
 from __future__ import annotations
 
-import io
 import json
 
 import pytest
 import torch
-from rich.console import Console
 from safetensors.torch import load_file
 
 from tests.test_grpo import capture_grads, make_generator, sample_results
-from tests.test_grpo_fsdp import FIELDS, HERE, VRL, _letters_job, _toy_config_from, torchrun
-from vrl.envs.letters import LettersEnvironment
+from tests.test_grpo_fsdp import FIELDS, HERE, assert_same_step, load_on_one_process, torchrun
 from vrl.optim.grpo import GRPO, GRPOConfig
-from vrl.rundir import RunDir
-from vrl.trainer import Trainer
 
 pytest.importorskip("peft")
 
@@ -57,16 +52,8 @@ def test_two_ranks_train_a_lora_adapter_as_one_process(two_ranks, monkeypatch):
     opt.setup(gen)
     metrics = opt.tell(sample_results(gen))
     weights = gen.model.state_dict()
-    assert dist["metrics"]["grpo/loss"] == pytest.approx(metrics["grpo/loss"], rel=1e-6)
-    assert dist["metrics"]["grpo/kl"] == pytest.approx(metrics["grpo/kl"], rel=1e-5)
-    assert dist["metrics"]["grpo/grad_norm"] == pytest.approx(metrics["grpo/grad_norm"], rel=1e-6)
-    for key in ("grpo/trained_tokens", "grpo/clip_ratio/region_mean", "grpo/advantage_abs_mean", "grpo/reward_std"):
-        assert dist["metrics"][key] == metrics[key], key
-    assert len(dist["grads"]) == len(grads) == 1
+    assert_same_step(dist, metrics, grads)
     assert [g.shape for g in dist["grads"][0]] == [p.shape for p in opt.params]  # the adapter only, whole
-    for a, b in zip(dist["grads"][0], grads[0]):
-        assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max())
-    assert any(g.abs().sum() > 0 for g in grads[0])
     assert set(dist["weights"]) == set(weights)
     base = make_generator().model.state_dict()
     for k, v in dist["weights"].items():
@@ -97,19 +84,7 @@ def test_two_rank_lora_checkpoint_resumes_on_one_process_exactly(two_ranks):
     dist, run = two_ranks
     ckpt = run / "grpo" / "iter-000001"
     assert (ckpt / "train" / ".metadata").is_file()
-    gen = make_generator()
-    opt = GRPO(GRPOConfig(**LORA), seed=0, total_iterations=10)
-    opt.setup(gen)
-    opt.load(run, 1)
-    assert opt.iteration == 1 and opt.step == 1
-    own = gen.model.state_dict()
-    assert all(torch.equal(own[k], v) for k, v in dist["weights"].items())
-    for name, m in zip(opt.param_names, opt.master):
-        saved = dist["optim"][name]
-        assert set(opt.optim.state[m]) == set(saved)
-        for field, value in saved.items():
-            assert torch.equal(opt.optim.state[m][field], value), (name, field)
-    assert opt.optim.param_groups[0]["lr"] == LORA["learning_rate"]
+    gen, opt = load_on_one_process(run, LORA, dist)
     from peft import get_peft_model_state_dict
 
     adapter = load_file(str(ckpt / "policy" / "adapter_model.safetensors"))
@@ -117,29 +92,6 @@ def test_two_rank_lora_checkpoint_resumes_on_one_process_exactly(two_ranks):
     assert set(adapter) == set(mine) and all(torch.equal(adapter[k], mine[k]) for k in adapter)
     opt.tell(sample_results(gen, seed=7))  # and it trains on from there
     assert opt.step == 2
-
-
-@pytest.mark.slow
-def test_vrl_train_with_lora_under_torchrun_then_resume_on_one_process(tmp_path):
-    """`torchrun --nproc-per-node 2 vrl train --set grpo.use_peft=true` on the toy environment (refused
-    before): both ranks train the adapter, rank 0 writes the run; `vrl train --resume` on one process
-    continues it from the 2-rank checkpoint to the end."""
-    runs = tmp_path / "runs"
-    lora = ["--set", "grpo.use_peft=true", "--set", "grpo.lora_r=4", "--set", "grpo.lora_target_modules=[\"q_proj\"]"]
-    done = torchrun(*VRL, *_letters_job(runs), *lora)
-    assert done.stderr.count("vrl train") == 1, done.stderr[-3000:]
-    run = runs / "fsdp"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == [0, 1] and all(r["grpo/grad_norm"] > 0 for r in rows)
-    ckpt = run / "grpo" / "iter-000002"
-    state = torch.load(ckpt / "state.pt", weights_only=True)
-    assert state["world_size"] == 2 and state["iteration"] == 2 and state["config"]["use_peft"]
-    assert (ckpt / "policy" / "adapter_model.safetensors").is_file()
-    trainer = Trainer(_toy_config_from(run, 3), run_dir=RunDir.open(run), environment=LettersEnvironment(),
-                      console=Console(file=io.StringIO()))
-    assert trainer.start_iteration == 2
-    assert trainer.run()["status"] == "finished"
-    assert [r["iteration"] for r in trainer.run_dir.metrics()] == [0, 1, 2]
 
 
 @pytest.mark.slow
