@@ -222,6 +222,26 @@ def test_an_adapter_transfer_without_a_servable_adapter_is_refused(mode, adapter
         transfer_for("adapter", "trained", engine_gpus=["0", "1"], train_gpu="0", adapter=16)
 
 
+def test_rank_0_of_a_torchrun_launch_pushes_through_vrls_loader_not_vllms_ipc(monkeypatch):
+    """vLLM 0.26's IPC sender all-gathers the trainer's handles over the default process group when one
+    is initialised (every rank must call it), but under torchrun only rank 0 pushes: `auto` picks vrl's
+    loader there, an explicit ipc is refused with the reason; NCCL (its own group) stays available."""
+    from vrl.errors import UsageError
+    from vrl.generate import vllm_trained
+    from vrl.generate.vllm import _weight_transfer
+
+    assert transfer_for("auto", "trained", engine_gpus=["0"], train_gpu="0", launched=True) == "extension"
+    assert transfer_for("auto", "trained", engine_gpus=["1"], train_gpu="0", launched=True) == "nccl"
+    with pytest.raises(ValueError, match="torchrun launch"):
+        transfer_for("ipc", "trained", engine_gpus=["0"], train_gpu="0", launched=True)
+    monkeypatch.setattr(vllm_trained, "visible_ids", lambda: ["0", "1"])
+    assert _weight_transfer("auto", "trained", None, "cuda", 1) == "ipc"  # one process
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets
+    assert _weight_transfer("auto", "trained", None, "cuda", 1) == "extension"
+    with pytest.raises(UsageError, match="torchrun launch"):
+        _weight_transfer("ipc", "trained", None, "cuda", 1)
+
+
 def test_the_adapters_rank_reaches_the_choice_of_transport(monkeypatch):
     """An engine about to start hands the adapter's rank (not only whether there is one) to `transfer_for`:
     a rank above vLLM's largest is refused before the engine starts, with the reason."""

@@ -694,7 +694,7 @@ def _weight_transfer(choice: str, mode: Mode, gpu: str | None, train_device: str
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
     try:
         return transfer_for(choice, mode, engine_gpus=engine, train_gpu=train, in_process=in_process,  # type: ignore[arg-type]
-                            adapter=adapter_rank)
+                            adapter=adapter_rank, launched=distributed.world_size() > 1)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
 

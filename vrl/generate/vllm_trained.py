@@ -185,19 +185,21 @@ MAX_ADAPTER_RANK = 512  # the largest max_lora_rank vLLM accepts
 
 
 def transfer_for(choice: Transfer, mode: str, *, engine_gpus: list[str], train_gpu: str | None,
-                 in_process: bool = False, adapter: int = 0) -> str:
+                 in_process: bool = False, adapter: int = 0, launched: bool = False) -> str:
     """How weights reach an engine: 'adapter' (the LoRA adapter alone), 'ipc', 'nccl' (vLLM's native
     engines) or 'extension' (vrl's loader).
 
     `engine_gpus`: the physical ids of the engine's workers' GPUs; `train_gpu`: the physical id of the
     GPU the trained copy lives on (None: not on a GPU); `adapter`: the rank of the LoRA adapter GRPO
-    trains (0: none). 'auto' picks IPC for one worker on the trainer's GPU, NCCL for workers all on
-    other GPUs, and vrl's loader otherwise (mode 'sample', an engine in this process, a CPU copy, a
-    tensor-parallel engine that includes the trainer's GPU: NCCL cannot put two ranks on one GPU); a
-    LoRA run pushes W + ΔW merged. 'adapter' (asked for explicitly; one engine worker) serves the
-    adapter from a LoRA slot; not the default until it is measured on a GPU (an earlier version that
-    had vLLM reload the adapter from files took 1.6–1.9 s per push against 85–127 ms merged, 1.5B,
-    rank 16, H200). An explicit choice that cannot work is refused.
+    trains (0: none); `launched`: this process is one rank of a torchrun launch. 'auto' picks IPC for
+    one worker on the trainer's GPU, NCCL for workers all on other GPUs, and vrl's loader otherwise
+    (mode 'sample', an engine in this process, a CPU copy, a tensor-parallel engine that includes the
+    trainer's GPU: NCCL cannot put two ranks on one GPU; a torchrun launch, for IPC: vLLM's IPC sender
+    gathers every rank's handles over the launch's default process group, a collective that rank 0's
+    push alone would wait on forever); a LoRA run pushes W + ΔW merged. 'adapter' (asked for
+    explicitly; one engine worker) serves the adapter from a LoRA slot: 47 ms per push against 81 ms
+    merged (1.5B, rank 16, H200), but generation through vLLM's LoRA path is ~30 % slower, so not the
+    default. An explicit choice that cannot work is refused.
     """
     native_possible = mode == "trained" and not in_process and train_gpu is not None
     adapter_possible = mode == "trained" and 0 < adapter <= MAX_ADAPTER_RANK and len(engine_gpus) == 1
@@ -216,7 +218,7 @@ def transfer_for(choice: Transfer, mode: str, *, engine_gpus: list[str], train_g
         if not native_possible:
             return "extension"
         if engine_gpus == [train_gpu]:
-            return "ipc"
+            return "extension" if launched else "ipc"
         return "extension" if train_gpu in engine_gpus else "nccl"
     if not native_possible:
         why = ("it moves weights only in mode 'trained' (GRPO)" if mode != "trained" else
@@ -224,6 +226,9 @@ def transfer_for(choice: Transfer, mode: str, *, engine_gpus: list[str], train_g
                "the trained copy is not on a GPU")
         raise ValueError(f"generator.vllm.weight_transfer={choice} cannot move this engine's weights: {why}; "
                          "use generator.vllm.weight_transfer=auto")
+    if choice == "ipc" and launched:
+        raise ValueError("generator.vllm.weight_transfer=ipc cannot push from rank 0 of a torchrun launch alone: vLLM's "
+                         "IPC sender gathers every rank's handles over the launch's process group; use auto or extension")
     if choice == "ipc" and engine_gpus != [train_gpu]:
         raise ValueError(f"generator.vllm.weight_transfer=ipc needs the engine to be one worker on the trainer's GPU "
                          f"({train_gpu}); it runs on {engine_gpus}: use nccl or auto")
