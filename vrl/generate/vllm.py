@@ -165,16 +165,15 @@ def import_vllm() -> Any:
     return vllm
 
 
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
-
-
 def lora_settings(needs: HostNeeds | None, model: str, revision: str | None) -> dict[str, Any]:
     """The engine's LoRA settings: one slot per low-rank ES member of a call (none for other work), and
     LoRA layers on the modules ES selects alone (`lora_targets`)."""
     spec = needs.spec if needs is not None else None
     if spec is None or spec.noise != "lowrank":
         return {}
-    rank = next(r for r in LORA_RANKS if r >= spec.rank)
+    from vrl.generate.vllm_trained import lora_rank_for
+
+    rank = lora_rank_for(spec.rank)
     out = {"enable_lora": True, "max_loras": needs.variants, "max_cpu_loras": needs.variants, "max_lora_rank": rank}
     targets = lora_targets(model, revision, spec)
     if targets is not None:
@@ -350,8 +349,9 @@ class VLLMGenerator(Generator):
 
             kwargs["weight_transfer_config"] = {"backend": DIRECT[transfer]}
         elif transfer == "adapter":  # one LoRA slot, the trained policy's (its factors written at each push)
-            kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
-                          max_lora_rank=next(r for r in LORA_RANKS if r >= adapter_rank))
+            from vrl.generate.vllm_trained import lora_rank_for
+
+            kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=lora_rank_for(adapter_rank))
         t0 = time.perf_counter()
         # The engine's processes start here and keep the environment they see: a standalone one, even in
         # rank 0 of a torchrun launch (vrl.distributed.outside_launch says why).

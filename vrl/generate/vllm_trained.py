@@ -181,7 +181,13 @@ def _share(weights: list[tuple[str, torch.Tensor]], engine_order: list[str] | No
 
 
 Transfer = Literal["auto", "ipc", "nccl", "extension", "adapter"]
-MAX_ADAPTER_RANK = 512  # the largest max_lora_rank vLLM accepts
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+MAX_ADAPTER_RANK = LORA_RANKS[-1]
+
+
+def lora_rank_for(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds a rank-`rank` adapter."""
+    return next(r for r in LORA_RANKS if r >= rank)
 
 
 def transfer_for(choice: Transfer, mode: str, *, engine_gpus: list[str], train_gpu: str | None,
