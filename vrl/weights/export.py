@@ -53,9 +53,11 @@ def weights_for_engine(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     return out
 
 
-def lora_layers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor, int, float, bool]]:
-    """The LoRA adapter peft injected into `model`: (module name, A (r×in), B (out×r), r, α, rsLoRA) per
-    adapted layer.
+def lora_factors_for_engine(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The LoRA adapter peft injected into `model` as an engine's LoRA slots hold it: per adapted weight
+    (its HF name, `<module>.weight`), (A, s·B) with peft's scale s (α/r, α/√r with rsLoRA) folded into B
+    in fp32, as vLLM folds it when it loads an adapter; the layer then adds x·Aᵀ·(s·B)ᵀ = s·B·A·x,
+    peft's ΔW·x.
 
     One active adapter, the same rank and α on every layer, no DoRA, no extra trained modules
     (`modules_to_save`): what `grpo.use_peft` trains and what a served LoRA adapter carries. Anything
@@ -66,7 +68,7 @@ def lora_layers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, torch.T
         raise ValueError("the model has no LoRA adapter (grpo.use_peft is off?)")
     if any("modules_to_save" in n for n, _ in model.named_modules()):
         raise ValueError("the adapter trains whole modules too (modules_to_save), which a served adapter cannot carry")
-    out = []
+    out, shapes = {}, set()
     for name, m in layers.items():
         active = [a for a in m.active_adapters if a in m.lora_A]
         if len(active) != 1:
@@ -74,21 +76,10 @@ def lora_layers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, torch.T
         a = active[0]
         if getattr(m, "use_dora", {}).get(a, False):
             raise ValueError(f"{name} uses DoRA, which a served LoRA adapter cannot carry")
-        out.append((name, m.lora_A[a].weight.detach(), m.lora_B[a].weight.detach(), int(m.r[a]), float(m.lora_alpha[a]),
-                    bool(getattr(m, "use_rslora", {}).get(a, False))))
-    if len({(r, alpha, rslora) for *_, r, alpha, rslora in out}) != 1:
+        shapes.add((int(m.r[a]), float(m.lora_alpha[a]), bool(getattr(m, "use_rslora", {}).get(a, False))))
+        out[f"{name}.weight"] = (m.lora_A[a].weight.detach(), m.lora_B[a].weight.detach().float() * m.scaling[a])
+    if len(shapes) != 1:
         raise ValueError("the adapter's layers differ in rank or alpha; a served adapter has one of each")
-    return out
-
-
-def lora_factors_for_engine(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The adapter as an engine's LoRA slots hold it: per adapted weight (its HF name, `<module>.weight`),
-    (A, s·B) with the scale s = α/r (α/√r with rsLoRA) folded into B in fp32, as vLLM folds it when it
-    loads an adapter; the layer then adds x·Aᵀ·(s·B)ᵀ = s·B·A·x, peft's ΔW·x."""
-    out = {}
-    for name, a, b, r, alpha, rslora in lora_layers(model):
-        scale = alpha / (r ** 0.5 if rslora else r)
-        out[f"{name}.weight"] = (a, b.float() * scale)
     return out
 
 
