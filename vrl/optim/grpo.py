@@ -35,7 +35,7 @@ from vrl import distributed
 from vrl.errors import UsageError
 from vrl.fileio import TMP_SUFFIX
 from vrl.optim.base import Optimizer
-from vrl.optim.checkpoints import BackgroundWriter, Cadence, CheckpointRefused, check_room, finish
+from vrl.optim.checkpoints import BackgroundWriter, Cadence, CheckpointRefused, check_room, complete, finish
 from vrl.optim.grpo_loss import (
     LORA_FIELDS,
     GRPOConfig,
@@ -618,15 +618,12 @@ class GRPO(Optimizer):
     @staticmethod
     def _checkpoints(run_dir: Path) -> list[Path]:
         """The run's complete checkpoints, oldest first (`iter-NNNNNN`; a `.tmp` one is still being written)."""
-        return sorted(p for p in (Path(run_dir) / "grpo").glob("iter-*")
-                      if p.is_dir() and not p.name.endswith(TMP_SUFFIX))
+        return complete(Path(run_dir) / "grpo")
 
     @classmethod
     def _newest_policy(cls, run_dir: Path, finished: int) -> tuple[int, Path] | None:
         """The newest policy folder at or before iteration `finished` (what `export` reads): a whole
         checkpoint's `policy/`, or a policy written alone after the last iteration (`save_last`)."""
-        from vrl.optim.checkpoints import complete
-
         found = [(int(p.name.removeprefix("iter-")), p / "policy") for p in cls._checkpoints(run_dir)]
         found += [(int(p.name.removeprefix(POLICY_PREFIX)), p) for p in complete(Path(run_dir) / "grpo", POLICY_PREFIX)]
         found = [f for f in found if f[0] <= finished]
