@@ -50,18 +50,9 @@ log = logging.getLogger(__name__)
 # -- how calls reach the GPU functions ---------------------------------------------------------------
 
 
-class Caller:
-    """Fans calls of one remote method out and yields their results as they finish (any order)."""
-
-    def imap(self, method: Any, argsets: Sequence[tuple], kwargs: dict[str, Any]) -> Iterator[Any]:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Stop background work."""
-
-
-class ModalCaller(Caller):
-    """`method.map(..., order_outputs=False)` on Modal: each result as soon as its container returns it."""
+class ModalCaller:
+    """Fans calls of one remote method out with `method.map(..., order_outputs=False)` and yields each
+    result as soon as its container returns it (any order)."""
 
     def imap(self, method: Any, argsets: Sequence[tuple], kwargs: dict[str, Any]) -> Iterator[Any]:
         if not argsets:
@@ -75,6 +66,9 @@ class ModalCaller(Caller):
                           "(resume the run once the cause is fixed): %s: %s", type(out).__name__, out)
                 raise out
             yield out
+
+    def close(self) -> None:
+        """Nothing runs in the background: `map` ends with the iteration that consumes it."""
 
 
 def worker_dtype(config: Any) -> str:
@@ -93,7 +87,7 @@ class ModalPolicy(PolicyHost):
 
     name = "modal"
 
-    def __init__(self, caller: Caller, worker: Any, config: Any, store: VolumeWeights,
+    def __init__(self, caller: ModalCaller, worker: Any, config: Any, store: VolumeWeights,
                  before_sample: Callable[[], None] | None = None, put: Callable[[dict[str, bytes]], None] | None = None):
         self.caller, self.worker, self.config = caller, worker, config
         self.store = store  # where published weights go, by the Volume's rules (volume.py)
@@ -288,7 +282,7 @@ class ModalRuntime(Runtime):
         self.app = app
         self.volume_root = Path(volume_root or workers.VOLUME_ROOT)
         self.worker = worker or app.worker(workers.VOLUME_ROOT)
-        self.caller: Caller = ModalCaller()
+        self.caller = ModalCaller()
         self._stack = contextlib.ExitStack()
         self._running = False
         self._lock = threading.Lock()
