@@ -88,8 +88,8 @@ class VLLMConfig(Section):
         "CUDA IPC when the engine is one worker on the trainer's GPU (ipc) and an NCCL broadcast when its workers "
         "sit on other GPUs (nccl), else vrl's own loader (extension: CUDA IPC handles into a worker extension, also "
         "across GPUs); these push a LoRA-trained model merged (W + ΔW). adapter (grpo.use_peft, one engine "
-        "worker): the engine serves the LoRA adapter from a LoRA slot and only its factors travel (not yet "
-        "measured on a GPU; docs/vllm.md).",
+        "worker): the engine serves the LoRA adapter from a LoRA slot and only its factors travel (a faster push, "
+        "slower generation through vLLM's LoRA path; docs/vllm.md).",
     )
     sampling_logprobs: bool = Field(
         True,
