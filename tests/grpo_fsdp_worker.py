@@ -9,7 +9,10 @@ the AdamW state gathered from the shards.
 
 (`"_dtype": "bfloat16"` in the fields loads the model in bf16; `"_load": RUN` resumes RUN's checkpoint of
 iteration 1 first, and `"_seed"` seeds the sampled batch. With `"use_peft": true` the ranks train a
-LoRA adapter data-parallel, and OUT also holds every rank's adapter after the step, `replicas`.)
+LoRA adapter data-parallel, and OUT also holds every rank's adapter after the step, `replicas`.
+`"_separate": BYTES` samples from a copy apart from the trained one (a decoupled host, as an engine is)
+and gathers the published weights in buckets of BYTES; OUT then holds where rank 0's trained copy
+lives, `trainable_device`, and the names of each published bucket, `buckets`.)
 """
 
 from __future__ import annotations
@@ -35,6 +38,21 @@ def main(out: str, run_dir: str, fields: dict) -> None:
     GRPO._apply_step = spy
     gen = make_generator(dtype=getattr(torch, fields.pop("_dtype", "float32")))
     resume, seed = fields.pop("_load", None), fields.pop("_seed", 1)
+    separate = fields.pop("_separate", None)
+    buckets: list[list[str]] = []
+    if separate is not None:
+        from vrl.optim import grpo_dist
+        from vrl.policy import WeightStream
+
+        grpo_dist.BUCKET_BYTES = separate
+        gen.decouple()
+        publish = gen.publish
+
+        def recorded(stream):  # rank 0's host: the names of each bucket as it is drawn
+            assert isinstance(stream, WeightStream)
+            publish(WeightStream(buckets.append([n for n, _ in b]) or b for b in stream))
+
+        gen.publish = recorded
     opt = GRPO(GRPOConfig(**fields), seed=0, total_iterations=10)
     opt.setup(gen)
     leader = opt.group.leader
@@ -49,6 +67,9 @@ def main(out: str, run_dir: str, fields: dict) -> None:
     # Every rank takes part in gathering the AdamW state from its shards.
     optim = {name: {k: full(v).clone() for k, v in opt.optim.state[m].items()}
              for name, m in zip(opt.param_names, opt.master)}
+    # Every rank gathers the trained masters, rounded to the sampling copy's dtype.
+    dtype = next(gen.model.parameters()).dtype
+    masters = {name: full(m.detach()).to(dtype) for name, m in zip(opt.param_names, opt.master)}
     replicas = None
     if opt.peft_model is not None:  # every rank's whole adapter, to rank 0
         import torch.distributed as dist
@@ -58,6 +79,7 @@ def main(out: str, run_dir: str, fields: dict) -> None:
     if leader:
         torch.save({"metrics": metrics, "grads": grads, "optim": optim, "world": opt.group.world, "replicas": replicas,
                     "syncs": gen.syncs,  # the trained weights handed to rank 0's sampling host
+                    "trainable_device": str(gen.trainable().model.device), "buckets": buckets, "masters": masters,
                     "weights": {k: v.clone() for k, v in gen.model.state_dict().items()}}, out)
     opt.close()  # every rank: checkpoint writes finished, process group released
 

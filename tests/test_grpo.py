@@ -23,6 +23,7 @@ from vrl.generate.hf import HFGenerator
 from vrl.optim import grpo as grpo_mod
 from vrl.optim.grpo import GRPO, GRPOConfig
 from vrl.optim.logprobs import completion_logprobs, pack
+from vrl.policy import WeightStream
 from vrl.rundir import RunDir
 from vrl.trainer import Trainer
 from vrl.types import Result, Task, Verdict
@@ -37,7 +38,10 @@ class CountingGenerator(HFGenerator):
     syncs = 0
 
     def publish(self, model) -> None:
-        assert model is self.model  # GRPO trained this host's own module in place
+        if isinstance(model, WeightStream):  # ranks of a torchrun launch: the weights gathered from the shards
+            super().publish(model)
+        else:
+            assert model is self.model  # GRPO trained this host's own module in place
         self.syncs += 1
 
 

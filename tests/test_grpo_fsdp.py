@@ -140,6 +140,32 @@ def test_two_rank_checkpoint_resumes_on_one_process_exactly(two_ranks):
     assert opt.step == 2
 
 
+@pytest.mark.slow
+def test_a_separate_sampler_gets_the_weights_streamed_in_buckets_with_no_whole_copy_on_rank_0(tmp_path):
+    """Rank 0's host samples from weights of its own (decoupled, as a vLLM engine does): rank 0 drops its
+    whole trained copy after sharding, and each publish gathers the weights bucket by bucket (here 40 kB
+    buckets, so the tiny model takes several), every bucket under the bound unless one tensor alone is
+    over it. The sampler ends holding the trained masters rounded to its dtype, to the bit, and so does
+    the policy folder of the checkpoint, gathered the same way from the shards."""
+    limit = 40_000
+    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp_path / "out.pt"), str(tmp_path / "run"),
+             json.dumps({**FIELDS, "_separate": limit}))
+    dist = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert dist["trainable_device"] == "meta"
+    sizes = {k: v.numel() * v.element_size() for k, v in dist["masters"].items()}
+    buckets = dist["buckets"]
+    assert dist["syncs"] == 1 and len(buckets) > 2
+    assert sorted(n for b in buckets for n in b) == sorted(dist["masters"])  # every weight once
+    assert all(sum(sizes[n] for n in b[:-1]) < limit for b in buckets)  # the last tensor closes a bucket
+    assert any(sizes[b[-1]] < limit for b in buckets) and max(sizes.values()) > limit  # both cases occur
+    initial = make_generator().model.state_dict()
+    assert any(not torch.equal(dist["masters"][k], initial[k]) for k in dist["masters"])  # the step moved them
+    assert all(torch.equal(dist["weights"][k], v) for k, v in dist["masters"].items())
+    policy = load_file(str(tmp_path / "run" / "grpo" / "iter-000001" / "policy" / "model.safetensors"))
+    assert sorted(policy) == sorted(dist["masters"])
+    assert all(torch.equal(policy[k], v) for k, v in dist["masters"].items())
+
+
 def test_micro_batches_are_dealt_evenly():
     """Every rank gets as many micro-batches (FSDP2's collectives need it), none larger than asked,
     every row exactly once; a rank short of rows gets an empty one (trained as a zero-weight filler)."""

@@ -436,6 +436,43 @@ def test_published_weights_reach_the_engine_through_its_modes_worker_extension()
         VLLMGenerator(object(), None, build({}).sampling, mode="perturb").publish(first)
 
 
+def test_a_weight_stream_reaches_the_engine_bucket_by_bucket_and_a_skipped_push_draws_nothing():
+    """A `WeightStream` (ranks of a sharded model publish one) is loaded one bucket per worker call, each
+    bucket drawn only after the previous one loaded (so the trainer can free it); a push `sync_every`
+    skips draws nothing, leaving the stream to its owner to drain."""
+    from vrl.generate.vllm import VLLMGenerator
+    from vrl.generate.vllm_trained import LoadWeightsExtension
+    from vrl.policy import WeightStream
+
+    class Loader(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.loaded: list[list[str]] = []
+
+        def load_weights(self, weights):
+            self.loaded.append([n for n, _ in weights])
+
+    model = Loader()
+    llm = _InProcessLLM(model, LoadWeightsExtension)
+    gen = VLLMGenerator(llm, None, build({}).sampling, mode="sample", sync_every=2)
+    drawn: list[int] = []
+
+    def buckets(pushed: bool = True):
+        for i in range(3):
+            assert not pushed or len(model.loaded) == i  # the previous bucket is in the engine before the next is made
+            drawn.append(i)
+            yield [(f"w{i}a", torch.full((2,), float(i))), (f"w{i}b", torch.ones(1))]
+
+    gen.publish(WeightStream(buckets()))
+    assert model.loaded == [["w0a", "w0b"], ["w1a", "w1b"], ["w2a", "w2b"]] and drawn == [0, 1, 2]
+    drawn.clear()
+    stream = WeightStream(buckets(pushed=False))
+    gen.publish(stream)  # within sync_every: not pushed, nothing drawn
+    assert drawn == [] and len(model.loaded) == 3
+    stream.drain()
+    assert drawn == [0, 1, 2] and len(model.loaded) == 3
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lora_weights_reach_the_engine_merged_and_the_base_stays_untouched(dtype):
     """GRPO with LoRA: the engine gets W + ΔW under the checkpoint's names (what peft's own

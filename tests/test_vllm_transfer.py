@@ -169,14 +169,27 @@ def test_nccl_transfer_joins_once_and_broadcasts_beside_the_workers_receive(fake
     engines.append(engine)
     transfer = NativeTransfer(engine, "nccl", "cpu", workers=2)
     weights = [("a.weight", torch.ones(2, 3, dtype=torch.bfloat16)), ("b.bias", torch.zeros(4))]
-    transfer.send(weights)
-    transfer.send(weights)
+    transfer.send([weights])
+    transfer.send([weights])
     assert engine.calls == ["init", "start", "update", "finish", "start", "update", "finish"]
     assert engine.init_info == {"master_address": "127.0.0.1", "master_port": 29517, "world_size": 3, "rank_offset": 1}
     assert engine.received[0] == {"names": ["a.weight", "b.bias"], "dtype_names": ["bfloat16", "float32"],
                                   "shapes": [[2, 3], [4]], "packed": True}
     assert [[n for n, _ in s] for s in sent] == [["a.weight", "b.bias"]] * 2
     assert all(t is w for s in sent for (_, t), (_, w) in zip(s, weights))  # the tensors themselves: no copy
+
+
+def test_a_push_in_buckets_is_one_update_session_with_one_broadcast_per_bucket(fake_nccl):
+    """Weights streamed in buckets (a sharded trainer's publish) go in one session: start → per bucket,
+    its names announced and its tensors broadcast → finish."""
+    sent, engines = fake_nccl
+    engine = _Engine()
+    engines.append(engine)
+    transfer = NativeTransfer(engine, "nccl", "cpu", workers=1)
+    transfer.send(iter([[("a", torch.ones(2))], [("b", torch.zeros(3)), ("c", torch.ones(1))]]))
+    assert engine.calls == ["init", "start", "update", "update", "finish"]
+    assert [r["names"] for r in engine.received] == [["a"], ["b", "c"]]
+    assert [[n for n, _ in s] for s in sent] == [["a"], ["b", "c"]]
 
 
 def test_a_failed_push_still_finishes_the_update_session(fake_nccl):
@@ -186,7 +199,7 @@ def test_a_failed_push_still_finishes_the_update_session(fake_nccl):
     engine = _Engine()
     engines.append(engine)
     transfer = NativeTransfer(engine, "nccl", "cpu", workers=1)
-    transfer.send([("a", torch.ones(1))])
+    transfer.send([[("a", torch.ones(1))]])
 
     def broken(iterator, args):
         engine.broadcast.set()  # the workers got something; the trainer then fails
@@ -194,7 +207,7 @@ def test_a_failed_push_still_finishes_the_update_session(fake_nccl):
 
     sys.modules["vllm.distributed.weight_transfer.nccl_engine"].NCCLWeightTransferEngine.trainer_send_weights = broken
     with pytest.raises(RuntimeError, match="NCCL error"):
-        transfer.send([("a", torch.ones(1))])
+        transfer.send([[("a", torch.ones(1))]])
     assert engine.calls[-1] == "finish" and not engine._active
 
 

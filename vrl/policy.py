@@ -15,8 +15,10 @@ A host offers two ways to move weights, one per family of update rules:
   variant with a `seed` is sampled from θ + sign·σ·ε(seed) and θ is restored exactly afterwards;
   `update(update)` adds Σⱼ cⱼ·ε(seedⱼ) to θ on every copy. The state is replayable from seeds.
 - **Trained weights** (GRPO): `trainable()` is the in-process model a gradient step changes;
-  `publish(model)` makes every sampling copy use that model's weights. `decouple()` (asynchronous
-  rollouts) makes the trained model a copy apart from the sampled one, so sampling can run meanwhile.
+  `publish(model)` makes every sampling copy use that model's weights (the module, tensors by
+  checkpoint name, or a `WeightStream` of them bucket by bucket, as ranks of a sharded model gather
+  them). `decouple()` (asynchronous rollouts) makes the trained model a copy apart from the sampled
+  one, so sampling can run meanwhile.
 
 A new update rule uses one of these (or both) and needs no change here; a new runtime implements
 `PolicyHost` (or deals variants over hosts that do, as `vrl.runtime.pool.HostPool` does).
@@ -25,7 +27,7 @@ A new update rule uses one of these (or both) and needs no change here; a new ru
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -89,6 +91,32 @@ class Trainable:
     tokenizer: Any
     sampling: Any
     extra: dict[str, Any] = field(default_factory=dict)
+    # The host samples from weights of its own, which this model reaches only by `publish` (a vLLM
+    # engine, a decoupled HF host): a launch that trains a sharded copy may then free this one.
+    separate: bool = False
+
+
+class WeightStream:
+    """Weights by checkpoint name, in buckets, drawn once: each bucket (a list of (name, tensor)) is
+    valid until the next one is drawn. How ranks of a sharded model publish (`vrl.optim.grpo_dist`):
+    every bucket is gathered by every rank together, so the stream's owner `drain`s what the host left
+    undrawn (a host that skips a push, or fails in the middle of one), and no process ever holds the
+    whole model at once unless a host `collect`s it."""
+
+    def __init__(self, buckets: Iterable[list[tuple[str, Any]]]):
+        self._buckets = iter(buckets)
+
+    def __iter__(self) -> Iterator[list[tuple[str, Any]]]:
+        return self._buckets
+
+    def collect(self) -> dict[str, Any]:
+        """Every remaining weight at once, by name (for a host that publishes to several copies)."""
+        return {name: t for bucket in self._buckets for name, t in bucket}
+
+    def drain(self) -> None:
+        """Draw (and drop) every remaining bucket."""
+        for _ in self._buckets:
+            pass
 
 
 class Unsupported(RuntimeError):
@@ -139,7 +167,8 @@ class PolicyHost(ABC):
         raise Unsupported(f"{self.name} has no trainable in-process model")
 
     def publish(self, model: Any) -> None:
-        """Make sampling use `model`'s weights from the next `sample` on (after each update)."""
+        """Make sampling use `model`'s weights from the next `sample` on (after each update): the trained
+        module, a mapping of tensors by checkpoint name, or a `WeightStream` (draw it at most once)."""
         raise Unsupported(f"{self.name} cannot load trained weights")
 
     def decouple(self) -> None:

@@ -8,7 +8,7 @@ was sampled.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
@@ -16,7 +16,7 @@ from pydantic import Field
 from vrl.config import Section
 from vrl.errors import DeviceUnavailable
 from vrl.generate.base import Generator, cut_at_stop, shard_seed, tokens_covering
-from vrl.policy import HostNeeds, PerturbationSpec, Trainable, Variant
+from vrl.policy import HostNeeds, PerturbationSpec, Trainable, Variant, WeightStream
 from vrl.types import Completion, Prompt, Task
 
 # torch and the weights layer are imported in the functions that use them: the registry imports this
@@ -175,7 +175,7 @@ class HFGenerator(Generator):
             import copy
 
             self._train_model = copy.deepcopy(self.model).to(self.train_device or self.device)
-        return Trainable(self._train_model, self.tokenizer, self.sampling)
+        return Trainable(self._train_model, self.tokenizer, self.sampling, separate=True)
 
     def decouple(self) -> None:
         """Asynchronous rollouts: `trainable()` becomes a copy of the model (made on first call, on
@@ -186,24 +186,27 @@ class HFGenerator(Generator):
         self._decoupled = True
 
     def publish(self, model: Any) -> None:
-        """Sampling reads `self.model`; weights trained elsewhere (another host's model, or tensors by
-        checkpoint name, LoRA merged) are copied in."""
+        """Sampling reads `self.model`; weights trained elsewhere (another host's model, tensors by
+        checkpoint name, LoRA merged, or a `WeightStream` of them) are copied in."""
         if model is self.model:
             return
         import torch
 
         from vrl.weights.export import weights_for_engine
-        if isinstance(model, Mapping):
-            weights = dict(model)
+        if isinstance(model, WeightStream):
+            buckets: Iterable[list[tuple[str, Any]]] = model
+        elif isinstance(model, Mapping):
+            buckets = [list(model.items())]
         else:
-            weights = dict(weights_for_engine(model))  # checkpoint names, LoRA merged
+            buckets = [weights_for_engine(model)]  # checkpoint names, LoRA merged
         own = dict(self.model.named_parameters())
-        unknown = sorted(set(weights) - set(own))
-        if unknown:
-            raise ValueError(f"published weights do not match the model: unknown {unknown[:3]}")
         with torch.no_grad():
-            for name, t in weights.items():
-                own[name].copy_(t)
+            for bucket in buckets:
+                unknown = sorted({name for name, _ in bucket} - set(own))
+                if unknown:
+                    raise ValueError(f"published weights do not match the model: unknown {unknown[:3]}")
+                for name, t in bucket:
+                    own[name].copy_(t)
 
     def _population(self, tasks: Sequence[Task], members: Sequence[Variant], seed: int | None
                     ) -> Iterator[list[Completion]]:

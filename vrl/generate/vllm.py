@@ -38,7 +38,7 @@ from vrl.config import Section
 from vrl.errors import UsageError
 from vrl.generate.base import Generator, cut_at_stop, tokens_covering
 from vrl.generate.hf import TINY, meta_model, render_prompt
-from vrl.policy import HostNeeds, PerturbationSpec, Trainable, Unsupported, Variant
+from vrl.policy import HostNeeds, PerturbationSpec, Trainable, Unsupported, Variant, WeightStream
 from vrl.types import Completion, Task
 
 # torch and the weights layer's tensor code are imported in the functions that use them: the registry
@@ -605,9 +605,9 @@ class VLLMGenerator(Generator):
                               "with the GRPO run's needs (mode 'trained')")
 
     # -- weights pushed whole (GRPO) -----------------------------------------------------------------
-    def publish(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
-        """Push `model` (the trained copy, or tensors by checkpoint name) into the engine (modes 'trained'
-        and 'sample'): on the first call, then every `sync_every` calls."""
+    def publish(self, model: torch.nn.Module | Mapping[str, torch.Tensor] | WeightStream) -> None:
+        """Push `model` (the trained copy, tensors by checkpoint name, or a `WeightStream` of them) into the
+        engine (modes 'trained' and 'sample'): on the first call, then every `sync_every` calls."""
         if not hasattr(self.mover, "publish"):
             raise Unsupported(f"this engine was started in mode {self.mode!r}, whose weights move by ES; weights are "
                               "pushed whole only into engines started for GRPO or for sampling")

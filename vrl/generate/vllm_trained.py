@@ -28,14 +28,14 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import torch
 
 from vrl.generate.vllm_mover import Mover
 from vrl.generate.vllm_worker import WorkerBase, _timed, pack_tensor, rebuild_weights
-from vrl.policy import Trainable, Unsupported
+from vrl.policy import Trainable, Unsupported, WeightStream
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +68,12 @@ class PushedWeights(Mover):
             # No initial push: engine and copy load the same checkpoint in the same dtype.
             self.model, _ = load_model_and_tokenizer(engine.model_path, engine.train_device, engine.dtype, engine.revision)
             engine.logprobs = engine.sampling_logprobs
-        return Trainable(self.model, engine.tokenizer, engine.sampling)
+        return Trainable(self.model, engine.tokenizer, engine.sampling, separate=True)
 
-    def publish(self, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
-        """Push `model` (the trained copy, or tensors by checkpoint name) into the engine: on the first
-        call, then every `sync_every` calls; the push's time is the `sync_s` counter."""
+    def publish(self, model: torch.nn.Module | Mapping[str, torch.Tensor] | WeightStream) -> None:
+        """Push `model` (the trained copy, tensors by checkpoint name, or a `WeightStream` of them, pushed
+        bucket by bucket in one update) into the engine: on the first call, then every `sync_every`
+        calls; the push's time is the `sync_s` counter."""
         from vrl.weights.export import weights_for_engine
 
         engine = self.engine
@@ -83,14 +84,16 @@ class PushedWeights(Mover):
         if engine._asleep:
             engine._wake_up(["weights"])
         if engine.weight_transfer == "adapter":
-            if isinstance(model, Mapping):
+            if not isinstance(model, torch.nn.Module):
                 raise Unsupported("this engine serves a LoRA adapter (weight_transfer=adapter); it takes the trained "
                                   "model, not tensors by name")
             if self._adapter is None:
                 self._adapter = AdapterTransfer(engine)
             self._adapter.send(model)
+        elif isinstance(model, WeightStream):
+            self._push_whole(model)
         else:
-            self._push_whole(list(model.items()) if isinstance(model, Mapping) else weights_for_engine(model))
+            self._push_whole([list(model.items()) if isinstance(model, Mapping) else weights_for_engine(model)])
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
         if engine._asleep:
@@ -101,16 +104,18 @@ class PushedWeights(Mover):
         self._count("sync_s", time.perf_counter() - t0)
         log.debug("vllm: pushed weights in %.3f s", self._counters["sync_s"])
 
-    def _push_whole(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Every weight, by vLLM's native transfer ('ipc', 'nccl') or vrl's loader ('extension')."""
+    def _push_whole(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+        """Every weight, bucket by bucket, by vLLM's native transfer ('ipc', 'nccl': one update session) or
+        vrl's loader ('extension': one load per bucket); a bucket may be freed once the next is drawn."""
         engine = self.engine
         if engine.weight_transfer in ("ipc", "nccl"):
             if self._native is None:
                 self._native = NativeTransfer(engine.llm, engine.weight_transfer, engine.train_device,
                                               engine.tensor_parallel_size)
-            self._native.send(weights)
+            self._native.send(buckets)
         else:
-            engine.rpc("vrl_load_weights", _share(weights, engine.device_order))
+            for bucket in buckets:
+                engine.rpc("vrl_load_weights", _share(bucket, engine.device_order))
 
     def lora_request(self) -> Any:
         """The served adapter's request (after the first push with weight_transfer=adapter), else None."""
@@ -342,16 +347,18 @@ class NativeTransfer:
             self._group = NCCLWeightTransferEngine.trainer_init(info)
         joined()
 
-    def send(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+        """One update session (start → update per bucket → finish), finished even when a bucket fails."""
         if self.backend == "nccl" and self._group is None:
             self._connect()
         self.llm.start_weight_update()
         try:
             with self._on_device(), torch.no_grad():
-                if self.backend == "ipc":
-                    self._send_ipc(weights)
-                else:
-                    self._send_nccl(weights)
+                for bucket in buckets:
+                    if self.backend == "ipc":
+                        self._send_ipc(bucket)
+                    else:
+                        self._send_nccl(bucket)
         finally:
             self.llm.finish_weight_update()
 

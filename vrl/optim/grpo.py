@@ -200,13 +200,20 @@ class GRPO(Optimizer):
 
             replicate(model)
         elif self.group is not None:
-            # FSDP2 trains a sharded copy in fp32 (its shards are the masters); the host's model stays
-            # whole for sampling and gets the trained weights after each step (`_publish`).
-            from vrl.optim.grpo_dist import shard
+            # FSDP2 trains a sharded copy in fp32 (its shards are the masters); after each step the whole
+            # weights are gathered bucket by bucket and streamed to rank 0's host (`_publish`).
+            from vrl.optim.grpo_dist import persistent_buffers, shard
 
+            host = self.host_model
+            self._host_dtypes = {name: p.dtype for name, p in host.named_parameters()}
+            # The policy folder's buffers (they do not train), kept apart from a copy that is dropped.
+            self._policy_buffers = ({n: b.detach().to("cpu", copy=True) for n, b in persistent_buffers(host).items()}
+                                    if self.group.leader else {})
             self.model = model = shard(model, self.group, next(model.parameters()).dtype)
-            if not self.group.leader:  # only rank 0 samples: the other ranks' whole copies are dropped
-                self.host_model.to("meta")
+            if not self.group.leader or trainable.separate:
+                # Only rank 0 samples, and from its own whole copy only with an in-process sampler: an engine
+                # takes the gathered buckets as they come, so no rank keeps a whole copy besides its shard.
+                host.to("meta")
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.param_names = [name for name, p in model.named_parameters() if p.requires_grad]  # checkpoint keys
         if not self.params:
@@ -424,15 +431,23 @@ class GRPO(Optimizer):
         return HostNeeds(self.moves, adapter_rank=self.config.lora_r if self.config.use_peft else 0)
 
     def _publish(self) -> None:
-        """Hand the trained weights to the host (on several ranks: gathered into rank 0's whole model)."""
-        if self.group is not None:
-            from vrl.optim.grpo_dist import copy_into
+        """Hand the trained weights to the host. On several ranks (FSDP2) every rank gathers them bucket by
+        bucket and rank 0's host takes the stream; what it leaves undrawn (a push it skips, or fails in)
+        is still gathered, so every rank draws the same collectives. LoRA trains rank 0's own model."""
+        group = self.group
+        if group is not None and self.peft_model is None:
+            from vrl.optim.grpo_dist import gathered
+            from vrl.policy import WeightStream
 
-            if self.peft_model is None:  # LoRA trains the host's model itself, on every rank
-                copy_into(self.model, self.host_model, write=self.group.leader)
-            if not self.group.leader:
-                return
-        self.host.publish(self.host_model)
+            stream = WeightStream(gathered(self.model, self._host_dtypes))
+            try:
+                if group.leader:
+                    self.host.publish(stream)
+            finally:
+                stream.drain()
+            return
+        if group is None or group.leader:
+            self.host.publish(self.host_model)
 
     def follow(self) -> None:
         """A rank > 0: do what rank 0's GRPO does (tell, save, load) until it closes the run."""
@@ -690,7 +705,7 @@ class GRPO(Optimizer):
         tmp = target.with_name(target.name + TMP_SUFFIX)
         reason = None
         if leader:
-            needed += _bytes(self._policy_tensors())
+            needed += self._policy_bytes()
             reason = check_room(target.parent, needed, cfg.keep_checkpoints, probe=ckpts.free_bytes)
             if reason is None:
                 tmp.mkdir(parents=True)
@@ -706,7 +721,7 @@ class GRPO(Optimizer):
             upload = dcp.async_save(train, checkpoint_id=str(tmp / "train"), no_dist=group is None,
                                     process_group=None if group is None else group.checkpoints)
         upload = getattr(upload, "upload_completion", upload)
-        write_policy = self._snapshot_policy(tmp / "policy") if leader else None
+        write_policy = self._snapshot_policy(tmp / "policy", leader)
         state = {
             "iteration": self.iteration,
             "step": self.step,
@@ -740,16 +755,16 @@ class GRPO(Optimizer):
         tmp = target.with_name(target.name + TMP_SUFFIX)
         reason = None
         if leader:
-            reason = check_room(target.parent, _bytes(self._policy_tensors()), 1, probe=ckpts.free_bytes,
+            reason = check_room(target.parent, self._policy_bytes(), 1, probe=ckpts.free_bytes,
                                 prefix=POLICY_PREFIX)
         if self.group is not None:
             reason = self.group.share(reason)
         if reason is not None:
             self._refuse(reason, leader)
             return
+        write_policy = self._snapshot_policy(tmp, leader)  # every rank: the weights are gathered from the shards
         if not leader:
             return
-        write_policy = self._snapshot_policy(tmp)
 
         def write() -> None:
             write_policy()
@@ -792,37 +807,51 @@ class GRPO(Optimizer):
                 optim[name] = dict(st)
         return {"model": dict(zip(self.param_names, self.master)), "optim": optim}
 
-    def _policy_tensors(self) -> list[torch.Tensor]:
-        """The tensors of the policy folder: the adapter (LoRA) or the whole model, each storage once."""
+    def _policy_bytes(self) -> int:
+        """Bytes of the policy folder's tensors: the adapter (LoRA) or the whole model, each tensor once
+        (tied weights once; from the shapes alone where rank 0's copy was dropped)."""
         if self.peft_model is not None:
-            return [p for p in self.params]
-        seen: dict[int, torch.Tensor] = {}
-        for t in self.host_model.state_dict().values():
-            seen.setdefault(t.data_ptr(), t)
-        return list(seen.values())
+            return _bytes(self.params)
+        from vrl.optim.grpo_dist import persistent_buffers
 
-    def _snapshot_policy(self, folder: Path) -> Callable[[], None]:
-        """Copy the policy to host memory now; return the function that writes its folder later.
+        model = self.host_model
+        return sum(t.numel() * t.element_size() for t in [*model.parameters(), *persistent_buffers(model).values()])
+
+    def _snapshot_policy(self, folder: Path, leader: bool = True) -> Callable[[], None] | None:
+        """Copy the policy to host memory now; return the function that writes its folder later (rank 0;
+        None elsewhere). On several ranks every rank takes part: the whole weights are gathered bucket
+        by bucket from the shards, and rank 0 keeps a host copy of each.
 
         LoRA adapters are megabytes: peft writes them now. A whole model is copied (tied tensors once)
         and written as one safetensors file with its config and tokenizer, as `save_pretrained` lays it out.
         """
-        folder.mkdir(parents=True)
-        with _quiet_transformers():
-            self.tokenizer.save_pretrained(folder)
-            if self.peft_model is not None:
-                self.peft_model.save_pretrained(folder)
-                return lambda: None
-            model = self.host_model
-            model.config.save_pretrained(folder)
-            if getattr(model, "generation_config", None) is not None and model.can_generate():
-                model.generation_config.save_pretrained(folder)
-        copies: dict[int, torch.Tensor] = {}
+        model = self.host_model
+        if leader:
+            folder.mkdir(parents=True)
+            with _quiet_transformers():
+                self.tokenizer.save_pretrained(folder)
+                if self.peft_model is not None:
+                    self.peft_model.save_pretrained(folder)
+                    return lambda: None
+                model.config.save_pretrained(folder)
+                if getattr(model, "generation_config", None) is not None and model.can_generate():
+                    model.generation_config.save_pretrained(folder)
         snapshot = {}
-        for name, t in model.state_dict().items():
-            if t.data_ptr() in copies:
-                continue  # a tied weight (e.g. lm_head = embeddings): loaders re-tie it
-            copies[t.data_ptr()] = snapshot[name] = t.detach().to("cpu", copy=True).contiguous()
+        if self.group is not None and self.peft_model is None:
+            from vrl.optim.grpo_dist import gathered
+
+            for bucket in gathered(self.model, self._host_dtypes):
+                if leader:
+                    snapshot.update((name, t.to("cpu", copy=True).contiguous()) for name, t in bucket)
+            snapshot.update(self._policy_buffers)
+        elif leader:
+            copies: dict[int, torch.Tensor] = {}
+            for name, t in model.state_dict().items():
+                if t.data_ptr() in copies:
+                    continue  # a tied weight (e.g. lm_head = embeddings): loaders re-tie it
+                copies[t.data_ptr()] = snapshot[name] = t.detach().to("cpu", copy=True).contiguous()
+        if not leader:
+            return None
 
         def write() -> None:
             from safetensors.torch import save_file

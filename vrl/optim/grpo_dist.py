@@ -14,7 +14,10 @@ Who does what (see `vrl.distributed` for the launch):
 - Parameters, gradients and AdamW state are sharded (DTensor, dim 0): the trainable parameters are
   kept in fp32 (they are the master weights) and cast to the model's dtype for forward and
   backward (`MixedPrecisionPolicy`), gradients reduced in fp32.
-- After each step the full weights are gathered one tensor at a time into rank 0's sampling model.
+- After each step the full weights are gathered bucket by bucket (`gathered`, `BUCKET_BYTES`) and
+  handed to rank 0's host as a `WeightStream`: an engine (vLLM) takes each bucket as it comes, so
+  rank 0 keeps no whole copy of the model besides its shard; an in-process sampler (hf) copies each
+  bucket into its own whole model.
 
 LoRA (`use_peft`) trains *data-parallel* instead: every rank holds the whole frozen base and the whole
 adapter (rank 0's bits, broadcast once: `replicate`), trains its micro-batches, and the adapter's
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import copy
 import datetime
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -172,15 +175,38 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def copy_into(sharded: nn.Module, target: nn.Module, write: bool) -> None:
-    """Gather every parameter of `sharded` (a collective on all ranks) and, where `write`, copy it into
-    the same-named parameter of `target` (cast to its dtype), one tensor at a time."""
-    own = dict(target.named_parameters())
+BUCKET_BYTES = 512 << 20
+"""Bytes of whole tensors a publish gathers at a time (one bucket; a larger tensor is a bucket alone)."""
+
+
+def gathered(sharded: nn.Module, dtypes: dict[str, torch.dtype], bucket_bytes: int | None = None
+             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The whole parameters of `sharded`, cast to `dtypes[name]` (the sampling copy's), in buckets of
+    about `bucket_bytes`: a collective on every rank, which must draw every bucket in the same order.
+    Each shard is cast before it is gathered (the same bits as casting the whole tensor, half the
+    traffic from fp32 masters to bf16); a bucket's tensors are freed once the caller drops them."""
+    from torch.distributed.tensor import DTensor
+
+    limit = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
     with torch.no_grad():
         for name, p in sharded.named_parameters():
-            whole = full(p.detach())
-            if write:
-                own[name].copy_(whole)
+            t = p.detach().to(dtypes[name])
+            whole = t.full_tensor() if isinstance(t, DTensor) else t
+            bucket.append((name, whole))
+            size += whole.numel() * whole.element_size()
+            if size >= limit:
+                yield bucket
+                bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers `model.state_dict()` holds (persistent ones), by name."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return {name: t for name, t in model.state_dict().items() if name not in params}
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from vrl.generate.base import shard_seed
-from vrl.policy import PerturbationSpec, PolicyHost, Trainable, Variant, WeightsInfo
+from vrl.policy import PerturbationSpec, PolicyHost, Trainable, Variant, WeightsInfo, WeightStream
 from vrl.types import Completion, Task
 from vrl.weights.update import Update
 
@@ -145,6 +145,8 @@ class HostPool(PolicyHost):
         return self.hosts[0].trainable()
 
     def publish(self, model: Any) -> None:
+        if isinstance(model, WeightStream):  # drawn once: every host gets the same whole copy
+            model = model.collect()
         self._each(lambda h: h.publish(model))
 
     def decouple(self) -> None:

@@ -28,7 +28,16 @@ from typing import Any, Literal
 from pydantic import Field
 
 from vrl.config import Section
-from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Trainable, Unsupported, Variant, WeightsInfo
+from vrl.policy import (
+    HostNeeds,
+    PerturbationSpec,
+    PolicyHost,
+    Trainable,
+    Unsupported,
+    Variant,
+    WeightsInfo,
+    WeightStream,
+)
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.runtime.modal import workers
 from vrl.runtime.modal.credentials import require_credentials
@@ -197,6 +206,8 @@ class ModalPolicy(PolicyHost):
         return self._trainable
 
     def publish(self, model: Any) -> None:
+        if isinstance(model, WeightStream):  # written as one file
+            model = model.collect()
         self.version += 1
         self.weights = self.store.publish(model, self.version)
 
