@@ -94,8 +94,7 @@ class PushedWeights(Mover):
             self._push_whole(model)
         else:
             self._push_whole([list(model.items()) if isinstance(model, Mapping) else weights_for_engine(model)])
-        if torch.cuda.is_available():
-            torch.cuda.ipc_collect()
+        _release_shared()
         if engine._asleep:
             engine._wake_up(["kv_cache"])
             engine._asleep = False
@@ -116,6 +115,7 @@ class PushedWeights(Mover):
         else:
             for bucket in buckets:
                 engine.rpc("vrl_load_weights", _share(bucket, engine.device_order))
+                _release_shared()
 
     def lora_request(self) -> Any:
         """The served adapter's request (after the first push with weight_transfer=adapter), else None."""
@@ -357,6 +357,7 @@ class NativeTransfer:
                 for bucket in buckets:
                     if self.backend == "ipc":
                         self._send_ipc(bucket)
+                        _release_shared()
                     else:
                         self._send_nccl(bucket)
         finally:
@@ -380,6 +381,14 @@ class NativeTransfer:
         received = _in_thread(self.llm.update_weights, {"update_info": update})
         NCCLWeightTransferEngine.trainer_send_weights(iter(weights), {"group": self._group, "packed": True})
         received()
+
+
+def _release_shared() -> None:
+    """Free what the engine has let go of among the tensors this process shared by CUDA IPC handle (torch
+    keeps a freed block that was shared in limbo until `ipc_collect`, or until an allocation runs
+    short): between buckets, so a streamed push holds about one bucket rather than all of them."""
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()
 
 
 def _in_thread(fn: Any, *args: Any) -> Any:
