@@ -193,6 +193,10 @@ class GRPO(Optimizer):
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.compile:  # each decoder layer, in place, before FSDP2 shards (a copy of) them
+            from vrl.optim.compile import compile_layers
+
+            compile_layers(model)
         if self.group is not None and self.peft_model is not None:
             # LoRA trains data-parallel: every rank trains the whole (small) adapter on its whole frozen
             # base, from rank 0's bits; the adapter's gradients are summed over the ranks (vrl.optim.grpo_dist).

@@ -164,6 +164,13 @@ class GRPOConfig(BaseModel):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward: less memory, about a third more compute."
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer of the trained model (inductor; fuses norms, rotary, "
+        "activations), used by training's forward and backward only (sampling stays eager). The first steps pay "
+        "the compile time (tens of seconds); shapes are dynamic (batch size and sequence length symbolic), so "
+        "new lengths do not recompile, only a first one-row micro-batch or padding-free row does.",
+    )
     use_peft: bool = Field(False, description="Train LoRA adapters (needs `pip install 'vrl-core[lora]'`) instead of all weights.")
     lora_r: int = Field(16, ge=1, description="LoRA rank (with use_peft).")
     lora_alpha: int = Field(32, ge=1, description="LoRA scaling α; the update is scaled by α / r (with use_peft).")

@@ -1,0 +1,226 @@
+"""`grpo.compile`: decoder layers through the real `torch.compile` (dynamo + inductor, C++ on CPU).
+
+Nothing is emulated: each test compiles the tiny Qwen2 model's layers with inductor, as a GPU run
+does (only the code generator differs: C++ here, Triton there). A compile takes seconds to tens of
+seconds on CPU (inductor's on-disk cache makes later runs faster), hence the `slow` marks.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from tests.test_grpo import capture_grads, make_generator, sample_results
+from vrl.generate import tiny
+from vrl.optim.compile import compile_layers, decoder_layers, restore_layers
+from vrl.optim.grpo import GRPO, GRPOConfig
+from vrl.optim.logprobs import completion_logprobs, pack
+from vrl.types import Completion, Result, Task, Verdict
+
+LR = 1e-3
+# Inductor fuses and reorders float32 arithmetic. Measured on the settings below (torch 2.13, CPU): the
+# log-probs differ by at most 4.8e-7; a gradient element by at most 8.7e-7 of its tensor's largest at the
+# first optimizer step (5.2e-7 on 2 FSDP2 ranks). A later step starts from weights that already differ
+# (AdamW's first step turns the gradients' float noise into up to a few percent of lr, see
+# `assert_adamw_step_close`): 5.7e-6 there. Each tolerance is about 4-6 times the measured difference.
+LOGP_ATOL = 2e-6
+GRAD_RTOL = 5e-6
+LATER_GRAD_RTOL = 3e-5
+
+
+def varied_results(seed: int, n: int = 6, group: int = 3) -> list[Result]:
+    """`n` rewarded samples of random prompts (2–12 tokens) and completions (1–10): padded rows of
+    different lengths, so micro-batches of 2 have different widths."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        task = Task(id=f"t{i // group}", prompt="p")
+        completion = Completion(task_id=task.id, text="x", sample=i % group, finish_reason="stop",
+                                prompt_token_ids=[rng.randrange(256) for _ in range(rng.randint(2, 12))],
+                                token_ids=[rng.randrange(256) for _ in range(rng.randint(1, 10))])
+        reward = rng.random()
+        out.append(Result(task=task, completion=completion, verdict=Verdict.fail("failed", "toy", score=reward),
+                          reward=reward))
+    return out
+
+
+def step(compile: bool, results: list[Result], **fields) -> tuple[dict, dict[str, torch.Tensor], GRPO, float]:
+    """One `tell` on a fresh tiny model: metrics, the weights after it, the optimizer, and how far the
+    trained parameters moved (largest element)."""
+    gen = make_generator()
+    opt = GRPO(GRPOConfig(lr_scheduler_type="constant", micro_batch_size=2, learning_rate=LR, compile=compile,
+                          **fields), seed=0, total_iterations=10)
+    opt.setup(gen)
+    before = [p.detach().clone() for p in opt.params]
+    metrics = opt.tell(results)
+    moved = max(float((p.detach() - b).abs().max()) for p, b in zip(opt.params, before))
+    return metrics, {k: v.clone() for k, v in gen.model.state_dict().items()}, opt, moved
+
+
+def assert_adamw_step_close(names, grads_a, grads_b, metrics_a, metrics_b, weights_a, weights_b) -> None:
+    """Weights after AdamW's first step, from two gradients that differ by float noise. The step is
+    lr·ĝ/(|ĝ| + ε) of the clipped gradient ĝ; its slope ε/(|ĝ| + ε)² turns a 1e-8 difference in a
+    near-zero gradient into a sizeable part of lr: each element is held to that bound (plus 4 fp32 ulps)."""
+    eps = 1e-8
+    clip = [min(1.0, 1.0 / (m["grpo/grad_norm"] + 1e-6)) for m in (metrics_a, metrics_b)]
+    for name, g1, g2 in zip(names, grads_a, grads_b):
+        g1, g2 = g1 * clip[0], g2 * clip[1]
+        diff = (g1 - g2).abs()
+        slope = eps / ((g1.abs() - diff).clamp(min=0) + eps) ** 2
+        ulps = 4 * torch.finfo(torch.float32).eps * (weights_a[name].abs() + LR)
+        bound = LR * torch.clamp(slope * diff, max=2.0) + ulps
+        assert bool(((weights_a[name] - weights_b[name]).abs() <= bound).all()), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fields", [
+    {},
+    {"gradient_checkpointing": True, "beta": 0.1, "num_iterations": 2},
+    {"use_peft": True, "lora_dropout": 0.0},
+], ids=["padded", "checkpointing-beta-2-steps", "lora"])
+def test_compiled_step_equals_eager_step(fields, monkeypatch):
+    """One `tell` with the layers compiled gives the eager step's loss, gradients (every optimizer step)
+    and updated weights, on padded rows of varied lengths, within float reordering. With
+    checkpointing the compiled layer is recomputed in backward; with beta > 0 and 2 steps the eval-mode
+    (eager) reference and old log-probs meet compiled training log-probs. LoRA without dropout
+    (inductor draws dropout masks with its own generator, so masks differ from eager's)."""
+    grads = capture_grads(monkeypatch)
+    results = varied_results(0)
+    eager, weights_eager, opt, _ = step(False, results, **fields)
+    n_steps = len(grads)
+    compiled, weights_compiled, _, moved = step(True, results, **fields)
+    assert len(grads) == 2 * n_steps == 2 * fields.get("num_iterations", 1)
+    assert compiled["grpo/loss"] == pytest.approx(eager["grpo/loss"], rel=1e-6, abs=1e-9)
+    assert compiled["grpo/grad_norm"] == pytest.approx(eager["grpo/grad_norm"], rel=1e-5)
+    for i, (a_step, b_step) in enumerate(zip(grads[:n_steps], grads[n_steps:])):
+        for a, b in zip(a_step, b_step):
+            assert float((a - b).abs().max()) <= (LATER_GRAD_RTOL if i else GRAD_RTOL) * float(a.abs().max()) + 1e-12
+    assert any(float(g.abs().max()) > 0 for g in grads[0])
+    if n_steps == 1:
+        assert_adamw_step_close(opt.param_names, grads[0], grads[1], eager, compiled, weights_eager, weights_compiled)
+    assert moved > 0.5 * LR  # the step did move the weights
+
+
+@pytest.mark.slow
+def test_compiled_logprobs_equal_eager_in_training_mode():
+    """The compiled decoder's log-probs on padded rows of different lengths are the eager decoder's."""
+    eager, model = tiny.build_model().train(), tiny.build_model().train()
+    compile_layers(model)
+    for seed in range(3):
+        rows = varied_results(seed, n=3)
+        packed = pack([r.completion.prompt_token_ids for r in rows], [r.completion.token_ids for r in rows], 256)
+        want = completion_logprobs(eager, packed, 0.9, chunk_size=5)
+        got = completion_logprobs(model, packed, 0.9, chunk_size=5)
+        torch.testing.assert_close(got, want, atol=LOGP_ATOL, rtol=0)
+        assert torch.equal(got == 0, want == 0)  # the padding stays 0
+
+
+@pytest.mark.slow
+def test_new_lengths_do_not_recompile():
+    """Micro-batches of new lengths reuse the compiled graph (shapes are dynamic); both layers share it.
+    A one-row micro-batch (size 1 is specialised) adds at most one graph, and only once."""
+    torch._dynamo.reset()  # count from nothing: earlier tests in this process may have compiled this layer class
+    graphs = lambda: counters["stats"]["unique_graphs"]  # noqa: E731
+    before = graphs()
+    gen = make_generator()
+    opt = GRPO(GRPOConfig(lr_scheduler_type="constant", micro_batch_size=2, compile=True), seed=0, total_iterations=10)
+    opt.setup(gen)
+    first = varied_results(0)
+    widths = {max(len(r.completion.prompt_token_ids) + len(r.completion.token_ids) for r in pair)
+              for pair in _micro_batches(first, 2)}
+    assert len(widths) == 3  # three micro-batches, three lengths
+    opt.tell(first)
+    compiled = graphs() - before
+    assert 1 <= compiled <= 2  # measured 1 (torch 2.13): one graph for both layers and every length
+    opt.tell(varied_results(1))  # other lengths again
+    opt.tell(varied_results(2, n=8, group=4))
+    assert graphs() - before == compiled
+    opt.tell(varied_results(3, n=5, group=5))  # the last micro-batch holds one row
+    once = graphs() - before
+    assert once <= compiled + 1
+    opt.tell(varied_results(4, n=3, group=3))
+    assert graphs() - before == once
+
+
+def _micro_batches(results: list[Result], size: int) -> list[list[Result]]:
+    order = sorted(results, key=lambda r: len(r.completion.prompt_token_ids) + len(r.completion.token_ids))
+    return [order[s : s + size] for s in range(0, len(order), size)]
+
+
+@pytest.mark.slow
+def test_generation_after_a_compiled_step_stays_eager():
+    """The host samples from the module GRPO trains (one process): after a compiled step, generation
+    compiles nothing and samples exactly what an uncompiled model with the same weights samples."""
+    gen = make_generator()
+    opt = GRPO(GRPOConfig(lr_scheduler_type="constant", micro_batch_size=4, learning_rate=LR, compile=True),
+               seed=0, total_iterations=10)
+    opt.setup(gen)
+    opt.tell(sample_results(gen))
+    frames = dict(counters["frames"])
+    sampled = [c.text for c in (r.completion for r in sample_results(gen, seed=7))]
+    assert dict(counters["frames"]) == frames
+    plain = make_generator()
+    plain.model.load_state_dict(gen.model.state_dict())
+    assert [c.text for c in (r.completion for r in sample_results(plain, seed=7))] == sampled
+
+
+def test_layers_are_compiled_in_place_and_restored():
+    """Each layer keeps its class's name (FSDP2 finds layers by it) and survives a deep copy;
+    `restore_layers` gives back the eager class. (No forward here: nothing is compiled.)"""
+    import copy
+
+    model = tiny.build_model()
+    base = type(model.model.layers[0])
+    assert compile_layers(model) == 2
+    assert compile_layers(model) == 2  # idempotent: no subclass of the subclass
+    layer = model.model.layers[0]
+    assert type(layer) is not base and type(layer).__name__ == base.__name__ and type(layer).__mro__[1] is base
+    assert type(copy.deepcopy(model).model.layers[1]) is type(layer)
+    assert restore_layers(model) == 2
+    assert all(type(m) is base for m in model.model.layers)
+
+
+def test_a_model_without_a_layer_list_is_refused():
+    """A model whose decoder keeps its layers under an unknown name: one line naming the model's class."""
+    gen = make_generator()
+    layers = gen.model.model.layers
+    del gen.model.model.layers
+    gen.model.model.stack = layers
+    assert decoder_layers(gen.model) is None
+    opt = GRPO(GRPOConfig(lr_scheduler_type="constant", compile=True), seed=0, total_iterations=10)
+    with pytest.raises(ValueError) as err:
+        opt.setup(gen)
+    message = str(err.value)
+    assert "\n" not in message and "Qwen2ForCausalLM" in message and "grpo.compile=false" in message
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_train_compiled_layers_as_one_eager_process(tmp_path, monkeypatch):
+    """Under `torchrun` with 2 CPU ranks (gloo, the real FSDP2), layers compiled before `fully_shard`
+    wraps the training copy: every rank compiles, and the step equals one eager process's step within
+    the tolerances above (the ranks also sum their micro-batches in another order)."""
+    from tests.test_grpo_fsdp import FIELDS, HERE, torchrun
+
+    fields = {**FIELDS, "compile": True}
+    out = tmp_path / "out.pt"
+    torchrun(str(HERE / "grpo_compile_worker.py"), str(out), str(tmp_path / "run"), json.dumps(fields))
+    dist = torch.load(out, weights_only=False)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"out.pt.rank{rank}.json").read_text())["graphs"] >= 1
+    grads = capture_grads(monkeypatch)
+    gen = make_generator()
+    opt = GRPO(GRPOConfig(**FIELDS), seed=0, total_iterations=10)
+    opt.setup(gen)
+    metrics = opt.tell(sample_results(gen))
+    assert dist["world"] == 2
+    assert dist["metrics"]["grpo/loss"] == pytest.approx(metrics["grpo/loss"], rel=1e-6, abs=1e-9)
+    assert dist["metrics"]["grpo/grad_norm"] == pytest.approx(metrics["grpo/grad_norm"], rel=1e-5)
+    for a, b in zip(grads[0], dist["grads"][0]):
+        assert float((a - b).abs().max()) <= GRAD_RTOL * float(a.abs().max()) + 1e-12
+    assert FIELDS["learning_rate"] == LR
+    assert_adamw_step_close(opt.param_names, grads[0], dist["grads"][0], metrics, dist["metrics"],
+                            gen.model.state_dict(), dist["weights"])
