@@ -13,6 +13,13 @@ does not. Padding-free saves compute only under flash-attention (`--attn flash_a
 the flash-attn package): under sdpa the samples of a packed row are kept apart by a block-diagonal
 mask over the whole row.
 
+`--compile on` sets `grpo.compile` (each decoder layer through `torch.compile`, dynamic shapes). Every
+setting first runs one untimed step over the whole batch (`warmup_s`), which pays the compile: in full
+for the first compiled setting, again in part when a later one changes what the graph depends on
+(gradient checkpointing on: one recompile); other micro-batch sizes and lengths reuse the graph. The
+timed steps train on the same batch, so they compile nothing (`timed_compiles` counts the graphs
+dynamo compiled during them: 0 expected). Between settings the layers are made eager again.
+
 MFU counts 6 · N · tokens FLOPs per step (N = all parameters, embeddings included; every real token
 of a sequence counted, padding not), against 989.4 TFLOP/s (H100 SXM dense bf16) — the convention
 of the floor in shared/notes/es-noise.md. Checkpointing's recompute is not counted as useful work.
@@ -22,6 +29,7 @@ setting); `peak_rss_gb` the process's peak resident host memory so far (not rese
     python benchmarks/grpo_step.py --out result.json                                  # GPU, as before
     python benchmarks/grpo_step.py --lengths varied --attn flash_attention_2 --padding-free both --out r.json
     python benchmarks/grpo_step.py --small --padding-free both --lengths varied --out /tmp/r.json  # CPU dry run
+    python benchmarks/grpo_step.py --lengths varied --attn sdpa --compile both --out r.json
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from vrl.config import SamplingConfig
 from vrl.generate import tiny
 from vrl.generate.hf import HFGenerator
+from vrl.optim.compile import restore_layers
 from vrl.optim.grpo import GRPO, GRPOConfig
 from vrl.types import Completion, Result, Task, Verdict
 
@@ -79,16 +88,23 @@ def batch(n_seq: int, prompt_len: int, completion_len: int, vocab: int, group: i
 
 
 def measure(gen: HFGenerator, results: list[Result], ckpt: bool, micro: int, steps: int, n_params: int,
-            device: torch.device, padding_free: bool = False) -> dict[str, Any]:
+            device: torch.device, padding_free: bool = False, compile: bool = False) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
     cfg = GRPOConfig(num_generations=8, learning_rate=1e-6, lr_scheduler_type="constant", loss_type="dapo",
                      micro_batch_size=micro, gradient_checkpointing=ckpt, logprob_chunk_size=2048,
-                     padding_free=padding_free)
-    row: dict[str, Any] = {"gradient_checkpointing": ckpt, "micro_batch_size": micro, "padding_free": padding_free}
+                     padding_free=padding_free, compile=compile)
+    row: dict[str, Any] = {"gradient_checkpointing": ckpt, "micro_batch_size": micro, "padding_free": padding_free,
+                           "compile": compile}
     opt = None
     try:
         opt = GRPO(cfg, seed=0)
         opt.setup(gen)
-        opt.tell(results)  # warm-up: allocator, kernels, AdamW state
+        t0 = time.perf_counter()
+        opt.tell(results)  # warm-up: allocator, kernels, AdamW state, and the compile (every length of the batch)
+        _sync(device)
+        row["warmup_s"] = time.perf_counter() - t0
+        graphs = counters["stats"]["unique_graphs"]
         update_times: list[float] = []
         apply_step = opt._apply_step
 
@@ -113,7 +129,9 @@ def measure(gen: HFGenerator, results: list[Result], ckpt: bool, micro: int, ste
         tokens = sum(len(r.completion.prompt_token_ids) + len(r.completion.token_ids) for r in results)
         best = min(times)
         row.update(step_s=best, step_s_all=times, optimizer_s=min(update_times), tokens=tokens,
-                   tokens_per_s=tokens / best, pad_fraction=metrics["grpo/pad_fraction"])
+                   tokens_per_s=tokens / best, pad_fraction=metrics["grpo/pad_fraction"],
+                   timed_compiles=counters["stats"]["unique_graphs"] - graphs,
+                   graphs=graphs)  # compiled so far in this process (one per layer would mean a recompile per layer)
         if device.type in PEAK_FLOPS:
             row["mfu"] = 6 * n_params * tokens / best / PEAK_FLOPS[device.type]
             row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
@@ -124,6 +142,8 @@ def measure(gen: HFGenerator, results: list[Result], ckpt: bool, micro: int, ste
         if opt is not None and ckpt:
             off = getattr(gen.model, "activation_checkpointing_disable", None) or gen.model.gradient_checkpointing_disable
             off()
+        if compile:  # the next setting trains the same model: eager again unless it compiles too
+            restore_layers(gen.model)
         del opt
         gc.collect()
         if device.type == "cuda":
@@ -151,6 +171,8 @@ def main() -> None:
                     help="fixed: 512 + 512 tokens per sequence; varied: random lengths, 1024 on average")
     ap.add_argument("--padding-free", choices=["off", "on", "both"], default="off",
                     help="grpo.padding_free for every setting (both: each setting padded, then padding-free)")
+    ap.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                    help="grpo.compile for every setting (both: each setting eager, then compiled)")
     ap.add_argument("--attn", default=None,
                     help="attention implementation (sdpa, eager, flash_attention_2, ...; default: transformers')")
     ap.add_argument("--out", required=True)
@@ -172,8 +194,9 @@ def main() -> None:
     if args.small:
         settings = [(False, 4), (True, 8)]
     free = {"off": [False], "on": [True], "both": [False, True]}[args.padding_free]
-    rows = [measure(gen, results, ckpt, micro, args.steps, n_params, device, padding_free=f)
-            for ckpt, micro in settings for f in free]
+    compiled = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    rows = [measure(gen, results, ckpt, micro, args.steps, n_params, device, padding_free=f, compile=c)
+            for ckpt, micro in settings for f in free for c in compiled]
     report = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
