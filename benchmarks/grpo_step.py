@@ -175,6 +175,8 @@ def main() -> None:
                     help="grpo.compile for every setting (both: each setting eager, then compiled)")
     ap.add_argument("--attn", default=None,
                     help="attention implementation (sdpa, eager, flash_attention_2, ...; default: transformers')")
+    ap.add_argument("--settings", nargs="+", metavar="{ckpt,nockpt}:MICRO",
+                    help="only these settings, e.g. nockpt:8 ckpt:16 (default: the five of the table)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -193,6 +195,8 @@ def main() -> None:
     settings = [(False, 4), (False, 8), (True, 16), (True, 32), (True, 64)]
     if args.small:
         settings = [(False, 4), (True, 8)]
+    if args.settings:
+        settings = [(ckpt == "ckpt", int(micro)) for ckpt, micro in (s.split(":") for s in args.settings)]
     free = {"off": [False], "on": [True], "both": [False, True]}[args.padding_free]
     compiled = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     rows = [measure(gen, results, ckpt, micro, args.steps, n_params, device, padding_free=f, compile=c)
