@@ -291,7 +291,18 @@ class GRPO(Optimizer):
         return [Variant(index=0, samples_per_task=self.config.num_generations)]
 
     def tell(self, results: list[Result]) -> dict[str, float]:
-        """Advantages from the results' rewards, then `num_iterations` AdamW steps on the GRPO loss."""
+        """Advantages from the results' rewards, then `num_iterations` AdamW steps on the GRPO loss (under
+        torch.profiler for the iteration `profile_iteration`, when `profile_dir` is set)."""
+        cfg = self.config
+        if cfg.profile_dir is None or self._iteration != cfg.profile_iteration:
+            return self._tell(results)
+        from vrl.optim.profile import profiled
+
+        rank = 0 if self.group is None else self.group.rank
+        with profiled(Path(cfg.profile_dir), f"update-{self._iteration:06d}-rank{rank}"):
+            return self._tell(results)
+
+    def _tell(self, results: list[Result]) -> dict[str, float]:
         import torch
 
         cfg = self.config

@@ -164,6 +164,15 @@ class GRPOConfig(BaseModel):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward: less memory, about a third more compute."
     )
+    profile_dir: str | None = Field(
+        None,
+        description="Profile one update (torch.profiler, CPU and CUDA): write update-NNNNNN-rankR.txt (the top "
+        "operations) and .json (time by kind: GEMMs, attention, NCCL collectives, other kernels, wall) here, one "
+        "pair per rank. Off by default.",
+    )
+    profile_iteration: int = Field(
+        1, ge=0, description="The iteration (0-based) whose update profile_dir profiles; 1 skips the first, warm-up one.",
+    )
     compile: bool = Field(
         False,
         description="torch.compile each decoder layer of the trained model (inductor; fuses norms, rotary, "
