@@ -10,7 +10,9 @@ the AdamW state gathered from the shards.
 (`"_dtype": "bfloat16"` in the fields loads the model in bf16; `"_load": RUN` resumes RUN's checkpoint of
 iteration 1 first, and `"_seed"` seeds the sampled batch. With `"use_peft": true` the ranks train a
 LoRA adapter data-parallel, and OUT also holds every rank's adapter after the step, `replicas`.
-`"_separate": BYTES` samples from a copy apart from the trained one (a decoupled host, as an engine is)
+With `"sample_on_every_rank": true`, rank 0 first samples a batch through every rank (`GRPO.sampler`)
+and alone, recording both, `pooled` and `alone`; OUT also holds every rank's sampling model after
+the step, `samplers`. `"_separate": BYTES` samples from a copy apart from the trained one (a decoupled host, as an engine is)
 and gathers the published weights in buckets of BYTES; OUT then holds where rank 0's trained copy
 lives, `trainable_device`, and the names of each published bucket, `buckets`.)
 """
@@ -56,9 +58,20 @@ def main(out: str, run_dir: str, fields: dict) -> None:
     opt = GRPO(GRPOConfig(**fields), seed=0, total_iterations=10)
     opt.setup(gen)
     leader = opt.group.leader
+    pooled = alone = pooled_counts = None
     if leader:
         if resume is not None:  # every rank loads that run's checkpoint of iteration 1 (`load` leads them)
             opt.load(resume, 1)
+        if opt.config.sample_on_every_rank:
+            from vrl.policy import Variant
+            from vrl.types import Task
+
+            tasks = [Task(id=f"t{i}", prompt=f"Task {i}: letters.\n") for i in range(20)]
+            v = [Variant(index=0, samples_per_task=3)]
+            ranks = opt.sampler(gen)
+            pooled = [c for batch in ranks.sample(tasks, v, seed=4) for c in batch]
+            pooled_counts = ranks.counts
+            alone = [c for batch in gen.sample(tasks, v, seed=4) for c in batch]
         metrics = opt.tell(sample_results(gen, seed=seed))
         opt.save(run_dir, final=True)
         opt.stop_followers()
@@ -70,7 +83,13 @@ def main(out: str, run_dir: str, fields: dict) -> None:
     # Every rank gathers the trained masters, rounded to the sampling copy's dtype.
     dtype = next(gen.model.parameters()).dtype
     masters = {name: full(m.detach()).to(dtype) for name, m in zip(opt.param_names, opt.master)}
-    replicas = None
+    replicas = samplers = None
+    if opt.config.sample_on_every_rank:  # every rank's sampling model, to rank 0
+        import torch.distributed as dist
+
+        samplers = [None] * opt.group.world
+        dist.all_gather_object(samplers, {k: v.clone() for k, v in gen.model.state_dict().items()},
+                               group=opt.group.objects)
     if opt.peft_model is not None:  # every rank's whole adapter, to rank 0
         import torch.distributed as dist
 
@@ -80,6 +99,7 @@ def main(out: str, run_dir: str, fields: dict) -> None:
         torch.save({"metrics": metrics, "grads": grads, "optim": optim, "world": opt.group.world, "replicas": replicas,
                     "syncs": gen.syncs,  # the trained weights handed to rank 0's sampling host
                     "trainable_device": str(gen.trainable().model.device), "buckets": buckets, "masters": masters,
+                    "pooled": pooled, "alone": alone, "samplers": samplers, "pooled_counts": pooled_counts,
                     "weights": {k: v.clone() for k, v in gen.model.state_dict().items()}}, out)
     opt.close()  # every rank: checkpoint writes finished, process group released
 

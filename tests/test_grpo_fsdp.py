@@ -166,6 +166,48 @@ def test_a_separate_sampler_gets_the_weights_streamed_in_buckets_with_no_whole_c
     assert all(torch.equal(policy[k], v) for k, v in dist["masters"].items())
 
 
+@pytest.mark.slow
+def test_every_rank_samples_its_share_and_takes_the_trained_weights(tmp_path):
+    """`grpo.sample_on_every_rank`: rank 0 deals the batch's tasks over both ranks, rank 1 samples its
+    share on its own host (an hf model here) from its command loop, and the gathered completions are
+    exactly rank 0's alone with the same seed; after the step every rank's sampling model holds the
+    trained masters rounded to its dtype."""
+    fields = {**FIELDS, "sample_on_every_rank": True}
+    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp_path / "out.pt"), str(tmp_path / "run"), json.dumps(fields))
+    dist = torch.load(tmp_path / "out.pt", weights_only=False)
+
+    def key(completions):
+        return sorted((c.task_id, c.sample, c.text, tuple(c.token_ids)) for c in completions)
+
+    assert dist["pooled_counts"] == [48, 12]  # 20 tasks × 3 in shards of the sampler's batch size (8): 16 + 4 tasks
+    assert key(dist["pooled"]) == key(dist["alone"])
+    first, second = dist["samplers"]
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert all(torch.equal(first[k], v) for k, v in dist["masters"].items())
+    initial = make_generator().model.state_dict()
+    assert any(not torch.equal(first[k], initial[k]) for k in first)  # the step moved them
+
+
+@pytest.mark.slow
+def test_vrl_train_sampling_on_every_rank_writes_what_rank_0_alone_writes(tmp_path):
+    """`torchrun … vrl train --set grpo.sample_on_every_rank=true` against the default launch: the same
+    samples (text and tokens) and the same rewards in every iteration, so each rank sampled its share
+    with the seeds one engine uses and with the weights trained so far."""
+    rows = {}
+    for every in (False, True):
+        runs = tmp_path / str(every)
+        # sampling.batch_size=1: the 3 tasks are dealt 2 + 1 (shards start at multiples of the batch size)
+        torchrun(*VRL, *_letters_job(runs), "--set", "iterations=3", "--set", "grpo.learning_rate=0.3",
+                 "--set", "sampling.batch_size=1", "--set", f"grpo.sample_on_every_rank={str(every).lower()}")
+        run = runs / "fsdp"
+        samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+        metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        rows[every] = ([(r["iteration"], r["task_id"], r.get("sample"), r["completion"]) for r in samples],
+                       [m["reward_mean"] for m in metrics])
+    assert len(rows[True][1]) == 3
+    assert rows[True] == rows[False]
+
+
 def test_micro_batches_are_dealt_evenly():
     """Every rank gets as many micro-batches (FSDP2's collectives need it), none larger than asked,
     every row exactly once; a rank short of rows gets an empty one (trained as a zero-weight filler)."""
@@ -243,8 +285,9 @@ def _toy_config_from(run: Path, iterations: int):
 
 
 def test_a_torchrun_launch_refuses_what_it_cannot_train_before_writing_anything(tmp_path, monkeypatch):
-    """WORLD_SIZE > 1 (what torchrun sets): ES is refused in one line before a run directory exists (GRPO
-    with LoRA is not: tests/test_grpo_fsdp_lora.py); a rank > 0 never creates one (rank 0 owns it)."""
+    """WORLD_SIZE > 1 (what torchrun sets): ES, and sampling on every rank with asynchronous rollouts, are
+    refused in one line before a run directory exists (GRPO with LoRA is not: tests/test_grpo_fsdp_lora.py);
+    a rank > 0 never creates one (rank 0 owns it)."""
     from vrl.config import build
     from vrl.errors import UsageError
 
@@ -252,7 +295,9 @@ def test_a_torchrun_launch_refuses_what_it_cannot_train_before_writing_anything(
     monkeypatch.setenv("RANK", "0")
     runs = tmp_path / "runs"
     base = {"plugin": "letters", "iterations": 1, "logging": {"runs_dir": str(runs), "name": "r"}}
-    for fields, match in (({"optimizer": "es"}, "optimizer=grpo only"),):
+    every_rank_async = {"optimizer": "grpo", "grpo": {"sample_on_every_rank": True, "max_staleness": 1}}
+    for fields, match in (({"optimizer": "es"}, "optimizer=grpo only"),
+                          (every_rank_async, "sample_on_every_rank .* cannot run with asynchronous rollouts")):
         with pytest.raises(UsageError, match=match) as err:
             Trainer(build({**base, **fields}), environment=LettersEnvironment(), console=Console(file=io.StringIO()))
         assert "\n" not in str(err.value)

@@ -50,6 +50,9 @@ def check(config: Any) -> None:
     if config.optimizer != "grpo":
         raise UsageError(f"a torchrun launch ({world_size()} processes) trains with optimizer=grpo only; "
                          f"optimizer={config.optimizer} runs as one process (start it without torchrun)")
+    if config.grpo.sample_on_every_rank and config.grpo.max_staleness > 0:
+        raise UsageError("grpo.sample_on_every_rank samples on every rank between training steps; it cannot run "
+                         "with asynchronous rollouts: set grpo.max_staleness=0 or grpo.sample_on_every_rank=false")
     if config.generator.backend == "vllm" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         # An engine inside rank 0's own process would join (or start) rank 0's torch.distributed world.
         raise UsageError(f"a torchrun launch ({world_size()} processes) runs rank 0's vLLM engine in a process "
@@ -98,9 +101,15 @@ def follow(config: Any) -> dict[str, Any]:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.getLogger("vrl").setLevel(logging.ERROR)  # rank 0 speaks for the run; errors still show
     optimizer = make_optimizer(config)
-    # Only rank 0 samples: here the model is loaded for its weights alone, with the in-process backend
-    # whatever rank 0 samples with (a vLLM engine per rank would hold GPU memory for nothing).
-    host = generator_class("hf").from_config(config)
+    if config.grpo.sample_on_every_rank:  # this rank samples too: an engine of the run's backend on its GPU
+        import torch
+
+        gpu = str(torch.cuda.current_device()) if torch.cuda.is_available() else None
+        [host] = generator_class(config.generator.backend).engines(config, optimizer.needs(), [gpu])
+    else:
+        # Only rank 0 samples: here the model is loaded for its weights alone, with the in-process backend
+        # whatever rank 0 samples with (a vLLM engine per rank would hold GPU memory for nothing).
+        host = generator_class("hf").from_config(config)
     try:
         optimizer.setup(host)
         optimizer.follow()

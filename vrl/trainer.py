@@ -218,6 +218,7 @@ class Trainer:
             if rollouts.asynchronous(cfg):  # sampling runs ahead in a thread, on weights only `publish` changes
                 policy = rollouts.VersionedHost(policy, cfg.grpo.max_staleness)
             optimizer.setup(policy)
+            policy = optimizer.sampler(policy)  # GRPO under torchrun may sample on every rank
             if self.start_iteration >= cfg.iterations:  # nothing to load: a checkpoint older than the end would redo iterations
                 self._log(f"{self.run_dir.path} has finished its {self.start_iteration} iterations: nothing to train "
                           "(resume with a larger --iterations to train further)")

@@ -62,6 +62,11 @@ class Optimizer(ABC):
         """Attach to the host whose weights this optimizer moves. Called once before `ask`."""
         self.host = host
 
+    def sampler(self, host: PolicyHost) -> PolicyHost:
+        """What the loop samples from once `setup(host)` ran: `host` itself, unless the rule spreads the
+        sampling over processes it leads (GRPO under torchrun with `grpo.sample_on_every_rank`)."""
+        return host
+
     @property
     @abstractmethod
     def iteration(self) -> int:

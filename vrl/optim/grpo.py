@@ -157,6 +157,7 @@ class GRPO(Optimizer):
                 f"grpo.lr_scheduler_type={cfg.lr_scheduler_type!r} needs the run length; build GRPO with "
                 "make_optimizer(config) or pass total_iterations (or use lr_scheduler_type=constant)"
             )
+        self._sampling = sampling
         self.temperature = float(sampling.temperature)
         self.max_completion_length = int(sampling.max_new_tokens)
         self.model, self.tokenizer = model, tokenizer
@@ -214,9 +215,9 @@ class GRPO(Optimizer):
             self._policy_buffers = ({n: b.detach().to("cpu", copy=True) for n, b in persistent_buffers(host).items()}
                                     if self.group.leader else {})
             self.model = model = shard(model, self.group, next(model.parameters()).dtype)
-            if not self.group.leader or trainable.separate:
-                # Only rank 0 samples, and from its own whole copy only with an in-process sampler: an engine
-                # takes the gathered buckets as they come, so no rank keeps a whole copy besides its shard.
+            if trainable.separate or not (self.group.leader or cfg.sample_on_every_rank):
+                # A rank keeps a whole copy only to sample from it in-process (hf): an engine takes the
+                # gathered buckets as they come, and a rank that does not sample needs none.
                 host.to("meta")
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.param_names = [name for name, p in model.named_parameters() if p.requires_grad]  # checkpoint keys
@@ -456,13 +457,29 @@ class GRPO(Optimizer):
 
             stream = WeightStream(gathered(self.model, self._host_dtypes))
             try:
-                if group.leader:
+                if group.leader or self.config.sample_on_every_rank:
                     self.host.publish(stream)
             finally:
                 stream.drain()
             return
-        if group is None or group.leader:
+        if group is None or group.leader or self.config.sample_on_every_rank:
             self.host.publish(self.host_model)
+
+    def sampler(self, host: PolicyHost) -> PolicyHost:
+        """Under torchrun with `sample_on_every_rank`: rank 0's host and every other rank's, as one host
+        (`grpo_dist.RankHosts`); otherwise `host`."""
+        if self.group is None or not self.config.sample_on_every_rank:
+            return host
+        from vrl.optim.grpo_dist import RankHosts
+
+        return RankHosts(host, self.group, granule=getattr(self._sampling, "batch_size", 1))
+
+    def sample_share(self, work: list[Any]) -> None:
+        """A rank > 0: sample this rank's calls of `work` (`RankHosts.sample`) on its host and hand the
+        completions (or why it could not) to rank 0."""
+        from vrl.optim.grpo_dist import sample_calls
+
+        self.group.gather(sample_calls(self.host, work[self.group.rank]))
 
     def follow(self) -> None:
         """A rank > 0: do what rank 0's GRPO does (tell, save, load) until it closes the run."""

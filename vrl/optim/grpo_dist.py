@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import copy
 import datetime
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from vrl.policy import PolicyHost, Trainable, Variant
+from vrl.types import Completion, Task
 
 
 class Group:
@@ -75,6 +78,12 @@ class Group:
         box = [value]
         dist.broadcast_object_list(box, src=0, group=self.objects)
         return box[0]
+
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's `value`, in rank order, on rank 0 (None on the others)."""
+        out: list[Any] | None = [None] * self.world if self.leader else None
+        dist.gather_object(value, out, dst=0, group=self.objects)
+        return out
 
     def close(self) -> None:
         """Every rank, once, at the end: wait for the others, then release the process groups, so their
@@ -113,6 +122,72 @@ class Group:
 
     def min(self, value: float) -> float:
         return -self.max(-value)
+
+
+class RankHosts(PolicyHost):
+    """Rank 0's host and every other rank's, sampled as one host (`grpo.sample_on_every_rank`).
+
+    `sample` deals the batch's tasks over the ranks as a `HostPool` deals them over engines (`deal`: the
+    same shards and seeds, so the samples are one engine's), sends every rank its calls (the other ranks
+    run `GRPO.sample_share` from their command loop), streams rank 0's own batches as they finish, then
+    gathers the other ranks' completions. Everything else is rank 0's host's: every rank's GRPO pushes
+    the trained weights into its own host (`GRPO._publish`)."""
+
+    name = "ranks"
+
+    def __init__(self, host: PolicyHost, group: Group, granule: int = 1):
+        self.host, self.group, self.granule = host, group, granule
+        self.counts: list[int] = []  # completions each rank sampled in the last `sample`
+
+    def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
+               ) -> Iterator[list[Completion]]:
+        from vrl.runtime.pool import deal
+
+        work = deal(tasks, variants, seed, self.group.world, self.granule)
+        self.group.send("sample_share", work)
+        own = 0
+        try:
+            for shard, vs, s in work[0]:
+                stream = self.host.sample(shard, vs, s)
+                try:
+                    for batch in stream:
+                        own += len(batch)
+                        yield batch
+                finally:
+                    stream.close()
+        finally:  # the other ranks sample meanwhile; their results come back even when this rank failed
+            shares = self.group.gather(None) or []
+        self.counts = [own] + [len(share) if isinstance(share, list) else 0 for share in shares[1:]]
+        for rank, share in enumerate(shares[1:], start=1):
+            if isinstance(share, str):
+                raise RuntimeError(f"rank {rank} could not sample its share of the batch: {share}")
+            if share:
+                yield share
+
+    def trainable(self) -> Trainable:
+        return self.host.trainable()
+
+    def publish(self, model: Any) -> None:
+        self.host.publish(model)
+
+    def counters(self) -> dict[str, float]:
+        return self.host.counters()
+
+    def close(self) -> None:
+        self.host.close()
+
+
+def sample_calls(host: PolicyHost, calls: list[tuple[Sequence[Task], list[Variant], int | None]]
+                 ) -> list[Completion] | str:
+    """Every completion of `calls` on `host`, or why sampling failed (one line, for rank 0 to raise)."""
+    out: list[Completion] = []
+    try:
+        for shard, vs, s in calls:
+            for batch in host.sample(shard, vs, s):
+                out.extend(batch)
+    except Exception as exc:  # noqa: BLE001 - rank 0 raises it; this rank must still answer the gather
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
+    return out
 
 
 def share_rows(order: list[int], world: int, micro_batch_size: int, rank: int) -> list[list[int]]:

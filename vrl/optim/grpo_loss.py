@@ -164,6 +164,12 @@ class GRPOConfig(BaseModel):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward: less memory, about a third more compute."
     )
+    sample_on_every_rank: bool = Field(
+        False,
+        description="Under torchrun: every rank samples its share of the batch's tasks on its own engine (its GPU), "
+        "seeded as one engine is, and rank 0 verifies them all; every rank's engine then takes the trained weights. "
+        "Off: rank 0 alone samples while the other ranks wait. Synchronous rollouts only (max_staleness=0).",
+    )
     profile_dir: str | None = Field(
         None,
         description="Profile one update (torch.profiler, CPU and CUDA): write update-NNNNNN-rankR.txt (the top "
