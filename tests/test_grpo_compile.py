@@ -120,6 +120,31 @@ def test_compiled_logprobs_equal_eager_in_training_mode():
 
 
 @pytest.mark.slow
+def test_the_compiled_head_chunks_give_eager_logprobs_entropies_and_gradients():
+    """`completion_logprobs(compiled=True)` (grpo.compile's head: cast, temperature, log-sum-exp and gather
+    fused around the matrix multiply, chunk by chunk, recomputed in backward) against the eager chunks:
+    log-probs and entropies to LOGP_ATOL, the head's gradient to 1e-5 of its largest element; a
+    compiled graph was made for it."""
+    torch._dynamo.reset()  # count from nothing: earlier tests in this process may have compiled the chunks
+    model = tiny.build_model().train()
+    rows = varied_results(0, n=4)
+    packed = pack([r.completion.prompt_token_ids for r in rows], [r.completion.token_ids for r in rows], 256)
+    out = {}
+    for compiled in (False, True):
+        model.zero_grad()
+        before = counters["stats"]["unique_graphs"]
+        logps, ent = completion_logprobs(model, packed, 0.7, chunk_size=7, entropy=True, compiled=compiled)
+        (logps.sum()).backward()
+        out[compiled] = (logps.detach(), ent, model.get_output_embeddings().weight.grad.clone(),
+                         counters["stats"]["unique_graphs"] - before)
+    torch.testing.assert_close(out[True][0], out[False][0], atol=LOGP_ATOL, rtol=0)
+    torch.testing.assert_close(out[True][1], out[False][1], atol=LOGP_ATOL, rtol=0)
+    g_eager, g_compiled = out[False][2], out[True][2]
+    assert float((g_compiled - g_eager).abs().max()) <= 1e-5 * float(g_eager.abs().max())
+    assert out[False][3] == 0 and out[True][3] >= 1
+
+
+@pytest.mark.slow
 def test_new_lengths_do_not_recompile():
     """Micro-batches of new lengths reuse the compiled graph (shapes are dynamic); both layers share it.
     A one-row micro-batch (size 1 is specialised) adds at most one graph, and only once."""
@@ -135,7 +160,7 @@ def test_new_lengths_do_not_recompile():
     assert len(widths) == 3  # three micro-batches, three lengths
     opt.tell(first)
     compiled = graphs() - before
-    assert 1 <= compiled <= 2  # measured 1 (torch 2.13): one graph for both layers and every length
+    assert 1 <= compiled <= 2  # one graph for both layers and every length, one for the head's chunks
     opt.tell(varied_results(1))  # other lengths again
     opt.tell(varied_results(2, n=8, group=4))
     assert graphs() - before == compiled

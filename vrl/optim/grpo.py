@@ -590,10 +590,12 @@ class GRPO(Optimizer):
                     entropies = entropy_mask = None
                     if cfg.top_entropy_quantile < 1.0:
                         logps, entropies = completion_logprobs(self.model, b.packed, self.temperature,
-                                                               cfg.logprob_chunk_size, entropy=True)
+                                                               cfg.logprob_chunk_size, entropy=True,
+                                                               compiled=cfg.compile)
                         entropy_mask = high_entropy_mask(entropies, b.mask, cfg.top_entropy_quantile)
                     else:
-                        logps = completion_logprobs(self.model, b.packed, self.temperature, cfg.logprob_chunk_size)
+                        logps = completion_logprobs(self.model, b.packed, self.temperature, cfg.logprob_chunk_size,
+                                                    compiled=cfg.compile)
                     old = logps.detach() if b.old_logps is None else b.old_logps
                     if b.from_sampler and b.sampling_gap is None:
                         # First step: π_old is the trainer's view of the policy that sampled, so any gap

@@ -134,15 +134,32 @@ def _chunk_logprobs(
     return logps, h
 
 
+_compiled_chunk = None
+
+
+def _chunk_function(compiled: bool):
+    """`_chunk_logprobs`, or (`compiled`, `grpo.compile`) the same through `torch.compile`: inductor
+    fuses the fp32 cast, the temperature, the log-sum-exp and the gather around the head's matrix
+    multiply, so a chunk's [rows, vocab] logits are not written and read in fp32 several times over."""
+    global _compiled_chunk
+    if not compiled:
+        return _chunk_logprobs
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_chunk_logprobs, dynamic=True)
+    return _compiled_chunk
+
+
 def completion_logprobs(
-    model: torch.nn.Module, batch: Packed, temperature: float = 1.0, chunk_size: int = 2048, entropy: bool = False
+    model: torch.nn.Module, batch: Packed, temperature: float = 1.0, chunk_size: int = 2048, entropy: bool = False,
+    compiled: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log π(token | prefix) for every completion token, as float32 [B, C] (0 at padding).
 
     Logits are divided by the sampling temperature first, so these are the log-probs of the
     distribution the tokens were sampled from (as TRL does; top-p is not modelled). With `entropy`,
     also the entropy of that distribution at each completion position, [B, C] (0 at padding),
-    detached, computed in the same chunks (GRPO's `top_entropy_quantile`).
+    detached, computed in the same chunks (GRPO's `top_entropy_quantile`). `compiled`: each chunk's
+    head and log-probs through `torch.compile` (`grpo.compile`).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs (got {temperature})")
@@ -155,13 +172,14 @@ def completion_logprobs(
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.predict_index)
     targets = batch.completion_ids[selected]
     pieces, entropies = [], []
+    chunk = _chunk_function(compiled)
     for start in range(0, rows.shape[0], chunk_size):
         args = (head, rows[start : start + chunk_size], targets[start : start + chunk_size], temperature, softcap, entropy)
         if torch.is_grad_enabled():
             # Recompute the chunk's logits in backward instead of keeping them.
-            piece = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+            piece = checkpoint(chunk, *args, use_reentrant=False)
         else:
-            piece = _chunk_logprobs(*args)
+            piece = chunk(*args)
         if entropy:
             piece, h = piece
             entropies.append(h)
