@@ -448,8 +448,9 @@ class GRPO(Optimizer):
 
     def _publish(self) -> None:
         """Hand the trained weights to the host. On several ranks (FSDP2) every rank gathers them bucket by
-        bucket and rank 0's host takes the stream; what it leaves undrawn (a push it skips, or fails in)
-        is still gathered, so every rank draws the same collectives. LoRA trains rank 0's own model."""
+        bucket and rank 0's host takes the stream (every rank's, with `sample_on_every_rank`); what a
+        host leaves undrawn (a push it skips, or fails in) is still gathered, so every rank draws the
+        same collectives. With LoRA each rank trains its host's own model, pushed as on one process."""
         group = self.group
         if group is not None and self.peft_model is None:
             from vrl.optim.grpo_dist import gathered
@@ -482,7 +483,7 @@ class GRPO(Optimizer):
         self.group.gather(sample_calls(self.host, work[self.group.rank]))
 
     def follow(self) -> None:
-        """A rank > 0: do what rank 0's GRPO does (tell, save, load) until it closes the run."""
+        """A rank > 0: do what rank 0's GRPO does (tell, save, load, sample its share) until it closes the run."""
         if self.group is None or self.group.leader:
             raise RuntimeError("GRPO.follow runs on ranks > 0 of a torchrun launch")
         while True:
