@@ -12,7 +12,8 @@ iteration 1 first, and `"_seed"` seeds the sampled batch. With `"use_peft": true
 LoRA adapter data-parallel, and OUT also holds every rank's adapter after the step, `replicas`.
 With `"sample_on_every_rank": true`, rank 0 first samples a batch through every rank (`GRPO.sampler`)
 and alone, recording both, `pooled` and `alone`; OUT also holds every rank's sampling model after
-the step, `samplers`. `"_separate": BYTES` samples from a copy apart from the trained one (a decoupled host, as an engine is)
+the step, `samplers`. OUT always holds how many all-gathers FSDP2 ran on rank 0, `gathers`.
+`"_separate": BYTES` samples from a copy apart from the trained one (a decoupled host, as an engine is)
 and gathers the published weights in buckets of BYTES; OUT then holds where rank 0's trained copy
 lives, `trainable_device`, and the names of each published bucket, `buckets`.)
 """
@@ -41,6 +42,16 @@ def main(out: str, run_dir: str, fields: dict) -> None:
     gen = make_generator(dtype=getattr(torch, fields.pop("_dtype", "float32")))
     resume, seed = fields.pop("_load", None), fields.pop("_seed", 1)
     separate = fields.pop("_separate", None)
+    gathers = [0]  # FSDP2's all-gathers (`dist.all_gather_single`) on this rank, over the whole run
+    import torch.distributed as dist
+
+    all_gather_single = dist.all_gather_single
+
+    def counted(*args, **kwargs):
+        gathers[0] += 1
+        return all_gather_single(*args, **kwargs)
+
+    dist.all_gather_single = counted
     buckets: list[list[str]] = []
     if separate is not None:
         from vrl.optim import grpo_dist
@@ -100,6 +111,7 @@ def main(out: str, run_dir: str, fields: dict) -> None:
                     "syncs": gen.syncs,  # the trained weights handed to rank 0's sampling host
                     "trainable_device": str(gen.trainable().model.device), "buckets": buckets, "masters": masters,
                     "pooled": pooled, "alone": alone, "samplers": samplers, "pooled_counts": pooled_counts,
+                    "gathers": gathers[0],
                     "weights": {k: v.clone() for k, v in gen.model.state_dict().items()}}, out)
     opt.close()  # every rank: checkpoint writes finished, process group released
 

@@ -208,6 +208,20 @@ def test_vrl_train_sampling_on_every_rank_writes_what_rank_0_alone_writes(tmp_pa
     assert rows[True] == rows[False]
 
 
+@pytest.mark.slow
+def test_keeping_layers_gathered_from_forward_to_backward_changes_nothing_but_the_gathers(two_ranks, tmp_path):
+    """`grpo.fsdp_reshard_after_forward=false`: the same step to the bit (the same gathered weights enter the
+    same arithmetic), with fewer all-gathers (each layer's forward weights serve its backward)."""
+    default, _ = two_ranks
+    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp_path / "out.pt"), str(tmp_path / "run"),
+             json.dumps({**FIELDS, "fsdp_reshard_after_forward": False}))
+    kept = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert kept["metrics"]["grpo/loss"] == default["metrics"]["grpo/loss"]
+    assert all(torch.equal(a, b) for a, b in zip(kept["grads"][0], default["grads"][0]))
+    assert all(torch.equal(kept["weights"][k], v) for k, v in default["weights"].items())
+    assert 0 < kept["gathers"] < default["gathers"]
+
+
 def test_micro_batches_are_dealt_evenly():
     """Every rank gets as many micro-batches (FSDP2's collectives need it), none larger than asked,
     every row exactly once; a rank short of rows gets an empty one (trained as a zero-weight filler)."""

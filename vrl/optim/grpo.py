@@ -214,7 +214,8 @@ class GRPO(Optimizer):
             # The policy folder's buffers (they do not train), kept apart from a copy that is dropped.
             self._policy_buffers = ({n: b.detach().to("cpu", copy=True) for n, b in persistent_buffers(host).items()}
                                     if self.group.leader else {})
-            self.model = model = shard(model, self.group, next(model.parameters()).dtype)
+            self.model = model = shard(model, self.group, next(model.parameters()).dtype,
+                                       reshard_after_forward=cfg.fsdp_reshard_after_forward)
             if trainable.separate or not (self.group.leader or cfg.sample_on_every_rank):
                 # A rank keeps a whole copy only to sample from it in-process (hf): an engine takes the
                 # gathered buckets as they come, and a rank that does not sample needs none.

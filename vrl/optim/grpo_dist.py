@@ -210,9 +210,13 @@ def replicate(model: nn.Module) -> None:
             dist.broadcast(t.data, src=0)
 
 
-def shard(model: nn.Module, group: Group, compute_dtype: torch.dtype, trainable: bool = True) -> nn.Module:
+def shard(model: nn.Module, group: Group, compute_dtype: torch.dtype, trainable: bool = True,
+          reshard_after_forward: bool = True) -> nn.Module:
     """A sharded copy of `model` for training: fp32 parameters sharded over the ranks (the masters),
-    forward and backward in `compute_dtype`, gradients summed (not averaged) in fp32 over the ranks."""
+    forward and backward in `compute_dtype`, gradients summed (not averaged) in fp32 over the ranks.
+    `reshard_after_forward=False` keeps each layer's gathered weights from its forward to its backward
+    (one all-gather per layer and micro-batch instead of two, for a whole model's weights in
+    `compute_dtype` held during a micro-batch)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     replicate(model)  # every rank starts from rank 0's weights
@@ -224,7 +228,7 @@ def shard(model: nn.Module, group: Group, compute_dtype: torch.dtype, trainable:
     layers = set(getattr(train, "_no_split_modules", None) or ())
     for module in train.modules():
         if type(module).__name__ in layers:
-            fully_shard(module, mesh=group.mesh, mp_policy=mp)
+            fully_shard(module, mesh=group.mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(train, mesh=group.mesh, mp_policy=mp)
     # `completion_logprobs` runs the decoder and then the output head chunk by chunk, never the model's
     # own forward; but FSDP2 gathers the root's parameters (embeddings, final norm, head, tied or not)

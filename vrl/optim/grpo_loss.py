@@ -164,6 +164,12 @@ class GRPOConfig(BaseModel):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward: less memory, about a third more compute."
     )
+    fsdp_reshard_after_forward: bool = Field(
+        True,
+        description="Under torchrun (FSDP2): free each decoder layer's gathered weights after its forward and gather "
+        "them again for its backward. false keeps them from forward to backward: one all-gather per layer and "
+        "micro-batch instead of two, for the whole model's weights in the compute dtype held during a micro-batch.",
+    )
     sample_on_every_rank: bool = Field(
         False,
         description="Under torchrun: every rank samples its share of the batch's tasks on its own engine (its GPU), "
