@@ -14,8 +14,8 @@ With `"sample_on_every_rank": true`, rank 0 first samples a batch through every 
 and alone, recording both, `pooled` and `alone`; OUT also holds every rank's sampling model after
 the step, `samplers`. OUT always holds how many all-gathers FSDP2 ran on rank 0, `gathers`.
 `"_separate": BYTES` samples from a copy apart from the trained one (a decoupled host, as an engine is)
-and gathers the published weights in buckets of BYTES; OUT then holds where rank 0's trained copy
-lives, `trainable_device`, and the names of each published bucket, `buckets`.)
+and gathers the published weights in buckets of BYTES; OUT then holds whether rank 0's trained copy
+is the sharded model itself, `trainable_sharded`, and the names of each published bucket, `buckets`.)
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import json
 import sys
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from tests.test_grpo import make_generator, sample_results
 from vrl.optim.grpo import GRPO, GRPOConfig
@@ -109,7 +110,8 @@ def main(out: str, run_dir: str, fields: dict) -> None:
     if leader:
         torch.save({"metrics": metrics, "grads": grads, "optim": optim, "world": opt.group.world, "replicas": replicas,
                     "syncs": gen.syncs,  # the trained weights handed to rank 0's sampling host
-                    "trainable_device": str(gen.trainable().model.device), "buckets": buckets, "masters": masters,
+                    "trainable_sharded": gen.trainable().model is opt.model and isinstance(
+                        next(opt.model.parameters()), DTensor), "buckets": buckets, "masters": masters,
                     "pooled": pooled, "alone": alone, "samplers": samplers, "pooled_counts": pooled_counts,
                     "gathers": gathers[0],
                     "weights": {k: v.clone() for k, v in gen.model.state_dict().items()}}, out)

@@ -183,7 +183,8 @@ class GRPO(Optimizer):
             if self.group is not None:
                 from vrl.optim.grpo_dist import shard
 
-                self.ref_model = shard(self.ref_model, self.group, next(model.parameters()).dtype, trainable=False)
+                self.ref_model = shard(self.ref_model, self.group, next(model.parameters()).dtype, trainable=False,
+                                       in_place=True)
         self.peft_model = self._apply_lora(model) if cfg.use_peft else None
         # New modules (LoRA dropout) start in training mode; sampling must never run dropout.
         model.eval()
@@ -214,12 +215,12 @@ class GRPO(Optimizer):
             # The policy folder's buffers (they do not train), kept apart from a copy that is dropped.
             self._policy_buffers = ({n: b.detach().to("cpu", copy=True) for n, b in persistent_buffers(host).items()}
                                     if self.group.leader else {})
+            # A rank keeps a whole copy only to sample from it in-process (hf): an engine takes the gathered
+            # buckets as they come, and a rank that does not sample needs none. Without one, the model
+            # itself is sharded: no whole copy beside it while it is converted to fp32 and sharded.
+            whole = not trainable.separate and (self.group.leader or cfg.sample_on_every_rank)
             self.model = model = shard(model, self.group, next(model.parameters()).dtype,
-                                       reshard_after_forward=cfg.fsdp_reshard_after_forward)
-            if trainable.separate or not (self.group.leader or cfg.sample_on_every_rank):
-                # A rank keeps a whole copy only to sample from it in-process (hf): an engine takes the
-                # gathered buckets as they come, and a rank that does not sample needs none.
-                host.to("meta")
+                                       reshard_after_forward=cfg.fsdp_reshard_after_forward, in_place=not whole)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.param_names = [name for name, p in model.named_parameters() if p.requires_grad]  # checkpoint keys
         if not self.params:
@@ -845,9 +846,12 @@ class GRPO(Optimizer):
 
     def _policy_bytes(self) -> int:
         """Bytes of the policy folder's tensors: the adapter (LoRA) or the whole model, each tensor once
-        (tied weights once; from the shapes alone where rank 0's copy was dropped)."""
+        (tied weights once; on several ranks from the shards' whole shapes)."""
         if self.peft_model is not None:
             return _bytes(self.params)
+        if self.group is not None:  # from the shards' whole shapes, in the sampling copy's dtypes
+            return (sum(p.numel() * self._host_dtypes[n].itemsize for n, p in self.model.named_parameters())
+                    + sum(b.numel() * b.element_size() for b in self._policy_buffers.values()))
         from vrl.optim.grpo_dist import persistent_buffers
 
         model = self.host_model

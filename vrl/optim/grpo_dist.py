@@ -211,16 +211,18 @@ def replicate(model: nn.Module) -> None:
 
 
 def shard(model: nn.Module, group: Group, compute_dtype: torch.dtype, trainable: bool = True,
-          reshard_after_forward: bool = True) -> nn.Module:
+          reshard_after_forward: bool = True, in_place: bool = False) -> nn.Module:
     """A sharded copy of `model` for training: fp32 parameters sharded over the ranks (the masters),
     forward and backward in `compute_dtype`, gradients summed (not averaged) in fp32 over the ranks.
+    `in_place`: shard `model` itself (no whole copy beside it while it is converted and sharded; for a
+    model nothing samples from afterwards).
     `reshard_after_forward=False` keeps each layer's gathered weights from its forward to its backward
     (one all-gather per layer and micro-batch instead of two, for a whole model's weights in
     `compute_dtype` held during a micro-batch)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     replicate(model)  # every rank starts from rank 0's weights
-    train = copy.deepcopy(model)
+    train = model if in_place else copy.deepcopy(model)
     if trainable:
         train = train.float()
     mp = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
