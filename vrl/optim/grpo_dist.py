@@ -2,10 +2,10 @@
 
 Who does what (see `vrl.distributed` for the launch):
 
-- Rank 0 samples and verifies the whole batch (its host is the only one that generates) and sends
-  the rewarded results to every rank (`broadcast_object_list`), so every rank sees the whole batch:
-  advantages and every loss normaliser (sequences, tokens) are those of the whole batch, as on one
-  process. Sampling on one rank keeps generation exactly today's (same engine, same seeds).
+- Rank 0 samples (alone, or with every rank sampling its share: `RankHosts`, `grpo.sample_on_every_rank`,
+  the same seeds either way) and verifies the whole batch, and sends the rewarded results to every
+  rank (`broadcast_object_list`), so every rank sees the whole batch: advantages and every loss
+  normaliser (sequences, tokens) are those of the whole batch, as on one process.
 - The batch, sorted by length, is cut into `world × k` micro-batches of near-equal size; rank r
   trains on micro-batches r, r + world, ... Each micro-batch loss is divided by the whole-batch
   normalisers, so the micro-batch losses of all ranks sum to the batch loss; FSDP2 *sums* the
