@@ -11,7 +11,8 @@ the AdamW state gathered from the shards.
 iteration 1 first, and `"_seed"` seeds the sampled batch. With `"use_peft": true` the ranks train a
 LoRA adapter data-parallel, and OUT also holds every rank's adapter after the step, `replicas`.
 With `"sample_on_every_rank": true`, rank 0 first samples a batch through every rank (`GRPO.sampler`)
-and alone, recording both, `pooled` and `alone`; OUT also holds every rank's sampling model after
+and alone, recording both, `pooled` and `alone` (with `"_break_rank_1": true` rank 1's sampling fails,
+and `pooled` is what rank 0 raised); OUT also holds every rank's sampling model after
 the step, `samplers`. OUT always holds how many all-gathers FSDP2 ran on rank 0, `gathers`.
 `"_separate": BYTES` samples from a copy apart from the trained one (a decoupled host, as an engine is)
 and gathers the published weights in buckets of BYTES; OUT then holds whether rank 0's trained copy
@@ -43,6 +44,7 @@ def main(out: str, run_dir: str, fields: dict) -> None:
     gen = make_generator(dtype=getattr(torch, fields.pop("_dtype", "float32")))
     resume, seed = fields.pop("_load", None), fields.pop("_seed", 1)
     separate = fields.pop("_separate", None)
+    broken = fields.pop("_break_rank_1", False)
     gathers = [0]  # FSDP2's all-gathers (`dist.all_gather_single`) on this rank, over the whole run
     import torch.distributed as dist
 
@@ -81,13 +83,22 @@ def main(out: str, run_dir: str, fields: dict) -> None:
             tasks = [Task(id=f"t{i}", prompt=f"Task {i}: letters.\n") for i in range(20)]
             v = [Variant(index=0, samples_per_task=3)]
             ranks = opt.sampler(gen)
-            pooled = [c for batch in ranks.sample(tasks, v, seed=4) for c in batch]
+            try:
+                pooled = [c for batch in ranks.sample(tasks, v, seed=4) for c in batch]
+            except RuntimeError as exc:  # "_break_rank_1": what rank 0 says of it
+                pooled = str(exc)
             pooled_counts = ranks.counts
             alone = [c for batch in gen.sample(tasks, v, seed=4) for c in batch]
         metrics = opt.tell(sample_results(gen, seed=seed))
         opt.save(run_dir, final=True)
         opt.stop_followers()
     else:
+        if broken:  # this rank's engine fails while it samples its share
+            def fail(*args, **kwargs):
+                raise RuntimeError("CUDA error: an illegal memory access was encountered\n(rank 1's engine)")
+                yield  # pragma: no cover
+
+            gen.sample = fail
         opt.follow()
     # Every rank takes part in gathering the AdamW state from its shards.
     optim = {name: {k: full(v).clone() for k, v in opt.optim.state[m].items()}

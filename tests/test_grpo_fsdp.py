@@ -189,6 +189,19 @@ def test_every_rank_samples_its_share_and_takes_the_trained_weights(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_rank_that_fails_to_sample_is_reported_by_rank_0_in_one_line_and_the_ranks_go_on(tmp_path):
+    """Rank 1's engine fails while it samples its share: rank 0 raises one line naming the rank and the
+    error (after rank 0's own share, so no collective is left half done), and every rank goes on to
+    train, save and stop together."""
+    fields = {**FIELDS, "sample_on_every_rank": True, "_break_rank_1": True}
+    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp_path / "out.pt"), str(tmp_path / "run"), json.dumps(fields))
+    dist = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert dist["pooled"] == ("rank 1 could not sample its share of the batch: RuntimeError: CUDA error: an illegal "
+                              "memory access was encountered (rank 1's engine)")
+    assert dist["metrics"]["grpo/grad_norm"] > 0 and (tmp_path / "run" / "grpo" / "iter-000001").is_dir()
+
+
+@pytest.mark.slow
 def test_vrl_train_sampling_on_every_rank_writes_what_rank_0_alone_writes(tmp_path):
     """`torchrun … vrl train --set grpo.sample_on_every_rank=true` against the default launch: the same
     samples (text and tokens) and the same rewards in every iteration, so each rank sampled its share
