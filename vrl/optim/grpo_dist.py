@@ -266,15 +266,12 @@ def gathered(sharded: nn.Module, dtypes: dict[str, torch.dtype], bucket_bytes: i
     about `bucket_bytes`: a collective on every rank, which must draw every bucket in the same order.
     Each shard is cast before it is gathered (the same bits as casting the whole tensor, half the
     traffic from fp32 masters to bf16); a bucket's tensors are freed once the caller drops them."""
-    from torch.distributed.tensor import DTensor
-
     limit = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     with torch.no_grad():
         for name, p in sharded.named_parameters():
-            t = p.detach().to(dtypes[name])
-            whole = t.full_tensor() if isinstance(t, DTensor) else t
+            whole = full(p.detach().to(dtypes[name]))
             bucket.append((name, whole))
             size += whole.numel() * whole.element_size()
             if size >= limit:
