@@ -90,11 +90,11 @@ class PushedWeights(Mover):
             if self._adapter is None:
                 self._adapter = AdapterTransfer(engine)
             self._adapter.send(model)
+            _release_shared()
         elif isinstance(model, WeightStream):
-            self._push_whole(model)
+            self._push_whole(model)  # (releases what it shared after each bucket)
         else:
             self._push_whole([list(model.items()) if isinstance(model, Mapping) else weights_for_engine(model)])
-        _release_shared()
         if engine._asleep:
             engine._wake_up(["kv_cache"])
             engine._asleep = False
