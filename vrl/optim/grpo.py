@@ -169,6 +169,9 @@ class GRPO(Optimizer):
             from vrl.optim.grpo_dist import Group
 
             self.group = Group(self.device)
+        # This process's host samples (one process; rank 0; every rank with sample_on_every_rank), so it
+        # takes the trained weights after each step.
+        self._samples = self.group is None or self.group.leader or cfg.sample_on_every_rank
         if cfg.padding_free:
             from vrl.optim.logprobs import packing_problem
 
@@ -218,7 +221,7 @@ class GRPO(Optimizer):
             # A rank keeps a whole copy only to sample from it in-process (hf): an engine takes the gathered
             # buckets as they come, and a rank that does not sample needs none. Without one, the model
             # itself is sharded: no whole copy beside it while it is converted to fp32 and sharded.
-            whole = not trainable.separate and (self.group.leader or cfg.sample_on_every_rank)
+            whole = not trainable.separate and self._samples
             self.model = model = shard(model, self.group, next(model.parameters()).dtype,
                                        reshard_after_forward=cfg.fsdp_reshard_after_forward, in_place=not whole)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -460,12 +463,12 @@ class GRPO(Optimizer):
 
             stream = WeightStream(gathered(self.model, self._host_dtypes))
             try:
-                if group.leader or self.config.sample_on_every_rank:
+                if self._samples:
                     self.host.publish(stream)
             finally:
                 stream.drain()
             return
-        if group is None or group.leader or self.config.sample_on_every_rank:
+        if self._samples:
             self.host.publish(self.host_model)
 
     def sampler(self, host: PolicyHost) -> PolicyHost:
