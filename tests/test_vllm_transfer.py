@@ -255,6 +255,22 @@ def test_rank_0_of_a_torchrun_launch_pushes_through_vrls_loader_not_vllms_ipc(mo
         _weight_transfer("ipc", "trained", None, "cuda", 1)
 
 
+def test_a_bare_cuda_device_is_this_ranks_gpu_not_the_first(monkeypatch):
+    """Under torchrun rank 1 trains on its current GPU (`LOCAL_RANK`), which the config spells `cuda`.
+    With `grpo.sample_on_every_rank` its engine starts on that GPU too: the push must stay on the GPU
+    (vrl's loader), not pick NCCL as if the trainer were on GPU 0. NCCL with both ends on one GPU
+    failed on 2 × H200 with "NCCL error: invalid usage" (session 13)."""
+    from vrl.generate import vllm, vllm_trained
+    from vrl.generate.vllm import _weight_transfer
+
+    monkeypatch.setattr(vllm_trained, "visible_ids", lambda: ["0", "1"])
+    monkeypatch.setattr(vllm, "_current_gpu", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _weight_transfer("auto", "trained", "1", "cuda", 1) == "extension"
+    assert _weight_transfer("auto", "trained", "0", "cuda", 1) == "nccl"  # its engine on the other GPU
+    assert _weight_transfer("auto", "trained", "1", "cuda:0", 1) == "nccl"  # an explicit index is kept
+
+
 def test_the_adapters_rank_reaches_the_choice_of_transport(monkeypatch):
     """An engine about to start hands the adapter's rank (not only whether there is one) to `transfer_for`:
     a rank above vLLM's largest is refused before the engine starts, with the reason."""

@@ -678,6 +678,14 @@ def _engine_order(gpu: str | None) -> list[str]:
     return [ids[index]] + [i for i in ids if i != ids[index]]
 
 
+def _current_gpu() -> int:
+    """The GPU a bare `cuda` device means in this process: the current one (under torchrun, each rank's
+    `LOCAL_RANK`, set by `distributed.start`), 0 without CUDA."""
+    import torch
+
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
 def _weight_transfer(choice: str, mode: Mode, gpu: str | None, train_device: str, tensor_parallel_size: int,
                      adapter_rank: int = 0) -> str:
     """`vllm_trained.transfer_for` for an engine about to start on GPU `gpu` (an index among this
@@ -689,7 +697,7 @@ def _weight_transfer(choice: str, mode: Mode, gpu: str | None, train_device: str
     engine = _engine_order(gpu)[:tensor_parallel_size]
     train = None
     if train_device.startswith("cuda"):
-        index = int(train_device.partition(":")[2] or 0)
+        index = int(train_device.partition(":")[2] or _current_gpu())
         train = ids[index] if index < len(ids) else None
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
     try:
