@@ -222,6 +222,34 @@ def test_vrl_train_sampling_on_every_rank_writes_what_rank_0_alone_writes(tmp_pa
 
 
 @pytest.mark.slow
+def test_asynchronous_rollouts_under_torchrun_sample_and_train_as_one_process(tmp_path):
+    """`grpo.max_staleness=1` under torchrun: rank 0 samples the next iteration in its producer thread
+    while every rank trains its FSDP2 shard, and rank 0's sampler takes the streamed weights between
+    passes. Against the same job on one process: the same samples and rewards in every iteration
+    (iteration 2's come from the weights after update 0, which both trained to ~1e-7), the same
+    staleness, and losses within 1e-5."""
+    rows = {}
+    for ranks in (1, 2):
+        runs = tmp_path / str(ranks)
+        job = [*VRL, *_letters_job(runs), "--set", "iterations=3", "--set", "grpo.learning_rate=0.3",
+               "--set", "grpo.max_staleness=1"]
+        if ranks == 2:
+            torchrun(*job)
+        else:
+            done = subprocess.run([sys.executable, *job], capture_output=True, text=True, timeout=600, cwd=HERE.parent,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            assert done.returncode == 0, done.stderr[-3000:]
+        run = runs / "fsdp"
+        samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+        metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        rows[ranks] = ([(r["iteration"], r["task_id"], r.get("sample"), r["completion"]) for r in samples],
+                       [(m["reward_mean"], m["grpo/staleness/max"]) for m in metrics], [m["grpo/loss"] for m in metrics])
+    assert [stale for _, stale in rows[2][1]] == [0, 1, 1]
+    assert rows[2][:2] == rows[1][:2]
+    assert rows[2][2] == pytest.approx(rows[1][2], abs=1e-5)
+
+
+@pytest.mark.slow
 def test_keeping_layers_gathered_from_forward_to_backward_changes_nothing_but_the_gathers(two_ranks, tmp_path):
     """`grpo.fsdp_reshard_after_forward=false`: the same step to the bit (the same gathered weights enter the
     same arithmetic), with fewer all-gathers (each layer's forward weights serve its backward)."""

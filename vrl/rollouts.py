@@ -15,6 +15,9 @@ finished. Each batch is therefore trained exactly min(j − start, S) updates af
 sampled it (`Completion.weights_version`; checked before every update), and GRPO corrects for
 that with the sampler's log-probs (`grpo.vllm_importance_sampling_*`).
 
+Under torchrun the producer runs on rank 0 only and makes no collective call: every collective (the
+update, the streamed push, checkpoints) stays on the main thread, whose order the other ranks follow.
+
 S = 0 never comes here: the trainer runs its synchronous loop, unchanged.
 """
 
@@ -49,11 +52,6 @@ def check(config: Any) -> None:
     if config.optimizer != "grpo":
         raise UsageError(f"grpo.max_staleness={stale} pipelines GRPO's rollouts; optimizer={config.optimizer} samples "
                          "and updates in turn: leave grpo.max_staleness at 0")
-    from vrl import distributed
-
-    if distributed.world_size() > 1:
-        raise UsageError(f"grpo.max_staleness={stale} runs on one process; a torchrun launch ({distributed.world_size()} "
-                         "processes) trains synchronously: set grpo.max_staleness=0 or drop torchrun")
     if config.runtime.kind != "local":
         raise UsageError(f"grpo.max_staleness={stale} needs runtime.kind=local (runtime {config.runtime.kind!r} samples "
                          "in step with its updates): set grpo.max_staleness=0")
