@@ -227,7 +227,8 @@ def test_asynchronous_rollouts_under_torchrun_sample_and_train_as_one_process(tm
     while every rank trains its FSDP2 shard, and rank 0's sampler takes the streamed weights between
     passes. Against the same job on one process: the same samples and rewards in every iteration
     (iteration 2's come from the weights after update 0, which both trained to ~1e-7), the same
-    staleness, and losses within 1e-5."""
+    staleness, and losses within 1e-5. The 2-rank run then resumes under torchrun: its sampler takes the
+    checkpoint's weights before the pipeline restarts, whose first batch is fresh again."""
     rows = {}
     for ranks in (1, 2):
         runs = tmp_path / str(ranks)
@@ -247,6 +248,10 @@ def test_asynchronous_rollouts_under_torchrun_sample_and_train_as_one_process(tm
     assert [stale for _, stale in rows[2][1]] == [0, 1, 1]
     assert rows[2][:2] == rows[1][:2]
     assert rows[2][2] == pytest.approx(rows[1][2], abs=1e-5)
+    run = tmp_path / "2" / "fsdp"
+    torchrun(*VRL, "train", "--resume", str(run), "--iterations", "4")
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["iteration"], m["grpo/staleness/max"]) for m in metrics] == [(0, 0), (1, 1), (2, 1), (3, 0)]
 
 
 @pytest.mark.slow
