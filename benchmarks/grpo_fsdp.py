@@ -21,7 +21,8 @@ tokens (`grpo/trained_tokens`). Reported per N: median update seconds, tokens/s,
 (goal ≥ 1.8 at N=2), MFU = 6 · params · tokens / update_s / (N · 989.4e12) (benchmarks/grpo_step.py's
 convention; GPU only), and the peak memory in use per GPU as nvidia-smi saw it every 0.5 s (vrl's
 metrics carry no GPU memory; it includes vLLM's slept engine on GPU 0). A failed run (an OOM) keeps
-its stderr tail; `--set KEY=VALUE` goes to every run. Results: docs/benchmarks.md.
+its stderr tail, and with `--verbose` (`vrl -v`) the failing rank's traceback too; `--set KEY=VALUE`
+goes to every run. Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def one_run(n: int, name: str, common: list[str], runs: Path, args, tok, n_param
 
     launch = [sys.executable, "-m", "vrl.cli"] if n == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m", "vrl.cli"]
+    if args.verbose:
+        launch.append("-v")  # a failing rank prints its traceback
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     memory = GPUMemory() if shutil.which("nvidia-smi") else None
     if memory:
@@ -106,8 +109,11 @@ def one_run(n: int, name: str, common: list[str], runs: Path, args, tok, n_param
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     out: dict = {"wall_s": wall, "peak_gpu_mib": peak}
     if proc.returncode:
+        first = err.find("Traceback")  # the first traceback is the failing rank's (with --verbose), torchrun's comes last
         out.update(returncode=proc.returncode, stderr_tail=err[-3000:],
                    oom="OutOfMemory" in err or "out of memory" in err)
+        if 0 <= first < len(err) - 3000:
+            out["stderr_first_traceback"] = err[first:first + 4000]
         if len(rows) < args.iterations:  # a run that ended after its last iteration (its checkpoint) still counts
             out["error"] = f"exit {proc.returncode} after {len(rows)} of {args.iterations} iterations"
     if not rows:
@@ -147,6 +153,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="vrl's tiny model on CPU (gloo), hf backend: a dry run")
     ap.add_argument("--run-timeout", type=float, default=1800, help="seconds before a run is killed")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every run")
+    ap.add_argument("--verbose", action="store_true", help="`vrl -v`: a failed run keeps its rank's traceback")
     args = ap.parse_args()
     if min(args.ranks) < 1 or args.iterations < 1 or args.repeats < 1:
         ap.error("--ranks, --iterations and --repeats take numbers of at least 1")

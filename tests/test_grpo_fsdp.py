@@ -347,7 +347,7 @@ def _toy_config_from(run: Path, iterations: int):
 def test_a_torchrun_launch_refuses_what_it_cannot_train_before_writing_anything(tmp_path, monkeypatch):
     """WORLD_SIZE > 1 (what torchrun sets): ES, and sampling on every rank with asynchronous rollouts, are
     refused in one line before a run directory exists (GRPO with LoRA is not: tests/test_grpo_fsdp_lora.py);
-    a rank > 0 never creates one (rank 0 owns it)."""
+    a rank > 0 never creates one (rank 0 owns it) and refuses the same in the same line."""
     from vrl.config import build
     from vrl.errors import UsageError
 
@@ -365,6 +365,13 @@ def test_a_torchrun_launch_refuses_what_it_cannot_train_before_writing_anything(
     monkeypatch.setenv("RANK", "1")
     follower = Trainer(build({**base, "optimizer": "grpo"}), environment=LettersEnvironment())
     assert follower.run_dir is None and not (runs / "r").exists()
+    # Rank 1 refuses with rank 0's line, at once: it neither waits for rank 0 in the process group nor
+    # fails in how the CLI reports a failed run (a rank > 0 has no run directory).
+    with pytest.raises(UsageError, match="sample_on_every_rank .* cannot run with asynchronous rollouts"):
+        Trainer(build({**base, **every_rank_async}), environment=LettersEnvironment())
+    from vrl.cli import _kept
+
+    assert _kept(None) == ""
 
 
 @pytest.mark.slow

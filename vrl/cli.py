@@ -307,7 +307,10 @@ def _check_resume_iterations(run_dir, total: int, asked: int | None) -> None:
 
 
 def _kept(run_dir) -> str:
-    """What a failed run left: finished iterations (and how to continue), or nothing at all."""
+    """What a failed run left: finished iterations (and how to continue), or nothing at all; nothing to say
+    on a rank > 0 of a torchrun launch (`run_dir` None: rank 0 owns the run and says it)."""
+    if run_dir is None:
+        return ""
     if not (run_dir.path / "config.json").exists():
         return f" (nothing was kept: {run_dir.path} was removed)"
     done = run_dir.completed_iterations()

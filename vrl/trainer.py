@@ -74,6 +74,7 @@ class Trainer:
         self.on_iteration = on_iteration
         self._follower = distributed.is_follower()
         if self._follower:  # a rank > 0 of a torchrun launch: rank 0 owns the run directory and the loop
+            distributed.check(config)  # refused here with rank 0's line, before this rank joins the group
             self.run_dir = run_dir
             return
         # Everything that can fail runs before the run directory is created or changed, so a bad
