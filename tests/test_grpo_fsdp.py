@@ -35,18 +35,37 @@ FIELDS = {"loss_type": "grpo", "micro_batch_size": 5, "learning_rate": 1e-3, "be
           "lr_scheduler_type": "constant"}
 
 
-def torchrun(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Two ranks on this machine, as a user starts them (`torchrun --standalone --nproc-per-node 2`)."""
+def torchrun(*args: str, timeout: int = 600, nodes: int = 1) -> subprocess.CompletedProcess:
+    """Two ranks on this machine, as a user starts them: one node of 2 processes (`torchrun --nnodes 1
+    --nproc-per-node 2`), or `nodes=2`: two torchrun agents of one process each (`--nnodes 2 --node-rank
+    i`, as on two hosts, here sharing this machine's filesystem), so rank 1 has LOCAL_RANK 0 and an
+    agent of its own. Returns node 0's agent's output."""
     path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     with socket.socket() as s:  # a free port: two test sessions on one machine must not meet
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=HERE.parent)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done
+    launch = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes == 1:
+        cmds = [[*launch, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", f"127.0.0.1:{port}", *args]]
+    else:
+        cmds = [[*launch, "--nnodes", str(nodes), "--nproc-per-node", "1", "--node-rank", str(i),
+                 "--master-addr", "127.0.0.1", "--master-port", str(port), *args] for i in range(nodes)]
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
+             for c in cmds]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:  # a timeout, or the other agent failed first
+                p.kill()
+                p.communicate()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:] + err[-6000:]
+    return subprocess.CompletedProcess(cmds[0], procs[0].returncode, *outs[0])
 
 
 @pytest.fixture(scope="module")
@@ -295,13 +314,13 @@ def _letters_job(runs: Path) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True])
 def test_vrl_train_under_torchrun_then_resume_on_one_process(tmp_path, lora):
-    """`torchrun --nproc-per-node 2 vrl train` on the toy environment, full fine-tuning or a LoRA adapter
-    (`grpo.use_peft`, data-parallel): rank 0 alone writes the run (one metrics line per iteration, its
-    console), both ranks train; then `vrl train --resume` on one process continues the 2-rank run from
-    its checkpoint to the end."""
+    """`torchrun … vrl train` on the toy environment, full fine-tuning on two nodes of one process each
+    (two torchrun agents, as on two hosts) or a LoRA adapter (`grpo.use_peft`, data-parallel) on one node
+    of two: rank 0 alone writes the run (one metrics line per iteration, its console), both ranks train;
+    then `vrl train --resume` on one process continues the 2-rank run from its checkpoint to the end."""
     runs = tmp_path / "runs"
     adapter = ["--set", "grpo.use_peft=true", "--set", "grpo.lora_r=4", "--set", "grpo.lora_target_modules=[\"q_proj\"]"]
-    done = torchrun(*VRL, *_letters_job(runs), *(adapter if lora else []))
+    done = torchrun(*VRL, *_letters_job(runs), *(adapter if lora else []), nodes=1 if lora else 2)
     assert done.stderr.count("vrl train") == 1, done.stderr[-3000:]  # one console: rank 0's
     run = runs / "fsdp"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
