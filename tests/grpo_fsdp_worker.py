@@ -13,7 +13,8 @@ LoRA adapter data-parallel, and OUT also holds every rank's adapter after the st
 With `"sample_on_every_rank": true`, rank 0 first samples a batch through every rank (`GRPO.sampler`)
 and alone, recording both, `pooled` and `alone` (with `"_break_rank_1": true` rank 1's sampling fails,
 and `pooled` is what rank 0 raised); OUT also holds every rank's sampling model after
-the step, `samplers`. OUT always holds how many all-gathers FSDP2 ran on rank 0, `gathers`.
+the step, `samplers`. `"_pause": S` makes rank 0 wait S seconds before it sends the batch (the other
+ranks wait for its command meanwhile). OUT always holds how many all-gathers FSDP2 ran on rank 0, `gathers`.
 `"_separate": BYTES` samples from a copy apart from the trained one (a decoupled host, as an engine is)
 and gathers the published weights in buckets of BYTES; OUT then holds whether rank 0's trained copy
 is the sharded model itself, `trainable_sharded`, and the names of each published bucket, `buckets`.)
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -45,6 +47,7 @@ def main(out: str, run_dir: str, fields: dict) -> None:
     resume, seed = fields.pop("_load", None), fields.pop("_seed", 1)
     separate = fields.pop("_separate", None)
     broken = fields.pop("_break_rank_1", False)
+    pause = fields.pop("_pause", 0)
     gathers = [0]  # FSDP2's all-gathers (`dist.all_gather_single`) on this rank, over the whole run
     import torch.distributed as dist
 
@@ -89,6 +92,7 @@ def main(out: str, run_dir: str, fields: dict) -> None:
                 pooled = str(exc)
             pooled_counts = ranks.counts
             alone = [c for batch in gen.sample(tasks, v, seed=4) for c in batch]
+        time.sleep(pause)  # "_pause": the other ranks wait for the next command meanwhile
         metrics = opt.tell(sample_results(gen, seed=seed))
         opt.save(run_dir, final=True)
         opt.stop_followers()

@@ -274,6 +274,18 @@ def test_asynchronous_rollouts_under_torchrun_sample_and_train_as_one_process(tm
 
 
 @pytest.mark.slow
+def test_the_other_ranks_wait_for_rank_0s_next_command_beyond_the_collective_timeout(two_ranks, tmp_path):
+    """Between commands rank 0 samples and verifies, which for a large Lean batch takes longer than any
+    collective should wait: with `grpo.ddp_timeout` = 3 s, rank 0 pausing 8 s before it sends the batch
+    still trains (the other ranks' wait for a command has no bound), and the step is the one without a
+    pause."""
+    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp_path / "out.pt"), str(tmp_path / "run"),
+             json.dumps({**FIELDS, "ddp_timeout": 3, "_pause": 8}))
+    paused = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert paused["world"] == 2 and paused["metrics"]["grpo/loss"] == two_ranks[0]["metrics"]["grpo/loss"]
+
+
+@pytest.mark.slow
 def test_keeping_layers_gathered_from_forward_to_backward_changes_nothing_but_the_gathers(two_ranks, tmp_path):
     """`grpo.fsdp_reshard_after_forward=false`: the same step to the bit (the same gathered weights enter the
     same arithmetic), with fewer all-gathers (each layer's forward weights serve its backward)."""

@@ -168,7 +168,7 @@ class GRPO(Optimizer):
         if distributed.world_size() > 1:
             from vrl.optim.grpo_dist import Group
 
-            self.group = Group(self.device)
+            self.group = Group(self.device, cfg.ddp_timeout)
         # This process's host samples (one process; rank 0; every rank with sample_on_every_rank), so it
         # takes the trained weights after each step.
         self._samples = self.group is None or self.group.leader or cfg.sample_on_every_rank

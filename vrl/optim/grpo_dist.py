@@ -45,14 +45,17 @@ from torch import nn
 from vrl.policy import PolicyHost, Trainable, Variant
 from vrl.types import Completion, Task
 
+COMMAND_WAIT = datetime.timedelta(days=365)  # how long a rank > 0 waits for rank 0's next command: no real bound
+
 
 class Group:
     """The ranks that train together; rank 0 leads (sends commands and the batch), the others follow."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, timeout_s: float = 1800):
+        timeout = datetime.timedelta(seconds=timeout_s)
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+            dist.init_process_group(backend, timeout=timeout)
         from torch.distributed.device_mesh import init_device_mesh
 
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -61,16 +64,19 @@ class Group:
         self.mesh = init_device_mesh(device.type, (self.world,))
         # Objects travel over gloo (CPU) whatever the device; background checkpoint writes get a group of
         # their own, so their collectives never interleave with the training step's.
-        self.objects = dist.new_group(backend="gloo")
-        self.checkpoints = dist.new_group(backend="gloo")
+        self.objects = dist.new_group(backend="gloo", timeout=timeout)
+        self.checkpoints = dist.new_group(backend="gloo", timeout=timeout)
+        # Commands only: a rank > 0 waits here while rank 0 samples and verifies, for as long as that takes
+        # (a Lean batch can take longer than any collective should). If rank 0 dies, torchrun ends the others.
+        self.commands = dist.new_group(backend="gloo", timeout=COMMAND_WAIT)
 
     # -- rank 0 leads -------------------------------------------------------------------------------
     def send(self, command: str, *args: Any) -> None:
-        dist.broadcast_object_list([(command, args)], src=0, group=self.objects)
+        dist.broadcast_object_list([(command, args)], src=0, group=self.commands)
 
     def receive(self) -> tuple[str, tuple[Any, ...]]:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.objects)
+        dist.broadcast_object_list(box, src=0, group=self.commands)
         return box[0]
 
     def share(self, value: Any) -> Any:

@@ -170,6 +170,13 @@ class GRPOConfig(BaseModel):
         "them again for its backward. false keeps them from forward to backward: one all-gather per layer and "
         "micro-batch instead of two, for the whole model's weights in the compute dtype held during a micro-batch.",
     )
+    ddp_timeout: int = Field(
+        1800,
+        ge=1,
+        description="Under torchrun: seconds a collective (the step's, the weights' gather, a checkpoint's) may wait "
+        "for the other ranks before the run fails, as TRL's ddp_timeout. The other ranks' wait for rank 0's next "
+        "command (while it samples and verifies) has no bound: if rank 0 dies, torchrun ends them.",
+    )
     sample_on_every_rank: bool = Field(
         False,
         description="Under torchrun: every rank samples its share of the batch's tasks on its own engine (its GPU), "
