@@ -100,14 +100,14 @@ def test_an_environment_object_brings_its_defaults_and_name():
 
 
 @pytest.mark.parametrize("make, expected", [
-    (lambda: vrl.TrainConfig(plugin="letters", iteratons=3), "iteratons: unknown field; known fields: "),
+    (lambda: vrl.TrainConfig(plugin="letters", iteratons=3), "iteratons: unknown field; did you mean iterations? known fields: "),
     (lambda: vrl.TrainConfig(sampling={"temprature": 1}), "sampling.temprature: unknown field"),
     (lambda: vrl.TrainConfig(iterations=0), "iterations: Input should be greater than or equal to 1 (got 0)"),
     (lambda: vrl.TrainConfig(runtime={"gpu": "H100"}), "runtime.gpu: moved to runtime.modal.gpu"),
     (lambda: vrl.resolve_config({"plugin": "leters"}), "unknown environment 'leters'; installed: "),
     (lambda: setattr(vrl.TrainConfig(), "iterations", -2), "iterations: Input should be greater than or equal to 1"),
     (lambda: setattr(vrl.TrainConfig().sampling, "top_p", 2), "top_p: Input should be less than or equal to 1"),
-    (lambda: setattr(vrl.TrainConfig(), "iteratons", 2), "iteratons: unknown field"),
+    (lambda: setattr(vrl.TrainConfig(), "iteratons", 2), "iteratons: unknown field; did you mean iterations?"),
 ])
 def test_library_errors_are_one_line_usage_errors(make, expected):
     with pytest.raises(vrl.UsageError) as err:

@@ -13,6 +13,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 import contextvars
 import copy
+import difflib
 import re
 import weakref
 from collections.abc import Iterable, Mapping
@@ -46,8 +47,7 @@ class Section(BaseModel):
     def __setattr__(self, name: str, value: Any) -> None:
         """An assignment that is not valid is a one-line `ConfigError`, as in `TrainConfig(...)` (not a pydantic dump)."""
         if name not in type(self).model_fields and not name.startswith("_"):
-            known = ", ".join(sorted(type(self).model_fields))
-            raise ConfigError(f"invalid configuration: {name}: unknown field; known fields: {known}")
+            raise ConfigError(f"invalid configuration: {name}: {unknown_field(name, type(self))}")
         try:
             super().__setattr__(name, value)
         except ValidationError as exc:
@@ -499,11 +499,23 @@ def format_validation_error(exc: ValidationError, section: type[BaseModel] | Non
             msg = "unknown field"
             parent = _section_for(err["loc"][:-1], section)
             if parent is not None:
-                msg += f"; known fields: {', '.join(sorted(parent.model_fields))}"
+                prefix = "".join(f"{p}." for p in err["loc"][:-1])
+                msg = unknown_field(str(err["loc"][-1]), parent, prefix)
         value = err.get("input")
         shown = "" if err["type"] in ("missing",) or isinstance(value, dict) or repr(value) in msg else f" (got {value!r})"
         lines.append(f"{field}: {msg}{shown}")
     return "invalid configuration: " + " | ".join(lines)
+
+
+def unknown_field(name: str, model: type[BaseModel], prefix: str = "") -> str:
+    """What to say of a field `name` that `model` (the section at `prefix`) lacks: the field meant, when
+    `name` is another tool's name for it (the model's `other_names`, e.g. TRL's for GRPO) or a close
+    spelling of one, then every known field."""
+    fields = sorted(model.model_fields)
+    other: dict[str, str] = getattr(model, "other_names", {})
+    close = difflib.get_close_matches(name, fields, n=1)
+    meant = other.get(name) or (f"{prefix}{close[0]}" if close else None)
+    return f"unknown field; {f'did you mean {meant}? ' if meant else ''}known fields: {', '.join(fields)}"
 
 
 def _section_for(loc: tuple, model: type[BaseModel] | None = None) -> type[BaseModel] | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -28,6 +28,13 @@ class GRPOConfig(BaseModel):
     """Group Relative Policy Optimization settings (names and defaults as in TRL's GRPOConfig)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # TRL's names for what vrl names otherwise (docs/grpo.md's table): an unknown-field error names vrl's.
+    other_names: ClassVar[dict[str, str]] = {
+        "save_total_limit": "grpo.keep_checkpoints", "save_steps": "grpo.save_every",
+        "per_device_train_batch_size": "grpo.micro_batch_size", "torch_compile": "grpo.compile",
+        "max_completion_length": "sampling.max_new_tokens", "temperature": "sampling.temperature",
+        "vllm_importance_sampling_cap": "grpo.vllm_importance_sampling_clip_max",
+    }
 
     num_generations: int = Field(8, ge=2, description="Samples per task (the group size G).")
     loss_type: LossType = Field(
