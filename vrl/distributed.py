@@ -75,12 +75,11 @@ def outside_launch() -> Iterator[None]:
         os.environ.update(hidden)
 
 
-def start(config: Any) -> None:
-    """Before any model loads: refuse what a multi-process launch cannot train, and give each rank of
-    a GPU node its own GPU (`LOCAL_RANK`), so the models it builds land there."""
+def start() -> None:
+    """Before any model loads: give each rank of a GPU node its own GPU (`LOCAL_RANK`), so the models it
+    builds land there. (What the launch cannot train was refused by `check` when the `Trainer` was built.)"""
     if world_size() <= 1:
         return
-    check(config)
     import torch
 
     if torch.cuda.is_available():
@@ -95,7 +94,7 @@ def follow(config: Any) -> dict[str, Any]:
     from vrl.generate import generator_class
     from vrl.optim import make_optimizer
 
-    start(config)
+    start()
     # Rank 0 decides when the run stops (Ctrl-C included): it still needs this rank to write the
     # checkpoint of the last finished iteration, then sends "stop".
     signal.signal(signal.SIGINT, signal.SIG_IGN)

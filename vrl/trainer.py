@@ -213,7 +213,7 @@ class Trainer:
         policy = optimizer = pool = pipeline = None
         sinks = self.sinks
         try:
-            distributed.start(cfg)  # under torchrun: this rank's GPU, before any model loads
+            distributed.start()  # under torchrun: this rank's GPU, before any model loads
             optimizer = make_optimizer(cfg)
             policy = self.runtime.policy(cfg, optimizer.needs())
             if rollouts.asynchronous(cfg):  # sampling runs ahead in a thread, on weights only `publish` changes

@@ -51,7 +51,9 @@ COMMAND_WAIT = datetime.timedelta(days=365)  # how long a rank > 0 waits for ran
 class Group:
     """The ranks that train together; rank 0 leads (sends commands and the batch), the others follow."""
 
-    def __init__(self, device: torch.device, timeout_s: float = 1800):
+    def __init__(self, device: torch.device, timeout_s: float):
+        """`timeout_s`: how long a collective waits for the other ranks (`grpo.ddp_timeout`); commands
+        wait without a bound (`COMMAND_WAIT`)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
