@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -365,6 +366,49 @@ def test_vrl_train_on_the_vllm_backend_and_resume(model_dir, es_gen, tmp_path, o
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     if optimizer == "es":
         assert len(json.loads((run / "es_history.json").read_text())["iterations"]) == 3
+
+
+def test_a_killed_runs_engine_processes_end_with_it(model_dir, es_gen, tmp_path):
+    """SIGKILL a `vrl train` on the vllm backend mid-run (the OOM killer; torchrun's escalation): vLLM's
+    engine processes end too (vrl.reaper), where vLLM alone leaves them holding their GPU memory (vLLM
+    issue 55510; seen on 2 × H200 after torchrun ended rank 0 of a 7B launch)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from vrl import reaper
+
+    es_gen.close()
+    proc = subprocess.Popen([sys.executable, "-m", "vrl.cli", "train", "--model", model_dir, "--optimizer", "grpo",
+                             "--iterations", "1000", "--name", "run", "--set", f"logging.runs_dir={tmp_path}",
+                             "--set", "generator.backend=vllm", "--set", "generator.vllm.enforce_eager=true",
+                             "--set", "generator.vllm.gpu_memory_utilization=0.2",
+                             "--set", "generator.vllm.max_model_len=1024", "--set", "tasks_per_iteration=4",
+                             "--set", "sampling.max_new_tokens=24"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    engine: set = set()
+    try:
+        deadline = time.monotonic() + 400
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, "no iteration finished"
+            time.sleep(0.5)
+        engine = reaper.tree(reaper.children(proc.pid))
+        assert engine, "the engine runs in processes of its own"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while any(reaper.alive(p) for p in engine) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(reaper.alive(p) for p in engine), "the engine outlived its run"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in engine:
+            if reaper.alive(p):
+                os.kill(p[0], signal.SIGKILL)
 
 
 def test_asynchronous_grpo_on_the_vllm_backend(model_dir, es_gen, tmp_path):

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
-from vrl import distributed
+from vrl import distributed, reaper
 from vrl.config import Section
 from vrl.errors import UsageError
 from vrl.generate.base import Generator, cut_at_stop, tokens_covering
@@ -274,6 +274,7 @@ class VLLMGenerator(Generator):
         self.sampling_logprobs, self.logprobs = sampling_logprobs, False
         self.sync_every, self.sleep, self.tensor_parallel_size = sync_every, sleep, tensor_parallel_size
         self._cleanup = cleanup
+        self._processes: set = set()  # the engine's processes, for vrl.reaper (set by from_config)
         self._asleep = False
         self.mover = mover_class(mode)(self, lora_slots) if mode == "lowrank" else mover_class(mode)(self)
         self._weights_version = 0  # salts the prefix cache: KV computed with other weights is never reused
@@ -355,7 +356,9 @@ class VLLMGenerator(Generator):
         t0 = time.perf_counter()
         # The engine's processes start here and keep the environment they see: a standalone one, even in
         # rank 0 of a torchrun launch (vrl.distributed.outside_launch says why).
-        with _visible_gpu(gpu) as order, distributed.outside_launch():
+        # Its processes end with this one however it ends (vrl.reaper): vLLM's own would outlive a SIGKILL or
+        # an unhandled SIGTERM (torchrun ending a failed launch) and keep their GPU memory.
+        with _visible_gpu(gpu) as order, distributed.outside_launch(), reaper.reaped_children() as processes:
             llm = vllm.LLM(**kwargs)
         log.info("vLLM engine ready in %.1f s%s (weights move by %s)", time.perf_counter() - t0,
                  f" on GPU {gpu}" if gpu is not None else "", transfer)
@@ -364,6 +367,7 @@ class VLLMGenerator(Generator):
                   sampling_logprobs=v.sampling_logprobs, sync_every=v.sync_every, sleep=v.sleep,
                   tensor_parallel_size=v.tensor_parallel_size, cleanup=cleanup, device_order=order,
                   lora_slots=kwargs.get("max_loras", 0), weight_transfer=transfer)
+        gen._processes = processes
         return gen
 
     @classmethod
@@ -620,6 +624,10 @@ class VLLMGenerator(Generator):
             if hasattr(core, "shutdown"):
                 core.shutdown()
             self.llm = None
+            # Those that ended are forgotten; one that outlived the shutdown stays the watchdog's to end.
+            ended = {p for p in self._processes if not reaper.alive(p)}
+            reaper.release(ended)
+            self._processes -= ended
         gc.collect()
         import torch
 
