@@ -270,6 +270,35 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path):
     one_line_error(res, "already finished")
 
 
+def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
+    """SIGTERM (a job scheduler's stop, torchrun ending its launch, `kill`) ends `vrl train` as Ctrl-C does:
+    exit 130, the summary says interrupted, the finished iterations are kept and the run resumes. Before,
+    the process ended at once: its summary still said running, and vLLM's engine processes, which had
+    no shutdown, kept their GPU memory (vrl.reaper now ends those even on SIGKILL)."""
+    env = {**os.environ, "HF_ENDPOINT": NO_HUB}
+    first = subprocess.Popen([sys.executable, "-m", "vrl.cli", "train", "--plugin", "letters", "--name", "t",
+                              "--iterations", "1000", *SMALL], cwd=tmp_path, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run = tmp_path / "runs" / "t"
+    try:
+        _wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 1,
+                  300, "the first iteration")
+        first.send_signal(signal.SIGTERM)
+        err = first.communicate(timeout=120)[1]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err, err
+    summary = json.loads((run / "summary.json").read_text())
+    done = summary["iterations_completed"]
+    assert summary["status"] == "interrupted" and done >= 1, summary
+    res = vrl("train", "--resume", str(run), "--iterations", str(done + 1), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((run / "summary.json").read_text())["iterations_completed"] == done + 1
+
+
 def test_unexpected_errors_exit_1_with_one_line_and_a_traceback_under_verbose(tmp_path, monkeypatch):
     def broken(self):
         raise ZeroDivisionError("a bug")

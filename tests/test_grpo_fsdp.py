@@ -11,9 +11,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,18 +42,7 @@ def torchrun(*args: str, timeout: int = 600, nodes: int = 1) -> subprocess.Compl
     --nproc-per-node 2`), or `nodes=2`: two torchrun agents of one process each (`--nnodes 2 --node-rank
     i`, as on two hosts, here sharing this machine's filesystem), so rank 1 has LOCAL_RANK 0 and an
     agent of its own. Returns node 0's agent's output."""
-    path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    with socket.socket() as s:  # a free port: two test sessions on one machine must not meet
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launch = [sys.executable, "-m", "torch.distributed.run"]
-    if nodes == 1:
-        cmds = [[*launch, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                 "--rdzv-endpoint", f"127.0.0.1:{port}", *args]]
-    else:
-        cmds = [[*launch, "--nnodes", str(nodes), "--nproc-per-node", "1", "--node-rank", str(i),
-                 "--master-addr", "127.0.0.1", "--master-port", str(port), *args] for i in range(nodes)]
+    cmds, env = launch(*args, nodes=nodes)
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
              for c in cmds]
     outs = []
@@ -66,6 +57,23 @@ def torchrun(*args: str, timeout: int = 600, nodes: int = 1) -> subprocess.Compl
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out[-3000:] + err[-6000:]
     return subprocess.CompletedProcess(cmds[0], procs[0].returncode, *outs[0])
+
+
+def launch(*args: str, nodes: int = 1) -> tuple[list[list[str]], dict[str, str]]:
+    """`torchrun`'s command per node (see `torchrun`) on a free port, and their environment."""
+    path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    with socket.socket() as s:  # a free port: two test sessions on one machine must not meet
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes == 1:
+        cmds = [[*run, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", f"127.0.0.1:{port}", *args]]
+    else:
+        cmds = [[*run, "--nnodes", str(nodes), "--nproc-per-node", "1", "--node-rank", str(i),
+                 "--master-addr", "127.0.0.1", "--master-port", str(port), *args] for i in range(nodes)]
+    return cmds, env
 
 
 @pytest.fixture(scope="module")
@@ -346,6 +354,43 @@ def test_vrl_train_under_torchrun_then_resume_on_one_process(tmp_path, lora):
     assert trainer.start_iteration == 2
     assert trainer.run()["status"] == "finished"
     assert [r["iteration"] for r in trainer.run_dir.metrics()] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_the_run_with_the_last_iteration_checkpointed(tmp_path):
+    """Stopping a launch (`kill <torchrun>`, a scheduler's stop) sends SIGTERM to every rank: rank 0 stops
+    the run as Ctrl-C does, and the other ranks, which ignore it, still take part in the checkpoint of the
+    last finished iteration (sharded: a collective) before rank 0 releases them. Before, they died at once
+    and rank 0 could write nothing; the iterations since the last timed checkpoint were lost."""
+    runs = tmp_path / "runs"
+    job = [*_letters_job(runs)]
+    job[job.index("--iterations") + 1] = "1000"
+    [cmd], env = launch(*VRL, *job)
+    agent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             cwd=HERE.parent)
+    run = runs / "fsdp"
+    metrics = run / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert agent.poll() is None and time.monotonic() < deadline, "no iteration finished"
+            time.sleep(0.2)
+        agent.send_signal(signal.SIGTERM)
+        err = agent.communicate(timeout=120)[1]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted", (summary, err[-3000:])
+    done = summary["iterations_completed"]
+    assert done >= 1
+    state = torch.load(run / "grpo" / f"iter-{done:06d}" / "state.pt", weights_only=True)
+    assert state["world_size"] == 2 and state["iteration"] == done
+    trainer = Trainer(_toy_config_from(run, done + 1), run_dir=RunDir.open(run), environment=LettersEnvironment(),
+                      console=Console(file=io.StringIO()))
+    assert trainer.start_iteration == done  # from that checkpoint, not from scratch
+    assert trainer.run()["status"] == "finished"
 
 
 @pytest.mark.gpu

@@ -95,9 +95,11 @@ def follow(config: Any) -> dict[str, Any]:
     from vrl.optim import make_optimizer
 
     start()
-    # Rank 0 decides when the run stops (Ctrl-C included): it still needs this rank to write the
-    # checkpoint of the last finished iteration, then sends "stop".
+    # Rank 0 decides when the run stops (Ctrl-C, or the SIGTERM torchrun passes on to every rank when it is
+    # stopped): it still needs this rank to write the checkpoint of the last finished iteration, then sends
+    # "stop". (If rank 0 is gone instead, torchrun's SIGKILL ends this rank 30 s later.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.getLogger("vrl").setLevel(logging.ERROR)  # rank 0 speaks for the run; errors still show
     optimizer = make_optimizer(config)
     if config.grpo.sample_on_every_rank:  # this rank samples too: an engine of the run's backend on its GPU

@@ -7,15 +7,18 @@ iteration waits for the last verdicts only before the update.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
 import os
 import random
 import re
+import signal
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -73,6 +76,7 @@ class Trainer:
         self.console = console or Console(stderr=True, log_path=False)
         self.on_iteration = on_iteration
         self._follower = distributed.is_follower()
+        self._stop_requested: str | None = None  # the stop signal's name (`_stop_signals`)
         if self._follower:  # a rank > 0 of a torchrun launch: rank 0 owns the run directory and the loop
             distributed.check(config)  # refused here with rank 0's line, before this rank joins the group
             self.run_dir = run_dir
@@ -197,6 +201,44 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         if self._follower:
             return distributed.follow(self.config)
+        with self._stop_signals():
+            return self._run()
+
+    @contextlib.contextmanager
+    def _stop_signals(self) -> Iterator[None]:
+        """Inside the block, SIGTERM stops the run as Ctrl-C does: a job scheduler's stop, `kill`, torchrun
+        stopping its launch. The finished iterations are kept (GRPO writes the checkpoint of the last) and
+        the engines shut down; without it the process would end at once, losing the iterations since the
+        last checkpoint. On one process the iteration in flight is dropped at once. Under torchrun both
+        signals only ask rank 0 to stop after the iteration in flight: its collectives must end on every
+        rank before the checkpoint's and the release's begin (the other ranks ignore both and wait for
+        rank 0; torchrun's SIGKILL ends a launch that takes longer than its 30 s). A second signal during
+        the teardown is ignored (SIGKILL still ends it; vrl.reaper then ends the engines). Only in the main
+        thread (where Python runs signal handlers), on signals nobody else handles."""
+        own = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        deferred = distributed.world_size() > 1
+        handled = [sig for sig in (signal.SIGTERM, *([signal.SIGINT] if deferred else []))
+                   if signal.getsignal(sig) is own[sig]]
+
+        def stop(signum, frame):
+            for sig in handled:
+                signal.signal(sig, signal.SIG_IGN)
+            self._stop_requested = signal.Signals(signum).name
+            if not deferred:
+                raise KeyboardInterrupt(self._stop_requested)
+
+        for sig in handled:
+            signal.signal(sig, stop)
+        try:
+            yield
+        finally:
+            for sig in handled:
+                signal.signal(sig, own[sig])
+
+    def _run(self) -> dict[str, Any]:
         cfg = self.config
         pool_tasks = self._pool_tasks
         shaper = _guard_shaper(self.env.shaper(), self.env.name)
@@ -241,6 +283,9 @@ class Trainer:
                     pipeline = rollouts.Rollouts(self, policy, optimizer, pool, shaper, pool_tasks, progress, bar,
                                                  IterationStats)
                 for iteration in range(self.start_iteration, cfg.iterations):
+                    if self._stop_requested:  # under torchrun, a stop signal waits for the iteration's end
+                        self._log(f"{self._stop_requested}: stopping after iteration {iteration}")
+                        raise KeyboardInterrupt(self._stop_requested)
                     tasks = self.tasks_for(pool_tasks, iteration)
                     stats = (pipeline.step(iteration) if pipeline is not None else
                              self._iteration(iteration, tasks, optimizer, policy, pool, shaper, progress, bar))
