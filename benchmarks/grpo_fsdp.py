@@ -21,8 +21,9 @@ tokens (`grpo/trained_tokens`). Reported per N: median update seconds, tokens/s,
 (goal ≥ 1.8 at N=2), MFU = 6 · params · tokens / update_s / (N · 989.4e12) (benchmarks/grpo_step.py's
 convention; GPU only), and the peak memory in use per GPU as nvidia-smi saw it every 0.5 s (vrl's
 metrics carry no GPU memory; it includes vLLM's slept engine on GPU 0). A failed run (an OOM) keeps
-its stderr tail, and with `--verbose` (`vrl -v`) the failing rank's traceback too; `--set KEY=VALUE`
-goes to every run. Results: docs/benchmarks.md.
+its stderr tail, and with `--verbose` (`vrl -v`) the failing rank's traceback too; every run's whole
+stderr is kept in `<out>.<name>.stderr.log`; `--set KEY=VALUE` goes to every run. The script ends its
+run in flight when it stops (an outer `timeout` included). Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -75,6 +76,22 @@ class GPUMemory(threading.Thread):
                 self.peak[gpu] = max(self.peak.get(gpu, 0), int(used))
 
 
+def end(proc: subprocess.Popen) -> None:
+    """End a run and everything in its session: SIGTERM (torchrun passes it to its ranks; vLLM's engine
+    processes end with rank 0, vrl.reaper), then SIGKILL to whatever is left 60 s later."""
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:  # already gone
+                pass
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def one_run(n: int, name: str, common: list[str], runs: Path, args, tok, n_params: int) -> dict:
     """One `vrl train` on `n` processes; what its metrics say, or (a run short of its iterations) why it failed."""
     from vrl.generate.hf import render_prompt
@@ -88,18 +105,20 @@ def one_run(n: int, name: str, common: list[str], runs: Path, args, tok, n_param
     if memory:
         memory.start()
     t0 = time.perf_counter()
-    proc = subprocess.Popen([*launch, "train", "--name", name, *common], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True)
-    try:
-        err = proc.communicate(timeout=args.run_timeout)[1]
-    except subprocess.TimeoutExpired:  # a hung collective: torchrun ends its ranks (own sessions) on SIGTERM
-        proc.terminate()
+    # The whole stderr goes to a file beside --out (the JSON keeps its tail): a run that hangs or is killed
+    # still says what each rank printed.
+    log = Path(f"{args.out}.{name}.stderr.log")
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([*launch, "train", "--name", name, *common], stdout=subprocess.DEVNULL,
+                                stderr=sink, env=env, cwd=ROOT, start_new_session=True)
         try:
-            err = proc.communicate(timeout=60)[1]
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            err = proc.communicate()[1]
-        err += f"\n[grpo_fsdp] stopped after {args.run_timeout} s"
+            proc.wait(timeout=args.run_timeout)
+            stopped = ""
+        except subprocess.TimeoutExpired:  # a hung collective
+            stopped = f"\n[grpo_fsdp] stopped after {args.run_timeout} s"
+        finally:  # also when this script is interrupted or killed by SIGTERM: the run does not outlive it
+            end(proc)
+    err = log.read_text(errors="replace") + stopped
     wall = time.perf_counter() - t0
     if memory:
         memory.done.set()
@@ -209,4 +228,6 @@ def summarize(result: dict) -> None:
 
 
 if __name__ == "__main__":
+    # An outer `timeout` (SIGTERM) ends this script through its `finally`s: the run in flight ends too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()
