@@ -20,7 +20,8 @@ tokens (prompt + completion; prompts from samples.jsonl, tokenized as the genera
 tokens (`grpo/trained_tokens`). Reported per N: median update seconds, tokens/s, their ratio to N=1's
 (goal ≥ 1.8 at N=2), MFU = 6 · params · tokens / update_s / (N · 989.4e12) (benchmarks/grpo_step.py's
 convention; GPU only), and the peak memory in use per GPU as nvidia-smi saw it every 0.5 s (vrl's
-metrics carry no GPU memory; it includes vLLM's slept engine on GPU 0). A failed run (an OOM) keeps
+metrics carry no GPU memory; it includes vLLM's slept engine on GPU 0), with each GPU's memory and use
+every 10 s (`gpu_every_10s`: a hung run shows which rank let go of its GPU). A failed run (an OOM) keeps
 its stderr tail, and with `--verbose` (`vrl -v`) the failing rank's traceback too; every run's whole
 stderr is kept in `<out>.<name>.stderr.log`; `--set KEY=VALUE` goes to every run. The script ends its
 run in flight when it stops (an outer `timeout` included). Results: docs/benchmarks.md.
@@ -60,20 +61,28 @@ def model_facts(model: str) -> tuple[int, object]:
 
 
 class GPUMemory(threading.Thread):
-    """The most memory each GPU had in use while a run went (MiB), from nvidia-smi."""
+    """The most memory each GPU had in use while a run went (MiB), from nvidia-smi every 0.5 s, and every
+    10 s what each GPU held and how busy it was (a run that hangs shows where: which rank let go of its GPU)."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.peak: dict[str, int] = {}
+        self.timeline: list[dict] = []
         self.done = threading.Event()
 
     def run(self) -> None:
+        t0 = time.monotonic()
         while not self.done.wait(0.5):
-            out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True).stdout
+            out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used,utilization.gpu",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
+            now = {}
             for line in filter(None, out.splitlines()):
-                gpu, used = (x.strip() for x in line.split(","))
+                gpu, used, busy = (x.strip() for x in line.split(","))
                 self.peak[gpu] = max(self.peak.get(gpu, 0), int(used))
+                now[gpu] = [int(used), busy]
+            elapsed = time.monotonic() - t0
+            if now and (not self.timeline or elapsed - self.timeline[-1]["s"] >= 10):
+                self.timeline.append({"s": round(elapsed, 1), "mib_and_busy_pct": now})
 
 
 def end(proc: subprocess.Popen) -> None:
@@ -124,9 +133,10 @@ def one_run(n: int, name: str, common: list[str], runs: Path, args, tok, n_param
         memory.done.set()
         memory.join()
     peak = memory.peak if memory else None
+    timeline = memory.timeline if memory else None
     metrics = runs / name / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    out: dict = {"wall_s": wall, "peak_gpu_mib": peak}
+    out: dict = {"wall_s": wall, "peak_gpu_mib": peak, "gpu_every_10s": timeline}
     if proc.returncode:
         first = err.find("Traceback")  # the first traceback is the failing rank's (with --verbose), torchrun's comes last
         out.update(returncode=proc.returncode, stderr_tail=err[-3000:],
