@@ -3,6 +3,8 @@
 import asyncio
 import itertools
 import json
+import os
+import signal
 import threading
 import time
 from types import SimpleNamespace
@@ -162,6 +164,63 @@ def test_ctrl_c_mid_iteration_loses_only_that_iteration(tmp_path):
     assert run.completed_iterations() == 1 and len(run.metrics()) == 1
     for name in ("config.json", "summary.json", "state.json", "versions.json"):
         json.loads((run.path / name).read_text())  # every file is whole
+
+
+class SignalsWhileVerifying(LettersEnvironment):
+    """The toy environment whose verifier, once `armed`, sends this process SIGTERM half a second into a
+    batch and then takes ten minutes (cancelled when the run stops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = threading.Event()
+
+    def verifier(self):
+        armed = self.armed
+
+        class Stalls(LettersVerifier):
+            async def verify(self, attempts):
+                if armed.is_set():
+                    await asyncio.sleep(0.5)  # the trainer is waiting for this verdict by now
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    await asyncio.sleep(600)
+                return [self.check(a) for a in attempts]
+
+        return Stalls()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sigterm_while_verifying_stops_at_once(tmp_path, monkeypatch, world):
+    """SIGTERM while an iteration waits for its verifier interrupts it at once: on one process, and as rank 0
+    of a torchrun launch (world 2: only the stop logic is told so; rank 0 makes no collective call while it
+    samples or verifies, so it need not finish the iteration). Iteration 0 is kept, iteration 1 dropped."""
+    env = SignalsWhileVerifying()
+    trainer = Trainer(small_config(tmp_path, iterations=4), environment=env, on_iteration=lambda m: env.armed.set())
+    monkeypatch.setattr("vrl.distributed.world_size", lambda: world)
+    summary = trainer.run()
+    assert summary["status"] == "interrupted"
+    assert RunDir.open(tmp_path / "run").completed_iterations() == 1
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sigterm_during_the_update_waits_for_it_only_under_torchrun(tmp_path, monkeypatch, world):
+    """SIGTERM inside the update: one process drops the iteration at once (as Ctrl-C does); rank 0 of a
+    torchrun launch (world 2, as above) lets it end, since the other ranks are inside its collectives, and
+    stops before the next one, with that iteration kept."""
+    from vrl.optim.es import ES
+
+    tell = ES.tell
+
+    def tell_then_signal(self, results):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return tell(self, results)
+
+    monkeypatch.setattr(ES, "tell", tell_then_signal)
+    trainer = Trainer(small_config(tmp_path, iterations=4), environment=LettersEnvironment())
+    monkeypatch.setattr("vrl.distributed.world_size", lambda: world)
+    summary = trainer.run()
+    assert summary["status"] == "interrupted"
+    assert RunDir.open(tmp_path / "run").completed_iterations() == (1 if world == 2 else 0)
 
 
 def test_exception_marks_run_failed_and_propagates(tmp_path):

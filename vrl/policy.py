@@ -127,6 +127,9 @@ class PolicyHost(ABC):
     """Holds copies of the policy's weights and samples from variants of them."""
 
     name: str = "host"
+    collective: bool = False
+    """Its sampling takes part in collective calls with other processes (under torchrun, every rank's
+    share: `grpo_dist.RankHosts`): a stop signal must not interrupt it half-way (`Trainer._stop_signals`)."""
 
     # -- sampling (the trainer, through the runtime) ----------------------------------------------
     @abstractmethod

@@ -277,14 +277,16 @@ class Rollouts:
         start = time.perf_counter()
         if self._thread is None:
             self._start(iteration)
-        item = self._next()
-        if item.iteration != iteration:
-            raise RuntimeError(f"the rollout producer handed iteration {item.iteration} for iteration {iteration}")
-        t_wait = time.perf_counter()
-        for chunk, fut in item.pending:
-            for attempt, verdict in zip(chunk, fut.result()):
-                reward = float(self.shaper(attempt.task, attempt.completion, verdict))
-                stats.results.append(Result(task=attempt.task, completion=attempt.completion, verdict=verdict, reward=reward))
+        with self.trainer._collective_free():  # the producer makes no collective call either
+            item = self._next()
+            if item.iteration != iteration:
+                raise RuntimeError(f"the rollout producer handed iteration {item.iteration} for iteration {iteration}")
+            t_wait = time.perf_counter()
+            for chunk, fut in item.pending:
+                for attempt, verdict in zip(chunk, fut.result()):
+                    reward = float(self.shaper(attempt.task, attempt.completion, verdict))
+                    stats.results.append(Result(task=attempt.task, completion=attempt.completion, verdict=verdict,
+                                                reward=reward))
         position = {t.id: i for i, t in reversed(list(enumerate(item.tasks)))}
         stats.results.sort(key=lambda r: (r.completion.variant, position[r.task.id], r.completion.sample))
         ready = time.perf_counter()

@@ -77,6 +77,7 @@ class Trainer:
         self.on_iteration = on_iteration
         self._follower = distributed.is_follower()
         self._stop_requested: str | None = None  # the stop signal's name (`_stop_signals`)
+        self._interruptible = False  # inside `_collective_free()`: a stop signal interrupts at once
         if self._follower:  # a rank > 0 of a torchrun launch: rank 0 owns the run directory and the loop
             distributed.check(config)  # refused here with rank 0's line, before this rank joins the group
             self.run_dir = run_dir
@@ -209,10 +210,11 @@ class Trainer:
         """Inside the block, SIGTERM stops the run as Ctrl-C does: a job scheduler's stop, `kill`, torchrun
         stopping its launch. The finished iterations are kept (GRPO writes the checkpoint of the last) and
         the engines shut down; without it the process would end at once, losing the iterations since the
-        last checkpoint. On one process the iteration in flight is dropped at once. Under torchrun both
-        signals only ask rank 0 to stop after the iteration in flight: its collectives must end on every
-        rank before the checkpoint's and the release's begin (the other ranks ignore both and wait for
-        rank 0; torchrun's SIGKILL ends a launch that takes longer than its 30 s). A second signal during
+        last checkpoint. On one process the iteration in flight is dropped at once. Under torchrun (both
+        signals; the other ranks ignore them and wait for rank 0) so is an iteration that is sampling or
+        verifying (`_collective_free`); one that is training, checkpointing or publishing ends first, since
+        its collectives must end on every rank before the stop's checkpoint and release begin (torchrun's
+        SIGKILL ends a launch that takes longer than its 30 s). A second signal during
         the teardown is ignored (SIGKILL still ends it; vrl.reaper then ends the engines). Only in the main
         thread (where Python runs signal handlers), on signals nobody else handles."""
         own = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
@@ -227,7 +229,7 @@ class Trainer:
             for sig in handled:
                 signal.signal(sig, signal.SIG_IGN)
             self._stop_requested = signal.Signals(signum).name
-            if not deferred:
+            if not deferred or self._interruptible:
                 raise KeyboardInterrupt(self._stop_requested)
 
         for sig in handled:
@@ -237,6 +239,19 @@ class Trainer:
         finally:
             for sig in handled:
                 signal.signal(sig, own[sig])
+
+    @contextlib.contextmanager
+    def _collective_free(self) -> Iterator[None]:
+        """Inside the block rank 0 makes no collective call (sampling and verifying; with
+        grpo.sample_on_every_rank the gather of the others' shares runs even when it is interrupted):
+        a stop signal under torchrun interrupts it at once (`_stop_signals`)."""
+        if self._stop_requested:
+            raise KeyboardInterrupt(self._stop_requested)
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
 
     def _run(self) -> dict[str, Any]:
         cfg = self.config
@@ -377,25 +392,28 @@ class Trainer:
         sampled = 0
         # One call samples every variant (on one engine or many); batches stream in as they finish.
         stream = policy.sample(tasks, variants, seed=sample_seed)
-        try:
-            t0 = time.perf_counter()
-            for batch in stream:
-                stats.generation_s += time.perf_counter() - t0
-                attempts = [Attempt(task=by_id[c.task_id], completion=c) for c in batch]
-                pending += pool.submit(attempts)
-                sampled += len(batch)
-                progress.update(bar, stats=f"{self._last_stats} · sampled {sampled}/{expected} · "
-                                           f"verifier queue {pool.queue_depth}")
+        with contextlib.nullcontext() if policy.collective else self._collective_free():
+            try:
                 t0 = time.perf_counter()
-            stats.generation_s += time.perf_counter() - t0
-        finally:
-            stream.close()
+                for batch in stream:
+                    stats.generation_s += time.perf_counter() - t0
+                    attempts = [Attempt(task=by_id[c.task_id], completion=c) for c in batch]
+                    pending += pool.submit(attempts)
+                    sampled += len(batch)
+                    progress.update(bar, stats=f"{self._last_stats} · sampled {sampled}/{expected} · "
+                                               f"verifier queue {pool.queue_depth}")
+                    t0 = time.perf_counter()
+                stats.generation_s += time.perf_counter() - t0
+            finally:
+                stream.close()
         t_wait = time.perf_counter()
-        for chunk, fut in pending:
-            verdicts = fut.result()
-            for attempt, verdict in zip(chunk, verdicts):
-                reward = float(shaper(attempt.task, attempt.completion, verdict))
-                stats.results.append(Result(task=attempt.task, completion=attempt.completion, verdict=verdict, reward=reward))
+        with self._collective_free():
+            for chunk, fut in pending:
+                verdicts = fut.result()
+                for attempt, verdict in zip(chunk, verdicts):
+                    reward = float(shaper(attempt.task, attempt.completion, verdict))
+                    stats.results.append(Result(task=attempt.task, completion=attempt.completion, verdict=verdict,
+                                                reward=reward))
         # Engines finish in any order; the update and the logs see one order, whichever engine ran what.
         position = {t.id: i for i, t in reversed(list(enumerate(tasks)))}
         stats.results.sort(key=lambda r: (r.completion.variant, position[r.task.id], r.completion.sample))

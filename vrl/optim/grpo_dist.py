@@ -142,6 +142,7 @@ class RankHosts(PolicyHost):
     the trained weights into its own host (`GRPO._publish`)."""
 
     name = "ranks"
+    collective = True  # sends the calls and gathers the shares
 
     def __init__(self, host: PolicyHost, group: Group, granule: int = 1):
         self.host, self.group, self.granule = host, group, granule
