@@ -270,6 +270,22 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path):
     one_line_error(res, "already finished")
 
 
+def sigterm_after_an_iteration(proc: subprocess.Popen, run: Path) -> str:
+    """Once `run` has finished an iteration, SIGTERM to `proc` (a `vrl train`, or torchrun running one);
+    its stderr once it has ended (killed if it has not 120 s later)."""
+    metrics = run / "metrics.jsonl"
+    try:
+        _wait_for(lambda: proc.poll() is not None or (metrics.exists() and metrics.read_text().count("\n") >= 1),
+                  300, "the first iteration")
+        assert proc.poll() is None, "the run ended before it was stopped"
+        proc.send_signal(signal.SIGTERM)
+        return proc.communicate(timeout=120)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
     """SIGTERM (a job scheduler's stop, torchrun ending its launch, `kill`) ends `vrl train` as Ctrl-C does:
     exit 130, the summary says interrupted, the finished iterations are kept and the run resumes. Before,
@@ -280,15 +296,7 @@ def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
                               "--iterations", "1000", *SMALL], cwd=tmp_path, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     run = tmp_path / "runs" / "t"
-    try:
-        _wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 1,
-                  300, "the first iteration")
-        first.send_signal(signal.SIGTERM)
-        err = first.communicate(timeout=120)[1]
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
+    err = sigterm_after_an_iteration(first, run)
     assert first.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err, err
     summary = json.loads((run / "summary.json").read_text())

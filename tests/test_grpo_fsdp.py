@@ -11,11 +11,9 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
+from tests.test_cli_errors import sigterm_after_an_iteration
 from tests.test_grpo import capture_grads, make_generator, sample_results
 from vrl.envs.letters import LettersEnvironment
 from vrl.optim.grpo import GRPO, GRPOConfig
@@ -369,18 +368,7 @@ def test_sigterm_to_torchrun_stops_the_run_with_the_last_iteration_checkpointed(
     agent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              cwd=HERE.parent)
     run = runs / "fsdp"
-    metrics = run / "metrics.jsonl"
-    try:
-        deadline = time.monotonic() + 300
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-            assert agent.poll() is None and time.monotonic() < deadline, "no iteration finished"
-            time.sleep(0.2)
-        agent.send_signal(signal.SIGTERM)
-        err = agent.communicate(timeout=120)[1]
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.communicate()
+    err = sigterm_after_an_iteration(agent, run)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted", (summary, err[-3000:])
     done = summary["iterations_completed"]
