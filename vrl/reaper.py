@@ -166,10 +166,10 @@ if hasattr(os, "register_at_fork"):
 
 
 @contextlib.contextmanager
-def reaped_children(started: set[Identity] | None = None) -> Iterator[set[Identity]]:
+def reaped_children() -> Iterator[set[Identity]]:
     """Register the children this process starts inside the block (also when the block raises).
-    Yields a set that holds them after the block, for `release`; `started` is updated the same way."""
-    out: set[Identity] = set() if started is None else started
+    Yields a set that holds them after the block, for `release`."""
+    out: set[Identity] = set()
     if not os.path.isdir("/proc/self"):
         yield out
         return

@@ -34,7 +34,7 @@ from typing import Any
 
 from vrl.errors import UsageError
 from vrl.policy import PolicyHost, Trainable, Variant
-from vrl.types import Attempt, Completion, Result, Task, Verdict
+from vrl.types import Attempt, Completion, Task, Verdict
 
 _POLL_S = 0.1  # how often a waiting thread looks for a stop or a failure on the other side
 
@@ -282,13 +282,7 @@ class Rollouts:
             if item.iteration != iteration:
                 raise RuntimeError(f"the rollout producer handed iteration {item.iteration} for iteration {iteration}")
             t_wait = time.perf_counter()
-            for chunk, fut in item.pending:
-                for attempt, verdict in zip(chunk, fut.result()):
-                    reward = float(self.shaper(attempt.task, attempt.completion, verdict))
-                    stats.results.append(Result(task=attempt.task, completion=attempt.completion, verdict=verdict,
-                                                reward=reward))
-        position = {t.id: i for i, t in reversed(list(enumerate(item.tasks)))}
-        stats.results.sort(key=lambda r: (r.completion.variant, position[r.task.id], r.completion.sample))
+            stats.results = self.trainer._judged(item.pending, self.shaper, item.tasks)
         ready = time.perf_counter()
         stats.wait_s = ready - t_wait
         stats.generation_s = item.generation_s

@@ -408,15 +408,7 @@ class Trainer:
                 stream.close()
         t_wait = time.perf_counter()
         with self._collective_free():
-            for chunk, fut in pending:
-                verdicts = fut.result()
-                for attempt, verdict in zip(chunk, verdicts):
-                    reward = float(shaper(attempt.task, attempt.completion, verdict))
-                    stats.results.append(Result(task=attempt.task, completion=attempt.completion, verdict=verdict,
-                                                reward=reward))
-        # Engines finish in any order; the update and the logs see one order, whichever engine ran what.
-        position = {t.id: i for i, t in reversed(list(enumerate(tasks)))}
-        stats.results.sort(key=lambda r: (r.completion.variant, position[r.task.id], r.completion.sample))
+            stats.results = self._judged(pending, shaper, tasks)
         stats.wait_s = time.perf_counter() - t_wait
         stats.verification_s = pool.busy_s - busy_before
         self._check_alarms(iteration, stats.results)
@@ -428,6 +420,19 @@ class Trainer:
         stats.update_s = time.perf_counter() - t_update
         stats.loop_s = time.perf_counter() - start
         return stats
+
+    @staticmethod
+    def _judged(pending: list[tuple[list[Attempt], Future[list[Verdict]]]], shaper, tasks: list[Task]) -> list[Result]:
+        """The rewarded results of an iteration's verification chunks (waiting for each verdict), in one
+        order whichever engine ran what and whenever it finished: by variant, task position, sample."""
+        results = []
+        for chunk, fut in pending:
+            for attempt, verdict in zip(chunk, fut.result()):
+                reward = float(shaper(attempt.task, attempt.completion, verdict))
+                results.append(Result(task=attempt.task, completion=attempt.completion, verdict=verdict, reward=reward))
+        position = {t.id: i for i, t in reversed(list(enumerate(tasks)))}
+        results.sort(key=lambda r: (r.completion.variant, position[r.task.id], r.completion.sample))
+        return results
 
     def _finish_iteration(self, iteration: int, stats: IterationStats, optimizer: Optimizer) -> dict[str, Any]:
         results = stats.results
