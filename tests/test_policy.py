@@ -188,3 +188,38 @@ def test_a_pools_weight_moves_run_on_every_host_side_by_side():
     with pytest.raises(RuntimeError, match="engine lost"):
         HostPool(hosts).update("u2")
     assert hosts[1].updates == ["u2"]  # the healthy host finished its move
+
+
+def test_one_engine_placed_on_a_gpu_is_that_engine_so_a_streamed_push_stays_streamed(monkeypatch):
+    """`runtime.local.gpus=[2]` with one engine (under torchrun: rank 0's engine on a GPU of its own)
+    gives the engine itself, not a pool of one: a pool draws a `WeightStream` into one whole copy before
+    publishing, which is the memory the streamed push exists to avoid. Engines are recorded, not started
+    (no GPU here); two engines still form a pool."""
+    import vrl.runtime.local as local_mod
+    from vrl.policy import WeightStream
+
+    placed, published = [], []
+
+    class Engine(PolicyHost):
+        name = "recorded"
+
+        def sample(self, tasks, variants, seed=None):
+            yield from ()
+
+        def publish(self, model):
+            published.append(model)
+
+    class Backend:
+        @classmethod
+        def engines(cls, config, needs, gpus):
+            placed.append(list(gpus))
+            return [Engine() for _ in gpus]
+
+    monkeypatch.setattr(local_mod, "generator_class", lambda backend: Backend)
+    host = LocalRuntime().policy(build(BASE, {"runtime": {"local": {"gpus": [2]}}}))
+    assert placed == [["2"]] and isinstance(host, Engine)
+    stream = WeightStream(iter([[("w", torch.zeros(1))]]))
+    host.publish(stream)
+    assert published == [stream]  # handed over as the stream, bucket by bucket
+    pool = LocalRuntime().policy(build(BASE, {"runtime": {"local": {"engines": 2, "gpus": [0, 1]}}}))
+    assert placed[-1] == ["0", "1"] and isinstance(pool, HostPool)

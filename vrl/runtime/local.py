@@ -71,6 +71,8 @@ class LocalRuntime(Runtime):
         gpus: list[str | None] = [str(i) for i in local.gpus] if local.gpus else [None]
         placement = [gpus[i % len(gpus)] for i in range(local.engines)]
         hosts = generator_class(config.generator.backend).engines(config, needs, placement)
+        if len(hosts) == 1:  # one engine placed on a GPU is that engine: a pool would draw a streamed push whole
+            return hosts[0]
         return HostPool(hosts, granule=config.sampling.batch_size)
 
     def verification(self, verifier: Verifier, config: Any, attempts_per_iteration: int | None = None) -> VerificationPool:
