@@ -591,3 +591,20 @@ def test_low_rank_es_takes_its_slots_through_the_same_helpers():
     assert info["matrices"] == 2 and sorted(info["slots"]) == [0, 1, 2] and manager.pinned == {1, 2, 3}
     down = {n: s for n, s in hf.items() if ".down_proj.weight" in n}
     assert "does not serve" in llm.worker.vrl_lowrank_setup(down, 2, 1)["unserved"]
+
+
+@pytest.mark.parametrize("environ, on", [
+    ({}, False),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6, expandable_segments:true"}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,expandable_segments:False"}, False),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, False),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, True),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+])
+def test_expandable_segments_are_read_as_pytorch_reads_its_allocator_settings(environ, on):
+    """The setting the engine start warns about under torchrun (a 7B launch died with it at its first push
+    on 2 x H200 and trained without it): found in either variable, the option's last setting winning."""
+    from vrl.generate.vllm import expandable_segments
+
+    assert expandable_segments(environ) is on

@@ -343,6 +343,10 @@ class VLLMGenerator(Generator):
         device = "cuda" if g.device == "auto" else g.device
         adapter_rank = needs.adapter_rank if needs is not None and needs.moves == "trained" else 0
         transfer = _weight_transfer(v.weight_transfer, mode_for(needs), gpu, device, v.tensor_parallel_size, adapter_rank)
+        if mode_for(needs) == "trained" and distributed.world_size() > 1 and expandable_segments():
+            log.warning("PYTORCH_CUDA_ALLOC_CONF turns expandable_segments on: a torchrun launch with rank 0's vLLM engine "
+                        "crashed with that setting at its first push (CUDA illegal memory access, 7B shape on 2 x H200) "
+                        "and trained without it; unset it if the run fails so (docs/grpo.md, 'A 7B model on 2 GPUs')")
         if transfer in ("ipc", "nccl"):
             # vLLM's engine for it, loading in place: the workers register `DIRECT` when they import
             # the extension's module, before their model loads.
@@ -670,6 +674,21 @@ def _visible_gpu(gpu: str | None) -> Iterator[list[str] | None]:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+def expandable_segments(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether PyTorch's CUDA allocator is set to expandable segments by `PYTORCH_CUDA_ALLOC_CONF` or
+    `PYTORCH_ALLOC_CONF` (its newer name): either of them, the option's last setting in each."""
+    env = os.environ if environ is None else environ
+    found = False
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        on = False
+        for item in env.get(var, "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments":
+                on = value.strip().lower() == "true"
+        found = found or on
+    return found
 
 
 def _engine_order(gpu: str | None) -> list[str]:
