@@ -223,3 +223,33 @@ def test_one_engine_placed_on_a_gpu_is_that_engine_so_a_streamed_push_stays_stre
     assert published == [stream]  # handed over as the stream, bucket by bucket
     pool = LocalRuntime().policy(build(BASE, {"runtime": {"local": {"engines": 2, "gpus": [0, 1]}}}))
     assert placed[-1] == ["0", "1"] and isinstance(pool, HostPool)
+
+
+def test_pooled_engines_are_sized_for_the_members_each_one_is_dealt(monkeypatch):
+    """A pool of K engines asks each for ⌈N/K⌉ variants per call (vLLM reserves a LoRA slot per low-rank
+    member and runs its LoRA kernels over every slot), and `deal` never gives one engine more than that
+    in a call, for any population and pool size (the invariant the sizing rests on)."""
+    import vrl.runtime.local as local_mod
+    from vrl.policy import HostNeeds
+    from vrl.runtime.pool import deal
+
+    asked = []
+
+    class Backend:
+        @classmethod
+        def engines(cls, config, needs, gpus):
+            asked.append(needs.variants)
+            return [HFGenerator.from_config(config) for _ in gpus]
+
+    monkeypatch.setattr(local_mod, "generator_class", lambda backend: Backend)
+    cfg = build(BASE, {"runtime": {"local": {"engines": 2}}})
+    LocalRuntime().policy(cfg, HostNeeds("seeded", variants=30)).close()
+    LocalRuntime().policy(build(BASE, {"runtime": {"local": {"engines": 4}}}), HostNeeds("seeded", variants=30)).close()
+    LocalRuntime().policy(build(BASE), HostNeeds("seeded", variants=30)).close()  # one engine: not through a pool
+    assert asked == [15, 8]
+    tasks = LettersEnvironment().tasks()[:3]
+    for n in range(1, 41):
+        for k in range(1, 6):
+            work = deal(tasks, [Variant(index=i) for i in range(n)], 0, k)
+            assert max(len(vs) for calls in work for _, vs, _ in calls) <= -(-n // k), (n, k)
+            assert {v.index for calls in work for _, vs, _ in calls for v in vs} == set(range(n))  # (n < k: sharded)

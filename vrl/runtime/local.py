@@ -15,7 +15,7 @@ from vrl.errors import DeviceUnavailable
 from vrl.generate import generator_class, make_generator
 from vrl.policy import HostNeeds, PolicyHost
 from vrl.runtime.base import Runtime, VerificationPool
-from vrl.runtime.pool import HostPool
+from vrl.runtime.pool import HostPool, host_needs
 from vrl.verifier import Verifier
 
 
@@ -70,7 +70,7 @@ class LocalRuntime(Runtime):
             return make_generator(config, needs)
         gpus: list[str | None] = [str(i) for i in local.gpus] if local.gpus else [None]
         placement = [gpus[i % len(gpus)] for i in range(local.engines)]
-        hosts = generator_class(config.generator.backend).engines(config, needs, placement)
+        hosts = generator_class(config.generator.backend).engines(config, host_needs(needs, len(placement)), placement)
         if len(hosts) == 1:  # one engine placed on a GPU is that engine: a pool would draw a streamed push whole
             return hosts[0]
         return HostPool(hosts, granule=config.sampling.batch_size)

@@ -13,13 +13,14 @@ pool returns what a single host returns.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from vrl.generate.base import shard_seed
-from vrl.policy import PerturbationSpec, PolicyHost, Trainable, Variant, WeightsInfo, WeightStream
+from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Trainable, Variant, WeightsInfo, WeightStream
 from vrl.types import Completion, Task
 from vrl.weights.update import Update
 
@@ -47,6 +48,14 @@ def deal(tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None, k
             work[h % k].append((tasks[start : start + size], [v], shard_seed(seed, start, v.samples_per_task)))
             h += 1
     return work
+
+
+def host_needs(needs: HostNeeds | None, k: int) -> HostNeeds | None:
+    """What each of `k` pooled hosts is asked: `deal` gives a host at most ⌈variants / k⌉ variants per
+    call, so an engine sized per variant (a vLLM LoRA slot per low-rank ES member) needs no more."""
+    if needs is None or k <= 1:
+        return needs
+    return dataclasses.replace(needs, variants=-(-needs.variants // k))
 
 
 class HostPool(PolicyHost):
