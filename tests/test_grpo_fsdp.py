@@ -8,9 +8,11 @@ same code path with another backend).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from safetensors.torch import load_file
 
 from tests.test_cli_errors import sigterm_after_an_iteration
 from tests.test_grpo import capture_grads, make_generator, sample_results
+from vrl import reaper
 from vrl.envs.letters import LettersEnvironment
 from vrl.optim.grpo import GRPO, GRPOConfig
 from vrl.optim.grpo_dist import share_rows
@@ -228,23 +231,26 @@ def test_a_rank_that_fails_to_sample_is_reported_by_rank_0_in_one_line_and_the_r
 
 
 @pytest.mark.slow
-def test_vrl_train_sampling_on_every_rank_writes_what_rank_0_alone_writes(tmp_path):
-    """`torchrun … vrl train --set grpo.sample_on_every_rank=true` against the default launch: the same
-    samples (text and tokens) and the same rewards in every iteration, so each rank sampled its share
-    with the seeds one engine uses and with the weights trained so far."""
+def test_vrl_train_sampling_on_every_rank_or_on_two_engines_writes_what_one_engine_writes(tmp_path):
+    """`torchrun … vrl train` with `grpo.sample_on_every_rank=true`, and with two engines on rank 0
+    (`runtime.local.engines=2`, each taking the streamed push bucket by bucket), against the default
+    launch: the same samples (text and tokens) and the same rewards in every iteration, so every engine
+    sampled its share with the seeds one engine uses and with the weights trained so far."""
     rows = {}
-    for every in (False, True):
-        runs = tmp_path / str(every)
+    for name, extra in {"one": [], "every": ["grpo.sample_on_every_rank=true"],
+                        "pool": ["runtime.local.engines=2"]}.items():
+        runs = tmp_path / name
         # sampling.batch_size=1: the 3 tasks are dealt 2 + 1 (shards start at multiples of the batch size)
-        torchrun(*VRL, *_letters_job(runs), "--set", "iterations=3", "--set", "grpo.learning_rate=0.3",
-                 "--set", "sampling.batch_size=1", "--set", f"grpo.sample_on_every_rank={str(every).lower()}")
+        sets = [a for x in ["iterations=3", "grpo.learning_rate=0.3", "sampling.batch_size=1", *extra] for a in ("--set", x)]
+        torchrun(*VRL, *_letters_job(runs), *sets)
         run = runs / "fsdp"
         samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
         metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        rows[every] = ([(r["iteration"], r["task_id"], r.get("sample"), r["completion"]) for r in samples],
-                       [m["reward_mean"] for m in metrics])
-    assert len(rows[True][1]) == 3
-    assert rows[True] == rows[False]
+        rows[name] = ([(r["iteration"], r["task_id"], r.get("sample"), r["completion"]) for r in samples],
+                      [m["reward_mean"] for m in metrics])
+    assert len(rows["one"][1]) == 3
+    assert rows["every"] == rows["one"]
+    assert rows["pool"] == rows["one"]
 
 
 @pytest.mark.slow
@@ -379,6 +385,38 @@ def test_sigterm_to_torchrun_stops_the_run_with_the_last_iteration_checkpointed(
                       console=Console(file=io.StringIO()))
     assert trainer.start_iteration == done  # from that checkpoint, not from scratch
     assert trainer.run()["status"] == "finished"
+
+
+FAILED_PUSH_TIMEOUT_S = 300  # the run itself takes about 20 s
+
+
+@pytest.mark.slow
+def test_a_push_that_fails_on_rank_0_ends_the_launch_with_its_error_not_a_hang(tmp_path):
+    """Rank 0's host fails in the middle of taking the trained weights (an engine that loses its GPU):
+    the launch ends within seconds with that error, and the iteration before it is kept. Before, rank 0
+    left the step's remaining collectives to go and release the other ranks, while rank 1 waited in the
+    step's next all-reduce: both hung until the collective timeout (30 minutes by default)."""
+    runs = tmp_path / "runs"
+    job = [*_letters_job(runs)]
+    job[job.index("--iterations") + 1] = "4"
+    cmds, env = launch(str(HERE / "failing_push_cli.py"), *job)
+    agent = subprocess.Popen(cmds[0], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=HERE.parent)
+    try:
+        out, err = agent.communicate(timeout=FAILED_PUSH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        ranks = reaper.tree(reaper.children(agent.pid))  # torchrun starts each rank in a session of its own
+        agent.kill()
+        for pid, _ in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        agent.communicate()
+        pytest.fail(f"the launch still ran {FAILED_PUSH_TIMEOUT_S} s after rank 0's push failed")
+    assert agent.returncode != 0
+    assert "the engine lost its GPU in the middle of the push" in out + err
+    run = runs / "fsdp"
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1  # the first iteration, whose push went through
 
 
 @pytest.mark.gpu

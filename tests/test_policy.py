@@ -253,3 +253,69 @@ def test_pooled_engines_are_sized_for_the_members_each_one_is_dealt(monkeypatch)
             work = deal(tasks, [Variant(index=i) for i in range(n)], 0, k)
             assert max(len(vs) for calls in work for _, vs, _ in calls) <= -(-n // k), (n, k)
             assert {v.index for calls in work for _, vs, _ in calls for v in vs} == set(range(n))  # (n < k: sharded)
+
+
+def _poisoning_stream(weights, size, drawn):
+    """A `WeightStream` that keeps its contract to the letter: each bucket (`size` weights, copied into
+    reused buffers) is valid only until the next is drawn, after which its tensors are overwritten with
+    NaN, as a gather into reused memory would leave them. `drawn` counts the draws."""
+    from vrl.policy import WeightStream
+
+    items = list(weights.items())
+
+    def gen():
+        previous = []
+        for start in range(0, len(items), size):
+            for t in previous:
+                t.fill_(float("nan"))
+            bucket = [(n, t.detach().clone()) for n, t in items[start : start + size]]
+            drawn.append(start)
+            previous = [t for _, t in bucket]
+            yield bucket
+        for t in previous:
+            t.fill_(float("nan"))
+
+    return WeightStream(gen())
+
+
+def test_a_streamed_push_reaches_every_engine_of_the_pool_bucket_by_bucket():
+    """Several engines on rank 0 take FSDP2's streamed push a bucket at a time, side by side, with no
+    whole copy: every engine ends with the trained weights although each bucket is poisoned as soon as
+    the next is drawn (a pool that collected the stream whole, or drew ahead of an engine, ends with NaN)."""
+    cfg = build(BASE)
+    pool = HostPool(_hosts(cfg, 3), granule=2)
+    trained = {n: p.detach() + 0.25 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+               for n, p in pool.hosts[0].model.named_parameters()}
+    drawn = []
+    pool.publish(_poisoning_stream(trained, 3, drawn))
+    assert len(drawn) == -(-len(trained) // 3) > 2
+    for host in pool.hosts:
+        got = dict(host.model.named_parameters())
+        assert all(torch.equal(got[n], t) for n, t in trained.items())
+
+
+def test_an_engine_failing_in_a_streamed_push_leaves_the_others_whole_and_the_stream_drawn():
+    """One engine fails in the middle of a streamed push: the others still get every bucket, the stream is
+    drawn to its end (under torchrun every rank gathers each bucket together, so an undrawn stream would
+    leave the other ranks waiting), and the engine's error is what the pool raises."""
+    cfg = build(BASE)
+    pool = HostPool(_hosts(cfg, 2), granule=2)
+    trained = {n: p.detach() + 0.5 for n, p in pool.hosts[0].model.named_parameters()}
+    broken = pool.hosts[1]
+    real = broken.publish
+
+    def fails_at_the_second_bucket(stream):
+        def two():
+            for i, bucket in enumerate(stream):
+                if i == 1:
+                    raise RuntimeError("engine 1 lost its GPU")
+                yield bucket
+        real(type(stream)(two()))
+
+    broken.publish = fails_at_the_second_bucket
+    drawn = []
+    with pytest.raises(RuntimeError, match="engine 1 lost its GPU"):
+        pool.publish(_poisoning_stream(trained, 2, drawn))
+    assert len(drawn) == -(-len(trained) // 2) > 3
+    got = dict(pool.hosts[0].model.named_parameters())
+    assert all(torch.equal(got[n], t) for n, t in trained.items())

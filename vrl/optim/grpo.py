@@ -359,7 +359,15 @@ class GRPO(Optimizer):
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value
         self._iteration += 1
-        self._publish()
+        publish_error = None
+        try:
+            self._publish()
+        except Exception as exc:
+            if self.group is None:
+                raise
+            # The host failed to take the push (its stream was drawn to the end, so the gathers stayed in
+            # step): the other ranks still run this step's metric collectives below, so raise after them.
+            publish_error = exc
 
         rewards = torch.tensor([r.reward for r in results])
         tokens = max(totals["tokens"], 1.0)
@@ -405,6 +413,8 @@ class GRPO(Optimizer):
             metrics["grpo/sampling/importance_sampling_ratio/max"] = float(weights.max())
         if self.group is not None:
             metrics.update(self._sampling_metrics_over_ranks(batches))
+        if publish_error is not None:
+            raise publish_error
         return metrics
 
     # several ranks (torchrun, FSDP2; vrl.optim.grpo_dist) --------------------------------------------

@@ -5,7 +5,9 @@ running its members in turn on its own copy of the weights) or, when there are f
 hosts (GRPO's one variant), shards the tasks; every host runs in its own thread and completion
 batches stream back as each host finishes them. Weight changes go to every host, so the copies stay
 identical: the same seeded updates, or the same trained weights published to each; the hosts apply
-them side by side (one thread each), so a pool's update costs about one host's, not the sum.
+them side by side (one thread each), so a pool's update costs about one host's, not the sum. A
+streamed push (`WeightStream`, FSDP2's gathered buckets) reaches every host a bucket at a time, in
+lockstep, without a whole copy.
 
 Sampling seeds depend on the task's position in the iteration, not on the host (`shard_seed`), so a
 pool returns what a single host returns.
@@ -162,9 +164,71 @@ class HostPool(PolicyHost):
         return self.hosts[0].trainable()
 
     def publish(self, model: Any) -> None:
-        if isinstance(model, WeightStream):  # drawn once: every host gets the same whole copy
-            model = model.collect()
-        self._each(lambda h: h.publish(model))
+        if isinstance(model, WeightStream) and len(self.hosts) > 1:
+            self._fan_out(model)
+        else:
+            self._each(lambda h: h.publish(model))
+
+    def _fan_out(self, stream: WeightStream) -> None:
+        """Publish one `WeightStream` to every host, bucket by bucket in lockstep: each host publishes
+        from a stream of its own (in its thread), and the next bucket is drawn here, in the caller's thread
+        (under torchrun the draws are collectives), only once every host is done with this one, as the
+        stream's contract asks. No whole copy is made. A host that stops early (skips the push or fails)
+        is left out of the rest; the stream is drawn to its end whatever the hosts do, and the first
+        error is raised once every host has finished."""
+        k = len(self.hosts)
+        cond = threading.Condition()
+        state: dict[str, Any] = {"index": -1, "bucket": None, "over": False, "failed": None}
+        wants = [0] * k  # the bucket each host asks for next (it is done with every earlier one)
+        ended = [False] * k
+        errors: list[BaseException] = []
+
+        def buckets(i: int) -> Iterator[list[tuple[str, Any]]]:
+            b = 0
+            while True:
+                with cond:
+                    wants[i] = b
+                    cond.notify_all()
+                    cond.wait_for(lambda b=b: state["index"] >= b or state["over"])
+                    if state["failed"] is not None:
+                        raise RuntimeError(f"the weight stream failed while host {i} loaded it: {state['failed']}")
+                    if state["index"] < b:
+                        return
+                    bucket = state["bucket"]
+                yield bucket
+                b += 1
+
+        def run(i: int, host: PolicyHost) -> None:
+            try:
+                host.publish(WeightStream(buckets(i)))
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after every host finished
+                errors.append(exc)
+            finally:
+                with cond:
+                    ended[i] = True
+                    cond.notify_all()
+
+        threads = [threading.Thread(target=run, args=(i, h), name=f"vrl-host-{i}") for i, h in enumerate(self.hosts)]
+        for t in threads:
+            t.start()
+        try:
+            for b, bucket in enumerate(stream):
+                with cond:
+                    state["index"], state["bucket"] = b, bucket
+                    cond.notify_all()
+                    cond.wait_for(lambda b=b: all(ended[i] or wants[i] > b for i in range(k)))
+                    state["bucket"] = None
+        except BaseException as exc:
+            state["failed"] = exc
+            raise
+        finally:
+            with cond:
+                state["over"] = True
+                cond.notify_all()
+            for t in threads:
+                t.join()
+        if errors:
+            raise errors[0]
 
     def decouple(self) -> None:
         for h in self.hosts:
