@@ -319,3 +319,23 @@ def test_an_engine_failing_in_a_streamed_push_leaves_the_others_whole_and_the_st
     assert len(drawn) == -(-len(trained) // 2) > 3
     got = dict(pool.hosts[0].model.named_parameters())
     assert all(torch.equal(got[n], t) for n, t in trained.items())
+
+
+def test_a_stream_that_fails_ends_every_engines_push_and_its_own_error_is_raised():
+    """The stream itself fails mid-push (a gather that errs): every engine's push ends (none waits for a
+    bucket that will not come) and the pool raises the stream's error, not an engine's echo of it."""
+    import threading
+
+    from vrl.policy import WeightStream
+
+    cfg = build(BASE)
+    pool = HostPool(_hosts(cfg, 2), granule=2)
+    items = list(pool.hosts[0].model.named_parameters())
+
+    def gen():
+        yield [(n, p.detach().clone()) for n, p in items[:2]]
+        raise OSError("the gather lost rank 1")
+
+    with pytest.raises(OSError, match="the gather lost rank 1"):
+        pool.publish(WeightStream(gen()))
+    assert not [t for t in threading.enumerate() if t.name.startswith("vrl-host-")]

@@ -342,8 +342,9 @@ class VLLMGenerator(Generator):
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         device = "cuda" if g.device == "auto" else g.device
         adapter_rank = needs.adapter_rank if needs is not None and needs.moves == "trained" else 0
-        transfer = _weight_transfer(v.weight_transfer, mode_for(needs), gpu, device, v.tensor_parallel_size, adapter_rank)
-        if mode_for(needs) == "trained" and distributed.world_size() > 1 and expandable_segments():
+        mode = mode_for(needs)
+        transfer = _weight_transfer(v.weight_transfer, mode, gpu, device, v.tensor_parallel_size, adapter_rank)
+        if mode == "trained" and distributed.world_size() > 1 and expandable_segments():
             log.warning("PYTORCH_CUDA_ALLOC_CONF turns expandable_segments on: a torchrun launch with rank 0's vLLM engine "
                         "crashed with that setting at its first push (CUDA illegal memory access, 7B shape on 2 x H200) "
                         "and trained without it; unset it if the run fails so (docs/grpo.md, 'A 7B model on 2 GPUs')")
@@ -366,7 +367,7 @@ class VLLMGenerator(Generator):
             llm = vllm.LLM(**kwargs)
         log.info("vLLM engine ready in %.1f s%s (weights move by %s)", time.perf_counter() - t0,
                  f" on GPU {gpu}" if gpu is not None else "", transfer)
-        gen = cls(llm, _load_tokenizer(path, kwargs["revision"]), config.sampling, mode=mode_for(needs), model_path=path,
+        gen = cls(llm, _load_tokenizer(path, kwargs["revision"]), config.sampling, mode=mode, model_path=path,
                   revision=kwargs["revision"], train_device=device, dtype=kwargs["dtype"],
                   sampling_logprobs=v.sampling_logprobs, sync_every=v.sync_every, sleep=v.sleep,
                   tensor_parallel_size=v.tensor_parallel_size, cleanup=cleanup, device_order=order,

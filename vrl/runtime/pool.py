@@ -15,6 +15,7 @@ pool returns what a single host returns.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -127,23 +128,33 @@ class HostPool(PolicyHost):
         host finishes before the first error, if any, is raised."""
         if len(self.hosts) == 1:
             return [fn(self.hosts[0])]
+        return self._side_by_side(lambda i, host: fn(host))()
+
+    def _side_by_side(self, fn: Any) -> Any:
+        """Start `fn(i, host)` for every host, one thread each, and return the wait: it joins them all, then
+        raises the first error, if any, or returns the results in host order. The caller's thread is free
+        meanwhile (`_fan_out` draws the stream there)."""
         results: list[Any] = [None] * len(self.hosts)
         errors: list[BaseException] = []
 
         def run(i: int, host: PolicyHost) -> None:
             try:
-                results[i] = fn(host)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, after every host finished
+                results[i] = fn(i, host)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the wait, after every host finished
                 errors.append(exc)
 
         threads = [threading.Thread(target=run, args=(i, h), name=f"vrl-host-{i}") for i, h in enumerate(self.hosts)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return results
+
+        def wait() -> list[Any]:
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+            return results
+
+        return wait
 
     def perturbations(self, spec: PerturbationSpec) -> WeightsInfo:
         infos = self._each(lambda h: h.perturbations(spec))
@@ -181,7 +192,6 @@ class HostPool(PolicyHost):
         state: dict[str, Any] = {"index": -1, "bucket": None, "over": False, "failed": None}
         wants = [0] * k  # the bucket each host asks for next (it is done with every earlier one)
         ended = [False] * k
-        errors: list[BaseException] = []
 
         def buckets(i: int) -> Iterator[list[tuple[str, Any]]]:
             b = 0
@@ -198,19 +208,15 @@ class HostPool(PolicyHost):
                 yield bucket
                 b += 1
 
-        def run(i: int, host: PolicyHost) -> None:
+        def publish(i: int, host: PolicyHost) -> None:
             try:
                 host.publish(WeightStream(buckets(i)))
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, after every host finished
-                errors.append(exc)
             finally:
                 with cond:
                     ended[i] = True
                     cond.notify_all()
 
-        threads = [threading.Thread(target=run, args=(i, h), name=f"vrl-host-{i}") for i, h in enumerate(self.hosts)]
-        for t in threads:
-            t.start()
+        wait = self._side_by_side(publish)
         try:
             for b, bucket in enumerate(stream):
                 with cond:
@@ -225,10 +231,11 @@ class HostPool(PolicyHost):
             with cond:
                 state["over"] = True
                 cond.notify_all()
-            for t in threads:
-                t.join()
-        if errors:
-            raise errors[0]
+            if state["failed"] is None:
+                wait()
+            else:  # the hosts fail because the stream did: the stream's error is the one raised
+                with contextlib.suppress(BaseException):
+                    wait()
 
     def decouple(self) -> None:
         for h in self.hosts:
