@@ -7,6 +7,7 @@ import time
 
 from rich.console import Console
 
+from vrl import console as show
 from vrl.config import build
 from vrl.envs.letters import LettersEnvironment
 from vrl.trainer import Trainer
@@ -14,7 +15,7 @@ from vrl.trainer import Trainer
 BAR_LINE = re.compile(r"training .*? (\d+)/(\d+) elapsed (\d+:\d\d:\d\d) eta (\d+:\d\d:\d\d|-:--:--)")
 
 
-def test_80_columns_show_banner_bar_counts_elapsed_and_eta(tmp_path):
+def test_80_columns_show_banner_bar_counts_elapsed_and_eta(tmp_path, monkeypatch):
     console = Console(width=80, record=True, file=io.StringIO(), force_terminal=True)
     layer = {"iterations": 3, "tasks_per_iteration": 4, "sampling": {"max_new_tokens": 8},
              "es": {"population_size": 2}, "logging": {"runs_dir": str(tmp_path), "name": "bar"}}
@@ -28,8 +29,8 @@ def test_80_columns_show_banner_bar_counts_elapsed_and_eta(tmp_path):
 
     trainer = Trainer(build(layer), environment=LettersEnvironment(), console=console, on_iteration=snapshot)
     progress = []
-    make = trainer._progress
-    trainer._progress = lambda: progress.append(make()) or progress[-1]
+    make = show.progress
+    monkeypatch.setattr(show, "progress", lambda *a, **k: progress.append(make(*a, **k)) or progress[-1])
     trainer.run()
     banner = console.export_text().splitlines()[0]
     for part in (str(tmp_path / "bar"), "plugin letters", "model tiny", "optimizer es", "3 iterations"):
@@ -48,9 +49,7 @@ def test_80_columns_show_banner_bar_counts_elapsed_and_eta(tmp_path):
 def test_long_stats_never_push_the_counts_off_a_narrow_line(tmp_path):
     for width in (60, 80, 120):
         console = Console(width=width, record=True, file=io.StringIO(), force_terminal=True)
-        trainer = Trainer.__new__(Trainer)
-        trainer.console, trainer.start_iteration = console, 4  # a resumed run: ETA from this session only
-        progress = trainer._progress()
+        progress = show.progress(console, first=4)  # a resumed run: ETA from this session only
         bar = progress.add_task("training", total=20, completed=4, stats="reward 0.123 · pass 12.5% · 1234 tok/s · " * 4)
         time.sleep(0.05)
         progress.update(bar, advance=2)

@@ -21,15 +21,12 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
-from rich.text import Text
 
+from vrl import console as show
 from vrl import distributed, rollouts
 from vrl.environment import Environment
 from vrl.errors import IntegrityAlarm, PluginError, RunDirError, UsageError, describe
@@ -266,7 +263,7 @@ class Trainer:
             "started_at": time.time(),
         }
         self.run_dir.write_summary(summary)
-        self._print_start()
+        show.start(self.console, self.run_dir.path, self.env.name, cfg.model, cfg.optimizer, cfg.iterations)
         policy = optimizer = pool = pipeline = None
         sinks = self.sinks
         try:
@@ -292,7 +289,7 @@ class Trainer:
                 self._log(f"resuming {self.run_dir.path} after iteration {self.start_iteration}")
             attempts = cfg.tasks_per_iteration * optimizer.samples_per_task()
             pool = self.runtime.verification(self.env.verifier() if verifies_in_process(cfg) else None, cfg, attempts)
-            with self._progress() as progress:
+            with show.progress(self.console, self.start_iteration) as progress:
                 bar = progress.add_task("training", total=cfg.iterations, completed=self.start_iteration, stats="")
                 if isinstance(policy, rollouts.VersionedHost):
                     pipeline = rollouts.Rollouts(self, policy, optimizer, pool, shaper, pool_tasks, progress, bar,
@@ -307,9 +304,9 @@ class Trainer:
                     metrics = self._finish_iteration(iteration, stats, optimizer)
                     self._iterations_done += 1
                     sinks.log(metrics, step=iteration)
-                    self._last_stats = _short(metrics)
+                    self._last_stats = show.short(metrics)
                     progress.update(bar, advance=1, stats=self._last_stats)
-                    self._log(_line(metrics))
+                    self._log(show.line(metrics))
             summary["status"] = "finished"
         except KeyboardInterrupt:
             summary["status"] = "interrupted"
@@ -335,7 +332,7 @@ class Trainer:
             summary.update(_totals(self.run_dir.metrics()), finished_at=time.time(),
                            iterations_completed=self.run_dir.completed_iterations())
             self._close_run_dir(summary)
-        self._print_summary(summary)
+        show.summary(self.console, summary, self.run_dir.path)
         return summary
 
     def _close_run_dir(self, summary: dict[str, Any]) -> None:
@@ -475,43 +472,8 @@ class Trainer:
             self.on_iteration(metrics)
         return metrics
 
-    # -- presentation ------------------------------------------------------------------------------
     def _log(self, text: str) -> None:
-        """A timestamped line: wrapped to a terminal's width, but one line in a file or pipe (logs are grepped)."""
-        if self.console.is_terminal:
-            self.console.log(text)
-        else:
-            self.console.print(f"[{datetime.now():%H:%M:%S}] {text}", soft_wrap=True, highlight=False)
-
-    def _print_start(self) -> None:
-        cfg = self.config
-        self.console.print(f"[bold]vrl train[/] run [cyan]{self.run_dir.path}[/] · plugin {self.env.name} · "
-                           f"model {cfg.model} · optimizer {cfg.optimizer} · {cfg.iterations} iterations", soft_wrap=True)
-
-    def _progress(self) -> Progress:
-        """Bar, i/N, elapsed and ETA on one line; the stats on a line of their own, cut to the width."""
-        return _TwoLineProgress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(bar_width=None),  # shares what the fixed columns leave; rich drops nothing at 80 columns
-            MofNCompleteColumn(),
-            TextColumn("elapsed"),
-            TimeElapsedColumn(),
-            _EtaColumn(self.start_iteration),
-            console=self.console,
-            transient=False,
-        )
-
-    def _print_summary(self, summary: dict[str, Any]) -> None:
-        table = Table(title=f"run {summary['name']} — {summary['status']}")
-        table.add_column("metric")
-        table.add_column("value", justify="right")
-        for key in ("iterations_completed", "reward_first", "reward_last", "reward_best", "pass_rate_last",
-                    "tokens_total", "generation_s_total", "verification_s_total", "loop_s_total"):
-            if key in summary:
-                value = summary[key]
-                table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
-        table.add_row("run directory", str(self.run_dir.path))
-        self.console.print(table)
+        show.log(self.console, text)
 
 
 def check_runs_dir(runs_dir: Path) -> None:
@@ -549,33 +511,6 @@ def error_kind(detail: str) -> str:
     kind = detail.split(":", 1)[0]
     place = re.search(r" \(([^()]*:\d+ in [^()]*)\)$", detail)
     return f"{kind} at {place.group(1)}" if place else kind
-
-
-class _TwoLineProgress(Progress):
-    """A progress display whose `stats` field goes on a second line, so long stats never push the bar,
-    the counts or the times off a narrow terminal (rich shrinks a one-line table's columns to fit)."""
-
-    def get_renderables(self):
-        yield self.make_tasks_table(self.tasks)
-        for task in self.tasks:
-            yield Text("  " + str(task.fields.get("stats", "")), no_wrap=True, overflow="ellipsis", style="dim")
-
-
-class _EtaColumn(ProgressColumn):
-    """Time left, from the mean time of the iterations run in this session (not those before a resume)."""
-
-    def __init__(self, first: int):
-        super().__init__()
-        self.first = first
-
-    def render(self, task) -> Text:
-        done = task.completed - self.first
-        if task.finished or task.total is None:
-            return Text("eta 0:00:00" if task.finished else "eta -:--:--", style="cyan")
-        if done <= 0 or not task.elapsed:
-            return Text("eta -:--:--", style="cyan")
-        left = int(task.elapsed / done * (task.total - task.completed))
-        return Text(f"eta {left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}", style="cyan")
 
 
 def _guard_shaper(shaper: Callable[[Task, Any, Verdict], float], env_name: str) -> Callable[[Task, Any, Verdict], float]:
@@ -655,16 +590,3 @@ def _totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "verification_s_total": sum(r["verification_s"] for r in rows),
         "loop_s_total": sum(r["loop_s"] for r in rows),
     }
-
-
-def _short(m: dict[str, Any]) -> str:
-    return f"reward {m['reward_mean']:.3f} · pass {m['pass_rate']:.1%} · {m['tokens_per_s']:.0f} tok/s"
-
-
-def _line(m: dict[str, Any]) -> str:
-    return (
-        f"iter {m['iteration'] + 1}: reward {m['reward_mean']:.3f} (max {m['reward_max']:.3f}), "
-        f"pass {m['pass_rate']:.1%}, {m['completions']} attempts, {m['tokens']} tokens, "
-        f"gen {m['generation_s']:.1f}s, verify {m['verification_s']:.1f}s (waited {m['verify_wait_s']:.1f}s), "
-        f"update {m['update_s']:.1f}s, loop {m['loop_s']:.1f}s"
-    )
