@@ -41,6 +41,8 @@ from vrl.types import Attempt, Result, Status, Task, Verdict
 from vrl.verifier import VERIFIER_ERROR, VerifierUnavailable, close_unused, ensure_ready, is_verifier_error
 
 if TYPE_CHECKING:
+    from rich.progress import Progress
+
     from vrl.config import TrainConfig
 
 log = logging.getLogger(__name__)
