@@ -300,7 +300,7 @@ COLLIDING = "'{\"set\": [' + ', '.join(str(k * (2**61 - 1)) for k in range(1, 35
     ("def f():\n    return 10 ** 400\n", "returned 1000"),  # math.isclose(huge int, float): OverflowError
     (forge("""'{"complex": [' + '9' * 400 + ', 0]}'"""), "complex parts must be floats"),
     (forge(COLLIDING), "share one hash value"),
-    (forge("""'{"list": [' * 150 + '1' + ']}' * 150"""), "nested deeper than"),
+    (forge("""'{"list": [' * 320 + '1' + ']}' * 320"""), "nested deeper than"),
     (forge("'1' + '0' * 5000"), "more than 4300 digits"),
     (forge("""'{"set": [{"list": [1]}]}'"""), "unhashable"),
 ], ids=["isclose-overflow", "complex-overflow", "hash-collisions", "deep-nesting", "huge-int", "unhashable"])

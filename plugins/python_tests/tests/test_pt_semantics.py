@@ -226,3 +226,92 @@ def test_the_verifier_agrees_with_python(judge):
         if report.verdict.passed != python_says(source, value):
             disagree.append(f"{source} <- {value!r}: {report.verdict.detail}")
     assert not disagree, "\n".join(disagree)
+
+
+# -- stdlib values that compare as plain data: the answer Python's assert accepts is accepted ------
+
+STDLIB = """
+import collections, enum, typing
+Point = collections.namedtuple("Point", "x y")
+class Pair(typing.NamedTuple):
+    a: int
+    b: int
+class Color(enum.IntEnum):
+    RED = 1
+    BLUE = 2
+class Perm(enum.IntFlag):
+    R = 4
+    W = 2
+"""
+
+# (what f returns, the assert): every row runs through bubblewrap, the fork server and the host.
+STDLIB_ROWS = [
+    ("collections.Counter('abca')", "assert f() == {'a': 2, 'b': 1, 'c': 1}"),
+    ("collections.Counter('abca')", "assert f() == {'a': 2, 'b': 1}"),
+    ("collections.Counter({'a': 1, 'b': 0})", "assert f() == {'a': 1}"),  # a zero count is a key of the dict
+    ("collections.OrderedDict([(2, 'b'), (1, 'a')])", "assert f() == {1: 'a', 2: 'b'}"),
+    ("collections.defaultdict(list, {1: [collections.Counter('x')]})", "assert f() == {1: [{'x': 1}]}"),
+    ("collections.defaultdict(int)", "assert f() == {}"),
+    ("collections.defaultdict(int)", "assert not f()"),
+    ("Point(1, 2)", "assert f() == (1, 2)"),
+    ("Point(1, 2)", "assert f() == [1, 2]"),  # a tuple is not a list, in Python as here
+    ("[Pair(3, 4), Point(1, 2)]", "assert sorted(f()) == [(1, 2), (3, 4)]"),
+    ("Color.BLUE", "assert f() == 2"),
+    ("Color.BLUE", "assert f() == 2.0"),
+    ("Color.RED", "assert f() is True"),  # an identity check stays one
+    ("{Color.RED: 'r'}", "assert f() == {1: 'r'}"),
+    ("Perm.R | Perm.W", "assert f() == 6"),
+    ("Perm(0)", "assert not f()"),
+    ("Perm.R", "assert abs(f() - 4) < 1"),
+    ("collections.Counter('ab')", "assert set(f()) == {'a', 'b'}"),
+]
+
+
+def stdlib_python_says(value: str, source: str) -> bool:
+    namespace: dict = {"math": math}
+    exec(compile(STDLIB + f"def f():\n    return {value}\n", "<row>", "exec"), namespace)  # noqa: S102 - our table
+    return python_says(source, namespace["f"]())
+
+
+def test_stdlib_values_are_judged_as_python_judges_them(judge):
+    got = {}
+    for i, (value, source) in enumerate(STDLIB_ROWS):
+        task = make_task("f", [source], task_id=f"stdlib-{i}")
+        report = judge(STDLIB + f"def f():\n    return {value}\n", task)
+        got[(value, source)] = report.verdict.passed
+        assert report.verdict.passed == stdlib_python_says(value, source), (value, source, report.verdict.detail)
+    # Both verdicts occur, so a verifier that passes or refuses everything fails above.
+    assert set(got.values()) == {True, False}
+
+
+@pytest.mark.parametrize("code", [
+    "class D(dict):\n    def __eq__(self, other):\n        return True\ndef f():\n    return D()\n",
+    "import collections\nclass C(collections.Counter):\n    pass\ndef f():\n    return C()\n",
+    "import collections\nP = collections.namedtuple('P', 'x')\nclass Q(P):\n    def __eq__(self, other):\n"
+    "        return True\ndef f():\n    return Q(0)\n",
+    "import collections\nP = collections.namedtuple('P', 'x')\nP.__eq__ = lambda self, other: True\n"
+    "def f():\n    return P(0)\n",
+    "import enum\nclass E(enum.IntEnum):\n    A = 0\n    def __eq__(self, other):\n        return True\n"
+    "    __hash__ = int.__hash__\ndef f():\n    return E.A\n",
+    "class I(int):\n    pass\ndef f():\n    return I(5)\n",
+], ids=["dict-subclass", "counter-subclass", "namedtuple-subclass", "patched-namedtuple", "enum-eq", "int-subclass"])
+def test_user_subclasses_stay_refused(judge, code):
+    """Each would pass `f() == {'a': 1}`-style asserts in Python through its own `__eq__`; here it is refused."""
+    task = make_task("f", ["assert f() == {'a': 1}"])
+    report = judge(code, task)
+    assert not report.verdict.passed
+    assert "cannot return" in report.verdict.detail, report.verdict.detail
+
+
+def test_a_150_deep_list_passes_exactly_when_pythons_assert_passes(judge):
+    nested = "[" * 150 + "1" + "]" * 150
+    task = make_task("f", [f"assert f() == {nested}"])
+    for returned in (nested, "[" * 150 + "2" + "]" * 150, "[" * 149 + "1" + "]" * 149):
+        code = f"def f():\n    return {returned}\n"
+        expected = python_says(f"assert f() == {nested}", eval(returned))  # noqa: S307 - our own literal
+        assert judge(code, task).verdict.passed is expected, returned[:5]
+    assert judge(f"def f():\n    return {nested}\n", task).verdict.passed  # the right answer is one of them
+    # Past the documented bound (harness.MAX_DEPTH = 300) a value fails with the reason.
+    deep = "def f():\n    x = 1\n    for _ in range(400):\n        x = [x]\n    return x\n"
+    report = judge(deep, make_task("f", ["assert f() == 1"]))
+    assert not report.verdict.passed and "nested deeper than 300" in report.verdict.detail, report.verdict.detail

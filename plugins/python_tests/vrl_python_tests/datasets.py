@@ -153,7 +153,9 @@ def _task(task_id: str, prompt: str, entry_point: str, tests: list[TestCase], sp
         raise DatasetError(f"entry_point {entry_point!r} is not a Python identifier")
     data: dict[str, Any] = {
         "entry_point": entry_point,
-        "tests": [t.model_dump(mode="json") for t in tests],
+        # Python mode: the encoded values are JSON data already, and pydantic's JSON mode stops at 255
+        # levels of nesting (an expected list 128 deep), below harness.MAX_DEPTH.
+        "tests": [t.model_dump(mode="python") for t in tests],
         "split": split,
         "source": source,
     }

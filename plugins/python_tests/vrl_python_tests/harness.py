@@ -20,6 +20,8 @@ The host, not this process, keeps time, decodes results and compares them with e
 from __future__ import annotations
 
 import base64
+import collections
+import enum
 import json
 import math
 import os
@@ -29,7 +31,10 @@ import signal
 import sys
 
 MAX_NODES = 200_000  # values with more nodes than this are not worth comparing
-MAX_DEPTH = 100  # nesting levels of a decoded value
+# Nesting levels of a value. Python's own `==` on nested lists recurses once per level and stops at
+# the recursion limit (1000 by default, less the caller's depth); each level costs this channel two
+# levels of JSON and one frame of `decode`, so 300 leaves the host room under that limit.
+MAX_DEPTH = 300
 MAX_INT_DIGITS = 4300  # Python's default int/str conversion limit, enforced here whatever the interpreter's
 _MAX_INT_BITS = int(MAX_INT_DIGITS * 3.3219280948873626) + 1
 MAX_SAME_HASH = 32  # elements of one set or dict that may share a hash value
@@ -40,35 +45,93 @@ class EncodeError(ValueError):
     """A value outside the plain data types that cross the channel."""
 
 
-def encode(value, _budget=None):
+# The stdlib classes whose comparisons with plain data are the plain type's, converted before encoding
+# so that an answer Python's assert accepts is not refused. Bound here, before any attempt runs.
+_AS_DICT = (collections.Counter, collections.OrderedDict, collections.defaultdict)
+_INT_ENUMS = (enum.IntEnum, enum.IntFlag)
+# What `==`, `sorted`, `set`, truthiness and iteration of a tuple or an int use: a namedtuple or an
+# int enum passes as the plain value only when its class changes none of them.
+_TUPLE_METHODS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__len__",
+                  "__iter__", "__getitem__", "__contains__", "__bool__")
+_INT_METHODS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__",
+                "__index__", "__int__", "__float__", "__abs__", "__sub__", "__rsub__", "__neg__")
+
+
+def _is_namedtuple(kind):
+    """A class made by `collections.namedtuple` or `typing.NamedTuple`, comparing as its tuple."""
+    fields = kind.__dict__.get("_fields")
+    return (kind.__bases__ == (tuple,) and type(fields) is tuple and all(type(f) is str for f in fields)
+            and all(getattr(kind, m, None) is getattr(tuple, m, None) for m in _TUPLE_METHODS))
+
+
+def _is_int_enum(kind):
+    """A subclass of IntEnum or IntFlag whose members compare, hash and count as their int value."""
+    return (issubclass(kind, _INT_ENUMS)
+            and all(getattr(kind, m, None) is getattr(int, m, None) for m in _INT_METHODS))
+
+
+def plain(value):
+    """`value` as the plain built-in value it compares as, for the stdlib classes that have one:
+    Counter, OrderedDict and defaultdict become a dict, a namedtuple a tuple, an IntEnum or IntFlag
+    member an int. Anything else is returned as it is (and `encode` refuses it unless plain).
+
+    Python compares a Counter with a dict, a namedtuple with a tuple and an IntEnum member with an int
+    exactly as the plain values, so the assert's verdict does not change; a user subclass, whose
+    comparisons may be anything, is not converted.
+    """
+    kind = type(value)
+    if kind in _AS_DICT:
+        return dict(dict.items(value))  # dict's own items: no __missing__, no overridden iteration
+    if issubclass(kind, tuple) and kind is not tuple and _is_namedtuple(kind):
+        return tuple(tuple.__iter__(value))
+    if issubclass(kind, int) and kind is not bool and kind is not int and _is_int_enum(kind):
+        return int.__int__(value)
+    return value
+
+
+def encode(value, _budget=None, _depth=0):
     """Encode a plain Python value as JSON-ready data; every container is tagged so types survive.
 
-    Exact types only (a subclass of int or an object with a custom __eq__ is refused), so what the
-    host decodes is data, never an object the attempt controls.
+    Exact types only, after `plain` (a subclass of int or an object with a custom __eq__ is refused),
+    so what the host decodes is data, never an object the attempt controls.
     """
     budget = _budget if _budget is not None else [MAX_NODES]
     budget[0] -= 1
     if budget[0] < 0:
         raise EncodeError(f"value has more than {MAX_NODES} parts")
+    if _depth > MAX_DEPTH:
+        raise EncodeError(f"value is nested deeper than {MAX_DEPTH} levels")
+    value = plain(value)
     kind = type(value)
     if kind in _SCALARS:
         return value
     if kind is float:
         return value if math.isfinite(value) else {"float": repr(value)}
+    depth = _depth + 1
     if kind is list or kind is tuple:
-        return {kind.__name__: [encode(v, budget) for v in value]}
+        items = []
+        for v in value:  # a loop, not a comprehension: one frame per level of nesting
+            items.append(encode(v, budget, depth))
+        return {kind.__name__: items}
     if kind is set or kind is frozenset:
-        items = [encode(v, budget) for v in value]
+        items = []
+        for v in value:
+            items.append(encode(v, budget, depth))
         items.sort(key=lambda v: json.dumps(v, sort_keys=True))  # stable text for equal sets
         return {kind.__name__: items}
     if kind is dict:
-        return {"dict": [[encode(k, budget), encode(v, budget)] for k, v in value.items()]}
+        pairs = []
+        for k, v in value.items():
+            pairs.append([encode(k, budget, depth), encode(v, budget, depth)])
+        return {"dict": pairs}
     if kind is bytes:
         return {"bytes": base64.b64encode(value).decode("ascii")}
     if kind is complex:
-        return {"complex": [encode(value.real, budget), encode(value.imag, budget)]}
+        return {"complex": [encode(value.real, budget, depth), encode(value.imag, budget, depth)]}
     raise EncodeError(f"cannot return a {kind.__name__}: only None, bool, int, float, complex, str, bytes, "
-                      "list, tuple, set, frozenset and dict cross the sandbox")
+                      "list, tuple, set, frozenset and dict cross the sandbox (Counter, OrderedDict, "
+                      "defaultdict, namedtuples and IntEnum/IntFlag members as the dict, tuple or int they "
+                      "compare as)")
 
 
 class DecodeError(ValueError):
@@ -98,7 +161,9 @@ def decode(data, _budget=None, _depth=0):
         (tag, body), = data.items()
         depth = _depth + 1
         if tag in ("list", "tuple", "set", "frozenset") and type(body) is list:
-            items = [decode(v, budget, depth) for v in body]
+            items = []
+            for v in body:  # a loop, not a comprehension: one frame per level of nesting
+                items.append(decode(v, budget, depth))
             if tag in ("set", "frozenset"):
                 check_hashes(items)
             return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
