@@ -52,6 +52,8 @@ def summary(console: Console, summary: dict[str, Any], run_dir: Path) -> None:
         if key in summary:
             value = summary[key]
             table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    for note in summary.get("notes", []):
+        table.add_row("note", note)
     table.add_row("run directory", str(run_dir))
     console.print(table)
 

@@ -69,6 +69,13 @@ class Environment(ABC):
         """
         return dict(sums)
 
+    def summary_notes(self) -> list[str]:
+        """Lines the run's closing summary must carry about how it was judged (e.g. a check turned off).
+
+        Default: none. Shown in the summary table and kept in summary.json under `notes`.
+        """
+        return []
+
     def modal_sandbox(self) -> SandboxSpec | Mapping[str, Any] | None:
         """How the Modal runtime runs this environment's verifier in a sandbox (`runtime.modal.verify_in: sandbox`).
 

@@ -264,6 +264,8 @@ class Trainer:
             "status": "running",
             "started_at": time.time(),
         }
+        if notes := self.env.summary_notes():
+            summary["notes"] = list(notes)
         self.run_dir.write_summary(summary)
         show.start(self.console, self.run_dir.path, self.env.name, cfg.model, cfg.optimizer, cfg.iterations)
         policy = optimizer = pool = pipeline = None

@@ -187,6 +187,8 @@ def test_vrl_verify_with_server_flag_scores_ready_made_proofs(tmp_path):
     assert rows[52]["status"] == "rejected" and "sorry" in rows[52]["detail"]
     assert rows[53]["passed"]
     assert "51/54 passed" in result.output
+    warned = [ln for ln in result.output.splitlines() if "recheck=off" in ln]
+    assert len(warned) == 1 and "NOT re-checked" in warned[0], result.output  # one line, on the CLI
 
 
 def test_vrl_verify_without_a_server_explains_how_to_start_one(tmp_path):

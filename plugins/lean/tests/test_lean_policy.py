@@ -183,7 +183,7 @@ CHEATS = [
     ("opaque", block(PROOF, prelude="opaque g : Nat\n"), "opaque"),
     ("debug option", block("  set_option debug.skipKernelTC true in\n  rw [hx]"), "debug options"),
     ("unbounded maxRecDepth", block("  set_option maxRecDepth 1000000 in\n  rw [hx]"), "between 1 and 100000"),
-    ("option changing the statement", block(PROOF, prelude="set_option autoImplicit true in\n"), "may be set"),
+    ("option changing the statement", block(PROOF, prelude="set_option autoImplicit true in\n"), "auto-bound names"),
     ("global option between declarations", block(PROOF + "\nset_option maxHeartbeats 0\nlemma h : True := trivial"), "between 1 and"),
     ("unlimited heartbeats", block("  set_option maxHeartbeats 0 in\n  rw [hx]"), "between 1 and 400000"),
     ("huge heartbeats", block("  set_option maxHeartbeats 99999999 in\n  rw [hx]"), "between 1 and 400000"),
@@ -487,3 +487,70 @@ def test_the_recorded_proofs_pass_the_round3_policy():
         header, statement = source.split(f"theorem {name}", 1)
         thm = Theorem(name, header, f"theorem {name}" + statement.split(":= by", 1)[0])
         assert prepare(f"```lean4\n{source}\n```", thm, rechecked=True).name == name
+
+
+# -- one meaning per statement (round 4) ------------------------------------------------------------------
+
+# A lean_workbook-style statement with names it does not bind: with auto-bound implicits it means
+# "for all x y"; a helper declared first could make it mean something true by `rfl`.
+FREE = Theorem(name="lean_workbook_free", header=HEADER, statement="theorem lean_workbook_free (h : x + y = 10) : x = 6")
+
+
+def free_block(prelude: str, proof: str = "  rfl") -> str:
+    return f"```lean4\n{HEADER}\n{prelude}{FREE.statement} := by\n{proof}\n```"
+
+
+def test_the_header_and_the_reference_turn_auto_bound_names_off():
+    sub = prepare(block(), THM, nonce=NONCE)
+    for text in (sub.code, sub.reference):
+        assert "set_option autoImplicit false\nset_option relaxedAutoImplicit false\n" in text
+    assert THM.trusted_header().index("autoImplicit false") < THM.trusted_header().index("open BigOperators")
+    # A header that turns them on is overridden, not obeyed.
+    loose = Theorem(THM.name, HEADER + "set_option autoImplicit true\n", STATEMENT)
+    assert "autoImplicit true" not in loose.trusted_header()
+    # A completion that copies the header's lines keeps working: they are dropped, the header sets them.
+    copied = block(prelude="set_option autoImplicit false\nset_option relaxedAutoImplicit false\n")
+    body = prepare(copied, THM, nonce=NONCE).code
+    assert body.count("set_option autoImplicit false") == 1
+
+
+@pytest.mark.parametrize("prelude, reason", [
+    ("def x : ℕ := 6\ndef y : ℕ := 4\n", "named like `x` in the statement"),
+    ("def Nat.x : ℕ := 6\ndef Nat.y : ℕ := 4\n", "named like `x` in the statement"),  # reached through `open Nat`
+    ("noncomputable def _root_.y : ℕ := 4\n", "named like `y` in the statement"),
+    ("@[simp] abbrev Real.x : ℕ := 6\n", "named like `x` in the statement"),
+    ("open Nat renaming succ → x\n", "renaming"),
+    ("open Nat hiding add\n", "hiding"),
+    ("set_option autoImplicit true in\n", "auto-bound names"),
+    ("set_option relaxedAutoImplicit true\n", "auto-bound names"),
+], ids=["def-x", "def-Nat.x", "root-y", "abbrev-Real.x", "open-renaming", "open-hiding", "autoImplicit-in",
+        "relaxed"])
+def test_a_helper_or_open_cannot_give_the_statement_another_meaning(prelude, reason):
+    with pytest.raises(Rejected) as info:
+        prepare(free_block(prelude), FREE)
+    assert reason in str(info.value), str(info.value)
+
+
+def test_helpers_with_other_names_are_still_accepted():
+    prepare(free_block("lemma key_step : (6 : ℕ) = 6 := rfl\ndef Nat.helper_x : ℕ := 6\n"), FREE)
+    # `Nat` is spelled by no part of this statement, so a helper in namespace Nat is fine.
+    prepare(block(prelude="theorem Nat.my_aux : (2 : ℕ) ^ 9 + 1 = 513 := by norm_num\n"), THM)
+
+
+def test_an_unbound_name_in_the_statement_makes_the_row_defective_and_counted():
+    """Lean's answer when the header turns auto-bound names off and the statement spells `x` unbound:
+    errors at the statement's line (kimina 2.0.0 reports lines relative to the body). Synthesised in the
+    format Lean 4.28 prints (checked with lean-wasm); Lean 4.15 says `unknown identifier 'x'`."""
+    sub = prepare(free_block("", "  omega"), FREE, nonce=NONCE)
+    first, last = sub.statement_lines
+    assert sub.code.split("\n")[first - 1].startswith("theorem lean_workbook_free") and first == last
+    line = first - sub.header_lines
+    unbound = info("Unknown identifier `x`\n\nNote: It is not possible to treat `x` as an implicitly bound variable "
+                   "here because the `autoImplicit` option is set to `false`.", "error", line=line, column=37)
+    verdict = judge(result([unbound, *trailer(sub)]), sub)
+    assert verdict.status is Status.FAILED and "defective task" in verdict.detail, verdict.detail
+    assert verdict.metrics == {"lean/defective_statement": 1.0}
+    # The same error in the proof is the proof's: an ordinary failure, not counted.
+    in_proof = {**unbound, "pos": {"line": line + 1, "column": 2}, "data": "unknown identifier 'y'"}
+    verdict = judge(result([in_proof, *trailer(sub)]), sub)
+    assert verdict.status is Status.FAILED and "defective" not in verdict.detail and not verdict.metrics

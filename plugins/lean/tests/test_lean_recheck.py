@@ -84,7 +84,7 @@ def test_each_checker_answer_has_its_verdict(name, outcome, status, words):
     ({"status": "compile_error", "detail": "unknown identifier"}, "compile_error", Status.FAILED),
     ({"status": "timeout", "detail": "the checker did not finish within 300 s"}, "timeout", Status.TIMEOUT),
     ({"status": "error", "detail": "checker crashed"}, "unavailable", Status.CRASHED),
-    ({"status": "reference_error", "detail": "bad statement"}, "unavailable", Status.CRASHED),
+    ({"status": "reference_error", "detail": "unknown identifier 'x'"}, "defective_statement", Status.FAILED),
     ({"status": "unavailable", "detail": "ConnectError"}, "unavailable", Status.CRASHED),
     ({"status": "checked", "check": {**json.loads((RECORDS / "agree.json").read_text()), "name": "other"}}, "unavailable", Status.CRASHED),
     ({}, "unavailable", Status.CRASHED),
@@ -349,7 +349,7 @@ def test_canary_and_recheck_metrics_reach_metrics_jsonl(tmp_path, fake_lean):
         trainer = lean_run(tmp_path, server.url, recheck="local", lean_project=str(tmp_path), lean_command=shlex.join(lean),
                            canary_rate=0.01)
         summary = trainer.run()
-    assert summary["status"] == "finished"
+    assert summary["status"] == "finished" and "notes" not in summary  # re-checked: nothing to say
     for m in trainer.run_dir.metrics():
         assert m["pass_rate"] == 1.0 and m["lean/rechecks"] == 4 and m["lean/recheck_s_mean"] > 0
         assert m["lean/canaries"] >= 4 and m["lean/canary_exploits"] == 0 and m["lean/exploit_rate"] == 0.0
@@ -372,3 +372,5 @@ def test_an_exploit_caught_by_a_canary_stops_the_run_before_the_update(tmp_path)
     rows = [json.loads(x) for x in (trainer.run_dir.path / "alarms.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["iteration"] == 0 and "```lean4" in r["completion"] for r in rows)
     assert trainer.run_dir.completed_iterations() == 0
+    # recheck=off: the run's summary says its passes were not re-checked.
+    assert any("NOT re-checked" in n for n in trainer.run_dir.summary()["notes"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shlex
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +20,10 @@ from vrl_lean.prompts import MODEL, formal_statement, kimina_messages
 from vrl_lean.recheck import HttpRechecker, LocalRechecker, Rechecker
 from vrl_lean.server import KIMINA
 from vrl_lean.verifier import NO_SERVER, START_RECHECK, LeanVerifier
+
+log = logging.getLogger(__name__)
+NOT_RECHECKED = ("passes were NOT re-checked out of process (recheck=off): they stand on the Lean server's "
+                 "answer alone; use it for debugging only")
 
 
 class LeanOptions(EnvOptions):
@@ -118,6 +123,7 @@ class LeanEnvironment(Environment):
         self.test_fraction, self.timeout_s = o.test_fraction, o.timeout_s
         self.max_heartbeats, self.repls = o.max_heartbeats, o.repls
         self._splits: dict[str, list[Problem]] | None = None
+        self._warned = False
 
     def _problems(self) -> dict[str, list[Problem]]:
         if self._splits is None:
@@ -161,16 +167,23 @@ class LeanEnvironment(Environment):
         if self.recheck is None:
             raise OptionsError(f"the lean plugin re-checks every pass out of process before it earns a reward: {START_RECHECK} "
                                "(or -o recheck=off to trust the server's answer alone)")
+        if self.recheck == "off" and not self._warned:
+            self._warned = True  # once per run, however often the verifier is built
+            log.warning("-o recheck=off: %s", NOT_RECHECKED)
         return LeanVerifier(
             self.server, self.api_key, timeout_s=self.timeout_s, max_heartbeats=self.max_heartbeats, repls=self.repls,
             recheck=self.rechecker(), canary_rate=self.canary_rate, on_exploit=self.on_exploit,
         )
 
+    def summary_notes(self) -> list[str]:
+        """With recheck=off, the run's summary says its passes were not re-checked."""
+        return [NOT_RECHECKED] if self.recheck == "off" else []
+
     def iteration_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """The verifier's counters, with `lean/exploit_rate` (canaries that passed / canaries) and the
         mean re-check latency."""
         out = {key: 0.0 for key in ("lean/canaries", "lean/canaries_refused", "lean/canary_exploits", "lean/rechecks",
-                                    "lean/recheck_overturned", "lean/recheck_s")}
+                                    "lean/recheck_overturned", "lean/recheck_s", "lean/defective_statement")}
         out.update(sums)
         canaries = sums.get("lean/canaries", 0.0)
         out["lean/exploit_rate"] = sums.get("lean/canary_exploits", 0.0) / canaries if canaries else 0.0

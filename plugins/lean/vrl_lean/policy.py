@@ -71,11 +71,18 @@ def _header_opens(header: str) -> frozenset[str]:
     return frozenset(w for ln in _header_lines(header)[1] if ln.startswith("open ") for w in ln.split()[1:] if w != "scoped")
 
 
+# One meaning per statement: with auto-bound implicits on (Lean's default), a name the statement does
+# not bind means "for all x", and a helper declared before the theorem can give it another meaning. Off,
+# such a statement does not elaborate: the row is defective, and its reference fails the re-check.
+NO_AUTO_IMPLICIT = ("set_option autoImplicit false", "set_option relaxedAutoImplicit false")
+
+
 @functools.lru_cache(maxsize=4096)
 def _trusted_header(header: str, max_heartbeats: int) -> str:
     imports, rest = _header_lines(header)
-    rest = tuple(ln for ln in rest if not _HEARTBEATS_LINE.match(ln))
-    return "\n".join([*imports, "", f"set_option maxHeartbeats {max_heartbeats}", "", *rest]).strip() + "\n"
+    rest = tuple(ln for ln in rest if not _HEARTBEATS_LINE.match(ln) and not _AUTO_IMPLICIT_LINE.match(ln))
+    return "\n".join([*imports, "", f"set_option maxHeartbeats {max_heartbeats}", *NO_AUTO_IMPLICIT, "",
+                      *rest]).strip() + "\n"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -86,6 +93,16 @@ def _statement_tail(statement: str, name: str) -> tuple[str, str]:
 
 
 _HEARTBEATS_LINE = re.compile(r"set_option\s+maxHeartbeats\s+\d+\s*$")
+_AUTO_IMPLICIT_LINE = re.compile(r"set_option\s+(relaxedAutoImplicit|autoImplicit)\s+\w+\s*$")
+
+
+@functools.lru_cache(maxsize=4096)
+def statement_names(statement: str, name: str) -> frozenset[str]:
+    """Every name part the statement (after `theorem NAME`) spells: `x`, `Nat`, `succ` of `Nat.succ`,
+    `foo` of `a.foo`. A helper with one of these as its last part could give the text another meaning."""
+    _, rest = _statement_tail(statement, name)
+    return frozenset(part for t in tokenize(rest, strict=False).tokens if t.kind == "word"
+                     for part in t.parts if part != "_root_")
 
 # -- extraction ---------------------------------------------------------------------------------------
 
@@ -393,6 +410,9 @@ class Submission:
     reference: str = ""
     """The trusted header and the statement sent, proved by `sorry`: what the out-of-process re-check
     compares the theorem's type with."""
+    statement_lines: tuple[int, int] = (0, 0)
+    """The first and last 1-based lines of the theorem's (trusted) statement in `code`: an error there
+    is the row's, not the proof's (see `judge`)."""
 
     @property
     def marker(self) -> str:
@@ -449,8 +469,11 @@ def prepare(
     while header_lines < len(lines) and (not lines[header_lines].strip() or lines[header_lines].strip().startswith("import ")):
         header_lines += 1
     audit_line = head.count("\n") + 1
-    reference = f"{header}\n{_statement_tail(written.statement, theorem.name)[0]} := by\n  sorry\n"
-    return Submission(theorem.name, file, nonce, audit_line, audit_line + 1, header_lines, reference)
+    stated = _statement_tail(written.statement, theorem.name)[0]
+    reference = f"{header}\n{stated} := by\n  sorry\n"
+    first = file.count("\n", 0, file.index(f"{stated} :=", len(header))) + 1
+    return Submission(theorem.name, file, nonce, audit_line, audit_line + 1, header_lines, reference,
+                      (first, first + stated.count("\n")))
 
 
 class _Rebuild:
@@ -538,7 +561,14 @@ class _Rebuild:
         has_in = k + 3 < len(tokens) and _keyword(tokens[k + 3]) == "in"
         if name.startswith("debug."):
             raise Rejected(f"banned option {shown} on line {self.line(tokens[k])}: debug options can skip the kernel's checks")
-        if name.startswith("linter."):
+        if name in ("autoImplicit", "relaxedAutoImplicit"):
+            if value != "false":
+                raise Rejected(f"banned option {shown} on line {self.line(tokens[k])}: auto-bound names would give "
+                               "the statement another meaning (the trusted header sets it to false)")
+            if header_level and not has_in:  # a copy of the header's line: the trusted header sets it instead
+                self.edits.append((tokens[k].start, tokens[k + 2].end, ""))
+                return k + 3
+        elif name.startswith("linter."):
             if value not in ("true", "false"):
                 raise Rejected(f"{shown} on line {self.line(tokens[k])}: a linter option takes true or false")
         elif name in _BOUNDED_OPTIONS:
@@ -595,6 +625,10 @@ class _Rebuild:
                 word = tokens[j].text
                 if word in ("hiding", "renaming", "("):
                     naming = False  # what follows names declarations, not namespaces
+                    if word != "(":
+                        # `open Nat renaming succ → x` makes `x` in the statement mean `Nat.succ`;
+                        # `hiding` makes a name resolve elsewhere.
+                        names.append(f"{word} ...")
                 elif naming and tokens[j].kind == "word" and word != "scoped":
                     names.append(word)
                 j += 1
@@ -669,6 +703,11 @@ class _Rebuild:
                 mains.append((k, end))
             elif decl.parts[-1] == name:
                 raise Rejected(f"helper `{decl.text}` on line {self.line(decl)} is named like the theorem `{name}`")
+            elif decl.parts[-1] in statement_names(self.theorem.statement, name):
+                # `def x : ℕ := 6` (or `def Nat.x`, reached through an `open Nat`) before a statement that
+                # spells `x` gives the statement another meaning, whatever namespace it is declared in.
+                raise Rejected(f"helper `{decl.text}` on line {self.line(decl)} is named like `{decl.parts[-1]}` in the "
+                               "statement: it could change what the statement means; rename the helper")
             else:
                 others.append(f"{keyword} {decl.text}")
         if not mains:
@@ -761,6 +800,14 @@ def judge(result: Mapping[str, Any], submission: Submission | None) -> Verdict:
         if problem:
             return Verdict.fail(Status.CRASHED, problem, elapsed_s=elapsed)
     errors = [m for m in messages if m.get("severity") == "error"]
+    defective = [m for m in errors if submission is not None and _in_statement(m, submission)]
+    if defective:
+        # The trusted statement does not elaborate with auto-bound names off: the row is defective, and
+        # no proof of it means anything. Every attempt fails alike (no reward signal) and it is counted.
+        verdict = Verdict.fail(Status.FAILED, f"defective task: its statement does not elaborate {_where(defective[0])}"
+                               f" ({_first_line(defective[0])}); a name it does not bind is not auto-bound, so the "
+                               "row is withheld from training", elapsed_s=elapsed)
+        return verdict.model_copy(update={"metrics": {"lean/defective_statement": 1.0}})
     if errors:
         extra = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         return Verdict.fail(Status.FAILED, f"Lean error {_where(errors[0])}: {_first_line(errors[0])}{extra}", elapsed_s=elapsed)
@@ -782,6 +829,18 @@ def _lines(submission: Submission, line: int) -> tuple[int, int]:
     """Where Lean reports `line` of the file: as is, or relative to the body after the import
     header, as kimina-lean-server 2.0.0 does (later versions shift positions back)."""
     return line, line - submission.header_lines
+
+
+def _in_statement(message: Mapping[str, Any], submission: Submission) -> bool:
+    """An unbound-name error inside the trusted statement's lines (either line convention)."""
+    pos = message.get("pos")
+    first, last = submission.statement_lines
+    if not isinstance(pos, Mapping) or not isinstance(pos.get("line"), int) or not first:
+        return False
+    data = str(message.get("data", ""))
+    if "unknown identifier" not in data.lower() and "autoImplicit" not in data:
+        return False
+    return any(first <= line <= last for line in (pos["line"], pos["line"] + submission.header_lines))
 
 
 def _at(message: Mapping[str, Any], line: int) -> bool:

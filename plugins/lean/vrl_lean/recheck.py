@@ -33,7 +33,7 @@ from vrl_lean.policy import ALLOWED_AXIOMS, Submission
 class Recheck:
     """What the re-check decided: `agree` (the pass stands) or why not, with the status to give."""
 
-    outcome: str  # agree | type_mismatch | unchecked_declaration | extra_axiom | not_a_theorem | compile_error | timeout | unavailable
+    outcome: str  # agree | defective_statement | type_mismatch | unchecked_declaration | extra_axiom | not_a_theorem | compile_error | timeout | unavailable
     status: Status
     detail: str
     elapsed_s: float
@@ -53,6 +53,9 @@ def interpret(raw: dict[str, Any], name: str, elapsed_s: float | None = None) ->
 
     if status == "timeout":
         return no("timeout", Status.TIMEOUT, f"{detail}; a pass that cannot be re-checked in time scores 0")
+    if status == "reference_error":
+        return no("defective_statement", Status.FAILED, f"the trusted statement alone does not compile ({detail}): "
+                  "the row is defective (an unbound name is no longer auto-bound) and withheld from training")
     if status == "compile_error":
         return no("compile_error", Status.FAILED, f"a fresh Lean process refuses the file the server accepted ({detail})")
     if status != "checked":

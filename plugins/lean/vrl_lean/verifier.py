@@ -148,7 +148,9 @@ class LeanVerifier(Verifier):
                 label = exploits[i]
                 alarm = (f"a canary passed: with its statement replaced by `theorem {theorems[i].name} : False`, the "
                          f"{'completion' if label == 're-targeted attempt' else 'planted attack'} ({label}) was accepted")
-            out.append(verdict.model_copy(update={"metrics": dict(metrics[i]), "alarm": alarm}) if metrics[i] or alarm else verdict)
+            counted = Counter(verdict.metrics)
+            counted.update(metrics[i])  # judge's own counters (a defective statement) and this batch's
+            out.append(verdict.model_copy(update={"metrics": dict(counted), "alarm": alarm}) if metrics[i] or alarm else verdict)
         return out
 
     async def _check(self, jobs: list[_Job]) -> None:
@@ -184,6 +186,8 @@ class LeanVerifier(Verifier):
             m["lean/rechecks"] += 1
             m["lean/recheck_s"] += check.elapsed_s
             elapsed = j.verdict.elapsed_s + check.elapsed_s
+            if check.outcome == "defective_statement":
+                m["lean/defective_statement"] += 1
             if check.agrees:
                 j.verdict = Verdict.ok(f"{j.verdict.detail}; {check.detail}", elapsed_s=elapsed)
             else:
