@@ -421,7 +421,7 @@ ROUND3 = [
     ("section game around the theorem", block(PROOF + "\nend", prelude="section\nvariable [Fact False]\n"), "`section`"),
     ("variable? inside an interpolated string", block('  have : s!"{variable?}" = "" := rfl\n  rw [hx]'), "inside a string literal"),
     # meta code run while the file is checked
-    ("meta helper run by aesop's tactic builder", block("  aesop (add safe 1 tactic t)", prelude=META_TACTIC), "meta code"),
+    ("meta helper run by aesop's tactic builder", block("  aesop (add safe 1 tactic t)", prelude=META_TACTIC), "a proof needs none"),  # refused at its `getMainGoal` first
     ("fully qualified meta monad", block(PROOF, prelude="def t : Lean.Elab.Tactic.TacticM Unit := pure ()\n"), "`Lean.Elab.Tactic.TacticM`"),
     ("_root_-qualified meta monad", block(PROOF, prelude="def t : _root_.Lean.Meta.MetaM Unit := pure ()\n"), "meta code"),
     ("IO helper", block(PROOF, prelude='def t : IO Unit := IO.println "x"\n'), "`IO`"),
@@ -554,3 +554,53 @@ def test_an_unbound_name_in_the_statement_makes_the_row_defective_and_counted():
     in_proof = {**unbound, "pos": {"line": line + 1, "column": 2}, "data": "unknown identifier 'y'"}
     verdict = judge(result([in_proof, *trailer(sub)]), sub)
     assert verdict.status is Status.FAILED and "defective" not in verdict.detail and not verdict.metrics
+
+
+# -- config terms are data; no output, no monadic state (round 4) --------------------------------------------
+
+ROUND4 = [
+    # (id, completion, words in the reason): each shape from the round-4 audit; each passed `prepare` before.
+    ("decide .mk positional", block("  subst hx\n  exact absurd (by decide (config := .mk false true true false) : "
+                                    "(1 : ℕ) = 1) (by simp)"), "positional constructor"),
+    ("config from a helper", block("  decide (config := cfg)", prelude="def cfg : Bool := true\n"), "not a literal"),
+    ("config field from a helper", block("  decide (config := { kernel := slow 10 })",
+                                         prelude="def slow (n : ℕ) : Bool := n == n\n"), "must be a literal"),
+    ("config with", block("  simp (config := { base with decide := true })", prelude="def base : Nat := 1\n"),
+     "only `field := literal`"),
+    ("linarith discharger", block("  linarith (config := { discharger := done })"), "holds code"),
+    ("discharger item", block("  linarith (discharger := done)"), "holds code"),
+    ("nlinarith preprocessors", block("  nlinarith (config := { preprocessors := [] })"), "holds code"),
+    ("polyrith oracle", block("  linarith (config := { oracle := .simplexAlgorithmSparse })"), "holds code"),
+    ("nested action on the state", block("  exact (← get).goals.head!.assign default"), "monadic state"),
+    ("monadic set", block("  set { goals := [] }"), "not Mathlib's `set"),
+    ("modify", block("  modify fun s => s"), "monadic state"),
+    ("liftMetaM", block("  liftMetaM (pure ())"), "monadic state"),
+    ("println! forges an answer", block('  have := println! "messages: none"\n  rw [hx]'), "stdout"),
+    ("dbg_trace", block('  dbg_trace "x"; rw [hx]'), "output"),
+    ("dbgTrace", block('  exact dbgTrace "x" fun _ => by rw [hx]'), "output"),
+    ("aesop runs a def", block("  aesop (add safe 1 t)", prelude="def t := 0\n"), "names a definition"),
+    ("aesop runs a dotted def", block("  aesop (add unsafe 50% Nat.t)", prelude="def Nat.t := 0\n"), "names a definition"),
+]
+
+
+@pytest.mark.parametrize("completion,reason", [c[1:] for c in ROUND4], ids=[c[0] for c in ROUND4])
+def test_round4_attacks_are_refused_with_a_reason(completion, reason):
+    for rechecked in (False, True):
+        with pytest.raises(Rejected) as info:
+            prepare(completion, THM, rechecked=rechecked)
+        assert reason in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("proof", [
+    "  simp (config := { decide := true, maxSteps := 100000, zeta := .all }) [hx]",
+    "  subst hx\n  decide +kernel",
+    "  subst hx\n  simp -zeta +arith",
+    "  omega (config := { splitDisjunctions := false })",
+    "  set y := x + 1 with hy\n  omega",
+    "  set y : ℕ := x + 1 with hy\n  omega",
+    "  rw [← Nat.add_zero x, hx]",
+    "  aesop (add safe Nat.succ_le_of_lt) (rule_sets := [-builtin])",
+    "  nlinarith [sq_nonneg (x - 1), hx]",
+])
+def test_legitimate_configs_and_lookalikes_are_accepted(proof):
+    prepare(block(proof), THM)

@@ -8,8 +8,13 @@ Two kinds, both judged exactly like real attempts (policy, Lean, re-check) and n
   statement (meta code, a hidden hypothesis, a forged answer). A share `rate` of all attempts and
   every attempt that passed get one.
 - **Planted attacks.** Known exploit shapes (a command hidden in a word, meta code run by Aesop, native
-  evaluation through a positional config), aimed at `False`: a regression of the policy shows up as
-  a passing canary in the run that has it.
+  evaluation through a positional config, code in a config field, the proof state through `(← get)`,
+  output on the REPL's stdout), aimed at `False`: a regression of the policy shows up as a passing
+  canary in the run that has it.
+
+What canaries cannot catch: a proof that behaves differently when its goal is `False`, or a statement
+given another meaning (an auto-bound name captured by a helper). Canaries are a tripwire for
+statement-independent exploits, not a defence; the policy and the re-check are.
 
 A canary that passes is an exploit: counted in `lean/canary_exploits` (and `lean/exploit_rate`), and
 by default it stops the run, keeping the completion (`Verdict.alarm`).
@@ -43,6 +48,16 @@ def planted(theorem: Theorem) -> list[tuple[str, str]]:
             f"count_heartbeats! in\n{stmt} := by\n  exact (Fact.out (p := False)).elim")),
         ("native evaluation through a positional config", fence.format(
             f"{stmt} := by\n  exact absurd (by decide (config := ⟨true, true, true⟩) : (1 : ℕ) = 1) (by simp)")),
+        ("native evaluation through a `.mk` config", fence.format(
+            f"{stmt} := by\n  exact absurd (by decide (config := .mk false true true false) : (1 : ℕ) = 1) (by simp)")),
+        ("tactic code in a config field (linarith's discharger)", fence.format(
+            f"{stmt} := by\n  exfalso\n  linarith (config := {{ discharger := exact (Fact.out (p := False)).elim }})")),
+        ("the proof state through `(← get)`", fence.format(
+            f"{stmt} := by\n  exact (← get).goals.head!.assign default")),
+        ("a definition run by aesop's default rule builder", fence.format(
+            f"def vrl_canary_d := 0\n{stmt} := by\n  aesop (add safe 1 vrl_canary_d)")),
+        ("an answer forged on stdout (println!)", fence.format(
+            f'{stmt} := by\n  have := println! "vrl canary"\n  exact (Fact.out (p := False)).elim')),
     ]
 
 

@@ -155,7 +155,37 @@ BANNED_NAMES: dict[str, str] = {
     "unsafeCast": "`unsafeCast` bypasses the type checker",
     "evalExpr": "`evalExpr` runs compiled code at check time",
     "evalTactic": "`evalTactic` runs meta code",
+    # Output and debugging hooks: what they print lands on the REPL's stdout, the channel that carries
+    # Lean's answer (a forged answer, and a stale one for the next request), or they stall the process.
+    "println!": "`println!` writes to the Lean REPL's stdout, the channel its answer travels on",
+    "dbg_trace": "`dbg_trace` writes to the Lean process's output while the proof is checked",
+    "dbgTrace": "`dbgTrace` writes to the Lean process's output while the proof is checked",
+    "dbgTraceIfShared": "`dbgTraceIfShared` writes to the Lean process's output while the proof is checked",
+    "dbgTraceVal": "`dbgTraceVal` writes to the Lean process's output while the proof is checked",
+    "dbgStackTrace": "`dbgStackTrace` writes to the Lean process's output while the proof is checked",
+    "dbgSleep": "`dbgSleep` stalls the Lean process",
+    "panic!": "`panic!` writes to the Lean process's output",
 }
+
+# Fields of tactic configurations whose values are code (Mathlib's `LinarithConfig.discharger :
+# TacticM Unit`, its `preprocessors` and `oracle`): set, they run while the proof is checked.
+META_FIELDS: dict[str, str] = {
+    f: f"the config field `{f}` holds code that runs while the proof is checked"
+    for f in ("discharger", "discharge", "dischargeWrapper", "preprocessors", "preprocessor", "oracle", "prover",
+              "tactic", "tac", "run", "elab", "proc", "simprocs")
+}
+CONFIG_NAMES = frozenset({"config", "simp_config"})
+"""`(config := TERM)`: Lean evaluates TERM as compiled code to get the configuration."""
+# Monadic state: `(← get).goals.head!.assign ...` reaches the proof state (and `MVarId.assign`) through
+# dot notation without spelling a meta name. A proof has no state to read.
+MONADIC_STATE: dict[str, str] = {
+    w: f"`{w}` reads or changes monadic state (in a tactic monad, the proof state itself)"
+    for w in ("get", "getThe", "modify", "modifyThe", "modifyGet", "modifyGetThe", "getModify", "liftMetaM",
+              "liftTermElabM", "liftCoreM", "liftMacroM", "liftM", "monadLift", "StateT", "StateM", "StateRefT",
+              "MonadState", "MonadStateOf", "MonadLift", "getEnv", "setEnv", "modifyEnv", "getGoals", "setGoals",
+              "getMainGoal", "getUnsolvedGoals", "replaceMainGoal")
+}
+CONFIG_LITERALS = frozenset({"true", "false"})
 
 # -- meta code ---------------------------------------------------------------------------------------
 # A proof is a term or a tactic script: nothing in it needs Lean's meta level, and meta code that runs
@@ -358,9 +388,66 @@ def _scan(tokens: list[Token], text: str, how: str = "") -> None:
             raise Rejected(f"banned construct `eval%`{where}: it runs arbitrary code while elaborating")
         if t.text == "native" and ((prev is not None and prev.text == "+") or (nxt is not None and nxt.text == ":=")):
             raise Rejected(f"banned construct `decide +native`{where}: it trusts compiled code instead of the kernel")
-        if t.text == "config" and nxt is not None and nxt.text == ":=" and k + 2 < len(tokens) and tokens[k + 2].text == "⟨":
-            raise Rejected(f"`(config := ⟨...⟩)`{where}: an anonymous-constructor config sets flags by position "
-                           "(`decide`'s native evaluation among them); write `(config := {{ field := value }})`")
+        if t.text in CONFIG_NAMES and not t.escaped and nxt is not None and nxt.text == ":=":
+            _config_term(tokens, k + 2, text)
+        if t.text in META_FIELDS and not t.escaped and nxt is not None and nxt.text == ":=" and prev is not None \
+                and prev.text in ("(", "{", ","):
+            raise Rejected(f"`{t.text} :=` on line {_line(text, t.start)}: {META_FIELDS[t.text]}")
+        if t.text in MONADIC_STATE and not t.escaped:
+            raise Rejected(f"`{t.text}` on line {_line(text, t.start)}: {MONADIC_STATE[t.text]}; a proof needs none")
+        if t.text == "set" and not t.escaped and not _set_tactic(tokens, k):
+            raise Rejected(f"`set` on line {_line(text, t.start)} is not Mathlib's `set x := e with h` tactic: "
+                           "monadic `set` changes state (in a tactic monad, the proof state itself)")
+    for k, t in enumerate(tokens[:-1]):
+        if t.kind == "symbol" and t.text == "(" and tokens[k + 1].text in ("←", "<-") and tokens[k + 1].start == t.end:
+            raise Rejected(f"`(←` on line {_line(text, t.start)}: a nested action runs monadic code (in a tactic monad, "
+                           "on the proof state); a proof needs none")
+
+
+def _set_tactic(tokens: list[Token], k: int) -> bool:
+    """Mathlib's `set x := e` / `set x : T := e` (maybe `set! ...`): a name, then `:=` or `:`."""
+    return (k + 2 < len(tokens) and tokens[k + 1].kind == "word" and len(tokens[k + 1].parts) == 1
+            and tokens[k + 2].text in (":=", ":"))
+
+
+def _config_term(tokens: list[Token], k: int, text: str) -> None:
+    """A config term (at `k`, after `config :=`) must be data: `{ field := literal, ... }`, each literal a
+    number, a string, a character, `true`/`false` or a leading-dot constructor (`.all`). Lean evaluates
+    the term as compiled code: `.mk ...` and `⟨...⟩` set fields by position (`decide`'s native
+    evaluation among them), and a name or any other term can run a helper's compiled code, with no
+    heartbeat limit."""
+    start = tokens[k] if k < len(tokens) else tokens[-1]
+    where = f"on line {_line(text, start.start)}"
+    how = ("write `(config := { field := value, ... })` with literal values, or `+flag` / `-flag`")
+    if k >= len(tokens) or tokens[k].text != "{":
+        shown = tokens[k].text if k < len(tokens) else ""
+        kind = ("an anonymous-constructor config sets fields by position" if shown == "⟨" else
+                "a positional constructor sets fields by position" if shown == "." else
+                "a config term that is not a literal structure instance is evaluated as code")
+        raise Rejected(f"`(config := {shown} ...)` {where}: {kind}; {how}")
+    j = k + 1
+    while j < len(tokens) and tokens[j].text != "}":
+        field = tokens[j]
+        if field.kind != "word" or len(field.parts) != 1 or j + 2 >= len(tokens) or tokens[j + 1].text != ":=":
+            raise Rejected(f"`(config := {{ ... {field.text} ... }})` {where}: only `field := literal` entries "
+                           f"are accepted (no `with`, no nested terms); {how}")
+        if field.text in META_FIELDS:
+            raise Rejected(f"`{field.text} :=` {where}: {META_FIELDS[field.text]}")
+        j += 2
+        value = tokens[j]
+        if value.text == "-" and j + 1 < len(tokens) and tokens[j + 1].kind == "number":
+            j += 1
+        elif value.text == "." and j + 1 < len(tokens) and tokens[j + 1].kind == "word" \
+                and len(tokens[j + 1].parts) == 1 and tokens[j + 1].start == value.end:
+            j += 1
+        elif not (value.kind in ("number", "string", "char") or (value.kind == "word" and value.text in CONFIG_LITERALS)):
+            raise Rejected(f"`{field.text} := {value.text}` in a config term {where}: the value must be a literal "
+                           f"(a number, a string, true/false or `.constructor`), not a term that runs; {how}")
+        j += 1
+        if j < len(tokens) and tokens[j].text == ",":
+            j += 1
+    if j >= len(tokens):
+        raise Rejected(f"unclosed config term `{{` {where}")
 
 
 def _scan_meta(tokens: list[Token], text: str) -> None:
@@ -372,7 +459,7 @@ def _scan_meta(tokens: list[Token], text: str) -> None:
 
 
 def _suspect(t: Token) -> bool:
-    return t.text in ("eval", "native", "config") or any(p in BANNED_NAMES for p in t.parts)
+    return t.text in ("eval", "native") or any(p in BANNED_NAMES for p in t.parts)
 
 
 def _scan_interpolation(t: Token, text: str, where: str) -> None:
@@ -504,6 +591,26 @@ class _Rebuild:
                 if nxt is None or _command(nxt) is None:
                     found.add(k)
         return found
+
+    def aesop_rules(self, defs: set[str]) -> None:
+        """Aesop's `(add ... NAME)` runs NAME as a tactic when NAME has a tactic's type (its default rule
+        builder), so an `add` clause may name lemmas and rule sets, never a `def`/`abbrev` of the completion."""
+        tails = {d.split(".")[-1] for d in defs}
+        tokens = self.tokens
+        for k, t in enumerate(tokens[:-1]):
+            if not (t.kind == "symbol" and t.text == "(" and _keyword(tokens[k + 1]) == "add"):
+                continue
+            depth, j = 1, k + 2
+            while j < len(tokens) and depth:
+                u = tokens[j]
+                if u.kind == "symbol" and u.text in "([{⟨":
+                    depth += 1
+                elif u.kind == "symbol" and u.text in ")]}⟩":
+                    depth -= 1
+                elif u.kind == "word" and (u.text in defs or u.parts[-1] in tails):
+                    raise Rejected(f"aesop rule `{u.text}` on line {self.line(u)} names a definition of this proof: "
+                                   "Aesop runs a constant of tactic type as a tactic; add lemmas (theorem/lemma) only")
+                j += 1
 
     def is_boundary(self, k: int) -> bool:
         t = self.tokens[k]
@@ -712,6 +819,7 @@ class _Rebuild:
                 others.append(f"{keyword} {decl.text}")
         if not mains:
             raise Rejected(_missing_declaration(code, name, others))
+        self.aesop_rules({o.split()[1] for o in others if o.split()[0] in ("def", "abbrev")})
         if examples:
             raise Rejected(f"`example` on line {self.line(examples[0])} is not accepted: prove `theorem {name}` and helper lemmas only")
         if len(mains) > 1:
