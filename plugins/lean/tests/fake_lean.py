@@ -7,12 +7,19 @@ uses and acts them out, as a separate process, as the host would see Lean do:
     fake_lean.py -o OUT.olean IN.lean          compile: writes OUT (the source, as a stand-in .olean)
     fake_lean.py --run CHECKER CAND REF NAME   check: prints the checker's JSON line for NAME
 
-What each does is scripted by the JSON file named in $FAKE_LEAN_SCRIPT, keyed by the compiled
-file's stem (`candidate` / `reference`) and `check`:
-    {"candidate": "ok" | "error" | "hang" | "tamper", "reference": "ok" | "error",
-     "check": "<fixture name>" | "hang" | "crash" | "garbage"}
-`tamper` writes over the reference's .olean while "compiling" the candidate (a candidate that ran
-code); the checker's lines are the hand-written ones in fixtures/recheck (see its README).
+What each does is scripted by the JSON file named in $LEAN_FAKE_SCRIPT (the host keeps LEAN* variables
+in its sandboxes), keyed by the compiled file's stem (`candidate` / `reference`) and `check`:
+    {"candidate": "ok" | "error" | "hang" | "tamper" | "daemon" | "write_project", "reference": "ok" | "error",
+     "check": "<fixture name>" | "compare" | "hang" | "crash" | "garbage"}
+A compile that runs code, as a candidate whose compile ran the model's code would:
+  `tamper` writes over the reference's .olean at once (and fails the compile if it cannot);
+  `daemon` double-forks a daemon that, 0.5 s after the compile returned, writes the candidate's text over
+    every reference .olean of the job it can reach, so that a checker reading it would find the two equal;
+  `write_project` tries to plant files in the Lean project (Mathlib) and in $LEAN_FAKE_TOOLCHAIN.
+`compare` answers like the real checker on these stand-in .oleans (their text): the types match when
+the reference and the candidate state the same theorem, after a 1 s pause (the daemon's window).
+The theorem `vrl_selftest` is always compared so, as the host's self-test needs an honest checker.
+The checker's other lines are the hand-written ones in fixtures/recheck (see its README).
 """
 
 from __future__ import annotations
@@ -26,8 +33,41 @@ from pathlib import Path
 FIXTURES = Path(__file__).parent / "fixtures" / "recheck"
 
 
+def _statement(text: str) -> str:
+    """The `theorem ...` line of a stand-in .olean (the compiled source)."""
+    return next((ln.strip() for ln in text.splitlines() if ln.startswith("theorem ")), "")
+
+
+def _daemon(out: Path, text: str) -> None:
+    if os.fork():
+        return
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    time.sleep(0.5)
+    job = out.parent.parent
+    for target in (job / "reference" / "reference.olean", job / "check" / "reference.olean"):
+        try:
+            target.write_text(text)
+        except OSError:
+            pass
+    os._exit(0)
+
+
+def _plant(out: Path) -> None:
+    targets = [Path.cwd() / "Mathlib.olean"]
+    if os.environ.get("LEAN_FAKE_TOOLCHAIN"):
+        targets.append(Path(os.environ["LEAN_FAKE_TOOLCHAIN"]) / "Init.olean")
+    for target in targets:
+        try:
+            target.write_text("planted")
+            print(f"planted {target}")
+        except OSError as exc:
+            print(f"could not plant {target}: {exc}")
+
+
 def main(argv: list[str]) -> int:
-    script = json.loads(Path(os.environ["FAKE_LEAN_SCRIPT"]).read_text())
+    script = json.loads(Path(os.environ["LEAN_FAKE_SCRIPT"]).read_text())
     if argv[:1] == ["-o"]:
         out, src = Path(argv[1]), Path(argv[2])
         stem = src.stem
@@ -39,15 +79,29 @@ def main(argv: list[str]) -> int:
             print(f"{src}:3:2: error: unknown identifier 'h₀'")
             return 1
         if act == "tamper":
-            (out.parent.parent / "reference" / "reference.olean").write_text("forged")
+            try:
+                (out.parent.parent / "reference" / "reference.olean").write_text("forged")
+            except OSError as exc:
+                print(f"tamper failed: {exc}")
+                return 1
+        if act == "daemon":
+            _daemon(out, text)
+        if act == "write_project":
+            _plant(out)
         out.write_text(text)
         print(f"{src}:5:0: warning: declaration uses 'sorry'" if stem == "reference" else "")
         return 0
     if argv[:1] == ["--run"]:
         checker, cand, ref, name = argv[1:5]
         assert Path(checker).name == "VrlCheck.lean" and Path(checker).is_file(), checker
-        assert "sorry" in Path(ref).read_text() and Path(cand).is_file()
+        assert Path(cand).is_file() and Path(ref).is_file()
         act = script.get("check", "agree")
+        if name == "vrl_selftest":
+            act = "compare"
+        if act == "compare":
+            time.sleep(1.0)
+        else:
+            assert "sorry" in Path(ref).read_text()
         if act == "hang":
             time.sleep(60)
         if act == "crash":
@@ -57,7 +111,11 @@ def main(argv: list[str]) -> int:
             print("not json")
             return 0
         print("some warning Lean printed while compiling the checker")
-        line = json.loads((FIXTURES / f"{act}.json").read_text())
+        if act == "compare":
+            same = _statement(Path(cand).read_text()) == _statement(Path(ref).read_text())
+            line = json.loads((FIXTURES / f"{'agree' if same else 'type_mismatch'}.json").read_text())
+        else:
+            line = json.loads((FIXTURES / f"{act}.json").read_text())
         line["name"] = name
         print(json.dumps(line))
         return 0

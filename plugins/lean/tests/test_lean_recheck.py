@@ -10,6 +10,7 @@ server. The kimina server is `lean_replay` (recorded answers, canary answers syn
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -52,7 +53,7 @@ def fake_lean(tmp_path, monkeypatch):
     def script(**acts: str) -> list[str]:
         path = tmp_path / "fake_lean_script.json"
         path.write_text(json.dumps(acts))
-        monkeypatch.setenv("FAKE_LEAN_SCRIPT", str(path))
+        monkeypatch.setenv("LEAN_FAKE_SCRIPT", str(path))
         return FAKE_LEAN
 
     script()
@@ -97,9 +98,13 @@ def test_host_failures_never_pass(raw, outcome, status):
 # -- the host: fresh processes, stage by stage ----------------------------------------------------------------
 
 
-def run_host(tmp_path, lean, sub=None, timeout_s=30.0):
+def run_host(tmp_path, lean, sub=None, timeout_s=30.0, **kw):
     sub = sub or prepare(completion(), THM)
-    return recheck_host.recheck(job(sub, timeout_s), str(tmp_path), lean)
+    return recheck_host.recheck(job(sub, timeout_s), str(tmp_path), lean, **kw)
+
+
+needs_bwrap = pytest.mark.skipif(recheck_host.check_sandbox("/") is not None,
+                                 reason=f"needs a working bubblewrap: {recheck_host.check_sandbox('/')}")
 
 
 def test_host_compiles_reference_then_candidate_then_runs_the_checker(tmp_path, fake_lean):
@@ -120,12 +125,58 @@ def test_the_reference_is_the_trusted_statement_proved_by_sorry():
     ({"reference": "error"}, "reference_error", "compiling the reference"),
     ({"check": "crash"}, "error", "could not run"),
     ({"check": "garbage"}, "error", "without its JSON line"),
-    ({"candidate": "tamper"}, "error", "reference.olean changed while the candidate compiled"),
+    ({"candidate": "tamper"}, "compile_error", "tamper failed"),  # the sandbox does not show it the reference
 ], ids=["candidate compile error", "reference compile error", "checker crash", "checker garbage", "candidate tampers"])
 def test_host_stage_failures(tmp_path, fake_lean, acts, status, words):
     raw = run_host(tmp_path, fake_lean(**acts))
     assert raw["status"] == status and words in raw["detail"], raw
     assert not interpret(raw, "lean_workbook_101").agrees
+
+
+def test_without_the_sandbox_the_hashes_still_catch_a_tampering_compile(tmp_path, fake_lean):
+    raw = run_host(tmp_path, fake_lean(candidate="tamper"), sandbox="off")
+    assert raw["status"] == "error" and "reference.olean changed while the candidate compiled" in raw["detail"], raw
+
+
+# A cheat: the candidate proves another statement (as if something had changed its meaning), and its
+# compile runs code that rewrites the reference to match once the hashes are taken. `compare` says
+# `agree` only if that succeeded.
+
+
+@needs_bwrap
+@pytest.mark.parametrize("sandbox", ["bwrap", "off"])
+def test_a_daemon_that_rewrites_the_reference_after_hashing_never_gets_a_pass(tmp_path, fake_lean, sandbox):
+    """The stand-in compiler double-forks a daemon that outlives the compile and, 0.5 s later, writes the
+    candidate's statement over the reference .olean and its copy. In the sandbox it dies with the
+    compile (and sees neither file); without one, the copies' hashes after the checker give it away."""
+    honest = prepare(completion(), THM)
+    sub = dataclasses.replace(honest, code=honest.code.replace(": x = 513 :=", ": x = x :="))
+    assert sub.code != honest.code
+    raw = run_host(tmp_path, fake_lean(candidate="daemon", check="compare"), sub=sub, sandbox=sandbox)
+    decision = interpret(raw, "lean_workbook_101")
+    assert decision.status in (Status.FAILED, Status.CRASHED) and not decision.agrees, raw
+    assert raw["status"] == ("checked" if sandbox == "bwrap" else "error"), raw  # bwrap: type_mismatch, honestly
+    # The same cheat with nobody rewriting: the stand-in checker sees the mismatch (the test is not vacuous).
+    raw = run_host(tmp_path, fake_lean(check="compare"), sub=sub, sandbox=sandbox)
+    assert interpret(raw, "lean_workbook_101").outcome == "type_mismatch", raw
+
+
+@needs_bwrap
+def test_writes_into_the_project_and_the_toolchain_fail_inside_the_sandbox(tmp_path, fake_lean, monkeypatch):
+    toolchain = tmp_path / "toolchain"
+    toolchain.mkdir()
+    monkeypatch.setenv("LEAN_FAKE_TOOLCHAIN", str(toolchain))
+    raw = run_host(tmp_path, fake_lean(candidate="write_project", check="agree"))
+    assert raw["status"] == "checked", raw
+    assert not (tmp_path / "Mathlib.olean").exists() and not (toolchain / "Init.olean").exists()
+    # Without the sandbox the same compile plants both (what the sandbox prevents is real).
+    run_host(tmp_path, fake_lean(candidate="write_project", check="agree"), sandbox="off")
+    assert (tmp_path / "Mathlib.olean").exists() and (toolchain / "Init.olean").exists()
+
+
+def test_a_job_runs_no_longer_than_the_hosts_limit(tmp_path, fake_lean):
+    raw = run_host(tmp_path, fake_lean(candidate="hang"), timeout_s=3600, max_timeout_s=1.5)
+    assert raw["status"] == "timeout" and "1.5 s" in raw["detail"] and raw["elapsed_s"] < 20, raw
 
 
 @pytest.mark.parametrize("acts", [{"candidate": "hang"}, {"check": "hang"}], ids=["compile hangs", "checker hangs"])
@@ -374,3 +425,67 @@ def test_an_exploit_caught_by_a_canary_stops_the_run_before_the_update(tmp_path)
     assert trainer.run_dir.completed_iterations() == 0
     # recheck=off: the run's summary says its passes were not re-checked.
     assert any("NOT re-checked" in n for n in trainer.run_dir.summary()["notes"])
+
+
+# -- round 4: the host's defaults and its self-test ---------------------------------------------------------
+
+
+def test_the_http_host_refuses_a_non_numeric_content_length_and_listens_on_loopback(tmp_path, fake_lean):
+    import http.client
+
+    server = recheck_host.serve(str(tmp_path), port=0, lean=fake_lean(), api_key="k")
+    assert server.server_address[0] == "127.0.0.1"  # unless told otherwise
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_port, timeout=10)
+        conn.putrequest("POST", "/recheck")
+        conn.putheader("Authorization", "Bearer k")
+        conn.putheader("Content-Length", "12abc")
+        conn.endheaders()
+        resp = conn.getresponse()
+        assert resp.status == 400 and b"Content-Length" in resp.read()
+        conn.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_host_will_not_start_without_a_key_unless_told(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(recheck_host.API_KEY_VAR, raising=False)
+    with pytest.raises(SystemExit) as info:
+        recheck_host.main(["--project", str(tmp_path), "--lean", sys.executable])
+    assert info.value.code == 2 and recheck_host.API_KEY_VAR in capsys.readouterr().err
+
+
+async def test_the_client_sends_the_shared_key_from_the_environment(host, monkeypatch):
+    url = host(api_key="s3cret", check="agree")
+    monkeypatch.setenv(recheck_host.API_KEY_VAR, "s3cret")
+    checker = HttpRechecker(url, timeout_s=30)
+    assert (await checker.recheck(prepare(completion(), THM))).agrees
+    await checker.aclose()
+
+
+async def test_the_self_test_passes_an_honest_host_and_stops_a_run_on_a_broken_one(tmp_path, fake_lean):
+    from vrl.verifier import VerifierUnavailable
+
+    honest = LocalRechecker(str(tmp_path), lean=fake_lean(), timeout_s=30)
+    assert await honest.self_test() is None
+    v = LeanVerifier(client=KiminaClient("http://127.0.0.1:9", repls=1, max_retries=1), recheck=honest)
+    await v._check_recheck()  # no exception
+    await v.aclose()
+
+    class AgreesWithAnything(LocalRechecker):  # a host whose checker compares nothing
+        async def _run(self, job):
+            return record("agree") | {"check": {**record("agree")["check"], "name": job["name"]}}
+
+    class CannotCompileItsChecker(LocalRechecker):
+        async def _run(self, job):
+            return {"status": "error", "detail": "the checker exited with 1 without its JSON line: unknown constant"}
+
+    for broken, words in ((AgreesWithAnything, "proof of another statement"), (CannotCompileItsChecker, "true statement")):
+        v = LeanVerifier(client=KiminaClient("http://127.0.0.1:9", repls=1, max_retries=1),
+                         recheck=broken(str(tmp_path), lean=fake_lean(), timeout_s=30))
+        with pytest.raises(VerifierUnavailable) as info:
+            await v._check_recheck()
+        assert "self-test" in str(info.value) and words in str(info.value) and "\n" not in str(info.value)
+        await v.aclose()

@@ -45,6 +45,8 @@ class LeanOptions(EnvOptions):
         "(Lean on this machine, with lean_project), or `off` (passes stand on the server's answer alone: not "
         "recommended). Required: there is no silent default.",
     )
+    recheck_api_key: str | None = Field(None, description="The re-check host's key (its VRL_RECHECK_API_KEY); by "
+                                        "default the VRL_RECHECK_API_KEY of this process.")
     lean_project: str | None = Field(None, description="With recheck=local: the Lake project with Mathlib built.")
     lean_command: str = Field("lake env lean", description="With recheck=local: the command that runs Lean in lean_project.")
     recheck_timeout_s: float = Field(300.0, gt=0, description="Wall-clock limit of one re-check (three fresh Lean processes).")
@@ -120,6 +122,7 @@ class LeanEnvironment(Environment):
         self.recheck, self.lean_project, self.recheck_timeout_s = o.recheck, o.lean_project, o.recheck_timeout_s
         self.canary_rate, self.on_exploit, self.lean_command = o.canary_rate, o.on_exploit, o.lean_command
         self.server, self.api_key, self.data = o.server, o.api_key, o.data
+        self.recheck_api_key = o.recheck_api_key
         self.test_fraction, self.timeout_s = o.test_fraction, o.timeout_s
         self.max_heartbeats, self.repls = o.max_heartbeats, o.repls
         self._splits: dict[str, list[Problem]] | None = None
@@ -159,7 +162,7 @@ class LeanEnvironment(Environment):
             return None
         if self.recheck == "local":
             return LocalRechecker(self.lean_project, shlex.split(self.lean_command), timeout_s=self.recheck_timeout_s)
-        return HttpRechecker(self.recheck, self.api_key, timeout_s=self.recheck_timeout_s)
+        return HttpRechecker(self.recheck, self.recheck_api_key, timeout_s=self.recheck_timeout_s)
 
     def verifier(self) -> Verifier:
         if not self.server:

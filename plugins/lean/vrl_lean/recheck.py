@@ -16,6 +16,8 @@ container) and `LocalRechecker` (Lean on this machine, e.g. inside the kimina im
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -26,7 +28,11 @@ import httpx
 from vrl.types import Status
 from vrl_lean import recheck_host
 from vrl_lean.client import probe_health
-from vrl_lean.policy import ALLOWED_AXIOMS, Submission
+from vrl_lean.policy import ALLOWED_AXIOMS, Submission, Theorem, prepare
+
+
+SELF_TEST = "vrl_selftest"
+SELF_TEST_HEADER = "import Mathlib\nimport Aesop\n"
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,24 @@ class Rechecker(ABC):
         """None if the host can take jobs; else what is wrong."""
         return None
 
+    async def self_test(self) -> str | None:
+        """None if the host re-checks as it must: a true statement comes back agreed, one whose proof
+        proves another statement is refused. Else what went wrong, in one line. Run before the first
+        iteration: a checker that does not compile on the host would otherwise withhold every pass
+        while the run trains on."""
+        checks = []
+        for stated, proved in (("(2 : ℕ) + 2 = 4", "(2 : ℕ) + 2 = 4"), ("(2 : ℕ) + 2 = 5", "(2 : ℕ) + 3 = 5")):
+            theorem = Theorem(SELF_TEST, SELF_TEST_HEADER, f"theorem {SELF_TEST} : {stated}")
+            sub = prepare(f"```lean4\ntheorem {SELF_TEST} : {stated} := by\n  norm_num\n```", theorem, rechecked=True)
+            sub = dataclasses.replace(sub, code=sub.code.replace(f": {stated} :=", f": {proved} :="))
+            checks.append(await self.recheck(sub))
+        true, false = checks
+        if not true.agrees:
+            return f"a true statement was not re-checked ({true.detail})"
+        if false.agrees or false.outcome != "type_mismatch":
+            return f"a proof of another statement was not refused as a type mismatch ({false.outcome}: {false.detail})"
+        return None
+
     async def aclose(self) -> None:
         """Release connections."""
 
@@ -127,12 +151,16 @@ class Rechecker(ABC):
 class LocalRechecker(Rechecker):
     """Lean on this machine: `lean` (default `lake env lean`) run in the Mathlib project `project`."""
 
-    def __init__(self, project: str, lean: list[str] | None = None, timeout_s: float = 300.0, jobs: int = 2):
+    def __init__(self, project: str, lean: list[str] | None = None, timeout_s: float = 300.0, jobs: int = 2,
+                 sandbox: str = "bwrap"):
         super().__init__(timeout_s, jobs)
-        self.project, self.lean = project, list(lean or ["lake", "env", "lean"])
+        if sandbox not in recheck_host.SANDBOXES:
+            raise ValueError(f"sandbox must be one of {', '.join(recheck_host.SANDBOXES)}, got {sandbox!r}")
+        self.project, self.lean, self.sandbox = project, list(lean or ["lake", "env", "lean"]), sandbox
 
     async def _run(self, job: dict[str, Any]) -> dict[str, Any]:
-        return await asyncio.to_thread(recheck_host.recheck, job, self.project, self.lean)
+        return await asyncio.to_thread(recheck_host.recheck, job, self.project, self.lean, sandbox=self.sandbox,
+                                       max_timeout_s=self.timeout_s)
 
     async def probe(self) -> str | None:
         import shutil
@@ -142,11 +170,14 @@ class LocalRechecker(Rechecker):
             return f"no Lean project at {self.project!r}"
         if shutil.which(self.lean[0]) is None:
             return f"{self.lean[0]!r} is not on PATH"
+        if self.sandbox == "bwrap":
+            return await asyncio.to_thread(recheck_host.check_sandbox, self.project)
         return None
 
 
 class HttpRechecker(Rechecker):
-    """A `recheck_host.py` server at `url` (POST /recheck)."""
+    """A `recheck_host.py` server at `url` (POST /recheck). `api_key`: the host's key; by default the
+    value of VRL_RECHECK_API_KEY, the variable the host reads it from."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 300.0, jobs: int = 2,
                  transport: httpx.AsyncBaseTransport | None = None):
@@ -154,7 +185,7 @@ class HttpRechecker(Rechecker):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"the re-check URL must start with http:// or https://, got {url!r}")
         self.url = url.rstrip("/")
-        self.api_key = api_key
+        self.api_key = api_key if api_key is not None else os.environ.get(recheck_host.API_KEY_VAR) or None
         self._transport = transport
         self._http: httpx.AsyncClient | None = None
 

@@ -5,15 +5,23 @@ is not installed (`python recheck_host.py --project DIR --port 8001`, see docs/p
 
 For one job (`name`, `code`: the file the server accepted, `reference`: the trusted header and
 statement proved by `sorry`) it
-1. compiles `reference`, then `code`, to .olean files, each in a fresh Lean process (`lake env lean -o`)
-   in a directory of its own: nothing the model wrote runs in the process that judges it, and the
-   reference's .olean and the checker must hash the same after the candidate's compile as before;
-2. runs the trusted checker (`checker/VrlCheck.lean`, `lake env lean --run`) in another fresh
-   process: it loads the compiled candidate, replays every declaration through the kernel, compares
-   NAME's type with the reference's, and lists NAME's axioms; it prints one line of JSON.
+1. compiles `reference`, then `code`, to .olean files, each by a fresh Lean process (`lake env lean -o`)
+   in a throw-away bubblewrap sandbox of its own: the whole file system read-only (the toolchain and
+   Mathlib included), a private /tmp, no network, only the stage's own folder writable, no secrets in
+   the environment, and its own pid namespace, so every process the compile started (a double-forked
+   daemon too) is killed when it ends: nothing the model wrote outlives its compile or reaches what
+   judges it;
+2. copies the two .olean files and the checker into a fresh folder once the candidate's sandbox is
+   gone, hashes the copies, and runs the trusted checker (`checker/VrlCheck.lean`,
+   `lake env lean --run`) on them in another fresh sandbox where that folder is read-only: it
+   replays every declaration of the candidate through the kernel, compares NAME's type with the
+   reference's, and lists NAME's axioms; it prints one line of JSON.
 The answer is `{"status": "checked" | "compile_error" | "reference_error" | "timeout" | "error",
 "detail", "check" (the checker's JSON), "stages" (seconds per stage), "elapsed_s"}`; what it means
 for the verdict is decided by the caller (`vrl_lean.recheck.interpret`), not here.
+
+The HTTP server (`main`) needs a key (`VRL_RECHECK_API_KEY`, the same value on the client), listens on
+127.0.0.1 unless told otherwise, and caps every job's `timeout_s` at its own `--max-timeout-s`.
 """
 
 from __future__ import annotations
@@ -35,6 +43,15 @@ from typing import Any
 CHECKER = Path(__file__).resolve().parent / "checker" / "VrlCheck.lean"
 MAX_JOB_BYTES = 4 << 20
 """A job larger than this is refused (a Lean file of a few hundred KB is already absurd)."""
+MAX_TIMEOUT_S = 600.0
+"""The longest job a host runs by default, whatever the client asks (`--max-timeout-s`)."""
+API_KEY_VAR = "VRL_RECHECK_API_KEY"
+"""The environment variable holding the key, on the host and on the client (`HttpRechecker`)."""
+SANDBOXES = ("bwrap", "off")
+# What a stage's Lean process keeps of the host's environment: how to find Lean, Lake and elan. No
+# key or token reaches code the model wrote.
+_ENV_KEEP = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "USER")
+_ENV_PREFIXES = ("LEAN", "LAKE", "ELAN")
 
 
 class JobError(ValueError):
@@ -50,15 +67,52 @@ def _validate(job: Any) -> tuple[str, str, str, float]:
     if not all(c.isalnum() or c in "_.'!?" for c in name):
         raise JobError(f"not a plain theorem name: {name!r}")
     timeout = job.get("timeout_s", 300)
-    if not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
-        raise JobError("timeout_s must be a number of seconds in (0, 3600]")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise JobError("timeout_s must be a positive number of seconds")
     return name, code, reference, float(timeout)
 
 
-def _run(cmd: list[str], cwd: str, timeout_s: float) -> tuple[int | None, str, str]:
-    """(exit code or None on timeout, stdout, stderr) of a fresh process, killed with its group on timeout."""
+def sandbox_argv(project: str, writable: str | None, readable: tuple[str, ...] = ()) -> list[str]:
+    """bubblewrap around one Lean process: the file system read-only (toolchain and Mathlib included), a
+    private /tmp and /dev/shm, no network, no capabilities, its own pid namespace (killed with it, so no
+    process outlives the stage), the project as working directory. `writable`: the one folder it may
+    write (its own output); `readable`: folders under /tmp it may read."""
+    argv = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
+            "--cap-drop", "ALL", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+            "--tmpfs", "/tmp", "--tmpfs", "/dev/shm", "--ro-bind", project, project]
+    for folder in readable:
+        argv += ["--ro-bind", folder, folder]
+    if writable is not None:
+        argv += ["--bind", writable, writable]
+    return argv + ["--chdir", project, "--"]
+
+
+def check_sandbox(project: str) -> str | None:
+    """None if bubblewrap can run a sandboxed process here; else why not, in one line."""
+    if shutil.which("bwrap") is None:
+        return "bubblewrap (`bwrap`) is not installed: install the Debian/Ubuntu package `bubblewrap`"
+    try:
+        proc = subprocess.run([*sandbox_argv(project, None), "true"], capture_output=True, text=True, timeout=30,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap did not start: {exc}"
+    if proc.returncode != 0:
+        return (f"bubblewrap could not create a sandbox ({proc.stderr.strip()[:200] or proc.returncode}); it needs "
+                "unprivileged user namespaces (in Docker: --security-opt seccomp=unconfined)")
+    return None
+
+
+def _stage_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith(_ENV_PREFIXES)}
+
+
+def _run(cmd: list[str], cwd: str, timeout_s: float, sandbox: list[str] | None = None) -> tuple[int | None, str, str]:
+    """(exit code or None on timeout, stdout, stderr) of a fresh process, killed with its group on timeout.
+    With `sandbox` (a bubblewrap argv), the process runs inside it, with the kept environment only."""
+    if sandbox is not None:
+        cmd = [*sandbox, *cmd]
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=_stage_env() if sandbox is not None else None)
     try:
         out, err = proc.communicate(timeout=max(timeout_s, 0.001))
         return proc.returncode, out, err
@@ -76,9 +130,12 @@ def _tail(text: str, lines: int = 6) -> str:
     return " | ".join(kept[:lines])[:1500]
 
 
-def recheck(job: Any, project: str, lean: list[str] | None = None, checker: Path = CHECKER) -> dict[str, Any]:
-    """Re-check one job in fresh processes; see the module docstring. `lean`: the command that runs
-    Lean inside the Mathlib project (default `lake env lean`)."""
+def recheck(job: Any, project: str, lean: list[str] | None = None, checker: Path = CHECKER,
+            sandbox: str = "bwrap", max_timeout_s: float = MAX_TIMEOUT_S) -> dict[str, Any]:
+    """Re-check one job in fresh, sandboxed processes; see the module docstring. `lean`: the command
+    that runs Lean inside the Mathlib project (default `lake env lean`). `sandbox="off"` runs the
+    stages as plain processes (for debugging only: then code run by the candidate's compile is
+    contained by nothing but the hashes). The job's `timeout_s` is capped at `max_timeout_s`."""
     start = time.monotonic()
     stages: dict[str, float] = {}
 
@@ -90,44 +147,59 @@ def recheck(job: Any, project: str, lean: list[str] | None = None, checker: Path
         name, code, reference, timeout_s = _validate(job)
     except JobError as exc:
         return answer("error", f"bad job: {exc}")
+    if sandbox not in SANDBOXES:
+        return answer("error", f"sandbox must be one of {', '.join(SANDBOXES)}, got {sandbox!r}")
+    timeout_s = min(timeout_s, max_timeout_s)
     lean = list(lean or ["lake", "env", "lean"])
     if not Path(project).is_dir():
         return answer("error", f"no Lean project directory {project!r} (give the Mathlib project with --project)")
+    project = str(Path(project).resolve())
     if not checker.is_file():
         return answer("error", f"the trusted checker {checker} is missing")
     deadline = start + timeout_s
     with tempfile.TemporaryDirectory(prefix="vrl-recheck-") as tmp:
-        # The reference is compiled first, in a directory of its own; the candidate after it. Before the
-        # checker runs, the reference's .olean and the checker itself must still hash as they did before
-        # the candidate's process ran: nothing the candidate's compile did can reach what judges it.
-        dirs = {stem: Path(tmp) / stem for stem in ("reference", "candidate")}
+        # Each stage writes only its own folder; the candidate's sandbox sees neither the reference's nor
+        # the checker's. The checker reads copies made and hashed once the candidate's sandbox is gone.
+        dirs = {stem: Path(tmp) / stem for stem in ("reference", "candidate", "check")}
         texts = {"reference": reference, "candidate": code}
-        for stem, folder in dirs.items():
+        for folder in dirs.values():
             folder.mkdir()
-            (folder / f"{stem}.lean").write_text(texts[stem], encoding="utf-8")
-        olean = {stem: dirs[stem] / f"{stem}.olean" for stem in dirs}
-        guarded: dict[Path, str] = {}
+        olean = {stem: dirs[stem] / f"{stem}.olean" for stem in texts}
+        copies = {"reference": dirs["check"] / "reference.olean", "candidate": dirs["check"] / "candidate.olean",
+                  "checker": dirs["check"] / checker.name}
+        shutil.copyfile(checker, copies["checker"])
+        guarded = {copies["checker"]: _digest(copies["checker"])}  # each copy hashed when made
+        if guarded[copies["checker"]] != _digest(checker):
+            return answer("error", "the checker's copy differs from the trusted checker")
         for stem in ("reference", "candidate"):
+            source = dirs[stem] / f"{stem}.lean"
+            source.write_text(texts[stem], encoding="utf-8")
+            box = sandbox_argv(project, str(dirs[stem])) if sandbox == "bwrap" else None
             t0 = time.monotonic()
-            rc, out, err = _run([*lean, "-o", str(olean[stem]), str(dirs[stem] / f"{stem}.lean")], project,
-                                deadline - time.monotonic())
+            rc, out, err = _run([*lean, "-o", str(olean[stem]), str(source)], project, deadline - time.monotonic(), box)
             stages[f"compile_{stem}_s"] = round(time.monotonic() - t0, 3)
             if rc is None:
                 return answer("timeout", f"compiling the {stem} did not finish within {timeout_s:g} s")
             if rc != 0:
                 status = "compile_error" if stem == "candidate" else "reference_error"
                 return answer(status, f"lean exited with {rc} compiling the {stem}: {_tail(out + chr(10) + err)}")
-            if stem == "reference":
-                guarded = {f: _digest(f) for f in (olean["reference"], checker)}
-        changed = [f.name for f, digest in guarded.items() if _digest(f) != digest]
-        if changed:
-            return answer("error", f"{', '.join(changed)} changed while the candidate compiled: the candidate ran code")
+            if not olean[stem].is_file():
+                return answer("error", f"compiling the {stem} wrote no .olean")
+            shutil.copyfile(olean[stem], copies[stem])
+            guarded[copies[stem]] = _digest(copies[stem])
+        for original, copy in ((olean["reference"], copies["reference"]), (checker, copies["checker"])):
+            if _digest(original) != guarded[copy] or _digest(copy) != guarded[copy]:
+                return answer("error", f"{copy.name} changed while the candidate compiled: the candidate ran code")
         t0 = time.monotonic()
-        rc, out, err = _run([*lean, "--run", str(checker), str(olean["candidate"]), str(olean["reference"]), name],
-                            project, deadline - time.monotonic())
+        box = sandbox_argv(project, None, (str(dirs["check"]),)) if sandbox == "bwrap" else None
+        rc, out, err = _run([*lean, "--run", str(copies["checker"]), str(copies["candidate"]), str(copies["reference"]),
+                             name], project, deadline - time.monotonic(), box)
         stages["check_s"] = round(time.monotonic() - t0, 3)
         if rc is None:
             return answer("timeout", f"the checker did not finish within {timeout_s:g} s")
+        changed = [f.name for f, digest in guarded.items() if _digest(f) != digest]
+        if changed:
+            return answer("error", f"{', '.join(changed)} changed while the checker ran")
         lines = [ln for ln in out.strip().splitlines() if ln.strip()]
         try:
             check = json.loads(lines[-1]) if lines else None
@@ -148,9 +220,11 @@ def _digest(path: Path) -> str:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], project: str, lean: list[str], jobs: int, api_key: str | None):
+    def __init__(self, address: tuple[str, int], project: str, lean: list[str], jobs: int, api_key: str | None,
+                 sandbox: str = "bwrap", max_timeout_s: float = MAX_TIMEOUT_S):
         super().__init__(address, _Handler)
         self.project, self.lean, self.api_key = project, lean, api_key
+        self.sandbox, self.max_timeout_s = sandbox, max_timeout_s
         self.slots = threading.Semaphore(jobs)  # each job holds up to three Lean processes with Mathlib loaded
 
 
@@ -186,7 +260,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(404, {"detail": "not found"})
         if not self._authorised():
             return self._send(401, {"detail": "missing or wrong API key"})
-        size = int(self.headers.get("Content-Length") or 0)
+        try:
+            size = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            return self._send(400, {"detail": "Content-Length is not a number"})
         if size <= 0 or size > MAX_JOB_BYTES:
             return self._send(413 if size else 400, {"detail": f"a job is 1 to {MAX_JOB_BYTES} bytes of JSON"})
         try:
@@ -194,28 +271,47 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             return self._send(400, {"detail": "the body is not JSON"})
         with self.server.slots:
-            result = recheck(job, self.server.project, self.server.lean)
+            result = recheck(job, self.server.project, self.server.lean, sandbox=self.server.sandbox,
+                             max_timeout_s=self.server.max_timeout_s)
         self._send(200, result)
 
 
-def serve(project: str, port: int = 8001, host: str = "0.0.0.0", lean: list[str] | None = None, jobs: int = 2,
-          api_key: str | None = None) -> _Server:
-    """A started server (call `serve_forever()`); `port=0` picks a free port (`server.server_port`)."""
-    return _Server((host, port), project, list(lean or ["lake", "env", "lean"]), jobs, api_key)
+def serve(project: str, port: int = 8001, host: str = "127.0.0.1", lean: list[str] | None = None, jobs: int = 2,
+          api_key: str | None = None, sandbox: str = "bwrap", max_timeout_s: float = MAX_TIMEOUT_S) -> _Server:
+    """A started server (call `serve_forever()`); `port=0` picks a free port (`server.server_port`).
+    `api_key=None` serves without authentication (tests, or `--no-auth` behind another gate)."""
+    if sandbox not in SANDBOXES:
+        raise ValueError(f"sandbox must be one of {', '.join(SANDBOXES)}, got {sandbox!r}")
+    if not max_timeout_s > 0:
+        raise ValueError("max_timeout_s must be positive")
+    return _Server((host, port), project, list(lean or ["lake", "env", "lean"]), jobs, api_key, sandbox, max_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="vrl's out-of-process re-check of Lean passes (POST /recheck, GET /health).")
     ap.add_argument("--project", required=True, help="the Lake project with Mathlib built (where `lake env lean` works)")
     ap.add_argument("--port", type=int, default=8001)
-    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     ap.add_argument("--jobs", type=int, default=2, help="re-checks at once (each loads Mathlib up to three times)")
+    ap.add_argument("--max-timeout-s", type=float, default=MAX_TIMEOUT_S, help="the longest job, whatever a client asks")
     ap.add_argument("--lean", default="lake env lean", help="the command that runs Lean in the project")
+    ap.add_argument("--sandbox", choices=SANDBOXES, default="bwrap",
+                    help="bwrap: every Lean process in a throw-away bubblewrap sandbox; off: debugging only")
+    ap.add_argument("--no-auth", action="store_true", help=f"serve without a key (default: {API_KEY_VAR} is required)")
     args = ap.parse_args(argv)
     if shutil.which(args.lean.split()[0]) is None:
         ap.error(f"{args.lean.split()[0]!r} is not on PATH")
-    server = serve(args.project, args.port, args.host, args.lean.split(), args.jobs, os.environ.get("VRL_RECHECK_API_KEY"))
-    print(f"recheck_host: serving on {args.host}:{server.server_port} for {args.project}", flush=True)
+    key = os.environ.get(API_KEY_VAR) or None
+    if key is None and not args.no_auth:
+        ap.error(f"set {API_KEY_VAR} to a secret shared with the client (the same variable, or -o recheck_api_key=, "
+                 "where vrl runs), or pass --no-auth behind another gate")
+    if args.sandbox == "bwrap":
+        why = check_sandbox(args.project)
+        if why:
+            ap.error(f"{why}; or pass --sandbox off (debugging only)")
+    server = serve(args.project, args.port, args.host, args.lean.split(), args.jobs, key, args.sandbox, args.max_timeout_s)
+    print(f"recheck_host: serving on {args.host}:{server.server_port} for {args.project} (sandbox {args.sandbox}, "
+          f"{'key required' if key else 'NO authentication'}, jobs of at most {args.max_timeout_s:g} s)", flush=True)
     server.serve_forever()
 
 

@@ -214,6 +214,10 @@ class LeanVerifier(Verifier):
             why = await self.rechecker.probe()
             if why:
                 raise VerifierUnavailable(f"the re-check host cannot take jobs ({why}): {START_RECHECK}")
+            why = await self.rechecker.self_test()
+            if why:
+                raise VerifierUnavailable(f"the re-check host failed its self-test: {why}; see docs/plugins/lean.md "
+                                          "('The re-check')")
 
     async def aclose(self) -> None:
         await self.client.aclose()
