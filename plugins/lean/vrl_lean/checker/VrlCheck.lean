@@ -14,8 +14,10 @@ Stdout: exactly one JSON line. Exit 0 whenever the check ran, whatever the verdi
 message on stderr when it could not run (bad arguments, a missing `.olean`, an import that fails).
 
 Written against the Lean v4.15.0 sources (Lean/Replay.lean, Lean/Util/CollectAxioms.lean,
-Lean/Environment.lean, Lean/Util/Path.lean, Lean/Util/FoldConsts.lean, Lean/Data/Json) and never
-compiled here: no Lean toolchain was available when it was written.
+Lean/Environment.lean, Lean/Util/Path.lean, Lean/Util/FoldConsts.lean, Lean/Data/Json). Elaborated
+against a real Lean 4.28 (core, no Mathlib; tests/test_lean_wasm.py): every name, signature and
+instance resolves there; code generation was not checked (that build cannot compile programs that
+use library internals). It has not run against the kimina image's v4.15.0.
 -/
 import Lean
 import Lean.Replay
@@ -31,7 +33,8 @@ def vrlKind : ConstantInfo → String
   | .ctorInfo _   => "constructor"
   | .recInfo _    => "recursor"
 
-def vrlClip (s : String) : String := if s.length ≤ 500 then s else s.take 500 ++ "…"
+-- `toString`: `String.take` returns a `String` in v4.15 and a `String.Slice` in later versions.
+def vrlClip (s : String) : String := if s.length ≤ 500 then s else toString (s.take 500) ++ "…"
 
 /-- A module's imports and the constants it defines, read from its `.olean` as plain data. -/
 def vrlLoad (arg : String) : IO (Array Import × Std.HashMap Name ConstantInfo) := do
