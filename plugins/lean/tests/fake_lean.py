@@ -117,6 +117,7 @@ def main(argv: list[str]) -> int:
         else:
             line = json.loads((FIXTURES / f"{act}.json").read_text())
         line["name"] = name
+        line["fake_heartbeats"] = argv[5] if len(argv) > 5 else None  # what the host passed the checker
         print(json.dumps(line))
         return 0
     print(f"fake_lean: unexpected arguments {argv}", file=sys.stderr)

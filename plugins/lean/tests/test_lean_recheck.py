@@ -110,6 +110,9 @@ needs_bwrap = pytest.mark.skipif(recheck_host.check_sandbox("/") is not None,
 def test_host_compiles_reference_then_candidate_then_runs_the_checker(tmp_path, fake_lean):
     raw = run_host(tmp_path, fake_lean(check="agree"))
     assert raw["status"] == "checked" and raw["check"]["name"] == "lean_workbook_101"
+    assert raw["check"]["fake_heartbeats"] == "400000"  # the kernel replay gets the header's limit
+    assert recheck_host.header_heartbeats("import Mathlib\n") == recheck_host.header_heartbeats(
+        "set_option maxHeartbeats 0\n") == 200_000
     assert list(raw["stages"]) == ["compile_reference_s", "compile_candidate_s", "check_s"]
     assert interpret(raw, "lean_workbook_101").agrees
 

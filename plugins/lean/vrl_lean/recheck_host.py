@@ -14,7 +14,7 @@ statement proved by `sorry`) it
 2. copies the two .olean files and the checker into a fresh folder once the candidate's sandbox is
    gone, hashes the copies, and runs the trusted checker (`checker/VrlCheck.lean`,
    `lake env lean --run`) on them in another fresh sandbox where that folder is read-only: it
-   replays every declaration of the candidate through the kernel, compares NAME's type with the
+   replays every declaration of the candidate through the kernel (with the header's heartbeat limit), compares NAME's type with the
    reference's, and lists NAME's axioms; it prints one line of JSON.
 The answer is `{"status": "checked" | "compile_error" | "reference_error" | "timeout" | "error",
 "detail", "check" (the checker's JSON), "stages" (seconds per stage), "elapsed_s"}`; what it means
@@ -30,6 +30,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -193,7 +194,7 @@ def recheck(job: Any, project: str, lean: list[str] | None = None, checker: Path
         t0 = time.monotonic()
         box = sandbox_argv(project, None, (str(dirs["check"]),)) if sandbox == "bwrap" else None
         rc, out, err = _run([*lean, "--run", str(copies["checker"]), str(copies["candidate"]), str(copies["reference"]),
-                             name], project, deadline - time.monotonic(), box)
+                             name, str(header_heartbeats(reference))], project, deadline - time.monotonic(), box)
         stages["check_s"] = round(time.monotonic() - t0, 3)
         if rc is None:
             return answer("timeout", f"the checker did not finish within {timeout_s:g} s")
@@ -208,6 +209,18 @@ def recheck(job: Any, project: str, lean: list[str] | None = None, checker: Path
         if rc != 0 or not isinstance(check, dict) or check.get("vrl_check") != 1:
             return answer("error", f"the checker exited with {rc} without its JSON line: {_tail(err or out)}")
         return answer("checked", "the checker ran", check)
+
+
+_HEARTBEATS = re.compile(r"^set_option\s+maxHeartbeats\s+(\d+)\s*$", re.MULTILINE)
+LEAN_DEFAULT_HEARTBEATS = 200_000
+
+
+def header_heartbeats(reference: str) -> int:
+    """The trusted header's `set_option maxHeartbeats N` (the limit the server checked under), for the
+    checker's kernel replay; Lean's default where the header sets none (or 0, which means none)."""
+    match = _HEARTBEATS.search(reference)
+    value = int(match.group(1)) if match else 0
+    return value if value > 0 else LEAN_DEFAULT_HEARTBEATS
 
 
 def _digest(path: Path) -> str:

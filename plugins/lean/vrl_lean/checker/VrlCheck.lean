@@ -1,7 +1,7 @@
 /-
 VrlCheck: vrl's out-of-process re-check of one Lean pass (after lean4checker / comparator / SafeVerify).
 
-  lake env lean --run VrlCheck.lean <candidate> <reference> <theorem_name>
+  lake env lean --run VrlCheck.lean <candidate> <reference> <theorem_name> [<max_heartbeats>]
 
 <candidate> and <reference> are each a compiled `.olean` file (a path ending in `.olean`) or a module
 name found through LEAN_PATH (append the job directory to LEAN_PATH, never prepend it, so nothing
@@ -58,7 +58,25 @@ partial def vrlReach (cs : Std.HashMap Name ConstantInfo) (n : Name) (seen : Nam
       s := vrlReach cs m s
     return s
 
-def vrlCheck (candArg refArg : String) (thm : Name) : IO Json := do
+/-- Send `n` and, first, the candidate constants it uses through the kernel, under the options of the
+`CoreM` context (the header's heartbeat limit). Unsafe and `partial` constants are skipped (reported
+below); an inductive type, constructor, recursor or quotient is refused: the policy accepts none, and
+its generated parts would need checks of their own. -/
+partial def vrlReplay (cand : Std.HashMap Name ConstantInfo) (n : Name) : StateT NameSet CoreM Unit := do
+  if (← get).contains n then return
+  let some ci := cand[n]? | return
+  modify (·.insert n)
+  if ci.isUnsafe || ci.isPartial then return
+  for m in ci.getUsedConstantsAsSet do
+    vrlReplay cand m
+  match ci with
+  | .defnInfo v   => addDecl (.defnDecl v)
+  | .thmInfo v    => addDecl (.thmDecl v)
+  | .opaqueInfo v => addDecl (.opaqueDecl v)
+  | .axiomInfo v  => addDecl (.axiomDecl v)
+  | _ => throwError "{n} is a {vrlKind ci}: not replayed (no inductive types are accepted)"
+
+def vrlCheck (candArg refArg : String) (thm : Name) (heartbeats : Nat) : IO Json := do
   let (candImports, cand) ← vrlLoad candArg
   let (refImports, refCs) ← vrlLoad refArg
   let some refCi := refCs[thm]?
@@ -68,16 +86,18 @@ def vrlCheck (candArg refArg : String) (thm : Name) : IO Json := do
   if candImports.map (·.module) != refImports.map (·.module) then
     errs := errs.push "imports: the candidate's imports differ from the reference's"
   -- 2. Kernel replay: a fresh environment holding only the candidate's imports, then every constant
-  -- the candidate module defines goes through the kernel again, in dependency order
-  -- (`Environment.replay`; it skips unsafe and partial ones, and checks that constructors and
-  -- recursors equal the ones the kernel regenerates). So a declaration that entered the
-  -- environment without a kernel check (skipKernelTC, environment hacking) fails here.
-  -- Replay passes empty options: the kernel gets Lean's default maxHeartbeats (200000), not the header's.
+  -- the candidate module defines goes through the kernel again, dependencies first (`vrlReplay`), with
+  -- the header's heartbeat limit (Lean's `Environment.replay` passes empty options: the default
+  -- 200000, so an honest proof between the two limits would time out here). A declaration that
+  -- entered the environment without a kernel check (skipKernelTC, environment hacking) fails here.
   let env ← importModules candImports {}
   let mut env' := env
   let mut replayOk := false
+  let opts : Options := maxHeartbeats.set {} heartbeats
   try
-    env' ← env.replay cand
+    let run := (cand.toList.map (·.1)).forM (vrlReplay cand) |>.run' {}
+    let (_, st) ← run.toIO { fileName := "<vrl-check>", fileMap := default, options := opts } { env := env }
+    env' := st.env
     replayOk := true
   catch e =>
     errs := errs.push s!"replay: {e}"
@@ -133,16 +153,20 @@ def vrlCheck (candArg refArg : String) (thm : Name) : IO Json := do
     ("error", toJson err?)]
 
 def main (args : List String) : IO UInt32 := do
-  match args with
+  let (files, heartbeats) := match args with
+    | [c, r, t, hb] => ([c, r, t], hb.toNat?.getD 0)
+    | other => (other, 200000)
+  match files with
   | [cand, refArg, thm] =>
     try
+      if heartbeats == 0 then throw <| IO.userError "max_heartbeats must be a positive number"
       initSearchPath (← findSysroot)  -- the toolchain's lib/lean, after the LEAN_PATH entries
-      let out ← vrlCheck cand refArg thm.toName
+      let out ← vrlCheck cand refArg thm.toName heartbeats
       IO.println out.compress
       return 0
     catch e =>
       IO.eprintln s!"VrlCheck could not run: {e}"
       return 1
   | _ =>
-    IO.eprintln "usage: lean --run VrlCheck.lean <candidate(.olean)> <reference(.olean)> <theorem_name>"
+    IO.eprintln "usage: lean --run VrlCheck.lean <candidate(.olean)> <reference(.olean)> <theorem_name> [<max_heartbeats>]"
     return 1
