@@ -490,3 +490,27 @@ def test_checkpoint_time_is_reported_apart_from_the_loop(tmp_path, monkeypatch):
     rows = RunDir.open(tmp_path / "run").metrics()
     assert all(r["save_s"] >= 3600 for r in rows)
     assert all(r["loop_s"] < 3600 for r in rows)  # no save in it (the tiny loop takes seconds, not an hour)
+
+
+def test_an_environment_note_reaches_the_summary_table_and_summary_json(tmp_path):
+    """`Environment.summary_notes` (none by default) lands in the closing table and summary.json: how a
+    plugin says a run was judged with a check turned off (lean's recheck=off)."""
+    import io
+
+    from rich.console import Console
+
+    from vrl import console as show
+
+    assert LettersEnvironment().summary_notes() == []
+    out = io.StringIO()
+    show.summary(Console(file=out, width=200), {"name": "r", "status": "finished", "notes": ["passes NOT re-checked"]},
+                 tmp_path)
+    assert "note" in out.getvalue() and "passes NOT re-checked" in out.getvalue()
+
+    class Noted(LettersEnvironment):
+        def summary_notes(self):
+            return ["judged without a check"]
+
+    trainer = Trainer(small_config(tmp_path, iterations=1), environment=Noted())
+    assert trainer.run()["notes"] == ["judged without a check"]
+    assert json.loads((trainer.run_dir.path / "summary.json").read_text())["notes"] == ["judged without a check"]
