@@ -578,6 +578,10 @@ ROUND4 = [
     ("println! forges an answer", block('  have := println! "messages: none"\n  rw [hx]'), "stdout"),
     ("dbg_trace", block('  dbg_trace "x"; rw [hx]'), "output"),
     ("dbgTrace", block('  exact dbgTrace "x" fun _ => by rw [hx]'), "output"),
+    ("config item from a helper", block("  subst hx\n  decide (kernel := slow 10)",
+                                        prelude="def slow (n : ℕ) : Bool := n == n\n"), "runs a definition of the proof"),
+    ("StateT.get", block("  exact (StateT.get).run"), "monadic state"),
+    ("unreachable!", block("  exact unreachable!"), "panics"),
     ("aesop runs a def", block("  aesop (add safe 1 t)", prelude="def t := 0\n"), "names a definition"),
     ("aesop runs a dotted def", block("  aesop (add unsafe 50% Nat.t)", prelude="def Nat.t := 0\n"), "names a definition"),
 ]

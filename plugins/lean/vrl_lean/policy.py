@@ -165,6 +165,8 @@ BANNED_NAMES: dict[str, str] = {
     "dbgStackTrace": "`dbgStackTrace` writes to the Lean process's output while the proof is checked",
     "dbgSleep": "`dbgSleep` stalls the Lean process",
     "panic!": "`panic!` writes to the Lean process's output",
+    "unreachable!": "`unreachable!` panics, writing to the Lean process's output",
+    "assert!": "`assert!` panics, writing to the Lean process's output",
 }
 
 # Fields of tactic configurations whose values are code (Mathlib's `LinarithConfig.discharger :
@@ -186,6 +188,9 @@ MONADIC_STATE: dict[str, str] = {
               "getMainGoal", "getUnsolvedGoals", "replaceMainGoal")
 }
 CONFIG_LITERALS = frozenset({"true", "false"})
+# Refused as any part of a dotted name too (`StateT.get`, `MonadState.modifyGet`); `get`, `set` and
+# `modify` only alone, since `List.get` or `l.modify` are data.
+_STATE_PARTS = frozenset(MONADIC_STATE) - {"get", "modify", "getThe", "modifyThe"}
 
 # -- meta code ---------------------------------------------------------------------------------------
 # A proof is a term or a tactic script: nothing in it needs Lean's meta level, and meta code that runs
@@ -393,8 +398,9 @@ def _scan(tokens: list[Token], text: str, how: str = "") -> None:
         if t.text in META_FIELDS and not t.escaped and nxt is not None and nxt.text == ":=" and prev is not None \
                 and prev.text in ("(", "{", ","):
             raise Rejected(f"`{t.text} :=` on line {_line(text, t.start)}: {META_FIELDS[t.text]}")
-        if t.text in MONADIC_STATE and not t.escaped:
-            raise Rejected(f"`{t.text}` on line {_line(text, t.start)}: {MONADIC_STATE[t.text]}; a proof needs none")
+        state = t.text if t.text in MONADIC_STATE else next((p for p in t.parts if p in _STATE_PARTS), None)
+        if state is not None and not t.escaped:
+            raise Rejected(f"`{t.text}` on line {_line(text, t.start)}: {MONADIC_STATE[state]}; a proof needs none")
         if t.text == "set" and not t.escaped and not _set_tactic(tokens, k):
             raise Rejected(f"`set` on line {_line(text, t.start)} is not Mathlib's `set x := e with h` tactic: "
                            "monadic `set` changes state (in a tactic monad, the proof state itself)")
@@ -612,6 +618,30 @@ class _Rebuild:
                                    "Aesop runs a constant of tactic type as a tactic; add lemmas (theorem/lemma) only")
                 j += 1
 
+    def named_items(self, defs: set[str]) -> None:
+        """A `(name := value)` item after a tactic is a config field, and Lean evaluates its value as
+        compiled code (`decide (kernel := slow 10)` runs `slow`, with no heartbeat limit). The policy
+        cannot tell it from a named argument, so neither may mention a `def`/`abbrev` of the proof."""
+        if not defs:
+            return
+        tails = {d.split(".")[-1] for d in defs}
+        tokens = self.tokens
+        for k in range(len(tokens) - 2):
+            if not (tokens[k].text == "(" and tokens[k + 1].kind == "word" and tokens[k + 2].text == ":="):
+                continue
+            depth, j = 1, k + 3
+            while j < len(tokens) and depth:
+                u = tokens[j]
+                if u.kind == "symbol" and u.text in "([{⟨":
+                    depth += 1
+                elif u.kind == "symbol" and u.text in ")]}⟩":
+                    depth -= 1
+                elif u.kind == "word" and (u.text in defs or u.parts[-1] in tails):
+                    raise Rejected(f"`({tokens[k + 1].text} := ... {u.text} ...)` on line {self.line(u)}: a config item's "
+                                   "value is evaluated as compiled code, and this one runs a definition of the proof; "
+                                   "use a literal")
+                j += 1
+
     def is_boundary(self, k: int) -> bool:
         t = self.tokens[k]
         if t.text == "@[" and t.kind == "symbol":
@@ -819,7 +849,9 @@ class _Rebuild:
                 others.append(f"{keyword} {decl.text}")
         if not mains:
             raise Rejected(_missing_declaration(code, name, others))
-        self.aesop_rules({o.split()[1] for o in others if o.split()[0] in ("def", "abbrev")})
+        defs = {o.split()[1] for o in others if o.split()[0] in ("def", "abbrev")}
+        self.aesop_rules(defs)
+        self.named_items(defs)
         if examples:
             raise Rejected(f"`example` on line {self.line(examples[0])} is not accepted: prove `theorem {name}` and helper lemmas only")
         if len(mains) > 1:
