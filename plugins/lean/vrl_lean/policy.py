@@ -606,17 +606,24 @@ class _Rebuild:
         for k, t in enumerate(tokens[:-1]):
             if not (t.kind == "symbol" and t.text == "(" and _keyword(tokens[k + 1]) == "add"):
                 continue
-            depth, j = 1, k + 2
-            while j < len(tokens) and depth:
-                u = tokens[j]
-                if u.kind == "symbol" and u.text in "([{⟨":
-                    depth += 1
-                elif u.kind == "symbol" and u.text in ")]}⟩":
-                    depth -= 1
-                elif u.kind == "word" and (u.text in defs or u.parts[-1] in tails):
+            for u in self._words_until_close(k + 2):
+                if u.text in defs or u.parts[-1] in tails:
                     raise Rejected(f"aesop rule `{u.text}` on line {self.line(u)} names a definition of this proof: "
                                    "Aesop runs a constant of tactic type as a tactic; add lemmas (theorem/lemma) only")
-                j += 1
+
+    def _words_until_close(self, j: int) -> list[Token]:
+        """The words from `j` up to the bracket that closes the one opened just before `j`."""
+        depth, words = 1, []
+        while j < len(self.tokens) and depth:
+            u = self.tokens[j]
+            if u.kind == "symbol" and u.text in "([{⟨":
+                depth += 1
+            elif u.kind == "symbol" and u.text in ")]}⟩":
+                depth -= 1
+            elif u.kind == "word":
+                words.append(u)
+            j += 1
+        return words
 
     def named_items(self, defs: set[str]) -> None:
         """A `(name := value)` item after a tactic is a config field, and Lean evaluates its value as
@@ -629,18 +636,11 @@ class _Rebuild:
         for k in range(len(tokens) - 2):
             if not (tokens[k].text == "(" and tokens[k + 1].kind == "word" and tokens[k + 2].text == ":="):
                 continue
-            depth, j = 1, k + 3
-            while j < len(tokens) and depth:
-                u = tokens[j]
-                if u.kind == "symbol" and u.text in "([{⟨":
-                    depth += 1
-                elif u.kind == "symbol" and u.text in ")]}⟩":
-                    depth -= 1
-                elif u.kind == "word" and (u.text in defs or u.parts[-1] in tails):
+            for u in self._words_until_close(k + 3):
+                if u.text in defs or u.parts[-1] in tails:
                     raise Rejected(f"`({tokens[k + 1].text} := ... {u.text} ...)` on line {self.line(u)}: a config item's "
                                    "value is evaluated as compiled code, and this one runs a definition of the proof; "
                                    "use a literal")
-                j += 1
 
     def is_boundary(self, k: int) -> bool:
         t = self.tokens[k]
