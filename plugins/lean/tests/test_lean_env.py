@@ -215,6 +215,9 @@ def test_modal_sandbox_runs_kimina_as_a_sidecar():
     # Inside the sandbox Lean is at hand: the re-check runs there, in the image's Mathlib project.
     assert spec.options["recheck"] == "local" and spec.options["lean_project"] == KIMINA.lean_project
     assert rebuilt.verifier().rechecker.project == KIMINA.lean_project
+    assert spec.options["recheck_sandbox"] == "bwrap" and rebuilt.verifier().rechecker.sandbox == "bwrap"
+    off = LeanEnvironment(server="http://x", recheck="local", lean_project="/p", recheck_sandbox="off")
+    assert off.verifier().rechecker.sandbox == "off"
 
 
 def test_a_lean_sandbox_is_ready_only_with_mathlib_loaded_and_a_proof_judged():

@@ -47,6 +47,9 @@ class LeanOptions(EnvOptions):
     )
     recheck_api_key: str | None = Field(None, description="The re-check host's key (its VRL_RECHECK_API_KEY); by "
                                         "default the VRL_RECHECK_API_KEY of this process.")
+    recheck_sandbox: Literal["bwrap", "off"] = Field(
+        "bwrap", description="With recheck=local: run each Lean process of a re-check in a throw-away bubblewrap "
+        "sandbox (bwrap, the default; the `bubblewrap` package must be installed) or not (off: debugging only).")
     lean_project: str | None = Field(None, description="With recheck=local: the Lake project with Mathlib built.")
     lean_command: str = Field("lake env lean", description="With recheck=local: the command that runs Lean in lean_project.")
     recheck_timeout_s: float = Field(300.0, gt=0, description="Wall-clock limit of one re-check (three fresh Lean processes).")
@@ -122,7 +125,7 @@ class LeanEnvironment(Environment):
         self.recheck, self.lean_project, self.recheck_timeout_s = o.recheck, o.lean_project, o.recheck_timeout_s
         self.canary_rate, self.on_exploit, self.lean_command = o.canary_rate, o.on_exploit, o.lean_command
         self.server, self.api_key, self.data = o.server, o.api_key, o.data
-        self.recheck_api_key = o.recheck_api_key
+        self.recheck_api_key, self.recheck_sandbox = o.recheck_api_key, o.recheck_sandbox
         self.test_fraction, self.timeout_s = o.test_fraction, o.timeout_s
         self.max_heartbeats, self.repls = o.max_heartbeats, o.repls
         self._splits: dict[str, list[Problem]] | None = None
@@ -161,7 +164,8 @@ class LeanEnvironment(Environment):
         if self.recheck == "off":
             return None
         if self.recheck == "local":
-            return LocalRechecker(self.lean_project, shlex.split(self.lean_command), timeout_s=self.recheck_timeout_s)
+            return LocalRechecker(self.lean_project, shlex.split(self.lean_command), timeout_s=self.recheck_timeout_s,
+                                  sandbox=self.recheck_sandbox)
         return HttpRechecker(self.recheck, self.recheck_api_key, timeout_s=self.recheck_timeout_s)
 
     def verifier(self) -> Verifier:
@@ -203,7 +207,8 @@ class LeanEnvironment(Environment):
         options = {"server": local, "timeout_s": self.timeout_s, "max_heartbeats": self.max_heartbeats, "repls": self.repls,
                    "canary_rate": self.canary_rate, "on_exploit": self.on_exploit, "recheck_timeout_s": self.recheck_timeout_s}
         # In the sandbox, Lean and Mathlib are at hand: re-check there, unless the user turned it off.
-        options.update({"recheck": "off"} if self.recheck == "off" else {"recheck": "local", "lean_project": KIMINA.lean_project})
+        options.update({"recheck": "off"} if self.recheck == "off" else
+                       {"recheck": "local", "lean_project": KIMINA.lean_project, "recheck_sandbox": self.recheck_sandbox})
         return {
             "image": KIMINA.image,
             "sidecar": KIMINA.command,
