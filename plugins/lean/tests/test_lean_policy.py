@@ -580,6 +580,8 @@ ROUND4 = [
     ("dbgTrace", block('  exact dbgTrace "x" fun _ => by rw [hx]'), "output"),
     ("config item from a helper", block("  subst hx\n  decide (kernel := slow 10)",
                                         prelude="def slow (n : ℕ) : Bool := n == n\n"), "runs a definition of the proof"),
+    ("leading-dot helper in a config", block("  subst hx\n  decide (config := { kernel := .slow })",
+                                            prelude="def Bool.slow : Bool := true\n"), "runs a definition of the proof"),
     ("StateT.get", block("  exact (StateT.get).run"), "monadic state"),
     ("unreachable!", block("  exact unreachable!"), "panics"),
     ("aesop runs a def", block("  aesop (add safe 1 t)", prelude="def t := 0\n"), "names a definition"),
@@ -605,6 +607,9 @@ def test_round4_attacks_are_refused_with_a_reason(completion, reason):
     "  rw [← Nat.add_zero x, hx]",
     "  aesop (add safe Nat.succ_le_of_lt) (rule_sets := [-builtin])",
     "  nlinarith [sq_nonneg (x - 1), hx]",
+    "  have := Nat.le_of_lt_succ (m := x) (by omega)\n  omega",
+    "  obtain ⟨k, hk⟩ : ∃ k, x = k := ⟨x, rfl⟩\n  omega",
+    "  have h := ([x].get ⟨0, by simp⟩)\n  omega",
 ])
 def test_legitimate_configs_and_lookalikes_are_accepted(proof):
     prepare(block(proof), THM)
