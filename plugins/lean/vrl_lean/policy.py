@@ -399,7 +399,8 @@ def _scan(tokens: list[Token], text: str, how: str = "") -> None:
                 and prev.text in ("(", "{", ","):
             raise Rejected(f"`{t.text} :=` on line {_line(text, t.start)}: {META_FIELDS[t.text]}")
         state = t.text if t.text in MONADIC_STATE else next((p for p in t.parts if p in _STATE_PARTS), None)
-        if state is not None and not t.escaped:
+        field = prev is not None and prev.text == "." and prev.end == t.start  # `xs.get`, `(f x).get`: data
+        if state is not None and not t.escaped and not (field and state not in _STATE_PARTS):
             raise Rejected(f"`{t.text}` on line {_line(text, t.start)}: {MONADIC_STATE[state]}; a proof needs none")
         if t.text == "set" and not t.escaped and not _set_tactic(tokens, k):
             raise Rejected(f"`set` on line {_line(text, t.start)} is not Mathlib's `set x := e with h` tactic: "
