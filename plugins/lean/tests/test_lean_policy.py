@@ -583,6 +583,7 @@ ROUND4 = [
     ("leading-dot helper in a config", block("  subst hx\n  decide (config := { kernel := .slow })",
                                             prelude="def Bool.slow : Bool := true\n"), "runs a definition of the proof"),
     ("StateT.get", block("  exact (StateT.get).run"), "monadic state"),
+    ("spaced nested action", block("  exact ( <- read).x"), "nested action"),
     ("unreachable!", block("  exact unreachable!"), "panics"),
     ("aesop runs a def", block("  aesop (add safe 1 t)", prelude="def t := 0\n"), "names a definition"),
     ("aesop runs a dotted def", block("  aesop (add unsafe 50% Nat.t)", prelude="def Nat.t := 0\n"), "names a definition"),

@@ -406,7 +406,10 @@ def _scan(tokens: list[Token], text: str, how: str = "") -> None:
             raise Rejected(f"`set` on line {_line(text, t.start)} is not Mathlib's `set x := e with h` tactic: "
                            "monadic `set` changes state (in a tactic monad, the proof state itself)")
     for k, t in enumerate(tokens[:-1]):
-        if t.kind == "symbol" and t.text == "(" and tokens[k + 1].text in ("←", "<-") and tokens[k + 1].start == t.end:
+        nxt = tokens[k + 1]
+        arrow = nxt.text in ("←", "<-") or (nxt.text == "<" and k + 2 < len(tokens) and tokens[k + 2].text == "-"
+                                            and tokens[k + 2].start == nxt.end)
+        if t.kind == "symbol" and t.text == "(" and arrow:
             raise Rejected(f"`(←` on line {_line(text, t.start)}: a nested action runs monadic code (in a tactic monad, "
                            "on the proof state); a proof needs none")
 
