@@ -38,10 +38,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(_missing() is not None, reaso
 
 
 def lean(path: Path) -> dict[int, list[dict]]:
-    """Lean's messages for a file, by line."""
+    """Lean's messages for a file, by line. Run in the build folder: the runner mounts the working
+    directory (where the build is) and the runtime leaves a profile file there, git-ignored."""
     env = {**os.environ, "LEAN_WASM_DIR": str(BUILD / "dist"), "LEAN_PATH": str(BUILD / "package" / "lib")}
     out = subprocess.run([str(TOOL), "--json", str(path)], capture_output=True, text=True, env=env, timeout=600,
-                         check=False)
+                         check=False, cwd=BUILD)
     by_line: dict[int, list[dict]] = {}
     for line in out.stdout.splitlines():
         try:
