@@ -9,7 +9,8 @@ uses and acts them out, as a separate process, as the host would see Lean do:
 
 What each does is scripted by the JSON file named in $LEAN_FAKE_SCRIPT (the host keeps LEAN* variables
 in its sandboxes), keyed by the compiled file's stem (`candidate` / `reference`) and `check`:
-    {"candidate": "ok" | "error" | "hang" | "tamper" | "daemon" | "write_project", "reference": "ok" | "error",
+    {"candidate": "ok" | "error" | "hang" | "tamper" | "daemon" | "write_project" | "show_env",
+     "reference": "ok" | "error",
      "check": "<fixture name>" | "compare" | "hang" | "crash" | "garbage"}
 A compile that runs code, as a candidate whose compile ran the model's code would:
   `tamper` writes over the reference's .olean at once (and fails the compile if it cannot);
@@ -77,6 +78,9 @@ def main(argv: list[str]) -> int:
             time.sleep(60)
         if act == "error":
             print(f"{src}:3:2: error: unknown identifier 'h₀'")
+            return 1
+        if act == "show_env":  # what code run by the compile could read
+            print("env: " + " ".join(sorted(os.environ)))
             return 1
         if act == "tamper":
             try:

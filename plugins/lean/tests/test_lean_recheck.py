@@ -177,6 +177,16 @@ def test_writes_into_the_project_and_the_toolchain_fail_inside_the_sandbox(tmp_p
     assert (tmp_path / "Mathlib.olean").exists() and (toolchain / "Init.olean").exists()
 
 
+@needs_bwrap
+def test_no_key_reaches_a_sandboxed_compile(tmp_path, fake_lean, monkeypatch):
+    monkeypatch.setenv("LEAN_SERVER_API_KEY", "kimina-secret")  # the container's other server's key
+    monkeypatch.setenv(recheck_host.API_KEY_VAR, "host-secret")
+    monkeypatch.setenv("LEAN_PATH", "/toolchain/lib")
+    raw = run_host(tmp_path, fake_lean(candidate="show_env"))
+    assert raw["status"] == "compile_error" and "LEAN_PATH" in raw["detail"] and "PATH" in raw["detail"], raw
+    assert "LEAN_SERVER_API_KEY" not in raw["detail"] and recheck_host.API_KEY_VAR not in raw["detail"], raw
+
+
 def test_a_job_runs_no_longer_than_the_hosts_limit(tmp_path, fake_lean):
     raw = run_host(tmp_path, fake_lean(candidate="hang"), timeout_s=3600, max_timeout_s=1.5)
     assert raw["status"] == "timeout" and "1.5 s" in raw["detail"] and raw["elapsed_s"] < 20, raw

@@ -103,8 +103,14 @@ def check_sandbox(project: str) -> str | None:
     return None
 
 
+_SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
+
+
 def _stage_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith(_ENV_PREFIXES)}
+    """The environment of a sandboxed stage: how to find Lean, never a key (LEAN_SERVER_API_KEY is a
+    LEAN* variable of the kimina container this host shares)."""
+    return {k: v for k, v in os.environ.items()
+            if (k in _ENV_KEEP or k.startswith(_ENV_PREFIXES)) and not any(w in k.upper() for w in _SECRET_WORDS)}
 
 
 def _run(cmd: list[str], cwd: str, timeout_s: float, sandbox: list[str] | None = None) -> tuple[int | None, str, str]:
