@@ -122,8 +122,8 @@ class GRPO(Optimizer):
 
     @classmethod
     def check_fits(cls, config: Any, model: Callable[[], Any] | None) -> None:
-        if config.sampling.temperature <= 0:
-            raise UsageError(f"optimizer=grpo needs sampling.temperature > 0 (got {config.sampling.temperature}): "
+        if config.sampling.effective()["temperature"] <= 0:
+            raise UsageError(f"optimizer=grpo needs sampling.temperature > 0 (got {config.sampling.effective()['temperature']}): "
                              "greedy decoding gives the group's samples identical and their advantages zero; "
                              "set e.g. --set sampling.temperature=1.0")
         g, backend = config.grpo, getattr(config.generator, config.generator.backend, None)
@@ -150,7 +150,8 @@ class GRPO(Optimizer):
         cfg = self.config
         trainable = host.trainable()
         model, tokenizer, sampling = trainable.model, trainable.tokenizer, trainable.sampling
-        if sampling.temperature <= 0:
+        values = sampling.effective() if hasattr(sampling, "effective") else {"temperature": sampling.temperature}
+        if values["temperature"] <= 0:
             raise ValueError("GRPO needs sampling.temperature > 0: greedy decoding gives G identical samples per task")
         if cfg.lr_scheduler_type != "constant" and self.total_iterations is None:
             raise ValueError(
@@ -158,7 +159,10 @@ class GRPO(Optimizer):
                 "make_optimizer(config) or pass total_iterations (or use lr_scheduler_type=constant)"
             )
         self._sampling = sampling
-        self.temperature = float(sampling.temperature)
+        # The sampler's processed distribution, as far as the log-probs model it: the temperature and the
+        # repetition penalty (the truncations top-k, top-p, min-p are not modelled, as in TRL; docs/grpo.md).
+        self.temperature = float(values["temperature"])
+        self.repetition_penalty = float(values.get("repetition_penalty", 1.0))
         self.max_completion_length = int(sampling.max_new_tokens)
         self.model, self.tokenizer = model, tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -564,7 +568,8 @@ class GRPO(Optimizer):
         from vrl.optim.logprobs import completion_logprobs
 
         with torch.no_grad():
-            return completion_logprobs(model, packed, self.temperature, self.config.logprob_chunk_size)
+            return completion_logprobs(model, packed, self.temperature, self.config.logprob_chunk_size,
+                                       repetition_penalty=self.repetition_penalty)
 
     def _fill_reference_and_old(self, batches: list[MicroBatch], results: list[Result]) -> None:
         """Reference log-probs (beta > 0) and sampling-policy log-probs (num_iterations > 1), once per batch."""
@@ -607,11 +612,12 @@ class GRPO(Optimizer):
                     if cfg.top_entropy_quantile < 1.0:
                         logps, entropies = completion_logprobs(self.model, b.packed, self.temperature,
                                                                cfg.logprob_chunk_size, entropy=True,
-                                                               compiled=cfg.compile)
+                                                               compiled=cfg.compile,
+                                                               repetition_penalty=self.repetition_penalty)
                         entropy_mask = high_entropy_mask(entropies, b.mask, cfg.top_entropy_quantile)
                     else:
                         logps = completion_logprobs(self.model, b.packed, self.temperature, cfg.logprob_chunk_size,
-                                                    compiled=cfg.compile)
+                                                    compiled=cfg.compile, repetition_penalty=self.repetition_penalty)
                     old = logps.detach() if b.old_logps is None else b.old_logps
                     if b.from_sampler and b.sampling_gap is None:
                         # First step: π_old is the trainer's view of the policy that sampled, so any gap

@@ -34,6 +34,8 @@ class GRPOConfig(BaseModel):
         "per_device_train_batch_size": "grpo.micro_batch_size", "torch_compile": "grpo.compile",
         "max_completion_length": "sampling.max_new_tokens", "temperature": "sampling.temperature",
         "vllm_importance_sampling_cap": "grpo.vllm_importance_sampling_clip_max",
+        "top_p": "sampling.top_p", "top_k": "sampling.top_k", "min_p": "sampling.min_p",
+        "repetition_penalty": "sampling.repetition_penalty", "generation_kwargs": "sampling.generation_kwargs",
     }
 
     num_generations: int = Field(8, ge=2, description="Samples per task (the group size G).")
