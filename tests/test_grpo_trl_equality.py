@@ -109,3 +109,64 @@ def test_loss_and_gradient_equal_trl():
         assert value < 1e-5 and grad < 1e-5, o
         worst_value, worst_grad = max(worst_value, value), max(worst_grad, grad)
     print(f"{len(CASES)} cases: worst relative difference {worst_value:.1e} (loss), {worst_grad:.1e} (gradient)")
+
+
+# -- advantages: unscorable completions and multi_objective_aggregation, through TRL's own trainer ------------------
+NAN = float("nan")
+# Three reward functions (weights 1, 0.5, -0.3) on three groups of four: NaN where a function returned None. Row 1
+# is unscorable (every function None); group 1 has one scorable row only; group 2 is all unscorable.
+TABLE = [[1.0, 0.2, NAN], [NAN, NAN, NAN], [0.0, 0.7, 1.0], [0.5, NAN, 0.3],
+         [NAN, NAN, NAN], [0.4, 0.1, NAN], [NAN, NAN, NAN], [NAN, NAN, NAN],
+         [NAN, NAN, NAN], [NAN, NAN, NAN], [NAN, NAN, NAN], [NAN, NAN, NAN]]
+WEIGHTS = [1.0, 0.5, -0.3]
+
+
+@pytest.fixture(scope="module")
+def trl_trainer(tmp_path_factory):
+    """TRL 1.16's GRPOTrainer on the tiny model (CPU), its reward computation replaced by a fixed table."""
+    from datasets import Dataset
+    from trl import GRPOConfig as TRLConfig
+
+    from vrl.generate import tiny
+
+    def f(completions, **kwargs):
+        return [None] * len(completions)
+
+    args = TRLConfig(output_dir=str(tmp_path_factory.mktemp("trl")), per_device_train_batch_size=12, num_generations=4,
+                     max_completion_length=3, report_to=[], use_cpu=True, save_strategy="no", reward_weights=WEIGHTS,
+                     bf16=False)
+    trainer = GRPOTrainer(model=tiny.build_model(), reward_funcs=[f, f, f], args=args,
+                          train_dataset=Dataset.from_list([{"prompt": f"p{i}"} for i in range(3)]),
+                          processing_class=tiny.build_tokenizer())
+    trainer._calculate_rewards = lambda *a, **k: torch.tensor(TABLE)
+    return trainer
+
+
+@pytest.mark.slow
+def test_advantages_equal_trl_with_unscorable_completions(trl_trainer):
+    """vrl's advantages (the rewards and reward-function values GRPO.tell reads from the verdicts) equal those of
+    TRL's `_generate_and_score_completions` to 1e-5, for both multi_objective_aggregation modes and every
+    scale_rewards: unscorable completions are left out of the baselines and get advantage 0."""
+    from vrl.optim.grpo import reward_table
+    from vrl.optim.grpo_loss import group_advantages
+    from vrl.types import Completion, Result, Task, Verdict
+
+    results = []
+    for i, row in enumerate(TABLE):
+        values = [None if v != v else v for v in row]
+        total = sum(w * v for w, v in zip(WEIGHTS, values) if v is not None)
+        task = Task(id=f"p{i // 4}", prompt=f"p{i // 4}")
+        verdict = Verdict.fail("failed", "table").model_copy(update={"rewards": list(zip(values, WEIGHTS))})
+        results.append(Result(task=task, completion=Completion(task_id=task.id, text=""), verdict=verdict,
+                              reward=total))
+    rewards, parts, weights = reward_table(results)
+    assert [r != r for r in rewards] == [all(v != v for v in row) for row in TABLE]
+    trl_trainer.model.train()
+    for aggregation in ("sum_then_normalize", "normalize_then_sum"):
+        for scale in ("group", "batch", "none"):
+            trl_trainer.multi_objective_aggregation, trl_trainer.scale_rewards = aggregation, scale
+            theirs = trl_trainer._generate_and_score_completions([{"prompt": f"p{i // 4}"} for i in range(12)])
+            ours, _ = group_advantages(rewards, [r.task.id for r in results], scale, parts=parts, weights=weights,
+                                       aggregation=aggregation)
+            torch.testing.assert_close(ours, theirs["advantages"], atol=1e-5, rtol=1e-5, msg=(aggregation, scale))
+            assert ours[1] == 0 and ours[8:].abs().sum() == 0 and ours.abs().sum() > 0

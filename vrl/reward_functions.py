@@ -366,7 +366,8 @@ class RewardFunctionVerifier(Verifier):
             else:
                 verdict = Verdict.fail(Status.FAILED, f"reward {total:.4g}: " + ", ".join(shown),
                                        score=min(1.0, max(0.0, total)), elapsed_s=elapsed_s)
-        return verdict.model_copy(update={"metrics": metrics})
+        parts = None if failures else [(v, w) for v, w in zip(values, self.rewards.weights)]
+        return verdict.model_copy(update={"metrics": metrics, "rewards": parts})
 
 
 def _value(v: Any, name: str) -> float | None | _Failure:
@@ -387,7 +388,8 @@ def _value(v: Any, name: str) -> float | None | _Failure:
 
 class RewardFunctionShaper(RewardShaper):
     """Σ weightᵢ·rewardᵢ of a judged completion (the values its verdict carries); 0 for a completion
-    no function scored (rejected) or one a function failed on (crashed)."""
+    no function scored (rejected; GRPO reads its verdict's `rewards` and treats it as unscorable, as
+    TRL does) or one a function failed on (crashed)."""
 
     def __init__(self, rewards: RewardFunctions):
         self.rewards = rewards

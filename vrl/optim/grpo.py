@@ -73,6 +73,18 @@ def vespo_mode_error(config: GRPOConfig) -> str | None:
     return None
 
 
+def reward_table(results: list[Result]) -> tuple[list[float], list[list[float]] | None, list[float] | None]:
+    """Each result's reward (NaN when it is unscorable: its verdict's reward functions all returned None)
+    and, when every verdict carries its reward functions' values, those values ([N, K], NaN where a
+    function did not apply) and their weights; else None, None (one reward per result)."""
+    nan = float("nan")
+    tables = [r.verdict.rewards for r in results]
+    rewards = [nan if t is not None and all(v is None for v, _ in t) else r.reward for r, t in zip(results, tables)]
+    if any(t is None for t in tables) or len({len(t) for t in tables}) != 1:
+        return rewards, None, None
+    return rewards, [[nan if v is None else v for v, _ in t] for t in tables], [w for _, w in tables[0]]
+
+
 # -- one micro-batch --------------------------------------------------------------------------------
 class SamplingGap(NamedTuple):
     """|log π_θ − the sampler's log-prob| over a micro-batch's completion tokens, at its first step."""
@@ -331,8 +343,10 @@ class GRPO(Optimizer):
                 raise ValueError(
                     f"completion for task {c.task_id!r} has {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens"
                 )
-        advantages, zero_std = group_advantages([r.reward for r in results], [r.task.id for r in results],
-                                                cfg.scale_rewards)
+        rewards, parts, weights = reward_table(results)
+        advantages, zero_std = group_advantages(rewards, [r.task.id for r in results], cfg.scale_rewards,
+                                                parts=parts, weights=weights,
+                                                aggregation=cfg.multi_objective_aggregation)
         truncated = [r.completion.finish_reason == "length" for r in results]
         # Shortest first: micro-batches of similar lengths waste less compute on padding.
         order = sorted(range(len(results)), key=lambda i: len(results[i].completion.prompt_token_ids)
@@ -373,7 +387,7 @@ class GRPO(Optimizer):
             # step): the other ranks still run this step's metric collectives below, so raise after them.
             publish_error = exc
 
-        rewards = torch.tensor([r.reward for r in results])
+        scored = torch.tensor([x for x in rewards if not math.isnan(x)])
         tokens = max(totals["tokens"], 1.0)
         units = max(totals.get("clip_units", 0.0), 1.0)  # tokens, or completions at importance_sampling_level=sequence
         clip = {}
@@ -385,7 +399,8 @@ class GRPO(Optimizer):
             "grpo/loss": totals["loss"],
             "grpo/grad_norm": totals["grad_norm"],
             "grpo/learning_rate": lr,
-            "grpo/reward_std": float(rewards.std()) if len(results) > 1 else 0.0,
+            "grpo/reward_std": float(scored.std()) if len(scored) > 1 else 0.0,
+            "grpo/unscorable": float(len(rewards) - len(scored)),
             "grpo/frac_reward_zero_std": float(zero_std.float().mean()),
             "grpo/advantage_abs_mean": float(advantages.abs().mean()),
             **clip,

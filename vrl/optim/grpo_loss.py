@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 ScaleRewards = Literal["group", "batch", "none"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
+MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 SamplingCorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 
@@ -51,6 +52,13 @@ class GRPOConfig(BaseModel):
         "group",
         description="Advantage scaling: 'group' divides by each task group's reward std, 'batch' by the batch's, "
         "'none' only subtracts the group mean (Dr. GRPO). As in TRL, true means 'group' and false 'none'.",
+    )
+    multi_objective_aggregation: MultiObjectiveAggregation = Field(
+        "sum_then_normalize",
+        description="With several reward functions: 'sum_then_normalize' takes advantages of their weighted sum "
+        "(scale_rewards applies); 'normalize_then_sum' (GDPO) normalises each function's values within each group, "
+        "sums them with their weights, and normalises the sums over the batch. Environments without reward "
+        "functions have one reward: it is then normalised per group, then over the batch.",
     )
     epsilon: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clipping bound: ratios below 1 − ε are clipped.")
     epsilon_high: float | None = Field(
@@ -245,12 +253,21 @@ class GRPOConfig(BaseModel):
 
 # -- the math: advantages and loss ------------------------------------------------------------------
 def group_advantages(
-    rewards: Sequence[float], groups: Sequence[Hashable], scale_rewards: ScaleRewards = "group"
+    rewards: Sequence[float], groups: Sequence[Hashable], scale_rewards: ScaleRewards = "group", *,
+    parts: Sequence[Sequence[float]] | None = None, weights: Sequence[float] | None = None,
+    aggregation: MultiObjectiveAggregation = "sum_then_normalize",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-relative advantages and, per sample, whether its scaling std was zero.
+    """Group-relative advantages and, per sample, whether its scaling std was zero (TRL 1.16's rules).
 
-    A_i = r_i − mean of i's group; unless scale_rewards='none' it is divided by (std + 1e-4), the
-    unbiased std of i's group ('group') or of the whole batch ('batch'). A group of one has std 0.
+    A reward of NaN marks an unscorable completion (every reward function returned None): it is left out
+    of its group's mean and std, and its advantage is 0. Means and stds skip NaNs; a std over fewer
+    than two values is NaN, so the advantages it scales are 0.
+
+    'sum_then_normalize' (default): A_i = r_i − mean of i's group; unless scale_rewards='none' it is
+    divided by (std + 1e-4), the unbiased std of i's group ('group') or of the whole batch ('batch').
+    'normalize_then_sum' (GDPO): each reward function's values `parts` ([N, K], NaN where it did not
+    apply) are normalised within each group, (x − mean) / (std + 1e-4), summed with `weights`, and the
+    sums normalised over the batch; `scale_rewards` plays no part.
     """
     import torch
 
@@ -260,17 +277,49 @@ def group_advantages(
     index: dict[Hashable, list[int]] = {}
     for i, key in enumerate(groups):
         index.setdefault(key, []).append(i)
-    mean, std = torch.zeros_like(r), torch.zeros_like(r)
-    for members in index.values():
-        sel = torch.tensor(members)
-        mean[sel] = r[sel].mean()
-        std[sel] = r[sel].std() if len(members) > 1 else 0.0
-    if scale_rewards == "batch":
-        std = torch.full_like(r, float(r.std()) if r.numel() > 1 else 0.0)
-    advantages = r - mean
-    if scale_rewards != "none":
-        advantages = advantages / (std + 1e-4)
-    return advantages, torch.isclose(std, torch.zeros_like(std))
+    members = [torch.tensor(m) for m in index.values()]
+    unscorable = torch.isnan(r)
+    if aggregation == "normalize_then_sum":
+        x = r.unsqueeze(1) if parts is None else torch.tensor([list(p) for p in parts], dtype=torch.float32)
+        w = torch.ones(x.shape[1]) if weights is None else torch.tensor(list(weights), dtype=torch.float32)
+        normalised = torch.full_like(x, float("nan"))
+        for sel in members:
+            mean, std = _nanmean(x[sel], 0), _nanstd(x[sel], 0)
+            normalised[sel] = (x[sel] - mean) / (std + 1e-4)
+        summed = (normalised * w).nansum(dim=1)
+        summed[unscorable] = float("nan")
+        std = _nanstd(summed, 0).expand_as(summed) if summed.numel() > 1 else torch.zeros_like(summed)
+        advantages = (summed - _nanmean(summed, 0)) / (std + 1e-4)
+    elif aggregation == "sum_then_normalize":
+        mean, std = torch.zeros_like(r), torch.zeros_like(r)
+        for sel in members:
+            mean[sel] = _nanmean(r[sel], 0)
+            std[sel] = _nanstd(r[sel], 0) if len(sel) > 1 else 0.0
+        if scale_rewards == "batch":
+            std = _nanstd(r, 0).expand_as(r) if r.numel() > 1 else torch.zeros_like(r)
+        advantages = r - mean
+        if scale_rewards != "none":
+            advantages = advantages / (std + 1e-4)
+    else:
+        raise ValueError(f"unknown multi_objective_aggregation {aggregation!r}; choose sum_then_normalize or "
+                         "normalize_then_sum")
+    return torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+def _nanmean(x: torch.Tensor, dim: int) -> torch.Tensor:
+    import torch
+
+    return torch.nanmean(x, dim=dim)
+
+
+def _nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The unbiased std over the values that are not NaN; NaN where fewer than two are."""
+    import torch
+
+    count = (~torch.isnan(x)).sum(dim)
+    var = torch.nanmean((x - torch.nanmean(x, dim=dim, keepdim=True)) ** 2, dim=dim)
+    var = torch.where(count > 1, var * count / (count - 1).clamp(min=1), torch.full_like(var, float("nan")))
+    return var.sqrt()
 
 
 def sampling_correction(
