@@ -85,8 +85,8 @@ def test_hf_samples_with_the_config_not_the_checkpoint(leaky_checkpoint):
 def test_modal_worker_samples_with_the_config_not_the_checkpoint(leaky_checkpoint):
     """The Modal worker's sampling call (in this process) builds an hf host on the checkpoint and samples what
     a host without the checkpoint's defaults samples."""
-    from vrl.runtime.modal import workers
     from vrl.policy import Variant
+    from vrl.runtime.modal import workers
 
     cfg = build({"model": leaky_checkpoint, "generator": {"device": "cpu", "dtype": "float32"},
                  "sampling": {"temperature": 0.9, "max_new_tokens": 12}})
