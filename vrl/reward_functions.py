@@ -65,8 +65,13 @@ def reward_name(fn: RewardFunction) -> str:
 
 
 def load_reward_function(spec: str) -> RewardFunction:
-    """`module:function` (an importable module, or a module file in the working directory) or
-    `path/to/file.py:function`; a one-line `RewardFunctionError` says what is missing."""
+    """`module:function` (an importable module, or a module file in the working directory),
+    `path/to/file.py:function`, `model:PATH_OR_ID` (a reward model) or `judge:MODEL@BASE_URL` (an LLM
+    judge; `vrl.reward_models`); a one-line `RewardFunctionError` says what is missing."""
+    if spec.startswith(("model:", "judge:")):
+        from vrl.reward_models import reward_from_spec  # here: it is the only user of transformers' classifiers
+
+        return reward_from_spec(spec)
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr.isidentifier():
         raise RewardFunctionError(f"reward {spec!r} must look like module:function or path/to/file.py:function")
