@@ -293,7 +293,7 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference_as_trl(monkeypatch):
 def test_cast_lm_head_to_fp32_and_router_aux_loss_refusals():
     """cast_lm_head_to_fp32 on a bf16 model: the head (policy and reference) is float32 and training's log-probs are
     those of a float32 head over the bf16 hidden states; a tied head is refused, as a router_aux_loss_coef on a
-    dense model is, in one line each."""
+    dense model is (as TRL), in one line each."""
     gen = make_generator(dtype=torch.bfloat16)
     results = sample_results(gen, n_tasks=1)
     opt = make_grpo(gen, cast_lm_head_to_fp32=True, beta=0.04)
@@ -315,6 +315,45 @@ def test_cast_lm_head_to_fp32_and_router_aux_loss_refusals():
     with pytest.raises(ValueError, match="not a Mixture-of-Experts"):
         make_grpo(make_generator(), router_aux_loss_coef=0.01)
     make_grpo(make_generator(), router_aux_loss_coef=0.0)
+
+
+def test_router_aux_loss_of_an_moe_model_enters_the_loss_as_trl_adds_it(monkeypatch):
+    """A tiny Qwen2-MoE model (4 experts, top 2; random weights): with router_aux_loss_coef unset the model config's
+    weight c applies, and the gradient is that of dapo's policy loss + c · aux, aux the model's own `aux_loss` on
+    TRL's layout (left-padded prompts, right-padded completions, attention mask); 0 turns it off."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from vrl.generate.hf import HFGenerator
+
+    config = Qwen2MoeConfig(vocab_size=257, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                            router_aux_loss_coef=0.5, eos_token_id=256, pad_token_id=256, bos_token_id=256)
+    torch.manual_seed(0)
+    moe = Qwen2MoeForCausalLM(config).eval()
+    moe.generation_config.eos_token_id = moe.generation_config.pad_token_id = 256
+    sampling = make_generator().sampling
+    gen = HFGenerator(moe, tiny.build_tokenizer(), sampling)
+    results = sample_results(gen, n_tasks=2, g=3)
+    initial = copy.deepcopy(moe)
+    grads = capture_grads(monkeypatch)
+    metrics = make_grpo(gen, max_grad_norm=None).tell(results)
+    adv = advantages_by_hand(results)
+    lps = [reference_logps(initial, r.completion.prompt_token_ids, r.completion.token_ids) for r in results]
+    policy = sum((-(torch.exp(lp - lp.detach())) * a).sum() for lp, a in zip(lps, adv)) / sum(len(lp) for lp in lps)
+    prompts = [r.completion.prompt_token_ids for r in results]
+    comps = [r.completion.token_ids for r in results]
+    wp, wc = max(map(len, prompts)), max(map(len, comps))
+    ids = torch.tensor([[256] * (wp - len(p)) + p + c + [256] * (wc - len(c)) for p, c in zip(prompts, comps)])
+    attention = torch.tensor([[0] * (wp - len(p)) + [1] * (len(p) + len(c)) + [0] * (wc - len(c))
+                              for p, c in zip(prompts, comps)])
+    aux = initial(input_ids=ids, attention_mask=attention, output_router_logits=True).aux_loss
+    want = torch.autograd.grad(policy + 0.5 * aux, list(initial.parameters()), allow_unused=True)
+    for got, ref in zip(grads[0], want):
+        torch.testing.assert_close(got, torch.zeros_like(got) if ref is None else ref, atol=2e-6, rtol=1e-4)
+    assert metrics["grpo/aux_loss"] == pytest.approx(float(aux), rel=1e-5)
+    off = make_grpo(HFGenerator(copy.deepcopy(initial), tiny.build_tokenizer(), sampling), router_aux_loss_coef=0.0)
+    assert "grpo/aux_loss" not in off.tell(results)
 
 
 def test_micro_batch_order_shuffle_is_a_seeded_permutation(monkeypatch):

@@ -199,7 +199,7 @@ class GRPO(Optimizer):
             problem = packing_problem(model)
             if problem is not None:
                 raise ValueError(problem)
-        check_router_aux_loss(model, cfg.router_aux_loss_coef)
+        self.router_aux_loss_coef = router_aux_loss_coef(model, cfg.router_aux_loss_coef)
         if cfg.cast_lm_head_to_fp32:  # before the reference is copied from it: both heads in float32, as TRL
             cast_head_to_fp32(model)
         self.ref_model = None
@@ -431,6 +431,9 @@ class GRPO(Optimizer):
             metrics["grpo/kl"] = totals["kl_sum"] / tokens
         if self._entropy_bonus:
             metrics["grpo/entropy_coef"] = self.entropy_coef
+        if "aux_loss_sum" in totals:  # mean over the micro-batches of every step
+            steps = cfg.num_iterations * len(batches) * (self.group.world if self.group else 1)
+            metrics["grpo/aux_loss"] = totals["aux_loss_sum"] / steps
         if "off_policy_masked" in totals:
             metrics["grpo/off_policy_masked"] = totals["off_policy_masked"] / cfg.num_iterations
         gaps = [b.sampling_gap for b in batches if b.sampling_gap is not None]
@@ -648,6 +651,7 @@ class GRPO(Optimizer):
         entropy_coef = self.entropy_coef
         if cfg.use_adaptive_entropy and self._last_entropy > cfg.entropy_target:
             entropy_coef = 0.0
+        num_micro_batches = len(batches) * (self.group.world if self.group else 1)
         self.model.train()
         cuda = [self.device] if self.device.type == "cuda" else []
         try:
@@ -656,17 +660,19 @@ class GRPO(Optimizer):
                 torch.manual_seed((self.seed * 1_000_003 + self.step) % (2**63))
                 for b in batches:
                     entropies = entropy_mask = None
+                    router: list[torch.Tensor] | None = [] if self.router_aux_loss_coef else None
                     if cfg.top_entropy_quantile < 1.0 or self._entropy_bonus:
                         logps, entropies = completion_logprobs(self.model, b.packed, self.temperature,
                                                                cfg.logprob_chunk_size, entropy=True,
                                                                compiled=cfg.compile,
                                                                repetition_penalty=self.repetition_penalty,
-                                                               entropy_grad=self._entropy_bonus)
+                                                               entropy_grad=self._entropy_bonus, router_loss=router)
                         if cfg.top_entropy_quantile < 1.0:
                             entropy_mask = high_entropy_mask(entropies, b.mask, cfg.top_entropy_quantile)
                     else:
                         logps = completion_logprobs(self.model, b.packed, self.temperature, cfg.logprob_chunk_size,
-                                                    compiled=cfg.compile, repetition_penalty=self.repetition_penalty)
+                                                    compiled=cfg.compile, repetition_penalty=self.repetition_penalty,
+                                                    router_loss=router)
                     old = logps.detach() if b.old_logps is None else b.old_logps
                     if b.from_sampler and b.sampling_gap is None:
                         # First step: π_old is the trainer's view of the policy that sampled, so any gap
@@ -688,7 +694,7 @@ class GRPO(Optimizer):
                         loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                         beta=cfg.beta, ref_logps=b.ref_logps, use_bias_correction_kl=cfg.use_bias_correction_kl,
                         num_sequences=num_sequences, num_tokens=num_tokens,
-                        max_completion_length=self.max_completion_length, num_micro_batches=len(batches) * (self.group.world if self.group else 1),
+                        max_completion_length=self.max_completion_length, num_micro_batches=num_micro_batches,
                         importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
                         sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
                         vespo_params=(cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg),
@@ -699,6 +705,9 @@ class GRPO(Optimizer):
                         stats["entropy_sum"] = torch.where(b.mask.bool(), entropies, 0.0).sum().detach()
                     if sequence_mask is not None:
                         stats["off_policy_masked"] = (1 - sequence_mask).sum().detach()
+                    if router:  # the MoE load-balancing loss: its micro-batch mean, over micro-batches (TRL's)
+                        loss = loss + self.router_aux_loss_coef * router[0] / num_micro_batches
+                        stats["aux_loss_sum"] = router[0].detach()
                     loss.backward()
                     self._move_grads_to_master()
                     # Summed on the device: one host sync per step, not per micro-batch.
@@ -1137,19 +1146,16 @@ class GRPO(Optimizer):
                              f"unexpected {result.unexpected_keys[:5]}")
 
 
-def check_router_aux_loss(model: Any, coef: float | None) -> None:
-    """Refuse what vrl cannot train as TRL would: a router_aux_loss_coef on a dense model (one line, as TRL), or an
-    MoE model whose load-balancing loss would weigh non-zero (vrl does not add it yet)."""
+def router_aux_loss_coef(model: Any, coef: float | None) -> float:
+    """The weight of the model's MoE load-balancing loss in GRPO's loss (TRL's rule): `coef`, or the model config's
+    when unset, 0.0 for a dense model; a non-zero `coef` on a dense model is refused in one line, as TRL does."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    moe = hasattr(text, "output_router_logits")
-    if coef and not moe:
-        raise ValueError(f"grpo.router_aux_loss_coef={coef} but {type(model).__name__} is not a Mixture-of-Experts model "
-                         "(no router, no load-balancing loss to weigh); leave it unset")
-    effective = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
-    if moe and effective:
-        raise ValueError(f"{type(model).__name__} is a Mixture-of-Experts model with load-balancing loss weight "
-                         f"{effective}, which TRL adds to the loss and vrl does not yet; set grpo.router_aux_loss_coef=0 "
-                         "to train without it")
+    if not hasattr(text, "output_router_logits"):  # the mark of a model that can return its router logits
+        if coef:
+            raise ValueError(f"grpo.router_aux_loss_coef={coef} but {type(model).__name__} is not a Mixture-of-Experts "
+                             "model (no router, no load-balancing loss to weigh); leave it unset")
+        return 0.0
+    return float(getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef)
 
 
 def cast_head_to_fp32(model: Any) -> None:

@@ -161,9 +161,9 @@ class GRPOConfig(BaseModel):
         "tied to the input embeddings, and no LoRA on it.",
     )
     router_aux_loss_coef: float | None = Field(
-        None, ge=0.0, description="Weight of a Mixture-of-Experts model's load-balancing loss (TRL's "
-        "router_aux_loss_coef); null: the model config's. vrl does not add that loss yet, so an MoE model with a "
-        "non-zero weight is refused (set 0 to train it without), as is a non-zero value on a dense model.",
+        None, ge=0.0, description="Weight of a Mixture-of-Experts model's load-balancing loss, added to the loss "
+        "(each micro-batch's, averaged over micro-batches; TRL's router_aux_loss_coef); null: the model config's "
+        "router_aux_loss_coef; 0: off. A non-zero value on a dense model is refused.",
     )
     micro_batch_order: Literal["length", "shuffle"] = Field(
         "length", description="How the batch's samples are dealt into micro-batches: 'length' (shortest first: "

@@ -48,6 +48,7 @@ class Packed:
     predict_index: torch.Tensor
     slots: int = 0  # positions of the padded layout, B × L
     tokens: int = 0  # real (prompt + completion) tokens
+    attention_mask: torch.Tensor | None = None  # [B, L] or [1, N]: 1 on real tokens (what an MoE router loss averages)
 
     @property
     def pad_fraction(self) -> float:
@@ -69,6 +70,7 @@ def pack(
     width_c = max(1, max(len(c) for c in completions))
     comp = [list(c) + [pad_id] * (width_c - len(c)) for c in completions]
     comp_mask = [[1] * len(c) + [0] * (width_c - len(c)) for c in completions]
+    real: list[int] = []
     ids: list[int] = []
     positions: list[int] = []
     predict: list[int] = []
@@ -76,11 +78,13 @@ def pack(
         start = len(ids)
         ids += list(p) + list(c)
         positions += range(len(p) + len(c))
+        real += [1] * (len(p) + len(c))
         # The state at the position before each completion token predicts it.
         predict += range(start + len(p) - 1, start + len(p) + len(c) - 1)
         if not padding_free:
             ids += [pad_id] * (width - len(p) - len(c))
             positions += range(len(p) + len(c), width)
+            real += [0] * (width - len(p) - len(c))
     shape = (1, len(ids)) if padding_free else (len(prompts), width)
     return Packed(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device).view(shape),
@@ -90,6 +94,7 @@ def pack(
         predict_index=torch.tensor(predict, dtype=torch.long, device=device),
         slots=len(prompts) * width,
         tokens=sum(len(p) + len(c) for p, c in zip(prompts, completions)),
+        attention_mask=torch.tensor(real, dtype=torch.long, device=device).view(shape),
     )
 
 
@@ -155,6 +160,7 @@ def _chunk_function(compiled: bool):
 def completion_logprobs(
     model: torch.nn.Module, batch: Packed, temperature: float = 1.0, chunk_size: int = 2048, entropy: bool = False,
     compiled: bool = False, repetition_penalty: float = 1.0, entropy_grad: bool = False,
+    router_loss: list[torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log π(token | prefix) for every completion token, as float32 [B, C] (0 at padding).
 
@@ -165,7 +171,9 @@ def completion_logprobs(
     are not modelled, as in TRL). With `entropy`, also the entropy of that distribution at each
     completion position, [B, C] (0 at padding), computed in the same chunks (GRPO's
     `top_entropy_quantile` and entropy bonus), detached unless `entropy_grad`. `compiled`: each
-    chunk's head and log-probs through `torch.compile` (`grpo.compile`).
+    chunk's head and log-probs through `torch.compile` (`grpo.compile`). `router_loss`: a list to which the
+    same forward appends a Mixture-of-Experts model's load-balancing loss over the real tokens (with its
+    gradient; the model's own `load_balancing_loss_func`, as its forward computes `aux_loss`).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs (got {temperature})")
@@ -173,7 +181,16 @@ def completion_logprobs(
     softcap = getattr(model.config, "final_logit_softcapping", None)
     # No attention mask: padding only follows real tokens (causal attention never reaches it), and a
     # padding-free row's samples are kept apart by its restarting position ids.
-    hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    extra = {"output_router_logits": True} if router_loss is not None else {}
+    outputs = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **extra)
+    hidden = outputs.last_hidden_state
+    if router_loss is not None:
+        import sys
+
+        text = model.config.get_text_config()
+        balance = sys.modules[type(model).__module__].load_balancing_loss_func
+        router_loss.append(balance(outputs.router_logits, text.num_experts, text.num_experts_per_tok,
+                                   batch.attention_mask))
     selected = batch.completion_mask.bool()
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.predict_index)
     targets = batch.completion_ids[selected]
