@@ -205,7 +205,7 @@ def test_weighted_sum_leaves_out_none_and_logs_each_function_as_trl_does():
     assert not [k for k in logged if k.startswith("reward/") and k.count("/") == 1]  # raw sums are not logged
 
 
-def test_a_completion_no_function_applies_to_is_rejected_with_reward_zero():
+def test_a_completion_no_function_applies_to_is_rejected_and_unscorable():
     def only_letters(completions, topic, **kwargs):
         return [None if t == "digits" else 1.0 for t in topic]
 
@@ -213,6 +213,8 @@ def test_a_completion_no_function_applies_to_is_rejected_with_reward_zero():
     verdicts = judge(env, ["x"] * 6)
     assert verdicts[3].status is Status.REJECTED and "no reward function applies" in verdicts[3].detail
     assert env.shaper()(env.tasks()[3], Completion(task_id="x", text="x"), verdicts[3]) == 0.0
+    # Each verdict keeps every function's (value, weight): GRPO reads the unscorable ones from it (TRL's NaN).
+    assert verdicts[3].rewards == [(None, 1.0)] and verdicts[0].rewards == [(1.0, 1.0)]
     assert env.iteration_metrics({})["reward/only_letters/applied"] == 0.0
     assert "reward/only_letters/mean" not in env.iteration_metrics({})
 

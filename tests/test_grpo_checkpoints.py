@@ -218,3 +218,23 @@ def test_a_checkpoint_from_before_sharded_checkpoints_still_loads(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(fresh.params, opt.params))
     for a, b in zip(fresh.master, opt.master):
         assert all(torch.equal(fresh.optim.state[a][k], opt.optim.state[b][k]) for k in opt.optim.state[b])
+
+
+def test_a_checkpoint_keeps_the_moving_reference_and_the_entropy_controller(tmp_path):
+    """sync_ref_model moves the reference and adaptive entropy control moves its coefficient: both are state, so a
+    checkpoint restores them (not the initial policy, not the starting coefficient)."""
+    fields = dict(learning_rate=1e-2, save_every=1, beta=0.04, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5,
+                  entropy_coef=0.1, use_adaptive_entropy=True, entropy_target=100.0, entropy_coef_delta=0.05)
+    gen = make_generator()
+    opt = make_grpo(gen, **fields)
+    opt.tell(sample_results(gen, seed=1))
+    ref = {k: v.detach().clone() for k, v in opt.ref_model.state_dict().items()}
+    coef, last = opt.entropy_coef, opt._last_entropy
+    opt.save(tmp_path)
+    opt.close()
+    fresh = make_grpo(make_generator(), **fields)
+    assert coef == pytest.approx(0.15) and fresh.entropy_coef == 0.1  # moved up once (entropy below the target)
+    assert any(not torch.equal(fresh.ref_model.state_dict()[k], v) for k, v in ref.items())
+    fresh.load(tmp_path, 1)
+    assert all(torch.equal(fresh.ref_model.state_dict()[k], v) for k, v in ref.items())
+    assert (fresh.entropy_coef, fresh._last_entropy) == (coef, last)

@@ -233,3 +233,144 @@ def test_vespo_refuses_a_sequence_level_sampling_correction():
     with pytest.raises(UsageError, match="vllm_importance_sampling_mode"):
         GRPO.check_fits(config, None)
     GRPO.check_fits(build({"optimizer": "grpo", "grpo": {"loss_type": "vespo"}}), None)  # hf: no sampler log-probs
+
+
+# -- TRL 1.16's other GRPOConfig fields, through the real optimizer -----------------------------------------------
+def test_entropy_bonus_gradient_equals_hand_computed_loss(monkeypatch):
+    """entropy_coef = c (dapo, micro-batches of 5 in packing order): loss = Σ −ρA / Σ n − c · (1/K) Σ_k mean_{t∈k} H,
+    with H the full-logit entropy of softmax(logits / T) and its gradient; grpo/entropy_coef is logged."""
+    gen = make_generator()
+    results = sample_results(gen)
+    initial = copy.deepcopy(gen.model)
+    grads = capture_grads(monkeypatch)
+    metrics = make_grpo(gen, micro_batch_size=5, max_grad_norm=None, entropy_coef=0.3).tell(results)
+    adv = advantages_by_hand(results)
+    lps = [reference_logps(initial, r.completion.prompt_token_ids, r.completion.token_ids) for r in results]
+    ents = [full_entropy(initial, r.completion.prompt_token_ids, r.completion.token_ids) for r in results]
+    order = by_length(results)
+    chunks = [order[s : s + 5] for s in range(0, len(order), 5)]
+    policy = sum((-(torch.exp(lp - lp.detach())) * a).sum() for lp, a in zip(lps, adv)) / sum(len(lp) for lp in lps)
+    bonus = sum(torch.cat([ents[i] for i in k]).mean() for k in chunks) / len(chunks)
+    want = torch.autograd.grad(policy - 0.3 * bonus, list(initial.parameters()))
+    for got, ref in zip(grads[0], want):
+        torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-4)
+    assert metrics["grpo/entropy_coef"] == 0.3
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference_as_trl(monkeypatch):
+    """sync_ref_model: after every ref_model_sync_steps-th optimizer step the reference is TRL's
+    SyncRefModelCallback's mix of the policy of that step (replayed with TRL's own function)."""
+    pytest.importorskip("trl", reason="the comparison runs TRL's callback")
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    policies: list[dict[str, torch.Tensor]] = []
+    original = GRPO._apply_step
+
+    def spy(self):
+        norm = original(self)
+        policies.append({k: v.detach().clone() for k, v in self.model.state_dict().items()})
+        return norm
+
+    monkeypatch.setattr(GRPO, "_apply_step", spy)
+    gen = make_generator()
+    initial = copy.deepcopy(gen.model)
+    opt = make_grpo(gen, beta=0.04, sync_ref_model=True, ref_model_mixup_alpha=0.3, ref_model_sync_steps=2,
+                    num_iterations=2, learning_rate=1e-3)
+    for seed in (1, 2):
+        opt.tell(sample_results(gen, seed=seed))
+    replay_ref, replay_policy = copy.deepcopy(initial), copy.deepcopy(initial)
+    for step, weights in enumerate(policies, start=1):  # on_step_end's rule: global_step % ref_model_sync_steps == 0
+        replay_policy.load_state_dict(weights)
+        if step % 2 == 0:
+            SyncRefModelCallback._sync_target_model(replay_policy, replay_ref, 0.3)
+    for (name, ours), theirs in zip(opt.ref_model.named_parameters(), replay_ref.parameters()):
+        torch.testing.assert_close(ours, theirs, atol=1e-7, rtol=1e-6, msg=name)
+    assert len(policies) == 4 and not torch.equal(next(opt.ref_model.parameters()), next(initial.parameters()))
+    with pytest.raises(Exception, match="beta > 0"):
+        GRPO(grpo_mod.GRPOConfig(sync_ref_model=True))
+
+
+def test_cast_lm_head_to_fp32_and_router_aux_loss_refusals():
+    """cast_lm_head_to_fp32 on a bf16 model: the head (policy and reference) is float32 and training's log-probs are
+    those of a float32 head over the bf16 hidden states; a tied head is refused, as a router_aux_loss_coef on a
+    dense model is (as TRL), in one line each."""
+    gen = make_generator(dtype=torch.bfloat16)
+    results = sample_results(gen, n_tasks=1)
+    opt = make_grpo(gen, cast_lm_head_to_fp32=True, beta=0.04)
+    assert gen.model.lm_head.weight.dtype == torch.float32 and opt.ref_model.lm_head.weight.dtype == torch.float32
+    assert gen.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    c = results[0].completion
+    packed = pack([c.prompt_token_ids], [c.token_ids], 256)
+    with torch.no_grad():
+        got = completion_logprobs(gen.model, packed, TEMPERATURE)[0]
+        hidden = gen.model.model(input_ids=torch.tensor([c.prompt_token_ids + c.token_ids])).last_hidden_state[0]
+        logits = torch.nn.functional.linear(hidden.float(), gen.model.lm_head.weight)[len(c.prompt_token_ids) - 1 : -1]
+        want = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    opt.tell(results)  # trains (sampling went through the float32 head too)
+    tied = make_generator()
+    tied.model.lm_head.weight = tied.model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match="not tied"):
+        make_grpo(tied, cast_lm_head_to_fp32=True)
+    with pytest.raises(ValueError, match="not a Mixture-of-Experts"):
+        make_grpo(make_generator(), router_aux_loss_coef=0.01)
+    make_grpo(make_generator(), router_aux_loss_coef=0.0)
+
+
+def test_router_aux_loss_of_an_moe_model_enters_the_loss_as_trl_adds_it(monkeypatch):
+    """A tiny Qwen2-MoE model (4 experts, top 2; random weights): with router_aux_loss_coef unset the model config's
+    weight c applies, and the gradient is that of dapo's policy loss + c · aux, aux the model's own `aux_loss` on
+    TRL's layout (left-padded prompts, right-padded completions, attention mask); 0 turns it off."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from vrl.generate.hf import HFGenerator
+
+    config = Qwen2MoeConfig(vocab_size=257, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                            router_aux_loss_coef=0.5, eos_token_id=256, pad_token_id=256, bos_token_id=256)
+    torch.manual_seed(0)
+    moe = Qwen2MoeForCausalLM(config).eval()
+    moe.generation_config.eos_token_id = moe.generation_config.pad_token_id = 256
+    sampling = make_generator().sampling
+    gen = HFGenerator(moe, tiny.build_tokenizer(), sampling)
+    results = sample_results(gen, n_tasks=2, g=3)
+    initial = copy.deepcopy(moe)
+    grads = capture_grads(monkeypatch)
+    metrics = make_grpo(gen, max_grad_norm=None).tell(results)
+    adv = advantages_by_hand(results)
+    lps = [reference_logps(initial, r.completion.prompt_token_ids, r.completion.token_ids) for r in results]
+    policy = sum((-(torch.exp(lp - lp.detach())) * a).sum() for lp, a in zip(lps, adv)) / sum(len(lp) for lp in lps)
+    prompts = [r.completion.prompt_token_ids for r in results]
+    comps = [r.completion.token_ids for r in results]
+    wp, wc = max(map(len, prompts)), max(map(len, comps))
+    ids = torch.tensor([[256] * (wp - len(p)) + p + c + [256] * (wc - len(c)) for p, c in zip(prompts, comps)])
+    attention = torch.tensor([[0] * (wp - len(p)) + [1] * (len(p) + len(c)) + [0] * (wc - len(c))
+                              for p, c in zip(prompts, comps)])
+    aux = initial(input_ids=ids, attention_mask=attention, output_router_logits=True).aux_loss
+    want = torch.autograd.grad(policy + 0.5 * aux, list(initial.parameters()), allow_unused=True)
+    for got, ref in zip(grads[0], want):
+        torch.testing.assert_close(got, torch.zeros_like(got) if ref is None else ref, atol=2e-6, rtol=1e-4)
+    assert metrics["grpo/aux_loss"] == pytest.approx(float(aux), rel=1e-5)
+    off = make_grpo(HFGenerator(copy.deepcopy(initial), tiny.build_tokenizer(), sampling), router_aux_loss_coef=0.0)
+    assert "grpo/aux_loss" not in off.tell(results)
+
+
+def test_micro_batch_order_shuffle_is_a_seeded_permutation(monkeypatch):
+    """micro_batch_order=shuffle deals a permutation seeded by (seed, iteration) instead of shortest first: bnpo's
+    loss changes with it, the dapo gradient does not."""
+    gen = make_generator()
+    results = sample_results(gen)
+    seen = capture_loss_kwargs(monkeypatch)
+    a = make_grpo(make_generator(), micro_batch_size=4, loss_type="bnpo", micro_batch_order="shuffle")
+    order = a._micro_batch_order(results)
+    assert sorted(order) == list(range(len(results))) and order != by_length(results)
+    assert order == make_grpo(make_generator(), micro_batch_order="shuffle")._micro_batch_order(results)
+    a.tell(results)
+    lengths = [len(results[i].completion.token_ids) for i in order[:4]]
+    assert [int(m.sum()) for m in seen[0]["mask"]] == lengths
+    grads = capture_grads(monkeypatch)
+    make_grpo(make_generator(), micro_batch_size=4, max_grad_norm=None).tell(results)
+    make_grpo(make_generator(), micro_batch_size=4, max_grad_norm=None, micro_batch_order="shuffle").tell(results)
+    for x, y in zip(*grads):
+        torch.testing.assert_close(x, y, atol=1e-7, rtol=1e-5)

@@ -194,7 +194,7 @@ def test_engine_kwargs_read_every_vllm_field():
     assert kw == {"model": "/models/m", "revision": "abc", "dtype": "float32", "gpu_memory_utilization": 0.3,
                   "max_model_len": 2048, "enforce_eager": True, "max_num_seqs": 64, "tensor_parallel_size": 2,
                   "enable_sleep_mode": True, "seed": 5, "worker_extension_cls": "vrl.generate.vllm_trained.LoadWeightsExtension",
-                  "logprobs_mode": "processed_logprobs"}
+                  "logprobs_mode": "processed_logprobs", "generation_config": "vllm"}
     default = engine_kwargs(build({"model": "tiny", "generator": {"backend": "vllm", "revision": "x"}}), "/tmp/t")
     assert default["dtype"] == "bfloat16" and default["revision"] is None and default["max_model_len"] is None
     assert default["enforce_eager"] is False and default["enable_sleep_mode"] is False

@@ -59,11 +59,37 @@ class SamplingConfig(Section):
 
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy decoding.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens; 0: off.")
+    min_p: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description="Drop tokens less likely than min_p times the most likely one (after the temperature); null: off.",
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0.0,
+        description="Divide the positive logits (multiply the negative ones) of every token already in the prompt or "
+        "the completion by this before the temperature; 1.0: off. GRPO's log-probs apply the same penalty "
+        "(docs/grpo.md).",
+    )
+    generation_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further sampler arguments, passed through (transformers' GenerationConfig with hf, vLLM's "
+        "SamplingParams with vllm) and overriding the fields above where they name the same setting. Whatever the "
+        "checkpoint's own generation_config says, the sampler uses these fields and nothing else.",
+    )
     max_new_tokens: int = Field(64, ge=1, description="Cap on generated tokens per completion.")
     stop: list[str] = Field(default_factory=list, description="Stop strings; the completion ends after the first one.")
     batch_size: int = Field(
         32, ge=1, description="Prompts per generation batch; each finished batch streams to the verifier."
     )
+
+    #: The fields every backend's sampler applies (and `generation_kwargs` may override by these names).
+    PROCESSORS: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+    def effective(self) -> dict[str, Any]:
+        """The sampling parameters the sampler uses: the fields, with `generation_kwargs`' values for the same names."""
+        values = {name: getattr(self, name) for name in self.PROCESSORS}
+        values.update({k: v for k, v in self.generation_kwargs.items() if k in values})
+        return values
 
 
 class GeneratorConfig(Section):

@@ -65,8 +65,13 @@ def reward_name(fn: RewardFunction) -> str:
 
 
 def load_reward_function(spec: str) -> RewardFunction:
-    """`module:function` (an importable module, or a module file in the working directory) or
-    `path/to/file.py:function`; a one-line `RewardFunctionError` says what is missing."""
+    """`module:function` (an importable module, or a module file in the working directory),
+    `path/to/file.py:function`, `model:PATH_OR_ID` (a reward model) or `judge:MODEL@BASE_URL` (an LLM
+    judge; `vrl.reward_models`); a one-line `RewardFunctionError` says what is missing."""
+    if spec.startswith(("model:", "judge:")):
+        from vrl.reward_models import reward_from_spec  # here: it is the only user of transformers' classifiers
+
+        return reward_from_spec(spec)
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr.isidentifier():
         raise RewardFunctionError(f"reward {spec!r} must look like module:function or path/to/file.py:function")
@@ -366,7 +371,8 @@ class RewardFunctionVerifier(Verifier):
             else:
                 verdict = Verdict.fail(Status.FAILED, f"reward {total:.4g}: " + ", ".join(shown),
                                        score=min(1.0, max(0.0, total)), elapsed_s=elapsed_s)
-        return verdict.model_copy(update={"metrics": metrics})
+        parts = None if failures else [(v, w) for v, w in zip(values, self.rewards.weights)]
+        return verdict.model_copy(update={"metrics": metrics, "rewards": parts})
 
 
 def _value(v: Any, name: str) -> float | None | _Failure:
@@ -387,7 +393,8 @@ def _value(v: Any, name: str) -> float | None | _Failure:
 
 class RewardFunctionShaper(RewardShaper):
     """Σ weightᵢ·rewardᵢ of a judged completion (the values its verdict carries); 0 for a completion
-    no function scored (rejected) or one a function failed on (crashed)."""
+    no function scored (rejected; GRPO reads its verdict's `rewards` and treats it as unscorable, as
+    TRL does) or one a function failed on (crashed)."""
 
     def __init__(self, rewards: RewardFunctions):
         self.rewards = rewards

@@ -71,6 +71,12 @@ class Verdict(BaseModel):
         description="The verifier's own counters for this attempt (e.g. `lean/rechecks`); the trainer sums them "
         "per iteration into metrics.jsonl (see `Environment.iteration_metrics` for derived rates).",
     )
+    rewards: list[tuple[float | None, float]] | None = Field(
+        None,
+        description="(value, weight) of each reward function, in their order, when the verdict comes from reward "
+        "functions (`vrl.reward_functions`); value None: the function does not apply. A verdict whose every value "
+        "is None is unscorable: GRPO leaves it out of its group's baseline and gives it advantage 0, as TRL does.",
+    )
     alarm: str | None = Field(
         None,
         description="Set when the verifier found its own integrity breached while judging this attempt (a canary "

@@ -89,7 +89,8 @@ async def verify_lines(env: Environment, lines: Sequence[str], splits: Sequence[
 
 def _row(line: int, task_id: str | None, verdict: Verdict) -> dict[str, Any]:
     row = {"line": line, "task_id": task_id, **verdict.model_dump(mode="json")}
-    for key, empty in (("metrics", {}), ("alarm", None)):  # a verifier's counters and alarms only when it has some
+    # a verifier's counters, alarms and reward functions' values only when it has some
+    for key, empty in (("metrics", {}), ("alarm", None), ("rewards", None)):
         if row.get(key) == empty:
             row.pop(key)
     return row

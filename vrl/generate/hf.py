@@ -7,6 +7,7 @@ was sampled.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -120,6 +121,59 @@ def cpu_threads(threads: int | None, model: str, device: torch.device) -> int | 
     return None
 
 
+def generation_arguments(sampling: Any, tokenizer: Any, *, sample: bool) -> dict[str, Any]:
+    """`model.generate`'s keyword arguments for a `SamplingConfig`: one complete `GenerationConfig`.
+
+    The one place every hf sampling path (and a multi-turn one) builds them. Every setting of
+    `sampling` is written out, `generation_kwargs` on top (as TRL does), and `generate` must run
+    under `own_generation_config`, so nothing comes from the checkpoint's `generation_config`
+    (Qwen2.5-Instruct ships repetition_penalty 1.05 and top_k 20). `sample=False`: greedy decoding,
+    which with `_RowSampler` as a logits processor samples (the row sampler applies the temperature
+    and the truncations itself; the repetition penalty stays transformers' processor, which runs
+    before it, skipping the prompts' left padding).
+    """
+    from transformers import GenerationConfig
+
+    values = sampling.effective()
+    fields: dict[str, Any] = dict(
+        max_new_tokens=sampling.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        repetition_penalty=float(values["repetition_penalty"]),
+        do_sample=sample,
+        # Greedy: no warpers run, so their settings stay unset (transformers warns of set ones).
+        temperature=float(values["temperature"]) if sample else None,
+        top_p=float(values["top_p"]) if sample else None,
+        top_k=int(values["top_k"]) if sample else None,
+        min_p=values["min_p"] if sample else None,
+    )
+    fields.update({k: v for k, v in sampling.generation_kwargs.items() if k not in sampling.PROCESSORS})
+    kwargs: dict[str, Any] = {"generation_config": GenerationConfig(**fields)}
+    if sampling.stop:
+        kwargs.update(stop_strings=list(sampling.stop), tokenizer=tokenizer)
+    return kwargs
+
+
+@contextlib.contextmanager
+def own_generation_config(model: Any) -> Iterator[None]:
+    """Inside the block the model's own `generation_config` is a blank one (its special token ids kept).
+
+    transformers fills every setting a passed `GenerationConfig` leaves unset (None) from
+    `model.generation_config`, so a checkpoint's sampling defaults (min_p, typical_p, suppressed
+    tokens, ...) would otherwise reach the sampler; the model's config is put back after, so a saved
+    checkpoint keeps it.
+    """
+    from transformers import GenerationConfig
+
+    own = model.generation_config
+    model.generation_config = GenerationConfig(**{k: getattr(own, k, None) for k in (
+        "bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")})
+    try:
+        yield
+    finally:
+        model.generation_config = own
+
+
 class HFConfig(Section):
     """The `hf` backend (`generator.backend: hf`): transformers' `generate`, on CPU or GPU."""
 
@@ -230,21 +284,6 @@ class HFGenerator(Generator):
         texts = [render_prompt(self.tokenizer, t.prompt) for t in tasks]
         return self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
 
-    def _generate_kwargs(self, sample: bool) -> dict[str, Any]:
-        s, tok = self.sampling, self.tokenizer
-        kwargs: dict[str, Any] = dict(
-            max_new_tokens=s.max_new_tokens,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-        )
-        if sample:
-            kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0)
-        else:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        if s.stop:
-            kwargs.update(stop_strings=list(s.stop), tokenizer=tok)
-        return kwargs
-
     def _generate_population(self, tasks: Sequence[Task], start: int, members: Sequence[Variant], seed: int
                              ) -> list[Completion]:
         """Every member on `tasks` (positions start, start+1, ... of the call) in one `model.generate`.
@@ -271,31 +310,33 @@ class HFGenerator(Generator):
                         meta.append((v.index, i, j))
             index = torch.tensor(rows, device=self.device)
             batch = {k: t.index_select(0, index) for k, t in enc.items()}
-            sampling = self.sampling.temperature > 0
-            kwargs = self._generate_kwargs(False)  # greedy over the row sampler's Gumbel-perturbed scores
-            if sampling:
+            values = self.sampling.effective()
+            # greedy over the row sampler's Gumbel-perturbed scores
+            kwargs = generation_arguments(self.sampling, self.tokenizer, sample=False)
+            if values["temperature"] > 0:
                 from transformers import LogitsProcessorList
 
-                kwargs["logits_processor"] = LogitsProcessorList(
-                    [_RowSampler(row_seeds, self.sampling.temperature, self.sampling.top_p, self.device)]
-                )
+                kwargs["logits_processor"] = LogitsProcessorList([_RowSampler(row_seeds, values, self.device)])
             members_st = [(v.seed, v.sign) for v in members]
-            with population(self._params.layers, members_st, self._spec.sigma, self._spec.rank, row_member):
+            with population(self._params.layers, members_st, self._spec.sigma, self._spec.rank, row_member), \
+                    own_generation_config(self.model):
                 out = self.model.generate(**batch, **kwargs)
             return self._completions(tasks, enc, out, meta)
 
     def _generate_batch(self, tasks: Sequence[Task], n: int, variant: int, seed: int | None) -> list[Completion]:
         import torch
 
-        if self._decoupled and self.sampling.temperature > 0:
+        sample = self.sampling.effective()["temperature"] > 0
+        if self._decoupled and sample:
             return self._generate_recorded(tasks, n, variant, seed)
         with torch.inference_mode():
             enc = self._encode(tasks)
             # n rows per prompt (rather than num_return_sequences, which greedy decoding refuses).
             rows = {k: v.repeat_interleave(n, dim=0) for k, v in enc.items()}
-            kwargs = self._generate_kwargs(self.sampling.temperature > 0)
+            kwargs = generation_arguments(self.sampling, self.tokenizer, sample=sample)
             # transformers samples from torch's global RNG: hf engines of one process (a pool) take turns.
-            with _GLOBAL_RNG, torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            with _GLOBAL_RNG, torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
+                    own_generation_config(self.model):
                 if seed is not None:
                     torch.manual_seed(seed)
                 out = self.model.generate(**rows, **kwargs)
@@ -305,9 +346,10 @@ class HFGenerator(Generator):
         """As `_generate_batch`, each row drawn by `_RowSampler` from its own generator (seed + row: no
         global RNG, which the training thread reseeds), with each sampled token's log-prob kept.
 
-        The log-probs are vLLM's `processed_logprobs`: log-softmax of the logits divided by the
-        temperature and cut to the top-p nucleus (renormalised over it), the distribution the token was
-        drawn from; with top_p = 1 that is what GRPO's `completion_logprobs` computes.
+        The log-probs are vLLM's `processed_logprobs`: log-softmax of the logits after the repetition
+        penalty, divided by the temperature and cut by top-k, top-p and min-p (renormalised over what is
+        left), the distribution the token was drawn from; without truncations that is what GRPO's
+        `completion_logprobs` computes.
         """
         import torch
         from transformers import LogitsProcessorList
@@ -318,11 +360,12 @@ class HFGenerator(Generator):
             enc = self._encode(tasks)
             rows = {k: v.repeat_interleave(n, dim=0) for k, v in enc.items()}
             count = rows["input_ids"].shape[0]
-            sampler = _RowSampler([seed + r for r in range(count)], self.sampling.temperature, self.sampling.top_p,
-                                  self.device, record=True)
-            kwargs = self._generate_kwargs(False)  # greedy over the row sampler's Gumbel-perturbed scores
+            sampler = _RowSampler([seed + r for r in range(count)], self.sampling.effective(), self.device, record=True)
+            # greedy over the row sampler's Gumbel-perturbed scores
+            kwargs = generation_arguments(self.sampling, self.tokenizer, sample=False)
             kwargs["logits_processor"] = LogitsProcessorList([sampler])
-            out = self.model.generate(**rows, **kwargs)
+            with own_generation_config(self.model):
+                out = self.model.generate(**rows, **kwargs)
             logps = sampler.sampled_logprobs(out).float().cpu()
             completions = self._completions(tasks, enc, out, [(variant, *divmod(row, n)) for row in range(count)])
         for row, c in enumerate(completions):
@@ -367,17 +410,19 @@ class HFGenerator(Generator):
 class _RowSampler:
     """Samples each batch row from its own seeded generator (Gumbel-max), for greedy `generate`.
 
-    Scores are divided by the temperature and cut to the top-p nucleus (as transformers' warpers do,
-    keeping at least one token); adding independent Gumbel noise and taking the argmax then draws
-    from softmax of what is left. Each row's noise comes from a `torch.Generator` seeded with the
-    row's seed and advanced once per step, so a row's draws do not depend on the rest of the batch.
+    Scores (after transformers' repetition penalty, when one is set) are divided by the temperature
+    and cut by top-k, top-p and min-p, in that order, as transformers' warpers do (each keeping at
+    least one token); adding independent Gumbel noise and taking the argmax then draws from softmax
+    of what is left. Each row's noise comes from a `torch.Generator` seeded with the row's seed and
+    advanced once per step, so a row's draws do not depend on the rest of the batch.
     """
 
-    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, device: torch.device,
-                 record: bool = False):
+    def __init__(self, seeds: Sequence[int], values: Mapping[str, Any], device: torch.device, record: bool = False):
         import torch
 
-        self.temperature, self.top_p, self.device = temperature, top_p, device
+        self.temperature, self.top_p = float(values["temperature"]), float(values["top_p"])
+        self.top_k, self.min_p = int(values["top_k"]), values["min_p"]
+        self.device = device
         self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
         # record: the log-softmax of each step's processed scores, to read the sampled token's log-prob
         # at the next step (or in `sampled_logprobs`) once `generate` has appended it.
@@ -391,15 +436,29 @@ class _RowSampler:
         taken = [*self._taken, self._last.gather(1, sequences[:, -1:]).squeeze(1)] if self._last is not None else []
         return torch.stack(taken, 1) if taken else torch.zeros(sequences.shape[0], 0)
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def processed(self, scores: torch.Tensor) -> torch.Tensor:
+        """The scores of the distribution a row draws from: temperature, then top-k, top-p, min-p (-inf: cut)."""
         import torch
 
         scores = scores.to(torch.float64) / self.temperature
+        if 0 < self.top_k < scores.shape[-1]:
+            kth = scores.topk(self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
         if self.top_p < 1.0:
             ordered, order = scores.sort(dim=-1)
             cut = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - self.top_p
             cut[..., -1] = False
             scores = scores.masked_fill(cut.scatter(1, order, cut), float("-inf"))
+        if self.min_p:
+            probs = scores.softmax(dim=-1)
+            cut = probs < self.min_p * probs.max(dim=-1, keepdim=True).values
+            scores = scores.masked_fill(cut, float("-inf"))
+        return scores
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        scores = self.processed(scores)
         if self.record:
             if self._last is not None:  # input_ids ends with the token drawn from the last step's scores
                 self._taken.append(self._last.gather(1, input_ids[:, -1:]).squeeze(1))

@@ -217,7 +217,37 @@ def engine_kwargs(config: Any, model_path: str, needs: HostNeeds | None = None) 
         "worker_extension_cls": extension_for(mode_for(needs)),
         # Log-probs of the distribution tokens are drawn from (after temperature), as GRPO's ratio needs.
         "logprobs_mode": "processed_logprobs",
+        # Sampling defaults are vLLM's, never the checkpoint's generation_config: every request sets them all.
+        "generation_config": "vllm",
     }
+
+
+def sampling_arguments(sampling: Any, n: int, seed: int | None, logprobs: bool) -> dict[str, Any]:
+    """`vllm.SamplingParams`' keyword arguments for a `SamplingConfig`: every sampling setting written out
+    (`generation_kwargs` on top, as TRL does), so nothing is left to vLLM's defaults or the checkpoint's
+    `generation_config` (the engine is also started with generation_config='vllm', see `engine_kwargs`).
+    `logprobs`: report each sampled token's log-prob (of the processed distribution, `processed_logprobs`)."""
+    values = sampling.effective()
+    greedy = values["temperature"] <= 0
+    kwargs: dict[str, Any] = dict(
+        n=n,
+        temperature=0.0 if greedy else float(values["temperature"]),
+        top_p=1.0 if greedy else float(values["top_p"]),
+        top_k=0 if greedy else int(values["top_k"]),  # 0: off (vLLM >= 0.10)
+        min_p=0.0 if greedy or values["min_p"] is None else float(values["min_p"]),
+        repetition_penalty=float(values["repetition_penalty"]),
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        max_tokens=sampling.max_new_tokens,
+        stop=list(sampling.stop) or None,
+        include_stop_str_in_output=True,
+        detokenize=bool(sampling.stop),  # only stop strings need the engine's detokenizer; text is decoded here
+        seed=seed,
+        logprobs=0 if logprobs else None,
+        flat_logprobs=True,
+    )
+    kwargs.update({k: v for k, v in sampling.generation_kwargs.items() if k not in sampling.PROCESSORS})
+    return kwargs
 
 
 def save_tiny(path: str) -> str:
@@ -432,20 +462,7 @@ class VLLMGenerator(Generator):
 
     # -- sampling ------------------------------------------------------------------------------------
     def _sampling_params(self, n: int, seed: int | None, vllm: Any) -> Any:
-        s = self.sampling
-        greedy = s.temperature <= 0
-        return vllm.SamplingParams(
-            n=n,
-            temperature=0.0 if greedy else s.temperature,
-            top_p=1.0 if greedy else s.top_p,
-            max_tokens=s.max_new_tokens,
-            stop=list(s.stop) or None,
-            include_stop_str_in_output=True,
-            detokenize=bool(s.stop),  # only stop strings need the engine's detokenizer; text is decoded here
-            seed=seed,
-            logprobs=0 if self.logprobs else None,
-            flat_logprobs=True,
-        )
+        return vllm.SamplingParams(**sampling_arguments(self.sampling, n, seed, self.logprobs))
 
     def _population(self, tasks: Sequence[Task], members: Sequence[Variant], seed: int | None
                     ) -> Iterator[list[Completion]]:

@@ -42,6 +42,7 @@ from vrl.optim.grpo_loss import (
     group_advantages,
     grpo_loss,
     high_entropy_mask,
+    off_policy_mask,
     sampling_correction,
 )
 from vrl.policy import HostNeeds, PolicyHost, Variant
@@ -71,6 +72,18 @@ def vespo_mode_error(config: GRPOConfig) -> str | None:
                 f"grpo.vllm_importance_sampling_mode is {config.vllm_importance_sampling_mode!r}; set it to "
                 "token_truncate or token_mask (as TRL requires)")
     return None
+
+
+def reward_table(results: list[Result]) -> tuple[list[float], list[list[float]] | None, list[float] | None]:
+    """Each result's reward (NaN when it is unscorable: its verdict's reward functions all returned None)
+    and, when every verdict carries its reward functions' values, those values ([N, K], NaN where a
+    function did not apply) and their weights; else None, None (one reward per result)."""
+    nan = float("nan")
+    tables = [r.verdict.rewards for r in results]
+    rewards = [nan if t is not None and all(v is None for v, _ in t) else r.reward for r, t in zip(results, tables)]
+    if any(t is None for t in tables) or len({len(t) for t in tables}) != 1:
+        return rewards, None, None
+    return rewards, [[nan if v is None else v for v, _ in t] for t in tables], [w for _, w in tables[0]]
 
 
 # -- one micro-batch --------------------------------------------------------------------------------
@@ -115,6 +128,10 @@ class GRPO(Optimizer):
         self.config, self.seed, self.total_iterations = config, seed, total_iterations
         self._iteration = 0  # finished tell() calls
         self.step = 0  # optimizer steps taken
+        # The entropy bonus's coefficient (moved by adaptive control after each step) and the last step's
+        # mean entropy over the tokens the bonus acts on (inf before the first step, as in TRL).
+        self.entropy_coef, self._last_entropy = config.entropy_coef, math.inf
+        self._entropy_bonus = config.entropy_coef != 0.0 or config.use_adaptive_entropy
 
     @classmethod
     def from_config(cls, config: Any) -> GRPO:
@@ -122,8 +139,8 @@ class GRPO(Optimizer):
 
     @classmethod
     def check_fits(cls, config: Any, model: Callable[[], Any] | None) -> None:
-        if config.sampling.temperature <= 0:
-            raise UsageError(f"optimizer=grpo needs sampling.temperature > 0 (got {config.sampling.temperature}): "
+        if config.sampling.effective()["temperature"] <= 0:
+            raise UsageError(f"optimizer=grpo needs sampling.temperature > 0 (got {config.sampling.effective()['temperature']}): "
                              "greedy decoding gives the group's samples identical and their advantages zero; "
                              "set e.g. --set sampling.temperature=1.0")
         g, backend = config.grpo, getattr(config.generator, config.generator.backend, None)
@@ -150,7 +167,8 @@ class GRPO(Optimizer):
         cfg = self.config
         trainable = host.trainable()
         model, tokenizer, sampling = trainable.model, trainable.tokenizer, trainable.sampling
-        if sampling.temperature <= 0:
+        values = sampling.effective() if hasattr(sampling, "effective") else {"temperature": sampling.temperature}
+        if values["temperature"] <= 0:
             raise ValueError("GRPO needs sampling.temperature > 0: greedy decoding gives G identical samples per task")
         if cfg.lr_scheduler_type != "constant" and self.total_iterations is None:
             raise ValueError(
@@ -158,7 +176,10 @@ class GRPO(Optimizer):
                 "make_optimizer(config) or pass total_iterations (or use lr_scheduler_type=constant)"
             )
         self._sampling = sampling
-        self.temperature = float(sampling.temperature)
+        # The sampler's processed distribution, as far as the log-probs model it: the temperature and the
+        # repetition penalty (the truncations top-k, top-p, min-p are not modelled, as in TRL; docs/grpo.md).
+        self.temperature = float(values["temperature"])
+        self.repetition_penalty = float(values.get("repetition_penalty", 1.0))
         self.max_completion_length = int(sampling.max_new_tokens)
         self.model, self.tokenizer = model, tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -178,6 +199,9 @@ class GRPO(Optimizer):
             problem = packing_problem(model)
             if problem is not None:
                 raise ValueError(problem)
+        self.router_aux_loss_coef = router_aux_loss_coef(model, cfg.router_aux_loss_coef)
+        if cfg.cast_lm_head_to_fp32:  # before the reference is copied from it: both heads in float32, as TRL
+            cast_head_to_fp32(model)
         self.ref_model = None
         if cfg.beta > 0 and not cfg.use_peft:
             # The frozen reference is the policy as loaded (TRL's default); with LoRA it is the
@@ -189,6 +213,9 @@ class GRPO(Optimizer):
                 self.ref_model = shard(self.ref_model, self.group, next(model.parameters()).dtype, trainable=False,
                                        in_place=True)
         self.peft_model = self._apply_lora(model) if cfg.use_peft else None
+        if cfg.cast_lm_head_to_fp32 and hasattr(model.get_output_embeddings(), "lora_A"):
+            raise ValueError("grpo.cast_lm_head_to_fp32=true does not work with a LoRA adapter on the output head; "
+                             "leave lm_head out of grpo.lora_target_modules or set cast_lm_head_to_fp32=false")
         # New modules (LoRA dropout) start in training mode; sampling must never run dropout.
         model.eval()
         if cfg.gradient_checkpointing:
@@ -327,12 +354,12 @@ class GRPO(Optimizer):
                 raise ValueError(
                     f"completion for task {c.task_id!r} has {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens"
                 )
-        advantages, zero_std = group_advantages([r.reward for r in results], [r.task.id for r in results],
-                                                cfg.scale_rewards)
+        rewards, parts, weights = reward_table(results)
+        advantages, zero_std = group_advantages(rewards, [r.task.id for r in results], cfg.scale_rewards,
+                                                parts=parts, weights=weights,
+                                                aggregation=cfg.multi_objective_aggregation)
         truncated = [r.completion.finish_reason == "length" for r in results]
-        # Shortest first: micro-batches of similar lengths waste less compute on padding.
-        order = sorted(range(len(results)), key=lambda i: len(results[i].completion.prompt_token_ids)
-                       + len(results[i].completion.token_ids))
+        order = self._micro_batch_order(results)
         batches = [self._micro_batch(results, order[s : s + cfg.micro_batch_size], advantages, truncated)
                    for s in range(0, len(order), cfg.micro_batch_size)] if self.group is None \
             else self._rank_batches(results, order, advantages, truncated)
@@ -356,6 +383,8 @@ class GRPO(Optimizer):
                     self.group.add_grads(self.master)
             totals["loss"] += loss / cfg.num_iterations
             totals["grad_norm"] += self._apply_step() / cfg.num_iterations
+            if cfg.use_adaptive_entropy:
+                self._adapt_entropy(stats["bonus_entropy_sum"], stats["bonus_entropy_tokens"])
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value
         self._iteration += 1
@@ -369,7 +398,7 @@ class GRPO(Optimizer):
             # step): the other ranks still run this step's metric collectives below, so raise after them.
             publish_error = exc
 
-        rewards = torch.tensor([r.reward for r in results])
+        scored = torch.tensor([x for x in rewards if not math.isnan(x)])
         tokens = max(totals["tokens"], 1.0)
         units = max(totals.get("clip_units", 0.0), 1.0)  # tokens, or completions at importance_sampling_level=sequence
         clip = {}
@@ -381,7 +410,8 @@ class GRPO(Optimizer):
             "grpo/loss": totals["loss"],
             "grpo/grad_norm": totals["grad_norm"],
             "grpo/learning_rate": lr,
-            "grpo/reward_std": float(rewards.std()) if len(results) > 1 else 0.0,
+            "grpo/reward_std": float(scored.std()) if len(scored) > 1 else 0.0,
+            "grpo/unscorable": float(len(rewards) - len(scored)),
             "grpo/frac_reward_zero_std": float(zero_std.float().mean()),
             "grpo/advantage_abs_mean": float(advantages.abs().mean()),
             **clip,
@@ -399,6 +429,13 @@ class GRPO(Optimizer):
             metrics["grpo/entropy"] = totals["entropy_sum"] / tokens
         if cfg.beta > 0:
             metrics["grpo/kl"] = totals["kl_sum"] / tokens
+        if self._entropy_bonus:
+            metrics["grpo/entropy_coef"] = self.entropy_coef
+        if "aux_loss_sum" in totals:  # mean over the micro-batches of every step
+            steps = cfg.num_iterations * len(batches) * (self.group.world if self.group else 1)
+            metrics["grpo/aux_loss"] = totals["aux_loss_sum"] / steps
+        if "off_policy_masked" in totals:
+            metrics["grpo/off_policy_masked"] = totals["off_policy_masked"] / cfg.num_iterations
         gaps = [b.sampling_gap for b in batches if b.sampling_gap is not None]
         if gaps:  # the generator reported sampling log-probs (vllm): how far they are from training's
             metrics["grpo/sampling_logprob_diff_mean"] = float(sum(g.total for g in gaps) / max(float(sum(g.tokens for g in gaps)), 1.0))
@@ -416,6 +453,18 @@ class GRPO(Optimizer):
         if publish_error is not None:
             raise publish_error
         return metrics
+
+    def _micro_batch_order(self, results: list[Result]) -> list[int]:
+        """The order samples are dealt into micro-batches (`micro_batch_order`): shortest first, so micro-batches of
+        similar lengths waste less compute on padding; or a permutation seeded by (seed, iteration), as TRL
+        shuffles its generation batch. Only per-micro-batch quantities depend on it (docs/grpo.md)."""
+        if self.config.micro_batch_order == "shuffle":
+            import torch
+
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self._iteration) % (2**63))
+            return torch.randperm(len(results), generator=gen).tolist()
+        return sorted(range(len(results)), key=lambda i: len(results[i].completion.prompt_token_ids)
+                      + len(results[i].completion.token_ids))
 
     # several ranks (torchrun, FSDP2; vrl.optim.grpo_dist) --------------------------------------------
     def _rank_batches(self, results: list[Result], order: list[int], advantages: torch.Tensor,
@@ -564,7 +613,8 @@ class GRPO(Optimizer):
         from vrl.optim.logprobs import completion_logprobs
 
         with torch.no_grad():
-            return completion_logprobs(model, packed, self.temperature, self.config.logprob_chunk_size)
+            return completion_logprobs(model, packed, self.temperature, self.config.logprob_chunk_size,
+                                       repetition_penalty=self.repetition_penalty)
 
     def _fill_reference_and_old(self, batches: list[MicroBatch], results: list[Result]) -> None:
         """Reference log-probs (beta > 0) and sampling-policy log-probs (num_iterations > 1), once per batch."""
@@ -596,6 +646,12 @@ class GRPO(Optimizer):
         cfg = self.config
         total_loss = torch.zeros((), device=self.device)
         stats_sum: dict[str, torch.Tensor] = {}
+        # The coefficient is fixed for the step; adaptive control applies it only while the last step's
+        # entropy was at or below the target (TRL's gating), and moves it after the step (`_adapt_entropy`).
+        entropy_coef = self.entropy_coef
+        if cfg.use_adaptive_entropy and self._last_entropy > cfg.entropy_target:
+            entropy_coef = 0.0
+        num_micro_batches = len(batches) * (self.group.world if self.group else 1)
         self.model.train()
         cuda = [self.device] if self.device.type == "cuda" else []
         try:
@@ -604,14 +660,19 @@ class GRPO(Optimizer):
                 torch.manual_seed((self.seed * 1_000_003 + self.step) % (2**63))
                 for b in batches:
                     entropies = entropy_mask = None
-                    if cfg.top_entropy_quantile < 1.0:
+                    router: list[torch.Tensor] | None = [] if self.router_aux_loss_coef else None
+                    if cfg.top_entropy_quantile < 1.0 or self._entropy_bonus:
                         logps, entropies = completion_logprobs(self.model, b.packed, self.temperature,
                                                                cfg.logprob_chunk_size, entropy=True,
-                                                               compiled=cfg.compile)
-                        entropy_mask = high_entropy_mask(entropies, b.mask, cfg.top_entropy_quantile)
+                                                               compiled=cfg.compile,
+                                                               repetition_penalty=self.repetition_penalty,
+                                                               entropy_grad=self._entropy_bonus, router_loss=router)
+                        if cfg.top_entropy_quantile < 1.0:
+                            entropy_mask = high_entropy_mask(entropies, b.mask, cfg.top_entropy_quantile)
                     else:
                         logps = completion_logprobs(self.model, b.packed, self.temperature, cfg.logprob_chunk_size,
-                                                    compiled=cfg.compile)
+                                                    compiled=cfg.compile, repetition_penalty=self.repetition_penalty,
+                                                    router_loss=router)
                     old = logps.detach() if b.old_logps is None else b.old_logps
                     if b.from_sampler and b.sampling_gap is None:
                         # First step: π_old is the trainer's view of the policy that sampled, so any gap
@@ -624,19 +685,29 @@ class GRPO(Optimizer):
                             b.sampling_weight = sampling_correction(
                                 old, b.sampling_logps, b.mask, cfg.vllm_importance_sampling_mode,
                                 cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
+                    sequence_mask = None
+                    if cfg.off_policy_mask_threshold is not None:  # against the sampler's log-probs where reported
+                        sequence_mask = off_policy_mask(b.advantages, logps, b.sampling_logps if b.from_sampler
+                                                        else old, b.mask, cfg.off_policy_mask_threshold)
                     loss, stats = grpo_loss(
                         logps, old, b.advantages, b.mask,
                         loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                         beta=cfg.beta, ref_logps=b.ref_logps, use_bias_correction_kl=cfg.use_bias_correction_kl,
                         num_sequences=num_sequences, num_tokens=num_tokens,
-                        max_completion_length=self.max_completion_length, num_micro_batches=len(batches) * (self.group.world if self.group else 1),
+                        max_completion_length=self.max_completion_length, num_micro_batches=num_micro_batches,
                         importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
                         sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
                         vespo_params=(cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg),
-                        sampling_weight=b.sampling_weight, entropy_mask=entropy_mask,
+                        sampling_weight=b.sampling_weight, entropy_mask=entropy_mask, sequence_mask=sequence_mask,
+                        entropies=entropies if self._entropy_bonus else None, entropy_coef=entropy_coef,
                     )
                     if entropies is not None:
-                        stats["entropy_sum"] = torch.where(b.mask.bool(), entropies, 0.0).sum()
+                        stats["entropy_sum"] = torch.where(b.mask.bool(), entropies, 0.0).sum().detach()
+                    if sequence_mask is not None:
+                        stats["off_policy_masked"] = (1 - sequence_mask).sum().detach()
+                    if router:  # the MoE load-balancing loss: its micro-batch mean, over micro-batches (TRL's)
+                        loss = loss + self.router_aux_loss_coef * router[0] / num_micro_batches
+                        stats["aux_loss_sum"] = router[0].detach()
                     loss.backward()
                     self._move_grads_to_master()
                     # Summed on the device: one host sync per step, not per micro-batch.
@@ -646,6 +717,17 @@ class GRPO(Optimizer):
         finally:
             self.model.eval()
         return float(total_loss), {key: float(value) for key, value in stats_sum.items()}
+
+    def _adapt_entropy(self, entropy_sum: float, tokens: float) -> None:
+        """Adaptive entropy control after a step (TRL's): the step's mean entropy over the bonus's tokens (all
+        ranks) moves the coefficient up by entropy_coef_delta when at or below entropy_target, else down."""
+        cfg = self.config
+        entropy = entropy_sum / max(tokens, 1.0)  # `stats` were summed over the ranks already
+        if entropy <= cfg.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + cfg.entropy_coef_delta, cfg.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - cfg.entropy_coef_delta, cfg.entropy_coef_min)
+        self._last_entropy = entropy
 
     def _move_grads_to_master(self) -> None:
         """Gradients the hooks did not move (none, normally: a safety net for exotic autograd paths)."""
@@ -674,6 +756,11 @@ class GRPO(Optimizer):
                 for p, m in zip(self.params, self.master):
                     p.copy_(m)
         self.step += 1
+        if self.config.sync_ref_model and self.ref_model is not None and self.step % self.config.ref_model_sync_steps == 0:
+            alpha = self.config.ref_model_mixup_alpha
+            with torch.no_grad():  # π_ref ← α·π_θ + (1 − α)·π_ref, parameter by parameter (TRL's SyncRefModelCallback)
+                for ref, p in zip(self.ref_model.parameters(), self.model.parameters(), strict=True):
+                    ref.mul_(1.0 - alpha).add_(p.detach().to(ref.dtype), alpha=alpha)
         return norm
 
     # checkpoints ---------------------------------------------------------------------------------
@@ -782,6 +869,8 @@ class GRPO(Optimizer):
             "scheduler": copy.deepcopy(self.scheduler.state_dict()),
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "entropy_coef": self.entropy_coef,
+            "last_entropy": self._last_entropy,
         }
         keep = cfg.keep_checkpoints
 
@@ -855,7 +944,10 @@ class GRPO(Optimizer):
             st = self.optim.state.get(m)
             if st:
                 optim[name] = dict(st)
-        return {"model": dict(zip(self.param_names, self.master)), "optim": optim}
+        state = {"model": dict(zip(self.param_names, self.master)), "optim": optim}
+        if self.config.sync_ref_model and self.ref_model is not None:  # the reference moves: it is state too
+            state["ref"] = dict(self.ref_model.named_parameters())
+        return state
 
     def _policy_bytes(self) -> int:
         """Bytes of the policy folder's tensors: the adapter (LoRA) or the whole model, each tensor once
@@ -969,6 +1061,8 @@ class GRPO(Optimizer):
         if state["rng_cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng_cuda"])
         self._iteration, self.step = state["iteration"], state["step"]
+        self.entropy_coef = state.get("entropy_coef", self.config.entropy_coef)
+        self._last_entropy = state.get("last_entropy", math.inf)
         self._saved = self._iteration  # that checkpoint exists: on stopping now, nothing new to write
         self._publish()
 
@@ -986,6 +1080,8 @@ class GRPO(Optimizer):
                 optim[name] = {f: (torch.zeros((), dtype=torch.float32, device=self.device if on_device else "cpu")
                                    if f == "step" else torch.zeros_like(m.detach())) for f in fields}
         train = {"model": dict(zip(self.param_names, self.master)), "optim": optim}
+        if self.config.sync_ref_model and self.ref_model is not None:
+            train["ref"] = dict(self.ref_model.named_parameters())
         with _one_process_dcp(self.group is None):
             dcp.load(train, checkpoint_id=str(path), no_dist=self.group is None,
                      process_group=None if self.group is None else self.group.checkpoints)
@@ -1048,6 +1144,34 @@ class GRPO(Optimizer):
         if result.unexpected_keys or missing:
             raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
                              f"unexpected {result.unexpected_keys[:5]}")
+
+
+def router_aux_loss_coef(model: Any, coef: float | None) -> float:
+    """The weight of the model's MoE load-balancing loss in GRPO's loss (TRL's rule): `coef`, or the model config's
+    when unset, 0.0 for a dense model; a non-zero `coef` on a dense model is refused in one line, as TRL does."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not hasattr(text, "output_router_logits"):  # the mark of a model that can return its router logits
+        if coef:
+            raise ValueError(f"grpo.router_aux_loss_coef={coef} but {type(model).__name__} is not a Mixture-of-Experts "
+                             "model (no router, no load-balancing loss to weigh); leave it unset")
+        return 0.0
+    return float(getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef)
+
+
+def cast_head_to_fp32(model: Any) -> None:
+    """`cast_lm_head_to_fp32`: the output head's weights in float32, and its input cast to float32 (for sampling
+    and training alike). Refused for a head tied to the input embeddings (they would change dtype too)."""
+    import torch
+
+    head = model.get_output_embeddings()
+    embeddings = model.get_input_embeddings()
+    if head is None or (embeddings is not None and head.weight is embeddings.weight):
+        raise ValueError("grpo.cast_lm_head_to_fp32=true needs an output head not tied to the input embeddings "
+                         "(tie_word_embeddings=false); set cast_lm_head_to_fp32=false for this model")
+    head.float()
+    if not getattr(head, "_vrl_fp32_input", False):
+        head.register_forward_pre_hook(lambda module, args: (args[0].to(torch.float32), *args[1:]))
+        head._vrl_fp32_input = True
 
 
 @contextlib.contextmanager

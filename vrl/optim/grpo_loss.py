@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
 ScaleRewards = Literal["group", "batch", "none"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
+MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 SamplingCorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 
@@ -34,6 +35,8 @@ class GRPOConfig(BaseModel):
         "per_device_train_batch_size": "grpo.micro_batch_size", "torch_compile": "grpo.compile",
         "max_completion_length": "sampling.max_new_tokens", "temperature": "sampling.temperature",
         "vllm_importance_sampling_cap": "grpo.vllm_importance_sampling_clip_max",
+        "top_p": "sampling.top_p", "top_k": "sampling.top_k", "min_p": "sampling.min_p",
+        "repetition_penalty": "sampling.repetition_penalty", "generation_kwargs": "sampling.generation_kwargs",
     }
 
     num_generations: int = Field(8, ge=2, description="Samples per task (the group size G).")
@@ -49,6 +52,13 @@ class GRPOConfig(BaseModel):
         "group",
         description="Advantage scaling: 'group' divides by each task group's reward std, 'batch' by the batch's, "
         "'none' only subtracts the group mean (Dr. GRPO). As in TRL, true means 'group' and false 'none'.",
+    )
+    multi_objective_aggregation: MultiObjectiveAggregation = Field(
+        "sum_then_normalize",
+        description="With several reward functions: 'sum_then_normalize' takes advantages of their weighted sum "
+        "(scale_rewards applies); 'normalize_then_sum' (GDPO) normalises each function's values within each group, "
+        "sums them with their weights, and normalises the sums over the batch. Environments without reward "
+        "functions have one reward: it is then normalised per group, then over the batch.",
     )
     epsilon: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clipping bound: ratios below 1 − ε are clipped.")
     epsilon_high: float | None = Field(
@@ -77,6 +87,30 @@ class GRPOConfig(BaseModel):
         1.0, ge=0.0, le=1.0, description="Train the policy term only on the tokens whose entropy is in this top "
         "quantile of each micro-batch (Beyond the 80/20 Rule recommends 0.2); 1.0 keeps every token, 0.0 only the "
         "highest-entropy one.",
+    )
+    entropy_coef: float = Field(
+        0.0, description="Entropy bonus: subtract entropy_coef × the mean token entropy of each micro-batch (over the "
+        "tokens the policy term trains on), averaged over micro-batches, from the loss (TRL's entropy_coef); the same "
+        "meaning for every loss_type. 0: off. With use_adaptive_entropy, the starting coefficient.",
+    )
+    use_adaptive_entropy: bool = Field(
+        False, description="Adaptive entropy control (Skywork-OR1): after each optimizer step the coefficient moves "
+        "up by entropy_coef_delta when the step's mean token entropy is at or below entropy_target, else down, "
+        "within [entropy_coef_min, entropy_coef_max]; the bonus applies only while the last step's entropy is at or "
+        "below the target.",
+    )
+    entropy_coef_min: float = Field(0.0, description="Lower bound of the adaptive entropy coefficient.")
+    entropy_coef_max: float = Field(1.0, description="Upper bound of the adaptive entropy coefficient.")
+    entropy_coef_delta: float = Field(0.005, ge=0.0, description="Step of the adaptive entropy coefficient.")
+    entropy_target: float = Field(
+        0.2, description="Target mean token entropy (nats) of adaptive entropy control; set it near the entropy "
+        "logged early in training (grpo/entropy): language models are usually at 2-10 nats.",
+    )
+    off_policy_mask_threshold: float | None = Field(
+        None, gt=0.0, description="Off-policy sequence masking (DeepSeek-V3.2, TRL's off_policy_mask_threshold): "
+        "drop from the policy term each completion with a negative advantage whose mean token KL(π_sampler ‖ π_θ) "
+        "estimate, log π_sampler − log π_θ, exceeds this (π_sampler: the generator's log-probs when it reports them, "
+        "else π_old). null: off; e.g. 0.5.",
     )
     vllm_importance_sampling_correction: bool = Field(
         True, description="When the generator reports sampling log-probs (vllm), multiply each token's policy loss "
@@ -111,6 +145,30 @@ class GRPOConfig(BaseModel):
         "to this bound (each batch is trained exactly s updates after the weights that sampled it, the first s "
         "batches fewer), corrected by the sampling log-probs (vllm_importance_sampling_*). 0: the synchronous loop. "
         "Helps when verification or generation takes as long as the update (docs/grpo.md).",
+    )
+    sync_ref_model: bool = Field(
+        False, description="With beta > 0: every ref_model_sync_steps optimizer steps, move the reference model "
+        "toward the policy, π_ref ← α·π_θ + (1 − α)·π_ref (TR-DPO; TRL's sync_ref_model). Not with use_peft (the "
+        "reference is the adapter-free model).",
+    )
+    ref_model_mixup_alpha: float = Field(
+        0.6, ge=0.0, le=1.0, description="α of sync_ref_model: the policy's share in the new reference."
+    )
+    ref_model_sync_steps: int = Field(512, ge=1, description="Optimizer steps between syncs of sync_ref_model.")
+    cast_lm_head_to_fp32: bool = Field(
+        False, description="Keep the output head (of the policy and the reference) in float32 and feed it float32 "
+        "hidden states, for sampling and training (ScaleRL; TRL's cast_lm_head_to_fp32). Needs an output head not "
+        "tied to the input embeddings, and no LoRA on it.",
+    )
+    router_aux_loss_coef: float | None = Field(
+        None, ge=0.0, description="Weight of a Mixture-of-Experts model's load-balancing loss, added to the loss "
+        "(each micro-batch's, averaged over micro-batches; TRL's router_aux_loss_coef); null: the model config's "
+        "router_aux_loss_coef; 0: off. A non-zero value on a dense model is refused.",
+    )
+    micro_batch_order: Literal["length", "shuffle"] = Field(
+        "length", description="How the batch's samples are dealt into micro-batches: 'length' (shortest first: "
+        "less padding, faster) or 'shuffle' (a random permutation per iteration, seeded, as TRL shuffles its "
+        "generation batch). Only loss_type='bnpo', top_entropy_quantile < 1 and the entropy bonus depend on it.",
     )
     mask_truncated_completions: bool = Field(
         False, description="Drop completions that hit max_new_tokens (finish_reason 'length') from the loss."
@@ -233,6 +291,18 @@ class GRPOConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _checked_options(self) -> GRPOConfig:
+        if self.sync_ref_model and self.beta == 0:
+            raise ValueError("sync_ref_model=true needs beta > 0 (with beta = 0 there is no reference model to sync)")
+        if self.sync_ref_model and self.use_peft:
+            raise ValueError("sync_ref_model=true does not work with use_peft (the reference is the base model without "
+                             "the adapter); use full fine-tuning or sync_ref_model=false")
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max "
+                             f"({self.entropy_coef_max})")
+        return self
+
+    @model_validator(mode="after")
     def _lora_needs_peft(self) -> GRPOConfig:
         # Compared with the defaults, not `model_fields_set`: a recorded config lists every field.
         stray = sorted(f for f in LORA_FIELDS if getattr(self, f) != type(self).model_fields[f].default)
@@ -243,12 +313,21 @@ class GRPOConfig(BaseModel):
 
 # -- the math: advantages and loss ------------------------------------------------------------------
 def group_advantages(
-    rewards: Sequence[float], groups: Sequence[Hashable], scale_rewards: ScaleRewards = "group"
+    rewards: Sequence[float], groups: Sequence[Hashable], scale_rewards: ScaleRewards = "group", *,
+    parts: Sequence[Sequence[float]] | None = None, weights: Sequence[float] | None = None,
+    aggregation: MultiObjectiveAggregation = "sum_then_normalize",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-relative advantages and, per sample, whether its scaling std was zero.
+    """Group-relative advantages and, per sample, whether its scaling std was zero (TRL 1.16's rules).
 
-    A_i = r_i − mean of i's group; unless scale_rewards='none' it is divided by (std + 1e-4), the
-    unbiased std of i's group ('group') or of the whole batch ('batch'). A group of one has std 0.
+    A reward of NaN marks an unscorable completion (every reward function returned None): it is left out
+    of its group's mean and std, and its advantage is 0. Means and stds skip NaNs; a std over fewer
+    than two values is NaN, so the advantages it scales are 0.
+
+    'sum_then_normalize' (default): A_i = r_i − mean of i's group; unless scale_rewards='none' it is
+    divided by (std + 1e-4), the unbiased std of i's group ('group') or of the whole batch ('batch').
+    'normalize_then_sum' (GDPO): each reward function's values `parts` ([N, K], NaN where it did not
+    apply) are normalised within each group, (x − mean) / (std + 1e-4), summed with `weights`, and the
+    sums normalised over the batch; `scale_rewards` plays no part.
     """
     import torch
 
@@ -258,17 +337,49 @@ def group_advantages(
     index: dict[Hashable, list[int]] = {}
     for i, key in enumerate(groups):
         index.setdefault(key, []).append(i)
-    mean, std = torch.zeros_like(r), torch.zeros_like(r)
-    for members in index.values():
-        sel = torch.tensor(members)
-        mean[sel] = r[sel].mean()
-        std[sel] = r[sel].std() if len(members) > 1 else 0.0
-    if scale_rewards == "batch":
-        std = torch.full_like(r, float(r.std()) if r.numel() > 1 else 0.0)
-    advantages = r - mean
-    if scale_rewards != "none":
-        advantages = advantages / (std + 1e-4)
-    return advantages, torch.isclose(std, torch.zeros_like(std))
+    members = [torch.tensor(m) for m in index.values()]
+    unscorable = torch.isnan(r)
+    if aggregation == "normalize_then_sum":
+        x = r.unsqueeze(1) if parts is None else torch.tensor([list(p) for p in parts], dtype=torch.float32)
+        w = torch.ones(x.shape[1]) if weights is None else torch.tensor(list(weights), dtype=torch.float32)
+        normalised = torch.full_like(x, float("nan"))
+        for sel in members:
+            mean, std = _nanmean(x[sel], 0), _nanstd(x[sel], 0)
+            normalised[sel] = (x[sel] - mean) / (std + 1e-4)
+        summed = (normalised * w).nansum(dim=1)
+        summed[unscorable] = float("nan")
+        std = _nanstd(summed, 0).expand_as(summed) if summed.numel() > 1 else torch.zeros_like(summed)
+        advantages = (summed - _nanmean(summed, 0)) / (std + 1e-4)
+    elif aggregation == "sum_then_normalize":
+        mean, std = torch.zeros_like(r), torch.zeros_like(r)
+        for sel in members:
+            mean[sel] = _nanmean(r[sel], 0)
+            std[sel] = _nanstd(r[sel], 0) if len(sel) > 1 else 0.0
+        if scale_rewards == "batch":
+            std = _nanstd(r, 0).expand_as(r) if r.numel() > 1 else torch.zeros_like(r)
+        advantages = r - mean
+        if scale_rewards != "none":
+            advantages = advantages / (std + 1e-4)
+    else:
+        raise ValueError(f"unknown multi_objective_aggregation {aggregation!r}; choose sum_then_normalize or "
+                         "normalize_then_sum")
+    return torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+def _nanmean(x: torch.Tensor, dim: int) -> torch.Tensor:
+    import torch
+
+    return torch.nanmean(x, dim=dim)
+
+
+def _nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The unbiased std over the values that are not NaN; NaN where fewer than two are."""
+    import torch
+
+    count = (~torch.isnan(x)).sum(dim)
+    var = torch.nanmean((x - torch.nanmean(x, dim=dim, keepdim=True)) ** 2, dim=dim)
+    var = torch.where(count > 1, var * count / (count - 1).clamp(min=1), torch.full_like(var, float("nan")))
+    return var.sqrt()
 
 
 def sampling_correction(
@@ -351,6 +462,27 @@ def vespo_weights(
         return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
+                    threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask, [B, 1]: 0 for a completion with a negative advantage whose mean
+    token log π_sampler − log π_θ (NaN counted 0) exceeds `threshold`, else 1."""
+    import torch
+
+    kl = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
+    mean = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((advantages.reshape(-1, 1) >= 0) | (mean <= threshold)).to(mask.dtype)
+
+
+def entropy_bonus(entropies: torch.Tensor, mask: torch.Tensor, entropy_mask: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mean token entropy over the tokens the policy term trains on (`mask`, narrowed by `entropy_mask`), with its
+    gradient, and that set's entropy sum and token count (detached, for adaptive control)."""
+    effective = mask if entropy_mask is None else mask * entropy_mask
+    total = (entropies * effective).sum()
+    count = effective.sum()
+    return total / count.clamp(min=1.0), total.detach(), count.detach()
+
+
 def grpo_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor,
@@ -374,6 +506,9 @@ def grpo_loss(
     vespo_params: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
     sampling_weight: torch.Tensor | None = None,
     entropy_mask: torch.Tensor | None = None,
+    sequence_mask: torch.Tensor | None = None,
+    entropies: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO loss of a (micro-)batch and detached statistics for logging.
 
@@ -384,7 +519,10 @@ def grpo_loss(
     term by ρ (not detached); this function's default is the plain k3 term, the optimizer passes
     `GRPOConfig.use_bias_correction_kl` (default on). `vespo_params` is (k_pos, λ_pos, k_neg, λ_neg).
     `sampling_weight` ([B, T] or [B, 1], from `sampling_correction`) and `entropy_mask` (from
-    `high_entropy_mask`) multiply the policy term, not the KL term, as in TRL.
+    `high_entropy_mask`) multiply the policy term, not the KL term, as in TRL; so does `sequence_mask` ([B, 1],
+    from `off_policy_mask`). `entropies` (with their gradient) and `entropy_coef`: the entropy bonus, this
+    micro-batch's mean entropy over the trained tokens divided by `num_micro_batches`, times the coefficient,
+    subtracted from the loss (whatever loss_type); its sums are in the statistics.
     """
     import torch
 
@@ -417,6 +555,8 @@ def grpo_loss(
         per_token = -surrogate
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}; choose grpo, dapo, dr_grpo, bnpo, cispo, sapo, luspo or vespo")
+    if sequence_mask is not None:
+        per_token = per_token * sequence_mask
     if entropy_mask is not None:
         per_token = per_token * entropy_mask
     if sampling_weight is not None and loss_type != "vespo":  # VESPO folds it into φ
@@ -448,6 +588,10 @@ def grpo_loss(
         loss = masked.sum() / mask.sum().clamp(min=1.0) / num_micro_batches
     else:  # luspo: each completion's token sum (its loss scaled by its length), mean over completions
         loss = masked.sum() / n
+    if entropies is not None:
+        mean_entropy, entropy_total, entropy_count = entropy_bonus(entropies, mask, entropy_mask)
+        loss = loss - entropy_coef * mean_entropy / num_micro_batches
+        stats.update(bonus_entropy_sum=entropy_total, bonus_entropy_tokens=entropy_count)
     with torch.no_grad():
         # Token level: counted over masked tokens; sequence level: over completions, as TRL logs them.
         weight = mask if clip_ratio.shape[-1] > 1 or mask.shape[-1] == 1 else torch.ones_like(clip_ratio)

@@ -48,6 +48,7 @@ class Packed:
     predict_index: torch.Tensor
     slots: int = 0  # positions of the padded layout, B × L
     tokens: int = 0  # real (prompt + completion) tokens
+    attention_mask: torch.Tensor | None = None  # [B, L] or [1, N]: 1 on real tokens (what an MoE router loss averages)
 
     @property
     def pad_fraction(self) -> float:
@@ -69,6 +70,7 @@ def pack(
     width_c = max(1, max(len(c) for c in completions))
     comp = [list(c) + [pad_id] * (width_c - len(c)) for c in completions]
     comp_mask = [[1] * len(c) + [0] * (width_c - len(c)) for c in completions]
+    real: list[int] = []
     ids: list[int] = []
     positions: list[int] = []
     predict: list[int] = []
@@ -76,11 +78,13 @@ def pack(
         start = len(ids)
         ids += list(p) + list(c)
         positions += range(len(p) + len(c))
+        real += [1] * (len(p) + len(c))
         # The state at the position before each completion token predicts it.
         predict += range(start + len(p) - 1, start + len(p) + len(c) - 1)
         if not padding_free:
             ids += [pad_id] * (width - len(p) - len(c))
             positions += range(len(p) + len(c), width)
+            real += [0] * (width - len(p) - len(c))
     shape = (1, len(ids)) if padding_free else (len(prompts), width)
     return Packed(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device).view(shape),
@@ -90,6 +94,7 @@ def pack(
         predict_index=torch.tensor(predict, dtype=torch.long, device=device),
         slots=len(prompts) * width,
         tokens=sum(len(p) + len(c) for p, c in zip(prompts, completions)),
+        attention_mask=torch.tensor(real, dtype=torch.long, device=device).view(shape),
     )
 
 
@@ -117,20 +122,23 @@ def packing_problem(model: torch.nn.Module) -> str | None:
 
 def _chunk_logprobs(
     head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, softcap: float | None,
-    entropy: bool = False,
+    entropy: bool = False, seen: torch.Tensor | None = None, penalty: float = 1.0, entropy_grad: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     logits = head(hidden).float()
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
+    if seen is not None:  # the repetition penalty, before the temperature, as the samplers apply it
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
     logits = logits / temperature
     # log p(target) = logit(target) - logsumexp(logits): no [rows, vocab] log-softmax tensor is kept.
     lse = torch.logsumexp(logits, dim=-1)
     logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     if not entropy:
         return logps
-    with torch.no_grad():  # H = logsumexp(z) − Σ softmax(z)·z; a statistic, no gradient
-        z = logits.detach()
-        h = lse.detach() - (torch.softmax(z, dim=-1) * z).sum(-1)
+    # H = logsumexp(z) − Σ softmax(z)·z; a statistic without gradient, unless an entropy bonus trains on it
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        z = logits if entropy_grad else logits.detach()
+        h = (lse if entropy_grad else lse.detach()) - (torch.softmax(z, dim=-1) * z).sum(-1)
     return logps, h
 
 
@@ -151,15 +159,21 @@ def _chunk_function(compiled: bool):
 
 def completion_logprobs(
     model: torch.nn.Module, batch: Packed, temperature: float = 1.0, chunk_size: int = 2048, entropy: bool = False,
-    compiled: bool = False,
+    compiled: bool = False, repetition_penalty: float = 1.0, entropy_grad: bool = False,
+    router_loss: list[torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log π(token | prefix) for every completion token, as float32 [B, C] (0 at padding).
 
-    Logits are divided by the sampling temperature first, so these are the log-probs of the
-    distribution the tokens were sampled from (as TRL does; top-p is not modelled). With `entropy`,
-    also the entropy of that distribution at each completion position, [B, C] (0 at padding),
-    detached, computed in the same chunks (GRPO's `top_entropy_quantile`). `compiled`: each chunk's
-    head and log-probs through `torch.compile` (`grpo.compile`).
+    Logits go through the sampler's repetition penalty (`repetition_penalty` ≠ 1: every token id
+    already in the sample's prompt or completion prefix has its logit divided by it when positive,
+    multiplied when negative) and are divided by the sampling temperature, so these are the
+    log-probs of the distribution the tokens were sampled from (truncations, top-k, top-p, min-p,
+    are not modelled, as in TRL). With `entropy`, also the entropy of that distribution at each
+    completion position, [B, C] (0 at padding), computed in the same chunks (GRPO's
+    `top_entropy_quantile` and entropy bonus), detached unless `entropy_grad`. `compiled`: each
+    chunk's head and log-probs through `torch.compile` (`grpo.compile`). `router_loss`: a list to which the
+    same forward appends a Mixture-of-Experts model's load-balancing loss over the real tokens (with its
+    gradient; the model's own `load_balancing_loss_func`, as its forward computes `aux_loss`).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs (got {temperature})")
@@ -167,14 +181,26 @@ def completion_logprobs(
     softcap = getattr(model.config, "final_logit_softcapping", None)
     # No attention mask: padding only follows real tokens (causal attention never reaches it), and a
     # padding-free row's samples are kept apart by its restarting position ids.
-    hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    extra = {"output_router_logits": True} if router_loss is not None else {}
+    outputs = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **extra)
+    hidden = outputs.last_hidden_state
+    if router_loss is not None:
+        import sys
+
+        text = model.config.get_text_config()
+        balance = sys.modules[type(model).__module__].load_balancing_loss_func
+        router_loss.append(balance(outputs.router_logits, text.num_experts, text.num_experts_per_tok,
+                                   batch.attention_mask))
     selected = batch.completion_mask.bool()
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.predict_index)
     targets = batch.completion_ids[selected]
     pieces, entropies = [], []
     chunk = _chunk_function(compiled)
+    seen_of = _seen_tokens(batch, head.weight.shape[0]) if repetition_penalty != 1.0 else None
     for start in range(0, rows.shape[0], chunk_size):
-        args = (head, rows[start : start + chunk_size], targets[start : start + chunk_size], temperature, softcap, entropy)
+        seen = seen_of(start, start + chunk_size) if seen_of is not None else None
+        args = (head, rows[start : start + chunk_size], targets[start : start + chunk_size], temperature, softcap, entropy,
+                seen, repetition_penalty, entropy_grad)
         if torch.is_grad_enabled():
             # Recompute the chunk's logits in backward instead of keeping them.
             piece = checkpoint(chunk, *args, use_reentrant=False)
@@ -193,3 +219,24 @@ def completion_logprobs(
     if entropies:
         ent = ent.masked_scatter(selected, torch.cat(entropies))
     return out, ent
+
+
+def _seen_tokens(batch: Packed, vocab: int):
+    """For the repetition penalty: a function of a range of prediction rows (in `predict_index` order)
+    giving [rows, vocab] bools, True for the token ids that occur in the row's sample at or before the
+    position that predicts (its prompt and the completion tokens sampled so far)."""
+    ids = batch.input_ids.reshape(-1)
+    positions = batch.position_ids.reshape(-1)
+    sample = torch.cumsum((positions == 0).long(), 0) - 1  # each sample (a row, or a restart) begins at position 0
+    n = int(sample[-1]) + 1
+    # The first position at which each token id occurs in each sample (padding comes after every prediction).
+    first = torch.full((n, vocab), torch.iinfo(torch.long).max, dtype=torch.long, device=ids.device)
+    flat = sample * vocab + ids
+    first.view(-1).scatter_reduce_(0, flat, positions, reduce="amin")
+    at = positions.index_select(0, batch.predict_index)
+    of = sample.index_select(0, batch.predict_index)
+
+    def seen(start: int, stop: int) -> torch.Tensor:
+        return first.index_select(0, of[start:stop]) <= at[start:stop].unsqueeze(1)
+
+    return seen
