@@ -33,6 +33,7 @@ class Generator(PolicyHost):
     #: Its settings: the config section `generator.<name>` (a `vrl.config.Section`; none by default).
     Config: ClassVar[type[BaseModel]] = Section
     _params: Any = None  # set by `perturbations`
+    _episodes: Any = None  # set by `episodes`: a `vrl.episodes.Episodes`, for a backend that runs them
 
     @classmethod
     def from_config(cls, config: Any, needs: HostNeeds | None = None, *, gpu: str | None = None) -> Generator:
