@@ -307,13 +307,15 @@ def environment_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]
     dummy = [{"role": "user", "content": "dummy"}, assistant]
     prefix = _ids(tokenizer.apply_chat_template(dummy, tokenize=True, add_generation_prompt=False))
     full = _ids(tokenizer.apply_chat_template(dummy + messages, tokenize=True, add_generation_prompt=True))
-    eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
-    if eos:
-        prefix = prefix[: eos[-1] + 1]
-    if full[: len(prefix)] != prefix:
-        raise ValueError("the chat template renders an earlier turn differently once the environment's message "
-                         "follows it; its messages cannot be appended token for token")
-    return full[len(prefix):]
+    # Where the two renderings part, the dummy assistant turn is being rendered (Qwen3 writes an empty
+    # <think></think> into an assistant turn only when it is the conversation's last message); the
+    # environment's part starts after that turn's EOS, or where they part when the template ends no turn with it.
+    common = next((i for i, (a, b) in enumerate(zip(prefix, full)) if a != b), min(len(prefix), len(full)))
+    if common < len(prefix) and tokenizer.eos_token_id in full[common:]:
+        common = full.index(tokenizer.eos_token_id, common) + 1
+    elif common == len(prefix) and tokenizer.eos_token_id in prefix:  # cut after the dummy turn's EOS (TRL)
+        common = len(prefix) - prefix[::-1].index(tokenizer.eos_token_id)
+    return full[common:]
 
 
 def _ids(rendered: Any) -> list[int]:

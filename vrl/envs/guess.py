@@ -5,9 +5,10 @@ environment answers "higher", "lower" or "correct", and the model guesses again,
 times. The verifier replays the episode's guesses against the secret (it trusts nothing the
 environment reported): a correct guess passes; otherwise the score is the best guess's closeness,
 1 − |guess − secret| / 9, and a turn that does not start with a digit scores 0. A random byte-level
-model rarely starts a turn with a digit (10 of 257 tokens), so it starts near 0.1; learning to answer
-with digits lifts it past 0.8 (three guesses of spread digits come close), and only a model that reads
-the feedback reaches 1. Everything is generated from a seed: no download.
+model rarely starts a turn with a digit (10 of 257 tokens), so it starts near 0.05; answering the same
+digit every turn reaches about 0.72, and going past 0.8 takes reading the feedback (a higher digit
+after "higher", a lower one after "lower"): with the suggested GRPO settings the tiny model gets there in
+about 15 iterations and guesses the digit in about a third of the games by iteration 30. Everything is generated from a seed: no download.
 """
 
 from __future__ import annotations
@@ -82,8 +83,12 @@ class GuessOptions(EnvOptions):
 class GuessEnvironment(Environment):
     name = "guess"
     description = "Guess a digit with higher/lower feedback: a multi-turn game the tiny model learns on a CPU."
-    # Suggested settings for the tiny random model, as for letters (a pretrained model needs far smaller steps).
+    # Suggested settings for the tiny random model (a pretrained model needs far smaller steps). GRPO trains
+    # every weight, so the model can learn to read the feedback; ES on the output layer alone (letters'
+    # settings) learns to answer with digits but not to use the feedback, and stays near 0.7.
     defaults = {
+        "optimizer": "grpo",
+        "iterations": 30,
         "tasks_per_iteration": 8,
         "sampling.max_new_tokens": 2,
         "es.population_size": 16,
