@@ -222,3 +222,30 @@ def test_es_with_episodes_replays_bit_exact(tmp_path: Path, noise: str) -> None:
         for c in together:
             by_row.setdefault((c.task_id, c.sample), set()).add(tuple(c.token_ids))
         assert any(len(v) > 1 for v in by_row.values())  # members do sample differently from one seed
+
+
+def test_asynchronous_grpo_trains_on_episodes_and_unsupported_places_are_refused_first(tmp_path: Path) -> None:
+    """grpo.max_staleness=1: sampling runs a pass ahead on weights only `publish` changes, and each episode
+    carries its model tokens' sampling log-probs (0 at the environment's, which the mask drops). A runtime
+    or backend that cannot run episodes is refused in one line before anything starts."""
+    from vrl.config import resolve_config
+    from vrl.errors import UsageError
+    from vrl.preflight import check_episodes
+    from vrl.runtime import runtime_class
+
+    config = resolve_config({"plugin": "guess", "model": "tiny", "iterations": 3, "tasks_per_iteration": 2,
+                             "grpo": {"max_staleness": 1, "num_generations": 2},
+                             "logging": {"runs_dir": str(tmp_path), "name": "async", "samples_per_iteration": 2}})
+    summary = Trainer(config, environment=GuessEnvironment(size=4), console=Console(file=io.StringIO())).run()
+    assert summary["status"] == "finished"
+    rows = [__import__("json").loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["episodes/count"] for r in rows] == [4, 4, 4]
+    assert all(r["grpo/trained_tokens"] == r["episodes/tokens_model"] for r in rows)  # only the model's tokens
+    assert "grpo/sampling_logprob_diff_mean" in rows[-1]  # the sampler's log-probs reached the update
+
+    env = GuessEnvironment()
+    for settings, fix in [({"runtime": {"kind": "modal"}}, "--set runtime.kind=local"),
+                          ({"generator": {"backend": "vllm"}}, "--set generator.backend=hf")]:
+        cfg = resolve_config({"plugin": "guess", "model": "tiny", **settings})
+        with pytest.raises(UsageError, match=f"^environment 'guess' runs multi-turn episodes, .* {fix}$"):
+            check_episodes(cfg, env, runtime_class(cfg.runtime.kind))

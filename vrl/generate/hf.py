@@ -137,6 +137,7 @@ class HFGenerator(Generator):
 
     name = "hf"
     Config = HFConfig
+    runs_episodes = True
 
     def __init__(self, model: Any, tokenizer: Any, sampling: Any):
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
