@@ -141,38 +141,43 @@ class Episodes:
         self.environment = environment
         self.step_timeout_s = step_timeout_s
         self.gather_s = gather_s
+        # One event loop for every run of these episodes, so what an environment keeps across episodes (a
+        # verifier's client, a sandbox pool) stays on the loop it was made on.
+        self._loop: _LoopThread | None = None
 
     def run(self, rows: Sequence[Row], tokenizer: Any, generate: Continue) -> list[Completion]:
         """The completions of `rows` (in order): each an episode, or a single turn where the environment
         gives no interaction for the task."""
         states = [self._start(row, tokenizer) for row in rows]
-        with _LoopThread() as loop:
-            ready = list(range(len(states)))
-            pending: dict[concurrent.futures.Future[tuple[Reply, float]], int] = {}
-            try:
-                while ready or pending:
-                    if ready:
-                        batch = [states[i] for i in ready]
-                        outs = generate([s.prompt_ids + s.ids for s in batch],
-                                        [turn_seed(s.row.seed, s.model_turns) for s in batch],
-                                        [s.row.member for s in batch])
-                        for i, out in zip(ready, outs):
-                            turn = self._model_turn(states[i], out, tokenizer)
-                            if turn is not None:
-                                pending[loop.submit(self._step(states[i].interaction, turn))] = i
-                        ready = []
-                    if pending:
-                        done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-                        more, _ = concurrent.futures.wait(set(pending) - done, timeout=self.gather_s)
-                        for fut in sorted(done | more, key=pending.__getitem__):
-                            i = pending.pop(fut)
-                            if self._environment_turn(states[i], *fut.result(), tokenizer):
-                                ready.append(i)
-                        ready.sort()
-            finally:
-                for fut in pending:
-                    fut.cancel()
-            return [self._completion(s, loop) for s in states]
+        if self._loop is None:
+            self._loop = _LoopThread()
+        loop = self._loop
+        ready = list(range(len(states)))
+        pending: dict[concurrent.futures.Future[tuple[Reply, float]], int] = {}
+        try:
+            while ready or pending:
+                if ready:
+                    batch = [states[i] for i in ready]
+                    outs = generate([s.prompt_ids + s.ids for s in batch],
+                                    [turn_seed(s.row.seed, s.model_turns) for s in batch],
+                                    [s.row.member for s in batch])
+                    for i, out in zip(ready, outs):
+                        turn = self._model_turn(states[i], out, tokenizer)
+                        if turn is not None:
+                            pending[loop.submit(self._step(states[i].interaction, turn))] = i
+                    ready = []
+                if pending:
+                    done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                    more, _ = concurrent.futures.wait(set(pending) - done, timeout=self.gather_s)
+                    for fut in sorted(done | more, key=pending.__getitem__):
+                        i = pending.pop(fut)
+                        if self._environment_turn(states[i], *fut.result(), tokenizer):
+                            ready.append(i)
+                    ready.sort()
+        finally:
+            for fut in pending:
+                fut.cancel()
+        return [self._completion(s, loop) for s in states]
 
     # -- one episode ---------------------------------------------------------------------------------
     def _start(self, row: Row, tokenizer: Any) -> _State:
@@ -265,21 +270,15 @@ async def _call(fn: Callable[[], Any]) -> Any:
 
 
 class _LoopThread:
-    """An asyncio loop in a daemon thread, for the environment steps of one `Episodes.run`."""
+    """An asyncio loop in a daemon thread, for the environment steps of an `Episodes` (it ends with the process)."""
 
-    def __enter__(self) -> _LoopThread:
+    def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="vrl-episodes", daemon=True)
         self.thread.start()
-        return self
 
     def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def __exit__(self, *exc: Any) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-        self.loop.close()
 
 
 # -- rendering -----------------------------------------------------------------------------------------

@@ -11,12 +11,14 @@ from pydantic import Field, field_validator
 from vrl.environment import Environment, EnvOptions
 from vrl.errors import OptionsError
 from vrl.types import Attempt, Completion, Task
+from vrl.repair import Repair, SharedVerifier
 from vrl.verifier import Verifier
 from vrl_lean import data as data_mod
 from vrl_lean.data import Problem, parse_jsonl_row
 from vrl_lean.policy import DEFAULT_MAX_HEARTBEATS
 from vrl_lean.prompts import MODEL, formal_statement, kimina_messages
 from vrl_lean.recheck import HttpRechecker, LocalRechecker, Rechecker
+from vrl_lean.repair import lean_feedback
 from vrl_lean.server import KIMINA
 from vrl_lean.verifier import NO_SERVER, START_RECHECK, LeanVerifier
 
@@ -45,6 +47,9 @@ class LeanOptions(EnvOptions):
     recheck_timeout_s: float = Field(300.0, gt=0, description="Wall-clock limit of one re-check (three fresh Lean processes).")
     canary_rate: float = Field(0.02, ge=0.0, le=1.0, description="Share of attempts that also get a canary false theorem "
                                "(every pass gets one too); 0 turns canaries off.")
+    turns: int = Field(1, ge=1, le=16, description="Model turns per theorem: with more than 1, a failed proof's Lean "
+                       "error (position, message, failing line) goes back and the model repairs it (docs/multi-turn.md).")
+    feedback_chars: int = Field(1200, ge=80, description="Characters of a failed proof's report sent back (turns > 1).")
     on_exploit: Literal["stop", "count"] = Field("stop", description="A canary that passes: stop the run (keeping the "
                                                  "attempt in alarms.jsonl) or only count it in lean/exploit_rate.")
 
@@ -117,7 +122,19 @@ class LeanEnvironment(Environment):
         self.server, self.api_key, self.data = o.server, o.api_key, o.data
         self.test_fraction, self.timeout_s = o.test_fraction, o.timeout_s
         self.max_heartbeats, self.repls = o.max_heartbeats, o.repls
+        self.turns, self.feedback_chars = o.turns, o.feedback_chars
         self._splits: dict[str, list[Problem]] | None = None
+        self._repair_verifier = SharedVerifier(self.verifier)  # every turn judged by the whole pipeline
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.turns > 1
+
+    def interaction(self, task: Task) -> Repair | None:
+        """With `-o turns=K` (K > 1): proof repair, each turn checked by the full verifier (`vrl_lean.repair`)."""
+        if self.turns == 1:
+            return None
+        return Repair(task, self._repair_verifier, self.turns, lean_feedback, self.feedback_chars)
 
     def _problems(self) -> dict[str, list[Problem]]:
         if self._splits is None:
