@@ -7,8 +7,9 @@ from typing import Any, Literal
 from pydantic import Field
 
 from vrl.environment import Environment, EnvOptions
+from vrl.repair import Repair, SharedVerifier
 from vrl.reward import Binary, PartialCredit, RewardShaper
-from vrl.types import Task
+from vrl.types import Task, Verdict
 from vrl_python_tests.datasets import DatasetError, load_source, to_tasks
 from vrl_python_tests.sandbox import SandboxMode
 from vrl_python_tests.verifier import PythonTestsVerifier
@@ -28,6 +29,9 @@ class PythonTestsOptions(EnvOptions):
     memory_mb: int = Field(512, ge=64, description="Address-space cap of each process of an attempt.")
     max_processes: int = Field(16, ge=1, description="Processes (and threads) an attempt may run at once.")
     python: str | None = Field(None, description="Interpreter inside the sandbox; None picks one the sandbox can run.")
+    turns: int = Field(1, ge=1, le=16, description="Model turns per task: with more than 1, a failing attempt's test "
+                       "report (the visible tests' calls and results, hidden ones by index only) goes back for a fix.")
+    feedback_chars: int = Field(1200, ge=80, description="Characters of a failing attempt's report sent back (turns > 1).")
 
 
 class PythonTestsEnvironment(Environment):
@@ -51,6 +55,18 @@ class PythonTestsEnvironment(Environment):
             "attempt_timeout_s": o.attempt_timeout_s, "memory_mb": o.memory_mb, "max_processes": o.max_processes,
             "python": o.python}
         PythonTestsVerifier(**self._verifier_options).pool.close()  # fail now if the sandbox cannot run here
+        self.turns, self.feedback_chars = o.turns, o.feedback_chars
+        self._repair_verifier = SharedVerifier(self.verifier)  # every turn judged in the sandbox, as a final attempt
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.turns > 1
+
+    def interaction(self, task: Task) -> Repair | None:
+        """With `-o turns=K` (K > 1): a failing attempt's test report goes back and the model fixes its code."""
+        if self.turns == 1:
+            return None
+        return Repair(task, self._repair_verifier, self.turns, tests_feedback, self.feedback_chars)
 
     def tasks(self, split: str = "train", limit: int | None = None) -> list[Task]:
         self._check_split(split)
@@ -72,3 +88,8 @@ class PythonTestsEnvironment(Environment):
             return to_tasks([("inline task", row)], self.format, self.visible_tests)[0]
         except DatasetError as exc:
             raise ValueError(str(exc)) from None
+
+
+def tests_feedback(task: Task, text: str, verdict: Verdict) -> str:
+    """What the model reads after a failing attempt: the verifier's report (it never shows hidden tests' data)."""
+    return f"The code failed the tests ({verdict.status.value}):\n{verdict.detail}\nFix it and write the whole code again."
