@@ -23,7 +23,7 @@ from vrl.generate.hf import HFGenerator, load_model_and_tokenizer
 from vrl.optim.es import ES, ESConfig
 from vrl.optim.grpo import GRPO, GRPOConfig
 from vrl.optim.logprobs import completion_logprobs
-from vrl.policy import PerturbationSpec, Variant
+from vrl.policy import Variant
 from vrl.runtime.local import LocalRuntime
 from vrl.trainer import Trainer
 from vrl.types import Result, Task, Verdict
@@ -224,7 +224,7 @@ def test_es_with_episodes_replays_bit_exact(tmp_path: Path, noise: str) -> None:
         assert any(len(v) > 1 for v in by_row.values())  # members do sample differently from one seed
 
 
-def test_asynchronous_grpo_trains_on_episodes_and_unsupported_places_are_refused_first(tmp_path: Path) -> None:
+def test_asynchronous_grpo_trains_on_episodes_and_unsupported_places_are_refused_first(tmp_path: Path, monkeypatch) -> None:
     """grpo.max_staleness=1: sampling runs a pass ahead on weights only `publish` changes, and each episode
     carries its model tokens' sampling log-probs (0 at the environment's, which the mask drops). A runtime
     or backend that cannot run episodes is refused in one line before anything starts."""
@@ -244,6 +244,9 @@ def test_asynchronous_grpo_trains_on_episodes_and_unsupported_places_are_refused
     assert "grpo/sampling_logprob_diff_mean" in rows[-1]  # the sampler's log-probs reached the update
 
     env = GuessEnvironment()
+    from vrl.generate.vllm import VLLMGenerator
+
+    monkeypatch.setattr(VLLMGenerator, "runs_episodes", False)  # a backend that cannot (vllm can)
     for settings, fix in [({"runtime": {"kind": "modal"}}, "--set runtime.kind=local"),
                           ({"generator": {"backend": "vllm"}}, "--set generator.backend=hf")]:
         cfg = resolve_config({"plugin": "guess", "model": "tiny", **settings})

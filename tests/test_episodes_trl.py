@@ -70,7 +70,8 @@ def test_loss_and_gradient_with_environment_masks_equal_trl(loss: str) -> None:
 
         original = eq.GRPOTrainer._compute_loss
 
-        def with_tool_mask(self, model, inputs):  # TRL's inputs carry the tool mask; its count is of both masks
+        def with_tool_mask(self, model, inputs, tool=tool, mask=mask, original=original):
+            # TRL's inputs carry the tool mask; its token count is of both masks
             inputs = {**inputs, "tool_mask": tool, "num_items_in_batch": (mask * tool).sum()}
             return original(self, model, inputs)
 

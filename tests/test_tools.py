@@ -22,8 +22,8 @@ import pytest
 from click.testing import CliRunner
 
 from vrl.envs.dataset import DatasetEnvironment
-from vrl.episodes import Episodes, ModelTurn, Row, Sampled, environment_ids, render
-from vrl.tools import ToolInteraction, execute, parse_tool_calls, schema
+from vrl.episodes import Episodes, Row, Sampled, environment_ids, render
+from vrl.tools import execute, parse_tool_calls, schema
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tools"
 CACHE = Path.home() / ".cache" / "vrl-tests" / "tokenizers"

@@ -29,8 +29,13 @@ from pydantic import AliasChoices, Field, field_validator
 
 from vrl.environment import Environment, EnvOptions
 from vrl.errors import DatasetUnavailable, OptionsError, UnknownSplitError, UsageError
-from vrl.reward_functions import (RESERVED, RewardFunctions, RewardFunctionShaper, RewardFunctionVerifier,
-                                  load_reward_function)
+from vrl.reward_functions import (
+    RESERVED,
+    RewardFunctions,
+    RewardFunctionShaper,
+    RewardFunctionVerifier,
+    load_reward_function,
+)
 from vrl.tools import ToolInteraction, schema
 from vrl.types import Task
 

@@ -10,8 +10,8 @@ from pydantic import Field, field_validator
 
 from vrl.environment import Environment, EnvOptions
 from vrl.errors import OptionsError
-from vrl.types import Attempt, Completion, Task
 from vrl.repair import Repair, SharedVerifier
+from vrl.types import Attempt, Completion, Task
 from vrl.verifier import Verifier
 from vrl_lean import data as data_mod
 from vrl_lean.data import Problem, parse_jsonl_row
