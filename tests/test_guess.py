@@ -51,3 +51,26 @@ def test_guess_learns_with_its_suggested_settings(tmp_path: Path) -> None:
     assert rewards[0] < 0.3, rewards
     assert sum(rewards[-5:]) / 5 >= 0.8, rewards
     assert rows[-1]["episodes/pass_rate_turn_3"] > rows[-1]["episodes/pass_rate_turn_1"]  # later guesses find it
+
+
+def test_vrl_eval_plays_whole_games(monkeypatch) -> None:
+    """`vrl eval` on a multi-turn environment evaluates episodes, as training samples them."""
+    from click.testing import CliRunner
+
+    from vrl.cli import main
+    from vrl.episodes import Episodes
+
+    played = []
+    run = Episodes.run
+
+    def spy(self, rows, *args):
+        out = run(self, rows, *args)
+        played.extend(c.episode.metrics["turns"] for c in out)
+        return out
+
+    monkeypatch.setattr(Episodes, "run", spy)
+    res = CliRunner().invoke(main, ["eval", "--plugin", "guess", "--model", "tiny", "--limit", "3", "--k", "2", "--json",
+                                    "-o", "turns=2", "--set", "sampling.max_new_tokens=2"])
+    assert res.exit_code == 0, res.output
+    assert set(json.loads(res.stdout)["pass_at"]) == {"1", "2"}
+    assert len(played) == 6 and max(played) == 2
