@@ -224,7 +224,8 @@ def test_es_with_episodes_replays_bit_exact(tmp_path: Path, noise: str) -> None:
         assert any(len(v) > 1 for v in by_row.values())  # members do sample differently from one seed
 
 
-def test_asynchronous_grpo_trains_on_episodes_and_unsupported_places_are_refused_first(tmp_path: Path, monkeypatch) -> None:
+def test_asynchronous_grpo_trains_on_episodes_and_unsupported_places_are_refused_first(tmp_path: Path, monkeypatch,
+                                                                                       emu) -> None:
     """grpo.max_staleness=1: sampling runs a pass ahead on weights only `publish` changes, and each episode
     carries its model tokens' sampling log-probs (0 at the environment's, which the mask drops). A runtime
     or backend that cannot run episodes is refused in one line before anything starts."""
@@ -252,3 +253,12 @@ def test_asynchronous_grpo_trains_on_episodes_and_unsupported_places_are_refused
         cfg = resolve_config({"plugin": "guess", "model": "tiny", **settings})
         with pytest.raises(UsageError, match=f"^environment 'guess' runs multi-turn episodes, .* {fix}$"):
             check_episodes(cfg, env, runtime_class(cfg.runtime.kind))
+    from click.testing import CliRunner
+
+    from vrl.cli import main
+
+    runs = tmp_path / "refused"  # on the Modal emulator (credentials and all): refused by the preflight, first
+    res = CliRunner().invoke(main, ["train", "--plugin", "guess", "--set", "runtime.kind=modal",
+                                    "--set", f"logging.runs_dir={runs}"])
+    assert res.exit_code != 0 and "runs multi-turn episodes, which runtime 'modal' does not support yet" in res.output
+    assert not runs.exists()  # refused before anything started
