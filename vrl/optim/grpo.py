@@ -387,7 +387,9 @@ class GRPO(Optimizer):
             "grpo/advantage_abs_mean": float(advantages.abs().mean()),
             **clip,
             "grpo/completions/clipped_ratio": sum(truncated) / len(truncated),
-            "grpo/completions/mean_length": sum(len(r.completion.token_ids) for r in results) / len(results),
+            # the model's tokens (an episode's environment tokens are not its length, as in TRL)
+            "grpo/completions/mean_length": sum(r.completion.completion_tokens or len(r.completion.token_ids)
+                                                for r in results) / len(results),
             "grpo/trained_tokens": num_tokens,
             # The share of the padded micro-batches' positions that are padding: what padding_free removes.
             "grpo/pad_fraction": self._pad_fraction(batches),
