@@ -23,6 +23,7 @@ from click.testing import CliRunner
 
 from vrl.envs.dataset import DatasetEnvironment
 from vrl.episodes import Episodes, Row, Sampled, environment_ids, render
+from vrl.reward_functions import load_reward_function
 from vrl.tools import execute, parse_tool_calls, schema
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tools"
@@ -160,24 +161,9 @@ def test_broken_tools_become_tool_messages_and_are_counted() -> None:
     assert failed and "timed out after 0.5 s" in message and time.perf_counter() - start < 5
 
 
-class Counter:
-    """A TRL environment class, as TRL's docs write one: reset with the row, tools as methods, get_reward."""
-
-    def reset(self, **row) -> str:
-        self.total, self.target = 0, int(row["target"])
-        return f" Reach {self.target}."
-
-    def add(self, n: int) -> str:
-        """Add a number to the running total.
-
-        Args:
-            n: The number to add.
-        """
-        self.total += n
-        return str(self.total)
-
-    def get_reward(self) -> float:
-        return 1.0 if self.total == self.target else 0.0
+# A TRL environment class as TRL's docs write one: reset with the row, tools as methods, get_reward (the
+# file the CLI test loads by path, `-o environment_factory=counter_env.py:Counter`).
+Counter = load_reward_function(f"{FIXTURES / 'counter_env.py'}:Counter", "environment_factory")
 
 
 def test_an_environment_class_and_tools_run_an_episode_on_qwen3_and_the_run_goes_on(qwen3, tmp_path) -> None:

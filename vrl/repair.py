@@ -66,3 +66,25 @@ class Repair(Interaction):
             return Reply(done=True, passed=verdict.passed)
         report = trim(self.feedback(self.task, turn.text, verdict), self.budget)
         return Reply(messages=[{"role": "user", "content": report}], passed=False)
+
+
+class RepairEpisodes:
+    """Mixin for an `Environment` with a `turns` option: with `turns` > 1 its episodes are repairs, each turn
+    judged by the environment's own `verifier()` (one per event loop), the report written by `feedback`.
+    Put it before `Environment` in the bases and set `turns` and `feedback_chars` in `__init__`."""
+
+    turns: int = 1
+    feedback_chars: int = FEEDBACK_CHARS
+    feedback: Feedback = staticmethod(default_feedback)
+    _repair_verifier: SharedVerifier | None = None
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.turns > 1
+
+    def interaction(self, task: Task) -> Repair | None:
+        if self.turns == 1:
+            return None
+        if self._repair_verifier is None:
+            self._repair_verifier = SharedVerifier(self.verifier)  # type: ignore[attr-defined]
+        return Repair(task, self._repair_verifier, self.turns, type(self).feedback, self.feedback_chars)

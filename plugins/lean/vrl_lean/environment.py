@@ -10,7 +10,7 @@ from pydantic import Field, field_validator
 
 from vrl.environment import Environment, EnvOptions
 from vrl.errors import OptionsError
-from vrl.repair import Repair, SharedVerifier
+from vrl.repair import RepairEpisodes
 from vrl.types import Attempt, Completion, Task
 from vrl.verifier import Verifier
 from vrl_lean import data as data_mod
@@ -95,8 +95,11 @@ def warmup_attempt() -> Attempt:
     return Attempt(task=task, completion=Completion(task_id="vrl_warmup", text=text))
 
 
-class LeanEnvironment(Environment):
-    """Prove lean_workbook theorems (kfdong/STP_Lean_SFT, or local files), checked by kimina-lean-server."""
+class LeanEnvironment(RepairEpisodes, Environment):
+    """Prove lean_workbook theorems (kfdong/STP_Lean_SFT, or local files), checked by kimina-lean-server.
+    With `-o turns=K`, proof repair (`vrl_lean.repair`)."""
+
+    feedback = staticmethod(lean_feedback)
 
     name = "lean"
     description = "Lean 4 theorem proving (lean_workbook via STP_Lean_SFT), checked by kimina-lean-server."
@@ -122,19 +125,8 @@ class LeanEnvironment(Environment):
         self.server, self.api_key, self.data = o.server, o.api_key, o.data
         self.test_fraction, self.timeout_s = o.test_fraction, o.timeout_s
         self.max_heartbeats, self.repls = o.max_heartbeats, o.repls
-        self.turns, self.feedback_chars = o.turns, o.feedback_chars
+        self.turns, self.feedback_chars = o.turns, o.feedback_chars  # proof repair: every turn through the verifier
         self._splits: dict[str, list[Problem]] | None = None
-        self._repair_verifier = SharedVerifier(self.verifier)  # every turn judged by the whole pipeline
-
-    @property
-    def multi_turn(self) -> bool:
-        return self.turns > 1
-
-    def interaction(self, task: Task) -> Repair | None:
-        """With `-o turns=K` (K > 1): proof repair, each turn checked by the full verifier (`vrl_lean.repair`)."""
-        if self.turns == 1:
-            return None
-        return Repair(task, self._repair_verifier, self.turns, lean_feedback, self.feedback_chars)
 
     def _problems(self) -> dict[str, list[Problem]]:
         if self._splits is None:

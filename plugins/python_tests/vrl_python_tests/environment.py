@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from vrl.environment import Environment, EnvOptions
-from vrl.repair import Repair, SharedVerifier
+from vrl.repair import RepairEpisodes
 from vrl.reward import Binary, PartialCredit, RewardShaper
 from vrl.types import Task, Verdict
 from vrl_python_tests.datasets import DatasetError, load_source, to_tasks
@@ -34,13 +34,20 @@ class PythonTestsOptions(EnvOptions):
     feedback_chars: int = Field(1200, ge=80, description="Characters of a failing attempt's report sent back (turns > 1).")
 
 
-class PythonTestsEnvironment(Environment):
-    """Tasks with input/expected tests; attempts run in bubblewrap and are judged on the host."""
+def tests_feedback(task: Task, text: str, verdict: Verdict) -> str:
+    """What the model reads after a failing attempt: the verifier's report (it never shows hidden tests' data)."""
+    return f"The code failed the tests ({verdict.status.value}):\n{verdict.detail}\nFix it and write the whole code again."
+
+
+class PythonTestsEnvironment(RepairEpisodes, Environment):
+    """Tasks with input/expected tests; attempts run in bubblewrap and are judged on the host. With
+    `-o turns=K`, a failing attempt's test report goes back and the model fixes its code."""
 
     name = "python-tests"
     description = "Write a Python function that passes hidden tests (sandboxed; bundled tasks, MBPP, HumanEval)."
     defaults = {"sampling.max_new_tokens": 384, "verifier.batch_size": 16}
     Options = PythonTestsOptions
+    feedback = staticmethod(tests_feedback)
 
     def __init__(self, **options: Any):
         """Options (`-o KEY=VALUE`): see `PythonTestsOptions`."""
@@ -55,18 +62,7 @@ class PythonTestsEnvironment(Environment):
             "attempt_timeout_s": o.attempt_timeout_s, "memory_mb": o.memory_mb, "max_processes": o.max_processes,
             "python": o.python}
         PythonTestsVerifier(**self._verifier_options).pool.close()  # fail now if the sandbox cannot run here
-        self.turns, self.feedback_chars = o.turns, o.feedback_chars
-        self._repair_verifier = SharedVerifier(self.verifier)  # every turn judged in the sandbox, as a final attempt
-
-    @property
-    def multi_turn(self) -> bool:
-        return self.turns > 1
-
-    def interaction(self, task: Task) -> Repair | None:
-        """With `-o turns=K` (K > 1): a failing attempt's test report goes back and the model fixes its code."""
-        if self.turns == 1:
-            return None
-        return Repair(task, self._repair_verifier, self.turns, tests_feedback, self.feedback_chars)
+        self.turns, self.feedback_chars = o.turns, o.feedback_chars  # repair: every turn judged in the sandbox
 
     def tasks(self, split: str = "train", limit: int | None = None) -> list[Task]:
         self._check_split(split)
@@ -89,7 +85,3 @@ class PythonTestsEnvironment(Environment):
         except DatasetError as exc:
             raise ValueError(str(exc)) from None
 
-
-def tests_feedback(task: Task, text: str, verdict: Verdict) -> str:
-    """What the model reads after a failing attempt: the verifier's report (it never shows hidden tests' data)."""
-    return f"The code failed the tests ({verdict.status.value}):\n{verdict.detail}\nFix it and write the whole code again."
