@@ -170,11 +170,13 @@ def _in_thread(fn: Callable[..., Any], kwargs: dict[str, Any]) -> asyncio.Future
 
     def run() -> None:
         try:
-            value = fn(**kwargs)
+            value, error = fn(**kwargs), None
         except BaseException as exc:  # handed to the waiting coroutine
-            loop.call_soon_threadsafe(_settle, future, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, future, value, None)
+            value, error = None, exc
+        try:
+            loop.call_soon_threadsafe(_settle, future, value, error)
+        except RuntimeError:  # the loop closed while the tool overran its timeout: nobody waits any more
+            pass
 
     threading.Thread(target=run, name=f"vrl-tool-{getattr(fn, '__name__', 'tool')}", daemon=True).start()
     return future
