@@ -104,3 +104,24 @@ def test_shaper_rewards_format_and_correctness():
 def test_inline_task_form():
     task = CountdownEnvironment().task_from_data({"numbers": [3, 5, 7], "target": 22})
     assert judge("<answer>3 * 5 + 7</answer>", task).passed
+
+
+def test_the_calculator_option_makes_countdown_a_tool_use_environment():
+    from vrl.episodes import ModelTurn
+
+    plain, tools = CountdownEnvironment(size=2), CountdownEnvironment(size=2, calculator=True, max_turns=3)
+    task = tools.tasks()[0]
+    assert not plain.multi_turn and plain.interaction(task) is None
+    episode = tools.interaction(task)
+    assert tools.multi_turn and episode.max_turns == 3
+    assert [t["function"]["name"] for t in episode.tools] == ["calculate"]
+
+    def answer(text: str):
+        return asyncio.run(episode.reply(ModelTurn(text=text, raw=text, index=1, last=False)))
+
+    reply = answer('<tool_call>{"name": "calculate", "arguments": {"expression": "(25 - 5) * 3 / 8"}}</tool_call>')
+    assert reply.messages == [{"role": "tool", "name": "calculate", "content": "7.5"}] and not reply.done
+    reply = answer('<tool_call>{"name": "calculate", "arguments": {"expression": "2 ** 8"}}</tool_call>')
+    assert reply.messages[0]["content"].startswith("error: 'calculate' raised ValueError: only + - * /")
+    assert reply.metrics == {"tool_calls": 1.0, "tool_errors": 1.0}
+    assert answer("<answer> 1 + 2 </answer>").done  # no call: the episode ends, the verifier judges the answer

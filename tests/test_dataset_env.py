@@ -291,9 +291,10 @@ def test_modal_sandboxes_are_refused_with_the_setting_to_use():
 def test_options_are_checked():
     with pytest.raises(OptionsError, match="unknown option 'rewrd'"):
         DatasetEnvironment(data=str(PROBLEMS), rewrd="x:y")
-    with pytest.raises(OptionsError, match=r"^environment 'dataset': option 'reward' is required \(Reward functions: "):
+    with pytest.raises(OptionsError, match=r"^environment 'dataset': give a reward function \(-o reward=module:function\) "
+                       "or an environment_factory whose class has get_reward$"):
         DatasetEnvironment(data=str(PROBLEMS))
-    with pytest.raises(OptionsError, match=r"reward \(list\[str or function\], required\)"):
+    with pytest.raises(OptionsError, match=r"reward \(list\[str or function\], default \[\]\)"):
         DatasetEnvironment(data=str(PROBLEMS), reward="json:dumps", nope=1)
 
 

@@ -119,3 +119,18 @@ def test_plugins_md_pyproject_installs_as_written(tmp_path):
                            capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
     assert "max_new_tokens: 24" in shown.stdout  # the environment's defaults reach the configuration
+
+
+def test_multi_turn_md_examples_run(tmp_path, monkeypatch):
+    """docs/multi-turn.md's examples, top to bottom in one namespace, in a fresh directory: an environment
+    that answers back, tools on a dataset, a TRL environment class (the tiny model, a few seconds each)."""
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    blocks = _blocks((ROOT / "docs" / "multi-turn.md").read_text(), "python")
+    assert len(blocks) == 3
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/multi-turn.md, example {i + 1}", "exec"), namespace)
+    runs = sorted(p.name.split("-")[0] for p in (tmp_path / "runs").iterdir())
+    assert runs == ["dataset", "dataset", "vowel"]
+    readme = (ROOT / "README.md").read_text()
+    assert "[docs/multi-turn.md](docs/multi-turn.md)" in readme[readme.index("## Documentation"):]

@@ -10,10 +10,12 @@ from vrl.hookspecs import hookimpl
 def register_environments(register):
     from vrl.envs.countdown import CountdownEnvironment
     from vrl.envs.dataset import DatasetEnvironment
+    from vrl.envs.guess import GuessEnvironment
     from vrl.envs.letters import LettersEnvironment
 
     register("countdown", CountdownEnvironment)
     register("dataset", DatasetEnvironment)
+    register("guess", GuessEnvironment)
     register("letters", LettersEnvironment)
 
 

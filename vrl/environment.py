@@ -23,6 +23,7 @@ from vrl.types import Task
 from vrl.verifier import Verifier
 
 if TYPE_CHECKING:  # a type only: the Modal runtime sits above this module
+    from vrl.episodes import Interaction
     from vrl.runtime.modal.sandbox import SandboxSpec
 
 
@@ -61,6 +62,16 @@ class Environment(ABC):
     def shaper(self) -> RewardShaper:
         """How verdicts become rewards. Default: 1 for a pass, 0 otherwise."""
         return Binary()
+
+    def interaction(self, task: Task) -> Interaction | None:
+        """The environment's side of an episode on `task` (a `vrl.episodes.Interaction`, a fresh object per
+        episode), so it can answer the model's turns; None (the default): one turn, judged by the verifier."""
+        return None
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether episodes of this environment may take more than one turn (it overrides `interaction`)."""
+        return type(self).interaction is not Environment.interaction
 
     def iteration_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """The metrics.jsonl entries made from an iteration's summed `Verdict.metrics` (verifier counters).

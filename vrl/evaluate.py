@@ -45,6 +45,10 @@ def evaluate(config: TrainConfig, split: str = "test", k: int = 1, limit: int | 
     pending = []
     try:
         policy = runtime.policy(config)
+        if env.multi_turn:  # evaluated as trained: whole episodes
+            from vrl.episodes import Episodes
+
+            policy.episodes(Episodes(env))
         pool = runtime.verification(env.verifier() if runtime.verifies_in_process(config) else None, config, len(tasks) * k)
         with Progress(console=console or Console(stderr=True), transient=True) as progress:
             bar = progress.add_task(f"eval {env.name}/{split}", total=len(tasks) * k)

@@ -142,6 +142,11 @@ class PolicyHost(ABC):
         ran the variant: a pool of hosts returns what one host returns.
         """
 
+    def episodes(self, runner: Any) -> None:
+        """Sample multi-turn episodes from now on: `runner` (a `vrl.episodes.Episodes`) holds the environment
+        that answers each turn; `sample` then yields one completion per episode (DESIGN.md §6c)."""
+        raise Unsupported(f"{self.name} cannot run multi-turn episodes")
+
     # -- seeded perturbations (ES) -----------------------------------------------------------------
     def perturbations(self, spec: PerturbationSpec) -> WeightsInfo:
         """Select the parameters seeded variants perturb and keep an fp32 master θ of them."""

@@ -19,11 +19,27 @@ def verifies_in_process(config: TrainConfig) -> bool:
     return runtime_class(config.runtime.kind).verifies_in_process(config)
 
 
+def check_episodes(config: TrainConfig, env: Environment, runtime: type) -> None:
+    """A multi-turn environment needs a runtime and a generator backend that run episodes: refused in one
+    line before anything starts, naming the setting to change."""
+    from vrl.errors import UsageError
+    from vrl.generate import generator_class
+
+    if not runtime.runs_episodes:
+        raise UsageError(f"environment {env.name!r} runs multi-turn episodes, which runtime {config.runtime.kind!r} "
+                         "does not support yet; run it with --set runtime.kind=local")
+    if not generator_class(config.generator.backend).runs_episodes:
+        raise UsageError(f"environment {env.name!r} runs multi-turn episodes, which generator backend "
+                         f"{config.generator.backend!r} does not support yet; use --set generator.backend=hf")
+
+
 def preflight(config: TrainConfig, env: Environment, *, training: bool = True) -> None:
     """Seconds of checks before minutes of generation (train and eval): the runtime's own checks (the
     local one: the model can be loaded, the devices exist), the optimizer's settings fit the model
     (`training`), the verifier answers."""
     runtime = runtime_class(config.runtime.kind)
+    if env.multi_turn:
+        check_episodes(config, env, runtime)
     runtime.check(config)
     if training:  # the weightless module tree is built only for a rule that asks for it
         # Imported here, not at the top: it loads torch, which `import vrl` must not (issue 28).

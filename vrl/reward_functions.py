@@ -48,7 +48,7 @@ RewardFunction = Callable[..., Any]
 """`fn(prompts, completions, **columns) -> list[float | None]`, or a coroutine function returning that."""
 
 #: Keyword arguments vrl passes besides the task's data columns (which must not reuse these names).
-RESERVED = ("prompts", "completions", "completion_ids")
+RESERVED = ("prompts", "completions", "completion_ids", "environment_rewards")
 PREFIX = "reward/"
 
 
@@ -64,17 +64,19 @@ def reward_name(fn: RewardFunction) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "reward"
 
 
-def load_reward_function(spec: str) -> RewardFunction:
+def load_reward_function(spec: str, kind: str = "reward") -> RewardFunction:
     """`module:function` (an importable module, or a module file in the working directory),
-    `path/to/file.py:function`, `model:PATH_OR_ID` (a reward model) or `judge:MODEL@BASE_URL` (an LLM
-    judge; `vrl.reward_models`); a one-line `RewardFunctionError` says what is missing."""
-    if spec.startswith(("model:", "judge:")):
+    `path/to/file.py:function`, or, for a reward, `model:PATH_OR_ID` (a reward model) or
+    `judge:MODEL@BASE_URL` (an LLM judge; `vrl.reward_models`); a one-line `RewardFunctionError` says what
+    is missing. `kind`: the option it came from, for the messages (`reward`, `tool`, `environment_factory`)."""
+    if kind == "reward" and spec.startswith(("model:", "judge:")):
         from vrl.reward_models import reward_from_spec  # here: it is the only user of transformers' classifiers
 
         return reward_from_spec(spec)
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr.isidentifier():
-        raise RewardFunctionError(f"reward {spec!r} must look like module:function or path/to/file.py:function")
+        what = "Class" if kind == "environment_factory" else "function"
+        raise RewardFunctionError(f"{kind} {spec!r} must look like module:{what} or path/to/file.py:{what}")
     path = Path(where) if where.endswith(".py") else Path(*where.split(".")).with_suffix(".py")
     try:
         if where.endswith(".py") or (importlib.util.find_spec(where.split(".")[0]) is None and path.is_file()):
@@ -84,15 +86,15 @@ def load_reward_function(spec: str) -> RewardFunction:
     except RewardFunctionError:
         raise
     except ModuleNotFoundError as exc:
-        raise RewardFunctionError(f"reward {spec!r}: no module named {exc.name!r} (give a module on the Python path, "
-                                  "or the file: -o reward=path/to/rewards.py:function)") from None
+        raise RewardFunctionError(f"{kind} {spec!r}: no module named {exc.name!r} (give a module on the Python path, "
+                                  f"or the file: -o {kind}=path/to/file.py:{attr})") from None
     except Exception as exc:  # the user's module fails to import: say where
-        raise RewardFunctionError(f"reward {spec!r}: importing it raised {describe(exc)}") from None
+        raise RewardFunctionError(f"{kind} {spec!r}: importing it raised {describe(exc)}") from None
     fn = getattr(module, attr, None)
     if fn is None:
-        raise RewardFunctionError(f"reward {spec!r}: {where} has no attribute {attr!r}")
+        raise RewardFunctionError(f"{kind} {spec!r}: {where} has no attribute {attr!r}")
     if not callable(fn):
-        raise RewardFunctionError(f"reward {spec!r}: {attr} is a {type(fn).__name__}, not a function")
+        raise RewardFunctionError(f"{kind} {spec!r}: {attr} is a {type(fn).__name__}, not a function")
     return fn
 
 
@@ -231,6 +233,8 @@ def batch_arguments(attempts: Sequence[Attempt]) -> dict[str, list[Any]]:
     completions = [_completion(a.task, a.completion) for a in attempts]
     kwargs: dict[str, list[Any]] = {"prompts": prompts, "completions": completions,
                                     "completion_ids": [a.completion.token_ids for a in attempts]}
+    if any(a.completion.episode is not None for a in attempts):  # what each episode's environment scored (get_reward)
+        kwargs["environment_rewards"] = [a.completion.episode.reward if a.completion.episode else None for a in attempts]
     columns: list[str] = []
     for a in attempts:
         columns += [k for k in a.task.data if k not in columns]
@@ -245,6 +249,9 @@ def batch_arguments(attempts: Sequence[Attempt]) -> dict[str, list[Any]]:
 def _completion(task: Task, completion: Completion) -> Any:
     if isinstance(task.prompt, str):
         return completion.text
+    if completion.episode is not None:  # an episode: every turn after the prompt, tool results included (as TRL)
+        return [{"role": t.role, "content": t.content, **({"name": t.name} if t.name else {})}
+                for t in completion.episode.turns]
     return [{"role": "assistant", "content": completion.text}]
 
 

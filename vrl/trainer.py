@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from vrl import console as show
-from vrl import distributed, rollouts
+from vrl import distributed, episodes, rollouts
 from vrl.environment import Environment
 from vrl.errors import IntegrityAlarm, PluginError, RunDirError, UsageError, describe
 from vrl.optim import Optimizer, make_optimizer
@@ -274,6 +274,8 @@ class Trainer:
             distributed.start()  # under torchrun: this rank's GPU, before any model loads
             optimizer = make_optimizer(cfg)
             policy = self.runtime.policy(cfg, optimizer.needs())
+            if self.env.multi_turn:  # the environment answers back: the host samples whole episodes
+                policy.episodes(episodes.Episodes(self.env))
             if rollouts.asynchronous(cfg):  # sampling runs ahead in a thread, on weights only `publish` changes
                 policy = rollouts.VersionedHost(policy, cfg.grpo.max_staleness)
             optimizer.setup(policy)
@@ -458,6 +460,7 @@ class Trainer:
         metrics.update({f"status/{s.value}": statuses.get(s.value, 0) for s in Status})
         metrics["reasons"] = _reasons(results)
         metrics.update(self.env.iteration_metrics(_verifier_sums(results)))
+        metrics.update(episodes.iteration_metrics(results))
         metrics.update(stats.optimizer_metrics)
         start = time.perf_counter()
         refused = None
@@ -566,6 +569,8 @@ def _samples(iteration: int, results: list[Result], limit: int) -> list[dict[str
             "finish_reason": r.completion.finish_reason,
             "verdict": r.verdict.model_dump(mode="json"),
             "reward": r.reward,
+            # A multi-turn attempt: the whole conversation after the prompt (`completion` is its last model turn).
+            **({"episode": r.completion.episode.model_dump(mode="json")} if r.completion.episode is not None else {}),
         }
         for r in chosen[:limit]
     ]

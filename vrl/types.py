@@ -28,6 +28,31 @@ class Task(BaseModel):
     )
 
 
+class Turn(BaseModel):
+    """One turn of an episode as the run's samples show it: the model's text or the environment's answer."""
+
+    role: str = Field(description="'assistant' (the model), 'user' (the environment's message) or 'tool' (a tool's result).")
+    content: str
+    tokens: int = Field(0, description="Token ids this turn added to the trajectory.")
+    name: str | None = Field(None, description="The tool's name, for a tool result.")
+    seconds: float = Field(0.0, description="Wall-clock seconds of the environment step that wrote it.")
+    passed: bool | None = Field(None, description="The environment's verdict on the model turn it answers, if it gives one.")
+
+
+class Episode(BaseModel):
+    """A multi-turn attempt beyond its prompt: every turn, the environment's reward (if it keeps one), counters."""
+
+    turns: list[Turn] = Field(default_factory=list)
+    reward: float | None = Field(None, description="The reward the environment computed at the end (TRL's "
+                                 "`get_reward`), for its verifier; None when the verifier judges the text.")
+    metrics: dict[str, float] = Field(default_factory=dict, description="Per-episode counters: tool_calls, "
+                                      "tool_errors, step_errors, env_step_s, model_tokens, env_tokens.")
+
+    def model_turns(self) -> list[str]:
+        """The model's turns, in order."""
+        return [t.content for t in self.turns if t.role == "assistant"]
+
+
 class Completion(BaseModel):
     """One attempt at a task by one policy variant."""
 
@@ -42,6 +67,11 @@ class Completion(BaseModel):
     prompt_token_ids: list[int] | None = Field(None, exclude=True, repr=False)
     token_ids: list[int] | None = Field(None, exclude=True, repr=False)
     logprobs: list[float] | None = Field(None, exclude=True, repr=False)
+    # Episodes: 1 for each token of `token_ids` the model sampled, 0 for the environment's (feedback, tool
+    # results), which GRPO masks out of the loss as TRL masks tool results. None: every token is the model's.
+    token_mask: list[int] | None = Field(None, exclude=True, repr=False)
+    episode: Episode | None = Field(None, description="The whole conversation of a multi-turn attempt (`text` is "
+                                    "then its last model turn); None for a single turn.")
     weights_version: int | None = Field(
         None, description="Updates published to the sampler when the pass that made it started (asynchronous "
         "GRPO, grpo.max_staleness > 0); None when the loop is synchronous.",

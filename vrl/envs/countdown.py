@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from vrl.environment import Environment, EnvOptions
+from vrl.episodes import Interaction
 from vrl.reward import Binary, FormatBonus, RewardShaper
 from vrl.types import Attempt, Status, Task, Verdict
 from vrl.verifier import SimpleVerifier, Verifier
@@ -58,6 +59,9 @@ class CountdownOptions(EnvOptions):
     seed: int = Field(0, description="Seed of the problem generator (each split has its own stream).")
     min_numbers: int = Field(3, ge=2, le=6, description="Fewest numbers in a problem.")
     max_numbers: int = Field(4, ge=2, le=6, description="Most numbers in a problem.")
+    calculator: bool = Field(False, description="Give the model a `calculate` tool (multi-turn episodes, up to "
+                             "max_turns model turns; docs/multi-turn.md): the built-in tool-use environment.")
+    max_turns: int = Field(4, ge=1, description="Most model turns of an episode with the calculator.")
 
     @model_validator(mode="after")
     def _check(self) -> CountdownOptions:
@@ -78,6 +82,19 @@ class CountdownEnvironment(Environment):
         o = self.parse_options(options)
         self.size, self.seed = o.size, o.seed
         self.min_numbers, self.max_numbers = o.min_numbers, o.max_numbers
+        self.calculator, self.max_turns = o.calculator, o.max_turns
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.calculator
+
+    def interaction(self, task: Task) -> Interaction | None:
+        """With `-o calculator=true`: an episode in which the model may call `calculate` before answering."""
+        if not self.calculator:
+            return None
+        from vrl.tools import ToolInteraction
+
+        return ToolInteraction([calculate], max_turns=self.max_turns)
 
     def tasks(self, split: str = "train", limit: int | None = None) -> list[Task]:
         self._check_split(split)
@@ -101,6 +118,18 @@ class CountdownEnvironment(Environment):
             numbers, target = [int(n) for n in data["numbers"]], int(data["target"])
             return make_task(str(data.get("id", f"inline-{target}")), numbers, target, data.get("solution"))
         return super().task_from_data(data)
+
+
+def calculate(expression: str) -> str:
+    """Evaluate an arithmetic expression exactly: integers, + - * / and parentheses.
+
+    Args:
+        expression: The expression, e.g. "(25 - 5) * 3".
+    """
+    try:
+        return _show(evaluate(expression)[0])
+    except _Rejected as exc:
+        raise ValueError(str(exc)) from None
 
 
 def make_task(task_id: str, numbers: list[int], target: int, solution: str | None = None) -> Task:

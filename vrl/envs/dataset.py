@@ -28,8 +28,15 @@ from typing import Any
 from pydantic import AliasChoices, Field, field_validator
 
 from vrl.environment import Environment, EnvOptions
-from vrl.errors import DatasetUnavailable, UnknownSplitError, UsageError
-from vrl.reward_functions import RESERVED, RewardFunctions, RewardFunctionShaper, RewardFunctionVerifier
+from vrl.errors import DatasetUnavailable, OptionsError, UnknownSplitError, UsageError
+from vrl.reward_functions import (
+    RESERVED,
+    RewardFunctions,
+    RewardFunctionShaper,
+    RewardFunctionVerifier,
+    load_reward_function,
+)
+from vrl.tools import ToolInteraction, schema
 from vrl.types import Task
 
 FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
@@ -45,9 +52,20 @@ class DatasetOptions(EnvOptions):
     data: str = Field(description="A .jsonl, .json, .csv or .parquet file, or a Hugging Face dataset id "
                       "(`owner/name`, loaded with `datasets`).")
     reward: list[str | Callable[..., Any]] = Field(
-        validation_alias=AliasChoices("reward", "rewards"), min_length=1,
+        [], validation_alias=AliasChoices("reward", "rewards"),
         description="Reward functions: `module:function` or `path/to/file.py:function`, comma-separated or a list "
-        "(from Python: the callables, as `rewards=[...]`).")
+        "(from Python: the callables, as `rewards=[...]`). Optional with an environment_factory that has get_reward.")
+    tool: list[str | Callable[..., Any]] = Field(
+        [], validation_alias=AliasChoices("tool", "tools"),
+        description="Tools the model may call (TRL's `tools`): typed, docstring'd functions, `module:function` "
+        "(repeat -o tool=...); episodes then run up to max_turns model turns (docs/multi-turn.md).")
+    environment_factory: str | Callable[..., Any] | None = Field(
+        None, description="A TRL environment class (`module:Class`): one instance per episode, `reset(**row)`, its "
+        "public methods as tools, `get_reward()` as a reward function named after the class.")
+    max_turns: int = Field(4, ge=1, description="Most model turns of an episode with tools (TRL's "
+                           "max_tool_calling_iterations + 1).")
+    tool_timeout_s: float = Field(10.0, gt=0, description="Wall-clock cap of one tool call; an overrun is a tool "
+                                  "message with the error.")
     reward_weights: list[float] | None = Field(None, description="One weight per reward function (default: all 1).")
     prompt_column: str = Field("prompt", description="The column holding the prompt: text, or chat messages.")
     system_prompt: str | None = Field(None, description="A system message put before every prompt.")
@@ -59,7 +77,7 @@ class DatasetOptions(EnvOptions):
     reward_timeout_s: float = Field(60.0, gt=0, description="Wall-clock cap for one reward function call; an overrun "
                                     "is a failed verdict (the batch is retried one completion at a time).")
 
-    @field_validator("reward", mode="before")
+    @field_validator("reward", "tool", mode="before")
     @classmethod
     def _split_specs(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -97,7 +115,19 @@ class DatasetEnvironment(Environment):
         """Options: see `DatasetOptions`. The reward functions are imported here, the data on first use."""
         o = self.parse_options(options)
         self.options = o
-        self.rewards = RewardFunctions(o.reward, o.reward_weights, timeout_s=o.reward_timeout_s,
+        self.tools = [load_reward_function(t, "tool") if isinstance(t, str) else t for t in o.tool]
+        factory = o.environment_factory
+        self.factory = load_reward_function(factory, "environment_factory") if isinstance(factory, str) else factory
+        rewards, weights = list(o.reward), o.reward_weights
+        if self.factory is not None and callable(getattr(self.factory, "get_reward", None)):
+            rewards.append(environment_reward(self.factory))  # the environment owns a reward (TRL: weight 1)
+            weights = None if weights is None else [*weights, 1.0]
+        if not rewards:
+            raise OptionsError("environment 'dataset': give a reward function (-o reward=module:function) or an "
+                               "environment_factory whose class has get_reward")
+        for tool in self.tools:
+            schema(tool)  # a tool without types or a docstring is refused here, before anything loads
+        self.rewards = RewardFunctions(rewards, weights, timeout_s=o.reward_timeout_s,
                                        pass_threshold=o.pass_threshold)
         self._tasks: dict[str, list[Task]] = {}
         self._one_file = Path(o.data).expanduser().is_file()
@@ -120,6 +150,19 @@ class DatasetEnvironment(Environment):
         tasks = self._tasks[split]
         return tasks if limit is None else tasks[:limit]
 
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.tools) or self.factory is not None
+
+    def interaction(self, task: Task) -> ToolInteraction | None:
+        """With tools or an environment class: an episode with tools (a fresh environment instance per
+        episode, reset with the task's row); else None, one turn."""
+        if not self.multi_turn:
+            return None
+        return ToolInteraction(self.tools, self.factory() if self.factory is not None else None,
+                               max_turns=self.options.max_turns, timeout_s=self.options.tool_timeout_s,
+                               row={self.options.prompt_column: task.prompt, **task.data})
+
     def verifier(self) -> RewardFunctionVerifier:
         return self.rewards.verifier()
 
@@ -133,6 +176,17 @@ class DatasetEnvironment(Environment):
         # A plain sandbox image has neither the user's data file nor the module of their reward functions.
         raise UsageError("the dataset environment runs its reward functions in the orchestrator on Modal: "
                          "set --set runtime.modal.verify_in=local")
+
+
+def environment_reward(factory: Any) -> Callable[..., list[float | None]]:
+    """The reward function of an environment class with `get_reward`: each episode's value, computed by its own
+    instance when the episode ended (`Episode.reward`), logged under the class's name as TRL does."""
+
+    def reward(environment_rewards: list[float | None], **kwargs: Any) -> list[float | None]:
+        return list(environment_rewards)
+
+    reward.__name__ = getattr(factory, "__name__", "environment")
+    return reward
 
 
 # -- loading -------------------------------------------------------------------------------------------

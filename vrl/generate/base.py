@@ -32,7 +32,11 @@ class Generator(PolicyHost):
     name = "generator"
     #: Its settings: the config section `generator.<name>` (a `vrl.config.Section`; none by default).
     Config: ClassVar[type[BaseModel]] = Section
+    #: Whether this backend runs multi-turn episodes (`episodes`); the preflight refuses a multi-turn
+    #: environment on one that cannot.
+    runs_episodes: ClassVar[bool] = False
     _params: Any = None  # set by `perturbations`
+    _episodes: Any = None  # set by `episodes`: a `vrl.episodes.Episodes`, for a backend that runs them
 
     @classmethod
     def from_config(cls, config: Any, needs: HostNeeds | None = None, *, gpu: str | None = None) -> Generator:

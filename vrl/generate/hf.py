@@ -191,6 +191,7 @@ class HFGenerator(Generator):
 
     name = "hf"
     Config = HFConfig
+    runs_episodes = True
 
     def __init__(self, model: Any, tokenizer: Any, sampling: Any):
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
@@ -271,14 +272,85 @@ class HFGenerator(Generator):
             seed = int(torch.randint(0, 2**31 - 1, ()).item())
         size = self.sampling.batch_size
         for start in range(0, len(tasks), size):
-            yield self._generate_population(tasks[start : start + size], start, members, seed)
+            if self._episodes is not None:
+                yield self._episode_population(tasks[start : start + size], start, members, seed)
+            else:
+                yield self._generate_population(tasks[start : start + size], start, members, seed)
 
     def stream(
         self, tasks: Sequence[Task], n: int = 1, variant: int = 0, seed: int | None = None
     ) -> Iterator[list[Completion]]:
         size = self.sampling.batch_size
         for start in range(0, len(tasks), size):
-            yield self._generate_batch(tasks[start : start + size], n, variant, shard_seed(seed, start, n))
+            if self._episodes is not None:
+                yield self._episode_batch(tasks[start : start + size], n, variant, shard_seed(seed, start, n))
+            else:
+                yield self._generate_batch(tasks[start : start + size], n, variant, shard_seed(seed, start, n))
+
+    # -- episodes (vrl.episodes): one turn of every live episode per `model.generate` --------------------
+    def episodes(self, runner: Any) -> None:
+        self._episodes = runner
+
+    def _episode_batch(self, tasks: Sequence[Task], n: int, variant: int, seed: int | None) -> list[Completion]:
+        """Episodes of `tasks`, n per task; row (i, j) starts from seed + i·n + j (`_RowSampler`), as
+        `_generate_recorded` seeds a single turn."""
+        from vrl.episodes import Row
+
+        seed = _fresh_seed() if seed is None else seed
+        rows = [Row(task=t, variant=variant, sample=j, seed=seed + i * n + j) for i, t in enumerate(tasks) for j in range(n)]
+        return self._episodes.run(rows, self.tokenizer, self._continue)
+
+    def _episode_population(self, tasks: Sequence[Task], start: int, members: Sequence[Variant], seed: int
+                            ) -> list[Completion]:
+        """Episodes of every low-rank member at once: each row keeps its member (its LoRA slot) through every
+        turn, whichever rows share a turn's `model.generate`."""
+        from vrl.episodes import Row
+
+        rows = [Row(task=t, variant=v.index, sample=j, seed=seed + (start + i) * v.samples_per_task + j, member=p)
+                for p, v in enumerate(members) for i, t in enumerate(tasks) for j in range(v.samples_per_task)]
+        signs = [(v.seed, v.sign) for v in members]
+        return self._episodes.run(rows, self.tokenizer, lambda ids, seeds, rm: self._continue(ids, seeds, rm, signs))
+
+    def _continue(self, sequences: list[list[int]], seeds: list[int | None], row_member: list[int],
+                  members: list[tuple[int, int]] | None = None) -> list[Any]:
+        """One model turn for each token-id sequence (left-padded into one batch), row r drawn from its own
+        generator seeded `seeds[r]`, so a row samples the same whichever rows share the call; with `members`
+        (low-rank ES), row r runs member `row_member[r]`. Returns `vrl.episodes.Sampled` per row."""
+        import contextlib
+
+        import torch
+        from transformers import LogitsProcessorList
+
+        from vrl.episodes import Sampled
+
+        pad, width = self.tokenizer.pad_token_id, max(len(x) for x in sequences)
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in sequences], device=self.device)
+        attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in sequences], device=self.device)
+        values = self.sampling.effective()
+        # greedy, or greedy over the row sampler's Gumbel-perturbed scores
+        kwargs = generation_arguments(self.sampling, self.tokenizer, sample=False)
+        sampler, record = None, self._decoupled and values["temperature"] > 0
+        if values["temperature"] > 0:
+            sampler = _RowSampler([_fresh_seed() if s is None else s for s in seeds], values, self.device,
+                                  record=record)
+            kwargs["logits_processor"] = LogitsProcessorList([sampler])
+        with torch.inference_mode():
+            if members:
+                from vrl.generate.hf_population import population
+
+                rows = population(self._params.layers, members, self._spec.sigma, self._spec.rank, row_member)
+            else:
+                rows = contextlib.nullcontext()
+            with rows, own_generation_config(self.model):
+                out = self.model.generate(input_ids=input_ids, attention_mask=attention, **kwargs)
+            logps = sampler.sampled_logprobs(out).float().cpu() if record else None
+        sampled = []
+        for r in range(len(sequences)):
+            ids, text, finish = self._trim(out[r, width:].tolist())
+            raw = self.tokenizer.decode(ids, skip_special_tokens=False)
+            sampled.append(Sampled(ids=ids, text=text, raw=raw, finish_reason=finish,
+                                   logprobs=logps[r, : len(ids)].tolist() if logps is not None else None))
+        return sampled
 
     def _encode(self, tasks: Sequence[Task]) -> Any:
         texts = [render_prompt(self.tokenizer, t.prompt) for t in tasks]
@@ -382,7 +454,8 @@ class HFGenerator(Generator):
             completions.append(self._completion(tasks[i], prompt_ids, out[row, prompt_len:].tolist(), variant, j))
         return completions
 
-    def _completion(self, task: Task, prompt_ids: list[int], new_ids: list[int], variant: int, sample: int) -> Completion:
+    def _trim(self, new_ids: list[int]) -> tuple[list[int], str, str]:
+        """A row's sampled ids cut after EOS or the first stop string, their text, and the finish reason."""
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         finish = "length"
         while new_ids and pad != eos and new_ids[-1] == pad:  # padding after a stop string
@@ -394,6 +467,10 @@ class HFGenerator(Generator):
         text, stopped = cut_at_stop(text, self.sampling.stop)
         if stopped:  # keep only the tokens up to the stop string: GRPO trains on these ids
             new_ids, finish = tokens_covering(self.tokenizer, new_ids, text), "stop"
+        return new_ids, text, finish
+
+    def _completion(self, task: Task, prompt_ids: list[int], new_ids: list[int], variant: int, sample: int) -> Completion:
+        new_ids, text, finish = self._trim(new_ids)
         return Completion(
             task_id=task.id,
             text=text,
@@ -405,6 +482,13 @@ class HFGenerator(Generator):
             prompt_token_ids=prompt_ids,
             token_ids=new_ids,
         )
+
+
+def _fresh_seed() -> int:
+    """A seed drawn from torch's global RNG, for a call that was given none."""
+    import torch
+
+    return int(torch.randint(0, 2**31 - 1, ()).item())
 
 
 class _RowSampler:

@@ -274,6 +274,7 @@ class VLLMGenerator(Generator):
 
     name = "vllm"
     Config = VLLMConfig
+    runs_episodes = True
 
     def __init__(
         self,
@@ -472,6 +473,12 @@ class VLLMGenerator(Generator):
         from vllm.lora.request import LoRARequest
 
         self.mover.load([(v.seed, v.sign) for v in members])
+        if self._episodes is not None:  # each episode keeps its member's LoRA slot through every turn
+            from vllm.lora.request import LoRARequest
+
+            slots = [LoRARequest(f"vrl-member-{p}", p + 1, "vrl://lora-slot") for p in range(len(members))]
+            yield self._episode_pass(tasks, [(v.index, v.samples_per_task, p) for p, v in enumerate(members)], seed, slots)
+            return
         requests = []
         for p, v in enumerate(members):
             # Adapter p + 1 is pinned to the engine's slot for member p and never loaded from a path.
@@ -484,7 +491,70 @@ class VLLMGenerator(Generator):
     ) -> Iterator[list[Completion]]:
         """All prompts go to the engine at once; finished prompts are yielded `batch_size` at a time."""
         lora = self.mover.lora_request()  # the trained adapter, where the engine serves one
+        if self._episodes is not None:
+            if tasks:
+                yield self._episode_pass(tasks, [(variant, n, -1)], seed, [], lora)
+            return
         yield from self._run(tasks, [(i, variant, n, lora) for i in range(len(tasks))], seed)
+
+    # -- episodes (vrl.episodes): one turn of every live episode per engine pass -----------------------
+    def episodes(self, runner: Any) -> None:
+        self._episodes = runner
+
+    def _episode_pass(self, tasks: Sequence[Task], groups: Sequence[tuple[int, int, int]], seed: int | None,
+                      slots: Sequence[Any], lora: Any = None) -> list[Completion]:
+        """Every episode of `groups` (variant, samples per task, member: −1 or an index into `slots`) on `tasks`,
+        all at once: each turn of the live episodes is one pass of the engine (prefix-cached: a turn's prompt
+        is the last one's ids plus the new ones), and an episode that ends is not sent again."""
+        from vrl.episodes import Row
+
+        if seed is None:
+            seed = int.from_bytes(__import__("os").urandom(4), "little") >> 1
+        rows = [Row(task=t, variant=variant, sample=j, seed=seed + i * n + j, member=member)
+                for variant, n, member in groups for i, t in enumerate(tasks) for j in range(n)]
+        self._wake()
+        self.mover.before_pass()
+        try:
+            return self._episodes.run(rows, self.tokenizer,
+                                      lambda seqs, seeds, members: self._continue(seqs, seeds, members, slots, lora))
+        finally:
+            if self.sleep:
+                self._sleep()
+
+    def _continue(self, sequences: list[list[int]], seeds: list[int | None], members: list[int], slots: Sequence[Any],
+                  lora: Any = None) -> list[Any]:
+        """One model turn for each token-id sequence, in one engine pass; row r samples with seed `seeds[r]`
+        (vLLM's per-request generator: the same whichever requests share the pass) under its member's slot."""
+        import vllm
+
+        from vrl.episodes import Sampled
+
+        params = [self._sampling_params(1, s, vllm) for s in seeds]
+        salt = f"vrl-weights-{self._weights_version}"
+        loras = [slots[m] if m >= 0 else lora for m in members]
+        extra = {"lora_request": loras} if any(loras) else {}
+        internal = self.llm.enqueue([{"prompt_token_ids": seq, "cache_salt": salt} for seq in sequences], params,
+                                    use_tqdm=False, **extra)
+        position = {(rid.rsplit("-", 1)[0] if "-" in rid else rid): k for k, rid in enumerate(internal)}
+        outs: dict[int, Any] = {}
+        engine = self.llm.llm_engine
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in position:
+                        outs[position[out.request_id]] = out.outputs[0]
+        finally:
+            left = sorted(rid for rid, k in position.items() if k not in outs)
+            if left:
+                engine.abort_request(left)
+        if len(outs) != len(sequences):
+            raise RuntimeError(f"the vLLM engine went idle with {len(sequences) - len(outs)} of {len(sequences)} turns unanswered")
+        sampled = []
+        for k in range(len(sequences)):
+            c = self._completion(Task(id="turn", prompt=""), sequences[k], outs[k], 0)
+            sampled.append(Sampled(ids=c.token_ids, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs,
+                                   raw=self.tokenizer.decode(c.token_ids, skip_special_tokens=False)))
+        return sampled
 
     def _prompts(self, tasks: Sequence[Task]) -> list[list[int]]:
         """Each task's prompt as token ids (as the hf backend encodes it), checked against max_model_len."""

@@ -113,6 +113,7 @@ class MicroBatch:
     sampling_logps: torch.Tensor | None = None  # the generator's log-probs of the sampled tokens (vllm)
     sampling_weight: torch.Tensor | None = None  # π_old/π_sampler, truncated or masked ([B, C] or [B, 1]), first step
     filler: bool = False  # no weight in the loss: keeps FSDP2's collectives even when a rank has no rows left
+    model_mask: torch.Tensor | None = None  # episodes: the tokens the model sampled (None: every completion token)
 
 
 # -- the optimizer ----------------------------------------------------------------------------------
@@ -416,7 +417,9 @@ class GRPO(Optimizer):
             "grpo/advantage_abs_mean": float(advantages.abs().mean()),
             **clip,
             "grpo/completions/clipped_ratio": sum(truncated) / len(truncated),
-            "grpo/completions/mean_length": sum(len(r.completion.token_ids) for r in results) / len(results),
+            # the model's tokens (an episode's environment tokens are not its length, as in TRL)
+            "grpo/completions/mean_length": sum(r.completion.completion_tokens or len(r.completion.token_ids)
+                                                for r in results) / len(results),
             "grpo/trained_tokens": num_tokens,
             # The share of the padded micro-batches' positions that are padding: what padding_free removes.
             "grpo/pad_fraction": self._pad_fraction(batches),
@@ -596,6 +599,11 @@ class GRPO(Optimizer):
         packed = pack([c.prompt_token_ids for c in comps], [c.token_ids for c in comps], self.pad_id, self.device,
                       padding_free=self.config.padding_free)
         mask = packed.completion_mask.clone()
+        if any(c.token_mask is not None for c in comps):
+            # Episodes: the environment's tokens (feedback, tool results) leave the loss, the KL, the entropy
+            # mask and every loss_type's token count, as TRL multiplies its completion mask by the tool mask.
+            mask = mask * _token_masks(comps, mask)
+        model_mask = mask.clone() if any(c.token_mask is not None for c in comps) else None
         if self.config.mask_truncated_completions:
             keep = torch.tensor([not truncated[i] for i in rows], dtype=mask.dtype, device=mask.device)
             mask = mask * keep.unsqueeze(1)
@@ -605,7 +613,8 @@ class GRPO(Optimizer):
             for row, c in enumerate(comps):
                 sampled[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
         return MicroBatch(packed=packed, mask=mask, advantages=advantages[rows].to(self.device),
-                          old_logps=None, from_sampler=sampled is not None, sampling_logps=sampled)
+                          old_logps=None, from_sampler=sampled is not None, sampling_logps=sampled,
+                          model_mask=model_mask)
 
     def _logprobs_no_grad(self, model, packed: Packed) -> torch.Tensor:
         import torch
@@ -677,7 +686,7 @@ class GRPO(Optimizer):
                     if b.from_sampler and b.sampling_gap is None:
                         # First step: π_old is the trainer's view of the policy that sampled, so any gap
                         # is the sampler's numerics (or weights it had not been synced to yet).
-                        completion = b.packed.completion_mask
+                        completion = b.packed.completion_mask if b.model_mask is None else b.model_mask
                         d = torch.where(completion.bool(), old - b.sampling_logps, 0.0)
                         b.sampling_gap = SamplingGap(d.abs().sum(), d.abs().max(), completion.sum(),
                                                      (torch.exp(d) - d - 1).sum())
@@ -1195,6 +1204,17 @@ def _one_process_dcp(alone: bool) -> Iterator[None]:
     if alone:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     yield
+
+
+def _token_masks(comps: list[Any], like: torch.Tensor) -> torch.Tensor:
+    """[B, C]: each completion's `token_mask` (1: a token the model sampled), right-padded like `like`."""
+    import torch
+
+    out = torch.ones_like(like)
+    for row, c in enumerate(comps):
+        if c.token_mask is not None:
+            out[row, : len(c.token_mask)] = torch.tensor(c.token_mask, dtype=like.dtype, device=like.device)
+    return out
 
 
 def _bytes(tensors) -> int:

@@ -31,6 +31,9 @@ class Runtime(ABC):
     #: Whether the run's weights load on this machine: then the preflight checks the model and the
     #: devices here, and update rules check their settings against the model's module tree.
     weights_here: ClassVar[bool] = True
+    #: Whether its hosts can run multi-turn episodes (`PolicyHost.episodes`); the preflight refuses a
+    #: multi-turn environment on a runtime that cannot.
+    runs_episodes: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, config: Any) -> Runtime:

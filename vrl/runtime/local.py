@@ -37,6 +37,7 @@ class LocalConfig(Section):
 class LocalRuntime(Runtime):
     name = "local"
     Config = LocalConfig
+    runs_episodes = True  # when its generator backend does (`Generator.runs_episodes`)
 
     def __init__(self, config: Any = None):
         """Nothing to start until `policy`: engines follow the config they are given there."""

@@ -156,6 +156,9 @@ class HostPool(PolicyHost):
 
         return wait
 
+    def episodes(self, runner: Any) -> None:
+        self._each(lambda h: h.episodes(runner))
+
     def perturbations(self, spec: PerturbationSpec) -> WeightsInfo:
         infos = self._each(lambda h: h.perturbations(spec))
         if any(i != infos[0] for i in infos[1:]):

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator
 
 from vrl.environment import Environment, EnvOptions
 from vrl.errors import OptionsError
+from vrl.repair import RepairEpisodes
 from vrl.types import Attempt, Completion, Task
 from vrl.verifier import Verifier
 from vrl_lean import data as data_mod
@@ -18,6 +19,7 @@ from vrl_lean.data import Problem, parse_jsonl_row
 from vrl_lean.policy import DEFAULT_MAX_HEARTBEATS
 from vrl_lean.prompts import MODEL, formal_statement, kimina_messages
 from vrl_lean.recheck import HttpRechecker, LocalRechecker, Rechecker
+from vrl_lean.repair import lean_feedback
 from vrl_lean.server import KIMINA
 from vrl_lean.verifier import NO_SERVER, START_RECHECK, LeanVerifier
 
@@ -55,6 +57,9 @@ class LeanOptions(EnvOptions):
     recheck_timeout_s: float = Field(300.0, gt=0, description="Wall-clock limit of one re-check (three fresh Lean processes).")
     canary_rate: float = Field(0.02, ge=0.0, le=1.0, description="Share of attempts that also get a canary false theorem "
                                "(every pass gets one too); 0 turns canaries off.")
+    turns: int = Field(1, ge=1, le=16, description="Model turns per theorem: with more than 1, a failed proof's Lean "
+                       "error (position, message, failing line) goes back and the model repairs it (docs/multi-turn.md).")
+    feedback_chars: int = Field(1200, ge=80, description="Characters of a failed proof's report sent back (turns > 1).")
     on_exploit: Literal["stop", "count"] = Field("stop", description="A canary that passes: stop the run (keeping the "
                                                  "attempt in alarms.jsonl) or only count it in lean/exploit_rate.")
 
@@ -100,8 +105,11 @@ def warmup_attempt() -> Attempt:
     return Attempt(task=task, completion=Completion(task_id="vrl_warmup", text=text))
 
 
-class LeanEnvironment(Environment):
-    """Prove lean_workbook theorems (kfdong/STP_Lean_SFT, or local files), checked by kimina-lean-server."""
+class LeanEnvironment(RepairEpisodes, Environment):
+    """Prove lean_workbook theorems (kfdong/STP_Lean_SFT, or local files), checked by kimina-lean-server.
+    With `-o turns=K`, proof repair (`vrl_lean.repair`)."""
+
+    feedback = staticmethod(lean_feedback)
 
     name = "lean"
     description = "Lean 4 theorem proving (lean_workbook via STP_Lean_SFT), checked by kimina-lean-server."
@@ -128,6 +136,7 @@ class LeanEnvironment(Environment):
         self.recheck_api_key, self.recheck_sandbox = o.recheck_api_key, o.recheck_sandbox
         self.test_fraction, self.timeout_s = o.test_fraction, o.timeout_s
         self.max_heartbeats, self.repls = o.max_heartbeats, o.repls
+        self.turns, self.feedback_chars = o.turns, o.feedback_chars  # proof repair: every turn through the verifier
         self._splits: dict[str, list[Problem]] | None = None
         self._warned = False
 

@@ -30,7 +30,6 @@ from vrl_lean import recheck_host
 from vrl_lean.client import probe_health
 from vrl_lean.policy import ALLOWED_AXIOMS, Submission, Theorem, prepare
 
-
 SELF_TEST = "vrl_selftest"
 SELF_TEST_HEADER = "import Mathlib\nimport Aesop\n"
 

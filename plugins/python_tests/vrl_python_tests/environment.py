@@ -7,8 +7,9 @@ from typing import Any, Literal
 from pydantic import Field
 
 from vrl.environment import Environment, EnvOptions
+from vrl.repair import RepairEpisodes
 from vrl.reward import Binary, PartialCredit, RewardShaper
-from vrl.types import Task
+from vrl.types import Task, Verdict
 from vrl_python_tests.datasets import DatasetError, load_source, to_tasks
 from vrl_python_tests.sandbox import SandboxMode
 from vrl_python_tests.verifier import PythonTestsVerifier
@@ -28,15 +29,25 @@ class PythonTestsOptions(EnvOptions):
     memory_mb: int = Field(512, ge=64, description="Address-space cap of each process of an attempt.")
     max_processes: int = Field(16, ge=1, description="Processes (and threads) an attempt may run at once.")
     python: str | None = Field(None, description="Interpreter inside the sandbox; None picks one the sandbox can run.")
+    turns: int = Field(1, ge=1, le=16, description="Model turns per task: with more than 1, a failing attempt's test "
+                       "report (the visible tests' calls and results, hidden ones by index only) goes back for a fix.")
+    feedback_chars: int = Field(1200, ge=80, description="Characters of a failing attempt's report sent back (turns > 1).")
 
 
-class PythonTestsEnvironment(Environment):
-    """Tasks with input/expected tests; attempts run in bubblewrap and are judged on the host."""
+def tests_feedback(task: Task, text: str, verdict: Verdict) -> str:
+    """What the model reads after a failing attempt: the verifier's report (it never shows hidden tests' data)."""
+    return f"The code failed the tests ({verdict.status.value}):\n{verdict.detail}\nFix it and write the whole code again."
+
+
+class PythonTestsEnvironment(RepairEpisodes, Environment):
+    """Tasks with input/expected tests; attempts run in bubblewrap and are judged on the host. With
+    `-o turns=K`, a failing attempt's test report goes back and the model fixes its code."""
 
     name = "python-tests"
     description = "Write a Python function that passes hidden tests (sandboxed; bundled tasks, MBPP, HumanEval)."
     defaults = {"sampling.max_new_tokens": 384, "verifier.batch_size": 16}
     Options = PythonTestsOptions
+    feedback = staticmethod(tests_feedback)
 
     def __init__(self, **options: Any):
         """Options (`-o KEY=VALUE`): see `PythonTestsOptions`."""
@@ -51,6 +62,7 @@ class PythonTestsEnvironment(Environment):
             "attempt_timeout_s": o.attempt_timeout_s, "memory_mb": o.memory_mb, "max_processes": o.max_processes,
             "python": o.python}
         PythonTestsVerifier(**self._verifier_options).pool.close()  # fail now if the sandbox cannot run here
+        self.turns, self.feedback_chars = o.turns, o.feedback_chars  # repair: every turn judged in the sandbox
 
     def tasks(self, split: str = "train", limit: int | None = None) -> list[Task]:
         self._check_split(split)
@@ -72,3 +84,4 @@ class PythonTestsEnvironment(Environment):
             return to_tasks([("inline task", row)], self.format, self.visible_tests)[0]
         except DatasetError as exc:
             raise ValueError(str(exc)) from None
+

