@@ -38,7 +38,7 @@ def test_a_preempted_orchestrator_carries_on_with_its_run(emu, tmp_path):
     preempted: list[str] = []
 
     def preempt_the_orchestrator(service, function, **_):
-        if function == "GPUWorker" and not preempted:  # mid-iteration: the first member is sampling
+        if function == "sample" and not preempted:  # mid-iteration: the first member is sampling
             preempted.extend(service.running("orchestrate"))
             for cid in preempted:
                 service.preempt(cid)
@@ -61,7 +61,7 @@ def test_a_crashed_cpu_orchestrator_carries_on_with_its_run(emu, tmp_path):
     finished: list[str] = []
 
     def crash_in_the_second_iteration(service, function, **_):
-        if function == "GPUWorker":
+        if function == "sample":
             finished.append(function)
         if len(finished) == 3 and not killed:  # iteration 0's two members are done and committed
             killed.extend(service.running("orchestrate"))

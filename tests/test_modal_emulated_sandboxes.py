@@ -155,7 +155,7 @@ def test_a_lost_gpu_worker_fails_the_iteration_and_says_it_was_not_scored(emu, t
     from vrl.trainer import Trainer
 
     def lose_worker(service, container, function, input):  # noqa: A002 - the emulator's keyword
-        if function.endswith("GPUWorker"):
+        if function == "sample":
             service.kill(container)
 
     emu.on("input_started", lose_worker)

@@ -36,7 +36,7 @@ def test_the_payload_of_a_member_call_does_not_grow_with_iterations(emu, tmp_pat
     assert sum(row["es/member_reward_std"] > 0 for row in metrics) >= 4, "too few real updates to measure growth"
     calls: dict[str, list[int]] = {}  # one .map() per iteration, in order
     for row in emu.log:
-        if row["function"] == "GPUWorker":
+        if row["function"] == "sample":
             calls.setdefault(row["call"], []).append(row["bytes"])
     per_iteration = [sum(sizes) / len(sizes) for sizes in calls.values()]
     assert len(per_iteration) == 6
@@ -63,15 +63,15 @@ def run_with_cold_workers(emu, tmp_path, name: str, iterations: int, snapshot_ev
     cold: list[tuple[int, float]] = []
 
     def started(service, container, function, input):  # noqa: A002 - the emulator's keyword
-        if function.endswith("GPUWorker") and input.call.fcid not in calls:
+        if function == "sample" and input.call.fcid not in calls:
             calls.append(input.call.fcid)
             if len(calls) == iterations and not killed:  # the last iteration begins: every warm worker is lost
-                killed.extend(service.running("GPUWorker"))
+                killed.extend(service.running("sample"))
                 for cid in killed:
                     service.kill(cid)
 
     def finished(service, container, function, input):  # noqa: A002
-        if function.endswith("GPUWorker") and input.ok and len(calls) == iterations and input.call.fcid == calls[-1]:
+        if function == "sample" and input.ok and len(calls) == iterations and input.call.fcid == calls[-1]:
             out = cloudpickle.loads(input.result)
             cold.append((out["replayed"], out["catch_up_s"]))
 
@@ -83,7 +83,7 @@ def run_with_cold_workers(emu, tmp_path, name: str, iterations: int, snapshot_ev
     assert not emu.hook_errors, emu.hook_errors
     by_call: dict[str, list[int]] = {}
     for row in emu.log:
-        if row["function"].endswith("GPUWorker"):
+        if row["function"] == "sample":
             by_call.setdefault(row["call"], []).append(row["bytes"])
     return {"bytes_per_call": [sum(b) / len(b) for b in by_call.values()], "cold": cold, "killed": len(killed)}
 

@@ -192,6 +192,36 @@ def test_arguments_and_results_cross_as_pickles(emu):
             make_generator.remote()
 
 
+def test_handles_cross_by_modal_1_6_4s_own_serializer(emu):
+    """Arguments and results holding Modal handles go through the installed client's `modal._serialization`
+    (emulated: the fake handles stand in as hydrated real ones). A Function handle round-trips, in both
+    directions (the container's result too); a class handle or an instance of one does not: 1.6.4 drops the
+    class's metadata, and the receiving container fails with DeserializationError. An unhydrated handle
+    (its app stopped) cannot be serialized at all."""
+    import modal
+    from modal import _real
+
+    if _real.real() is None:
+        pytest.skip("the real modal package is not installed")
+    app, _vol, fns = make_app()
+
+    @app.function(serialized=True)
+    def echo(x):
+        return x
+
+    with app.run():
+        handle = echo.remote({"fn": fns["whoami"]})["fn"]
+        assert handle.remote("again")[1] == "again"  # a handle that came back from a container still calls
+        for refused in (fns["Warm"], fns["Warm"](tag="b")):
+            with pytest.raises(modal.exception.DeserializationError, match="deserializing"):
+                echo.remote([refused])
+        stopped, _vol2, fns2 = make_app()
+        with stopped.run():
+            pass
+        with pytest.raises(modal.exception.InvalidError, match="hasn't been hydrated"):
+            echo.spawn(fns2["whoami"])
+
+
 def test_exceptions_retries_and_return_exceptions(emu):
     import modal
 

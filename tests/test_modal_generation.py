@@ -115,23 +115,23 @@ def update_log(shared, store, updates=(), snapshot_every=0):
 
 
 def call_worker(emu, shared, variant, tasks, seed, log, write_snapshot=False):
-    """One `GPUWorker.sample` call as `ModalPolicy` makes it (its new updates uploaded first, the ES state as
+    """One `sample` call as `ModalPolicy` makes it (its new updates uploaded first, the ES state as
     `UpdateLog.head()`). Returns the completions, the call's output and the container that ran it."""
     cfg = build(BASE)
     log.flush()
     out = shared.worker.sample.remote(workers.variant_to_wire(variant), 0, len(tasks), write_snapshot,
                                       config=workers.engine_config(cfg), tasks=workers.tasks_to_wire(tasks),
                                       seed=seed, spec=workers.spec_to_wire(_spec(cfg)), es=log.head())
-    container = [row["container"] for row in emu.log if row["function"] == "GPUWorker"][-1]
+    container = [row["container"] for row in emu.log if row["function"] == "sample"][-1]
     return [workers.completion_from_wire(c) for c in out["completions"]], out, container
 
 
 def cold(emu):
     """Every GPU worker container is lost (a crash, a lost host): the next call starts a cold one."""
-    for cid in emu.running("GPUWorker"):
+    for cid in emu.running("sample"):
         emu.kill(cid)
     deadline = time.monotonic() + 60
-    while emu.running("GPUWorker"):
+    while emu.running("sample"):
         assert time.monotonic() < deadline, "the killed containers did not go"
         time.sleep(0.05)
 
@@ -144,7 +144,7 @@ def test_es_run_on_emulated_modal_matches_the_local_runtime(module_emu, referenc
     cfg = modal_cfg(tmp_path, "modal")
     before = len(module_emu.log)
     Trainer(cfg, runtime=make_runtime(cfg)).run()
-    inputs = [row for row in module_emu.log[before:] if row["function"] == "GPUWorker"]
+    inputs = [row for row in module_emu.log[before:] if row["function"] == "sample"]
     assert len({row["call"] for row in inputs}) == 2 and len(inputs) >= 8  # a .map() of 4 members per iteration
     local, remote = reference.dir, tmp_path / "modal"
     h_local, h_remote = reference.history, ESHistory.read(remote / "es_history.json")
@@ -204,7 +204,7 @@ def test_a_detached_run_resumes_from_the_volume_and_continues_the_history_exactl
 
 
 def test_worker_sample_equals_the_local_host_for_each_member(module_emu, shared, reference):
-    """GPUWorker.sample, in its containers (a `.map()` of three members: random containers, pickled
+    """the `sample` function, in its containers (a `.map()` of three members: random containers, pickled
     arguments, the updates from the Volume), gives each member's completions exactly as the local host
     does after `ES.load`."""
     cfg = build(BASE)
@@ -292,7 +292,7 @@ def test_es_members_are_one_call_each_and_stream_as_they_finish(module_emu, shar
     for iteration in range(2):
         variants = es.ask()
         batches = list(policy.sample(tasks, variants, seed=iteration))
-        call = [row["call"] for row in module_emu.log if row["function"] == "GPUWorker"][-1]
+        call = [row["call"] for row in module_emu.log if row["function"] == "sample"][-1]
         finished = module_emu.calls[call].finished  # the inputs (one per member) as their containers finished
         assert [{c.variant for c in b} for b in batches] == [{variants[i].index} for i in finished]
         assert sorted(finished) == list(range(len(variants))) and all(len(b) == 2 for b in batches)

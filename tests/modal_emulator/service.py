@@ -12,7 +12,9 @@ Containers (modal.com/docs/guide/lifecycle-functions, /guide/scale, modal/_runti
   containers to keep running", modal/app.py);
 - a function is sent as the client pickled it (`serialized=True`: cloudpickle, modal/_serialization.py);
   a client Python other than the image's fails to deserialize (DeserializationError, Modal's message);
-  arguments and results cross as pickles: an unpicklable one fails as it does on Modal.
+  arguments and results cross as pickles: an unpicklable one fails as it does on Modal; one that holds a
+  Modal handle goes through modal's own serializer (fake/modal/_real.py): an unhydrated handle is refused,
+  a class handle or `Obj` fails to deserialize in the receiver (modal 1.6.4 drops a Cls's metadata).
 
 Calls (modal/_functions.py, modal/parallel_map.py, modal.com/docs/guide/retries, /guide/preemption)
 - `.map()` inputs go to containers in random order; `order_outputs=False` yields in completion order;

@@ -4,8 +4,8 @@ Built from the run's `runtime.modal` section (`ModalConfig`: GPU type, timeouts,
 functions are declared when the app is built, with `serialized=True`). Each role sits next to its
 image, in the spirit of modal-labs' examples::
 
-    GPUWorker          gpu image, gpu=runtime.modal.gpu, Volume at /vrl, no secrets
-      .sample          one variant on a shard of tasks, on the host the local runtime would build
+    sample             gpu image, gpu=runtime.modal.gpu, Volume at /vrl, no secrets:
+                       one variant on a shard of tasks, on the host the local runtime would build
                        (vllm or hf): an ES member (seed + the run's updates, replayed warm) or the
                        current weights (GRPO, eval; trained weights from the Volume) -> completions
     prepare_model      gpu image, CPU only, Volume, secrets: base weights + tokenizer onto the Volume
@@ -13,7 +13,6 @@ image, in the spirit of modal-labs' examples::
     verifier sandboxes verifier image per plugin, block_network, no secrets (created by the runtime)
 """
 
-# No `from __future__ import annotations`: Modal reads the class parameter annotation at runtime.
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,14 +54,10 @@ class ModalApp:
     images: dict[str, Any]
     volume: Any
     secrets: list[Any]
-    GPUWorker: Any
+    sample: Any
     prepare_model: Any
     orchestrate: Any
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def worker(self, root: str = workers.VOLUME_ROOT) -> Any:
-        """A handle on the GPU worker class (`root`: where its Volume is mounted)."""
-        return self.GPUWorker(root=root)
 
 
 def build_app(config: Any) -> ModalApp:
@@ -83,27 +78,22 @@ def build_app(config: Any) -> ModalApp:
     opts = {"gpu": gpu_options(rt), "orchestrator": orchestrator_options(rt)}
 
     # The Hub switches are read when huggingface_hub is imported, so they are set for the container.
-    @app.cls(image=images["gpu"], volumes={root: volume}, env=workers.volume_env(root), serialized=True, **opts["gpu"])
-    class GPUWorker:
+    # A plain function, not a class: its handle crosses call boundaries (the detached orchestrator gets it as
+    # an argument), and modal 1.6.4's serializer drops a class handle's metadata, so an `Obj` argument fails
+    # to deserialize in the container. The warm state lives in the module (`workers._WARM`), one per container.
+    @app.function(image=images["gpu"], volumes={root: volume}, env=workers.volume_env(root), serialized=True,
+                  name="sample", **opts["gpu"])
+    def sample(variant: dict | list, start: int, stop: int, write_snapshot: bool = False, *, config: dict,
+               tasks: list, seed: int | None, spec: dict | None = None, es: dict | None = None,
+               weights: str | None = None) -> dict:
         """Generation on one GPU; warm across calls (base weights, replayed ES state, loaded shards)."""
-
-        root: str = modal.parameter(default=workers.VOLUME_ROOT)
-
-        @modal.enter()
-        def load(self) -> None:
-            workers.warm_up()
-
-        @modal.method()
-        def sample(self, variant: dict | list, start: int, stop: int, write_snapshot: bool = False, *, config: dict,
-                   tasks: list, seed: int | None, spec: dict | None = None, es: dict | None = None,
-                   weights: str | None = None) -> dict:
-            if weights:
-                # New GRPO weights were committed after this container mounted the Volume.
-                _reload(self.root)
-            # ES: a worker that is behind reloads to see the newest updates; a θ snapshot it writes is committed.
-            return workers.sample_call(variant, start, stop, write_snapshot, config=config, tasks=tasks, seed=seed,
-                                       spec=spec, es=es, weights=weights, root=self.root,
-                                       reload=lambda: _reload(self.root), commit=lambda: _commit(self.root))
+        if weights:
+            # New GRPO weights were committed after this container mounted the Volume.
+            _reload(root)
+        # ES: a worker that is behind reloads to see the newest updates; a θ snapshot it writes is committed.
+        return workers.sample_call(variant, start, stop, write_snapshot, config=config, tasks=tasks, seed=seed,
+                                   spec=spec, es=es, weights=weights, root=root,
+                                   reload=lambda: _reload(root), commit=lambda: _commit(root))
 
     volume_name = rt.volume
 
@@ -128,11 +118,11 @@ def build_app(config: Any) -> ModalApp:
                   name="orchestrate", **opts["orchestrator"])
     def orchestrate(config_data: dict, resume: bool = False, worker: Any = None, orchestrator: Any = None,
                     predecessor: str | None = None) -> dict:
-        # `orchestrator`: this function's own handle (passed in: a closure cannot hold it before the app
-        # runs), so the loop can continue itself in a new call before the timeout.
+        # `worker` (the `sample` function) and `orchestrator` (this function): Function handles, passed in
+        # because a closure cannot hold them before the app runs; the loop continues itself in a new call.
         from vrl.runtime.modal.detached import run_on_modal
 
         return run_on_modal(config_data, root, worker, resume=resume, volume=volume_name, orchestrator=orchestrator,
                             predecessor=predecessor, timeout_s=opts["orchestrator"]["timeout"])
 
-    return ModalApp(app, recipes, images, volume, secrets, GPUWorker, prepare_model, orchestrate, opts)
+    return ModalApp(app, recipes, images, volume, secrets, sample, prepare_model, orchestrate, opts)

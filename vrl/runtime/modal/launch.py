@@ -92,7 +92,7 @@ def launch_detached(config: Any, resume: bool = False) -> str:
     app = build_app(config)
     try:
         with app.app.run(detach=True):
-            call = app.orchestrate.spawn(dump(config), resume, worker=app.worker(), orchestrator=app.orchestrate)
+            call = app.orchestrate.spawn(dump(config), resume, worker=app.sample, orchestrator=app.orchestrate)
     except _modal_errors() as exc:
         raise ModalUnavailable(NO_ACCOUNT.format(error=exc)) from None
     return call.object_id

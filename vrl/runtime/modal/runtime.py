@@ -148,7 +148,7 @@ class ModalPolicy(PolicyHost):
                 argsets += [(workers.variant_to_wire(v), s, min(s + size, len(tasks)), False)
                             for s in range(0, len(tasks), size)]
         self.calls += len(argsets)
-        for out in self.caller.imap(self.worker.sample, argsets, shared):
+        for out in self.caller.imap(self.worker, argsets, shared):
             if out["snapshot"]:
                 self.log.snapshot = max(self.log.snapshot, out["snapshot"])
             self.replayed.append(out["replayed"])
@@ -292,7 +292,7 @@ class ModalRuntime(Runtime):
             require_credentials()
         self.app = app
         self.volume_root = Path(volume_root or workers.VOLUME_ROOT)
-        self.worker = worker or app.worker(workers.VOLUME_ROOT)
+        self.worker = worker or app.sample  # the GPU function's handle
         self.caller = ModalCaller()
         self._stack = contextlib.ExitStack()
         self._running = False

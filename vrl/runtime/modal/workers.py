@@ -46,14 +46,6 @@ def volume_env(root: str | os.PathLike = VOLUME_ROOT, offline: bool = True) -> d
     return env
 
 
-def warm_up() -> None:
-    """Import the heavy modules when the container starts, not during the first call."""
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-
-    import vrl.generate.hf  # noqa: F401
-
-
 # -- wire formats --------------------------------------------------------------------------------
 
 
