@@ -45,18 +45,24 @@ def make_app(**options):
         return "second attempt"
 
     @app.function(**opts)
-    def write(path, text, commit=True, keep_open=False):
+    def write(path, text, commit=True, keep_open=False, keep_mapped=False):
+        import mmap
         import pathlib
 
         import modal
 
         pathlib.Path("/data", path).write_text(text)
-        held = open(pathlib.Path("/data", path)) if keep_open else None  # noqa: SIM115
+        held = open(pathlib.Path("/data", path)) if keep_open or keep_mapped else None  # noqa: SIM115
+        mapped = mmap.mmap(held.fileno(), 0, access=mmap.ACCESS_READ) if keep_mapped else None
+        if keep_mapped:
+            held.close()  # only the mapping holds the file now, as safetensors' safe_open does
         try:
             if commit:
                 modal.Volume.from_name("data").commit()
         finally:
-            if held:
+            if mapped is not None:
+                mapped.close()
+            elif held:
                 held.close()
         return True
 
@@ -431,6 +437,9 @@ def test_reload_is_refused_while_a_file_of_the_volume_is_open(emu):
     with app.run():
         with pytest.raises(RuntimeError, match="there are open files preventing the operation: path /data/b.txt"):
             fns["write"].remote("b.txt", "x", keep_open=True)  # commit() reloads
+        # A memory-mapped file (safetensors maps the weights it loads) holds the Volume open too.
+        with pytest.raises(RuntimeError, match="there are open files preventing the operation: path /data/m.txt"):
+            fns["write"].remote("m.txt", "x", keep_mapped=True)
 
 
 def test_concurrent_writers_last_commit_wins_per_file(emu):

@@ -1,9 +1,9 @@
 """What vrl passes across a Modal call boundary survives modal's own serializer (no account needed).
 
 vrl's real entry points run with the installed `modal` package: `launch_detached` (`orchestrate.spawn`),
-`prepare` (`prepare_model.remote`) and `ModalPolicy.sample` (`sample.map`, ES members and GRPO shards).
+`prepare` (`prepare_model.remote`) and `ModalPolicy.sample` (`sample.spawn`, ES members and GRPO shards).
 What is emulated: the Modal service. The app's Function handles are hydrated by hand, with the object id
-and handle metadata `app.run()` would give them, and `Function.spawn/remote/map` are replaced by recorders
+and handle metadata `app.run()` would give them, and `Function.spawn/remote` are replaced by recorders
 (nothing is sent). Each recorded argument set, and each result vrl reads back, is then put through
 modal 1.6.4's real `modal._serialization.serialize` and `deserialize`, as the client and the container do.
 A class instance (the old `worker=app.worker()`) fails here with DeserializationError, as it did on Modal.
@@ -51,33 +51,33 @@ def round_trip(value: Any) -> Any:
 
 @pytest.fixture
 def boundary(monkeypatch):
-    """Every `.spawn`, `.remote` and `.map` vrl makes: (method, handle id, args, kwargs), nothing sent."""
+    """Every `.spawn` and `.remote` vrl makes, and what a worker call returns: (kind, handle id, args,
+    kwargs); nothing is sent."""
+    from vrl.runtime.modal import workers
+
     calls: list[tuple[str, str, tuple, dict]] = []
+
+    def worker_result(args: tuple) -> dict:
+        variants = args[0] if isinstance(args[0], list) else [args[0]]
+        done = [Completion(task_id=f"t{i}", text="1+2", variant=v["index"], token_ids=[1, 2], logprobs=[-0.5, -0.25],
+                           prompt_token_ids=[3]) for v in variants for i in range(args[1], args[2])]
+        return {"completions": [workers.completion_to_wire(c) for c in done], "snapshot": None, "replayed": 0,
+                "catch_up_s": 0.0}
 
     def spawn(self, *args, **kwargs):
         calls.append(("spawn", self.object_id, args, kwargs))
-        return SimpleNamespace(object_id="fc-launched")
+        if self.object_id != "fu-sample":
+            return SimpleNamespace(object_id="fc-launched")
+        out = worker_result(args)
+        calls.append(("result", self.object_id, (out,), {}))
+        return SimpleNamespace(object_id=f"fc-{len(calls)}", get=lambda: out, cancel=lambda: None)
 
     def remote(self, *args, **kwargs):
         calls.append(("remote", self.object_id, args, kwargs))
         return {"model": args[0], "path": "/vrl/hf/x", "files": ["model.safetensors"], "bytes": 1, "downloaded": True}
 
-    def map(self, *columns, kwargs=None, order_outputs=True, return_exceptions=False):
-        calls.append(("map", self.object_id, columns, kwargs or {}))
-        for args in zip(*columns):
-            variants = args[0] if isinstance(args[0], list) else [args[0]]
-            done = [Completion(task_id=f"t{i}", text="1+2", variant=v["index"], token_ids=[1, 2], logprobs=[-0.5, -0.25],
-                               prompt_token_ids=[3]) for v in variants for i in range(args[1], args[2])]
-            from vrl.runtime.modal import workers
-
-            out = {"completions": [workers.completion_to_wire(c) for c in done], "snapshot": None, "replayed": 0,
-                   "catch_up_s": 0.0}
-            calls.append(("result", self.object_id, (out,), {}))
-            yield out
-
     monkeypatch.setattr(modal.Function, "spawn", spawn)
     monkeypatch.setattr(modal.Function, "remote", remote)
-    monkeypatch.setattr(modal.Function, "map", map)
     return calls
 
 
@@ -88,9 +88,9 @@ def app(monkeypatch):
     cfg = build({"runtime": {"kind": "modal", "modal": {"volume": "vrl-ser"}}, "logging": {"name": "ser"}})
     built = app_module.build_app(cfg)
     for handle, oid in ((built.sample, "fu-sample"), (built.orchestrate, "fu-orchestrate"),
-                        (built.prepare_model, "fu-prepare")):
+                        (built.prepare_model, "fu-prepare"), (built.stop_app, "fu-stop")):
         hydrate(handle, oid)
-    running = dataclasses.replace(built, app=SimpleNamespace(run=lambda **_: contextlib.nullcontext()))
+    running = dataclasses.replace(built, app=SimpleNamespace(run=lambda **_: contextlib.nullcontext(), app_id="ap-test"))
     monkeypatch.setattr(app_module, "build_app", lambda config: running)
     return cfg, running
 
@@ -101,11 +101,18 @@ def test_every_argument_and_result_vrl_passes_round_trips_through_modals_seriali
     from vrl.runtime.modal.runtime import ModalCaller, ModalPolicy
     from vrl.runtime.modal.volume import VolumeWeights
 
+    from tests.test_modal_lease import Store
+    from vrl.runtime.modal import lease
+
     cfg, built = app
     monkeypatch.setattr(launch, "read_volume_file", lambda volume, path: (_ for _ in ()).throw(FileNotFoundError(path)))
+    store = Store()  # the lease Dict, here (the launch record goes there)
+    real = lease.RunLease
+    monkeypatch.setattr(lease, "RunLease", lambda volume, name: real(volume, name, store=store, alive=lambda call: False))
     detached = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={
         "modal": cfg.runtime.modal.model_copy(update={"detach": True})})})
     assert launch.launch_detached(detached) == "fc-launched"
+    assert real("vrl-ser", "ser", store=store).launch()["app"] == "ap-test"  # the launch record
     assert launch.prepare(cfg, "Qwen/Qwen2.5-0.5B")["model"] == "Qwen/Qwen2.5-0.5B"
 
     # The orchestrator's own calls: ES members (the updates so far, seeds), then GRPO shards of the current weights.
@@ -122,13 +129,14 @@ def test_every_argument_and_result_vrl_passes_round_trips_through_modals_seriali
 
     kinds = [(kind, oid) for kind, oid, _, _ in boundary]
     assert ("spawn", "fu-orchestrate") in kinds and ("remote", "fu-prepare") in kinds
-    assert kinds.count(("map", "fu-sample")) == 2 and ("result", "fu-sample") in kinds
+    assert kinds.count(("spawn", "fu-sample")) == 2 + 1 and ("result", "fu-sample") in kinds  # 2 members, 1 shard
     for kind, oid, args, kwargs in boundary:
         back_args, back_kwargs = round_trip((args, kwargs))  # DeserializationError for a class handle
-        if kind == "spawn":  # the handles the container calls: Functions, the same ones
+        if (kind, oid) == ("spawn", "fu-orchestrate"):  # the handles the container calls: the same Functions
             assert isinstance(back_kwargs["worker"], modal.Function)
             assert back_kwargs["worker"].object_id == "fu-sample"
             assert back_kwargs["orchestrator"].object_id == "fu-orchestrate"
+            assert back_kwargs["stopper"].object_id == "fu-stop" and back_kwargs["app_id"] == "ap-test"
             assert back_args == (dump(detached), False)
         else:
             assert (back_args, back_kwargs) == (args, kwargs)

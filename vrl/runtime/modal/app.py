@@ -8,8 +8,9 @@ image, in the spirit of modal-labs' examples::
                        one variant on a shard of tasks, on the host the local runtime would build
                        (vllm or hf): an ES member (seed + the run's updates, replayed warm) or the
                        current weights (GRPO, eval; trained weights from the Volume) -> completions
-    prepare_model      gpu image, CPU only, Volume, secrets: base weights + tokenizer onto the Volume
+    prepare_model      orchestrator image, CPU only, Volume, secrets: base weights + tokenizer onto the Volume
     orchestrate        orchestrator image (+ optional GPU for GRPO), Volume, secrets: the detached loop
+    stop_app           orchestrator image, a quarter core: stops a detached run's app after its last call
     verifier sandboxes verifier image per plugin, block_network, no secrets (created by the runtime)
 """
 
@@ -42,7 +43,9 @@ def orchestrator_options(runtime: Any) -> dict[str, Any]:
     optional GPU (GRPO's learner), no retries, and not preemptible where Modal allows it (a CPU function;
     a GPU one is restarted on the same input and resumes its run: detached.py)."""
     return {"gpu": runtime.orchestrator_gpu, "timeout": runtime.orchestrator_timeout_s, "retries": 0, "cpu": 2.0,
-            "nonpreemptible": not runtime.orchestrator_gpu}
+            "nonpreemptible": not runtime.orchestrator_gpu,
+            # a GPU orchestrator trains (GRPO's learner): the workers' memory, not Modal's small default
+            **({"memory": runtime.memory_mb} if runtime.orchestrator_gpu else {})}
 
 
 @dataclass
@@ -57,6 +60,7 @@ class ModalApp:
     sample: Any
     prepare_model: Any
     orchestrate: Any
+    stop_app: Any
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -85,8 +89,10 @@ def build_app(config: Any) -> ModalApp:
                   name="sample", **opts["gpu"])
     def sample(variant: dict | list, start: int, stop: int, write_snapshot: bool = False, *, config: dict,
                tasks: list, seed: int | None, spec: dict | None = None, es: dict | None = None,
-               weights: str | None = None) -> dict:
+               weights: str | None = None, probe: bool = False) -> dict:
         """Generation on one GPU; warm across calls (base weights, replayed ES state, loaded shards)."""
+        if probe:  # `vrl modal doctor`: what this image holds, and whether CUDA sees the GPU
+            return workers.environment_report(gpu=True)
         if weights:
             # New GRPO weights were committed after this container mounted the Volume.
             _reload(root)
@@ -105,7 +111,8 @@ def build_app(config: Any) -> ModalApp:
         if mount == workers.VOLUME_ROOT:
             modal.Volume.from_name(volume_name).commit()
 
-    @app.function(image=images["gpu"], volumes={root: volume}, secrets=secrets, timeout=PREPARE_TIMEOUT_S,
+    # The CPU image: downloading and checking the tokenizer needs no vllm (nor the GPU image's build).
+    @app.function(image=images["orchestrator"], volumes={root: volume}, secrets=secrets, timeout=PREPARE_TIMEOUT_S,
                   cpu=2.0, memory=8192, serialized=True, name="prepare_model")
     def prepare_model(model: str, revision: str | None = None, mount: str = workers.VOLUME_ROOT) -> dict:
         info = workers.prepare_model(model, revision, mount)
@@ -117,12 +124,28 @@ def build_app(config: Any) -> ModalApp:
                   env=workers.volume_env(root, offline=False),  # datasets may still come from the Hub
                   name="orchestrate", **opts["orchestrator"])
     def orchestrate(config_data: dict, resume: bool = False, worker: Any = None, orchestrator: Any = None,
-                    predecessor: str | None = None) -> dict:
-        # `worker` (the `sample` function) and `orchestrator` (this function): Function handles, passed in
-        # because a closure cannot hold them before the app runs; the loop continues itself in a new call.
+                    predecessor: str | None = None, app_id: str | None = None, stopper: Any = None,
+                    probe: str | None = None) -> dict:
+        # `worker` (the `sample` function), `orchestrator` (this function) and `stopper` (`stop_app`): Function
+        # handles, passed in because a closure cannot hold them before the app runs; the loop continues
+        # itself in a new call, and the last call has the app (`app_id`) stopped once it has returned.
+        if probe is not None:  # `vrl modal doctor`: the arguments arrived; the Volume and the worker answer
+            return workers.in_orchestrator(root, probe, worker, reload=lambda: _reload(root),
+                                           commit=lambda: _commit(root))
         from vrl.runtime.modal.detached import run_on_modal
 
         return run_on_modal(config_data, root, worker, resume=resume, volume=volume_name, orchestrator=orchestrator,
-                            predecessor=predecessor, timeout_s=opts["orchestrator"]["timeout"])
+                            predecessor=predecessor, timeout_s=opts["orchestrator"]["timeout"], app_id=app_id,
+                            stopper=stopper)
 
-    return ModalApp(app, recipes, images, volume, secrets, sample, prepare_model, orchestrate, opts)
+    @app.function(image=images["orchestrator"], serialized=True, name="stop_app", cpu=0.25, timeout=900, retries=0)
+    def stop_app(app_id: str, call_id: str) -> None:
+        """Stop the detached run's app once its last call has returned (its result stays readable), so no
+        GPU container idles, billed, through its scale-down window after the run."""
+        import contextlib
+
+        with contextlib.suppress(Exception):  # finished, failed or cancelled: the run is over either way
+            modal.FunctionCall.from_id(call_id).get(timeout=600)
+        modal.App.lookup(app_id).stop()
+
+    return ModalApp(app, recipes, images, volume, secrets, sample, prepare_model, orchestrate, stop_app, opts)

@@ -66,12 +66,13 @@ def _import_real() -> Any:
         sys.path[:] = [site] + [p for p in saved_path if p and Path(p).resolve() != fake_dir]
         importlib.invalidate_caches()
         serialization = importlib.import_module("modal._serialization")
+        from modal_proto import api_pb2
+
         from modal._functions import _Function, _FunctionCall
         from modal.cls import _Cls
         from modal.dict import _Dict
         from modal.sandbox._sandbox import _Sandbox
         from modal.volume import _Volume
-        from modal_proto import api_pb2
 
         types = {"Function": _Function, "FunctionCall": _FunctionCall, "Cls": _Cls, "Dict": _Dict,
                  "Sandbox": _Sandbox, "Volume": _Volume}
