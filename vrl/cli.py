@@ -576,6 +576,30 @@ def modal_stop(name, volume) -> None:
                   else f"{name!r} is not running; nothing to stop")
 
 
+@modal.command(name="doctor")
+@click.option("--plugin", "-p", help="The plugin whose verifier sandbox to start (default: the run's, countdown).")
+@click.option("--model", "-m", help="The model a run would use (its name goes into the probe's config).")
+@click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Overrides, e.g. runtime.modal.gpu=A100-80GB (check the settings the run will use).")
+@click.option("--quiet", "-q", is_flag=True, help="Hide Modal's image build and container output.")
+def modal_doctor(plugin, model, config_file, overrides, quiet) -> None:
+    """Check a Modal account before a long run, for cents: images, GPU, Volume, handles, a verifier sandbox."""
+    from vrl.runtime.modal.doctor import run as run_doctor
+
+    with _checking_input():
+        cfg = _resolve_config(config_file, {"plugin": plugin, "model": model, "runtime.kind": "modal",
+                                            "runtime.modal.output": not quiet}, overrides, ())
+    with _checking_input():
+        checks = run_doctor(cfg, say=lambda line: console.print(escape(line), soft_wrap=True, highlight=False))
+    failed = [c for c in checks if not c.ok]
+    total = sum(c.cents for c in checks)
+    console.print(f"{len(checks) - len(failed)}/{len(checks)} checks passed in {sum(c.seconds for c in checks):.0f} s, "
+                  f"{total:.1f} ¢ at list prices")
+    if failed:
+        sys.exit(1)
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def plugins(as_json: bool) -> None:
