@@ -134,7 +134,6 @@ class ModalPolicy(PolicyHost):
         self.version = 0
         self._trainable: Trainable | None = None
         self.calls = 0  # worker calls made (tests check the fan-out)
-        self.lost = 0  # member calls that failed after Modal's retries (their members are dropped)
         self.replayed: list[int] = []  # updates each call applied (catching up included)
         self._last_sample: float | None = None
         self._warned_cold = False
@@ -179,7 +178,6 @@ class ModalPolicy(PolicyHost):
                 if index < members:
                     # An ES member whose call failed after Modal's retries: the optimizer drops it (and its
                     # antithetic partner) if few enough are lost (es.max_lost_share), else fails the iteration.
-                    self.lost += 1
                     log.warning("ES member call %d failed after Modal's retries; the member is dropped from this "
                                 "iteration: %s: %s", index, type(out).__name__, out)
                     continue
