@@ -178,6 +178,36 @@ def test_update_is_alpha_over_n_sum_z_eps(antithetic: bool) -> None:
         assert not torch.equal(after[name], w)
 
 
+@pytest.mark.parametrize("antithetic", [False, True])
+def test_a_lost_member_is_dropped_and_the_step_is_the_one_without_it(antithetic: bool, tmp_path: Path) -> None:
+    """A member with no result (its remote call failed after its retries) is dropped with its antithetic
+    partner; θ moves bit for bit as an iteration of only the other members would move it (α/N over
+    those), the loss is counted, and replaying the history gives the same θ. Above es.max_lost_share
+    of N lost, the iteration fails."""
+    from vrl.weights.update import FullRankUpdate
+
+    es = _es(population_size=8, alpha=0.3, antithetic=antithetic, max_lost_share=0.25)
+    variants = es.ask()
+    rewards = [0.1, 0.7, 0.4, 0.0, 0.9, 0.2, 0.6, 0.3]
+    metrics = es.tell([r for r in _results(rewards) if r.completion.variant != 2])
+    lost = {2, 3} if antithetic else {2}
+    kept = [v for v in variants if v.index not in lost]
+    z = [round(v, 4) for v in normalize([rewards[v.index] for v in kept], "zscore")]
+    alone = _es(population_size=8, alpha=0.3, antithetic=antithetic)
+    alone.host.update(FullRankUpdate.from_members([(v.seed, v.sign) for v in kept], z, 0.3))
+    assert _same_bits(_weights(es), _weights(alone))
+    record = es.history.iterations[0]
+    assert record.lost == sorted(lost) and metrics["es/lost_members"] == len(lost)
+    assert [record.z[i] for i in sorted(lost)] == [0.0] * len(lost)
+    es.save(tmp_path)
+    replayed = _es(population_size=8, alpha=0.3, antithetic=antithetic, max_lost_share=0.25)
+    replayed.load(tmp_path, 1)
+    assert _same_bits(_weights(replayed), _weights(es))
+    es.ask()
+    with pytest.raises(ValueError, match=rf"{6 if antithetic else 3} of 8 members lost is more than es.max_lost_share"):
+        es.tell([r for r in _results(rewards) if r.completion.variant not in (0, 2, 4)])
+
+
 def test_alpha_defaults_to_half_sigma() -> None:
     a, b = _es(population_size=2, sigma=0.02), _es(population_size=2, sigma=0.02, alpha=0.01)
     theta0 = _weights(a)

@@ -56,7 +56,7 @@ def same(public, internal) -> bool:
 
 def test_gpu_worker_is_declared_with_the_configured_resources(built):
     _, app = built
-    spec = spec_of(app.GPUWorker._get_class_service_function())
+    spec = spec_of(app.sample)
     assert (spec.gpus, spec.cpu, spec.memory) == ("A100-80GB", 8.0, 131072)
     assert list(spec.volumes) == ["/vrl"] and same(app.volume, spec.volumes["/vrl"])
     # Workers load from the Volume: no named secrets; Modal carries `env=` (Hub off) as an inline secret.
@@ -65,7 +65,10 @@ def test_gpu_worker_is_declared_with_the_configured_resources(built):
     assert same(app.images["gpu"], spec.image) and not same(app.images["orchestrator"], spec.image)
     assert app.options["gpu"] == {"gpu": "A100-80GB", "cpu": 8.0, "memory": 131072, "timeout": 1234, "retries": 3,
                                   "max_containers": 12, "scaledown_window": 77}
-    assert set(app.GPUWorker._get_method_names()) >= {"sample"}
+    # A plain function, no class: its handle crosses into the detached orchestrator (a class handle cannot)
+    import modal
+
+    assert isinstance(app.sample, modal.Function) and not isinstance(app.sample, modal.Cls)
 
 
 def test_prepare_and_orchestrator_get_the_secrets_and_the_volume(built):
@@ -76,6 +79,8 @@ def test_prepare_and_orchestrator_get_the_secrets_and_the_volume(built):
         assert len(named) == 2 and all(same(a, b) for a, b in zip(app.secrets, named))
         assert same(app.volume, spec.volumes["/vrl"])
     assert spec_of(app.prepare_model).gpus is None  # downloading needs no GPU
+    assert same(app.images["orchestrator"], spec_of(app.prepare_model).image)  # nor the GPU image's 15-min build
+    assert app.options["orchestrator"]["memory"] == 131072  # a GPU orchestrator trains: the workers' memory
     assert spec_of(app.orchestrate).gpus == "L40S"
     assert same(app.images["orchestrator"], spec_of(app.orchestrate).image)
     assert app.options["orchestrator"]["retries"] == 0  # a loop is resumed, not silently re-run
@@ -179,29 +184,55 @@ def test_secrets_are_names_only_in_the_recorded_config(monkeypatch):
     assert dump(cfg)["runtime"]["modal"]["secrets"] == ["huggingface"]
 
 
-class FakeMappable:
-    """Stands in for a Modal method's `.map` (the Modal service is what is mocked here): outputs come
-    in the order the calls finish, here the reverse of the inputs."""
+class FakeFunction:
+    """Stands in for a Modal Function's `.spawn` (the Modal service is what is mocked here): call i returns
+    when the test releases it; `cancel()` is recorded."""
 
-    def __init__(self, fail_at: int | None = None):
-        self.fail_at, self.calls = fail_at, []
+    def __init__(self, n: int, fail_at: int | None = None):
+        import threading
 
-    def map(self, *columns, kwargs, order_outputs, return_exceptions):
-        assert not order_outputs and return_exceptions  # results stream as they finish
-        self.calls.append((columns, kwargs))
-        for i, args in reversed(list(enumerate(zip(*columns)))):
-            yield ValueError(f"member {i} failed") if i == self.fail_at else (sum(args), kwargs["k"])
+        self.release = [threading.Event() for _ in range(n)]
+        self.fail_at, self.cancelled, self.spawned = fail_at, [], []
+
+    def spawn(self, *args, **kwargs):
+        fn, index = self, len(self.spawned)
+        self.spawned.append((args, kwargs))
+
+        class Call:
+            object_id = f"fc-{index}"
+
+            def get(self):
+                if not fn.release[index].wait(30):
+                    raise TimeoutError(f"call {index} was never released")
+                if index in fn.cancelled:
+                    raise RuntimeError("Function call was cancelled")
+                if index == fn.fail_at:
+                    raise ValueError(f"member {index} failed")
+                return sum(args), kwargs["k"]
+
+            def cancel(self):
+                fn.cancelled.append(index)
+                fn.release[index].set()
+
+        return Call()
 
 
-def test_modal_caller_streams_results_as_calls_finish_and_raises_a_failed_call():
+def test_modal_caller_streams_results_as_calls_finish_and_cancels_what_an_abandoned_stream_left():
     caller = ModalCaller()
-    fake = FakeMappable()
-    assert list(caller.imap(fake, [(1, 2), (3, 4), (5, 6)], {"k": "shared"})) == [(11, "shared"), (7, "shared"), (3, "shared")]
-    assert fake.calls == [(([1, 3, 5], [2, 4, 6]), {"k": "shared"})]  # one .map for all calls
-    failing = caller.imap(FakeMappable(fail_at=1), [(1, 2), (3, 4), (5, 6)], {"k": "shared"})
-    assert next(failing) == (11, "shared")
-    with pytest.raises(ValueError, match="member 1"):
-        next(failing)
+    fake = FakeFunction(3)
+    stream = caller.imap(fake, [(1, 2), (3, 4), (5, 6)], {"k": "shared"})
+    fake.release[2].set()
+    assert next(stream) == (2, (11, "shared"))  # the call that finished first comes first
+    assert fake.spawned == [((1, 2), {"k": "shared"}), ((3, 4), {"k": "shared"}), ((5, 6), {"k": "shared"})]
+    fake.release[0].set()
+    assert next(stream) == (0, (3, "shared"))
+    stream.close()  # the iteration is abandoned: the call still running is cancelled, not left billed
+    assert fake.cancelled == [1]
+    failing = FakeFunction(2, fail_at=0)
+    for event in failing.release:
+        event.set()
+    outs = dict(caller.imap(failing, [(1, 2), (3, 4)], {"k": "shared"}))
+    assert isinstance(outs[0], ValueError) and outs[1] == (7, "shared") and failing.cancelled == []
 
 
 def test_without_credentials_the_runtime_and_commands_say_how_to_set_up(monkeypatch, tmp_path):

@@ -25,7 +25,7 @@ def test_the_gpu_worker_takes_a_gpu_fallback_list_and_min_containers():
     assert "modal_emulator" not in str(modal.__file__)  # the installed package, not the emulator's fake
     cfg = build(BASE, {"runtime": {"kind": "modal", "modal": {"gpu": ["H100", "A100-80GB"], "min_containers": 2}}})
     app = build_app(cfg)
-    assert app.GPUWorker._get_class_service_function()._spec_.gpus == ["H100", "A100-80GB"]
+    assert app.sample._spec_.gpus == ["H100", "A100-80GB"]
     assert app.options["gpu"]["gpu"] == ["H100", "A100-80GB"] and app.options["gpu"]["min_containers"] == 2
     assert "min_containers" not in build_app(build(BASE, {"runtime": {"kind": "modal"}})).options["gpu"]
     with pytest.raises(ConfigError, match="at least 1 item"):

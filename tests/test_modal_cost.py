@@ -41,3 +41,35 @@ def test_a_warm_pool_brings_the_loop_near_generation_time():
 def test_table_lists_every_scenario():
     text = table(SCENARIOS)
     assert len(text.splitlines()) == 2 + len(SCENARIOS)
+
+
+def test_the_bill_counts_container_reservations_and_sandbox_rates():
+    """Issue 40 item 5: every GPU container reserves CPU and memory, billed with the GPU; sandbox CPU costs
+    about 3x a Function's and a Lean sandbox asks 32 GiB. Without those terms the model gives its earlier
+    case-study figure ($17.70); with them the same iteration costs about a fifth more."""
+    bare = replace(CASE_STUDY, gpu_cores=0.0, gpu_memory_gib=0.0, orchestrator_cores=0.0, sandbox_cpu_factor=1.0,
+                   sandbox_memory_gib=8.0)
+    assert simulate(bare)["cost_sequential_usd"] == pytest.approx(17.70, abs=0.01)
+    full = simulate(CASE_STUDY)["cost_sequential_usd"]
+    assert 1.15 < full / simulate(bare)["cost_sequential_usd"] < 1.25
+    assert simulate(replace(CASE_STUDY, gpu_cores=8.0))["cost_sequential_usd"] > full  # each term is billed
+
+
+def test_batch_time_is_measured_from_a_runs_metrics_and_sizes_the_pool(tmp_path, capsys):
+    from vrl.runtime.modal.cost import KIMINA, batch_s_measured, main, pool_for
+
+    # 30 members x 128 attempts in batches of 64: 60 batches per iteration; busy seconds summed over them.
+    rows = [{"completions": 3840, "verification_s": 60 * s} for s in (40.0, 8.0, 6.0, 7.0)]  # the first: start-up
+    assert batch_s_measured(rows, batch_size=64, members=30) == 8.0  # the median, not the start-up
+    with pytest.raises(ValueError, match="judged anything"):
+        batch_s_measured([{"completions": 0, "verification_s": 0.0}], 64, 30)
+    size, row, paced = pool_for(KIMINA)
+    assert paced and row["loop_overlapped_s"] <= row["generation_s"] + KIMINA.batch_s
+    assert not simulate(replace(KIMINA, sandboxes=size - 1))["loop_overlapped_s"] <= row["generation_s"] + KIMINA.batch_s
+    capped, capped_row, _ = pool_for(replace(CASE_STUDY, gpus=8), cap_usd=6.5)
+    assert capped_row["cost_overlapped_usd"] <= 6.5
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(f'{{"completions": 3840, "verification_s": {60 * s}}}\n' for s in (8.0, 8.0)))
+    main([str(metrics), "--batch-size", "64", "--members", "30"])
+    out = capsys.readouterr().out
+    assert "batch_s measured: 8.0 s (8.00 attempts/s per sandbox)" in out and "runtime.modal.sandboxes=" in out

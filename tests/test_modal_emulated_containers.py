@@ -194,7 +194,7 @@ def test_the_gpu_worker_deserializes_for_a_client_on_another_python(emu, tmp_pat
             importlib.reload(images)
     tasks = registry().environment("countdown").tasks()[:1]
     with app.app.run():
-        out = app.worker().sample.remote(workers.variant_to_wire(Variant(index=0)), 0, 1,
+        out = app.sample.remote(workers.variant_to_wire(Variant(index=0)), 0, 1,
                                          config=workers.engine_config(cfg), tasks=workers.tasks_to_wire(tasks), seed=0)
     completions = out["completions"]
     assert len(completions) == 1 and completions[0]["task_id"] == tasks[0].id

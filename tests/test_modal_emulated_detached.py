@@ -38,7 +38,7 @@ def test_a_preempted_orchestrator_carries_on_with_its_run(emu, tmp_path):
     preempted: list[str] = []
 
     def preempt_the_orchestrator(service, function, **_):
-        if function == "GPUWorker" and not preempted:  # mid-iteration: the first member is sampling
+        if function == "sample" and not preempted:  # mid-iteration: the first member is sampling
             preempted.extend(service.running("orchestrate"))
             for cid in preempted:
                 service.preempt(cid)
@@ -61,7 +61,7 @@ def test_a_crashed_cpu_orchestrator_carries_on_with_its_run(emu, tmp_path):
     finished: list[str] = []
 
     def crash_in_the_second_iteration(service, function, **_):
-        if function == "GPUWorker":
+        if function == "sample":
             finished.append(function)
         if len(finished) == 3 and not killed:  # iteration 0's two members are done and committed
             killed.extend(service.running("orchestrate"))
@@ -85,3 +85,90 @@ def _wait(predicate, timeout=60.0):
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.05)
+
+
+def _wait_until(predicate, timeout=120.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.2)
+
+
+def test_a_detached_run_that_fails_at_start_up_shows_its_error_and_its_app_stops(emu, tmp_path):
+    """Issue 40, items 3 and 4. A detached run whose model does not exist fails before its first iteration.
+
+    Real Modal: the orchestrator removed the run directory of a run that finished nothing, so `vrl modal
+    status` said the run did not exist and the error was only in Modal's logs; the detached app kept its
+    containers until they scaled down. Now the launch record (call, app, end, error) lives in the lease
+    Dict, `status` and `logs` print the remote error, and the app is stopped once the call returned.
+    Emulated: the Modal service (calls, containers, Dict, app stop), with Modal's own serializer on the wire.
+    """
+    import json
+
+    import modal
+    from click.testing import CliRunner
+
+    from vrl.cli import main
+    from vrl.runtime.modal.launch import launch_detached
+    from vrl.runtime.modal.lease import RunLease
+
+    cfg = modal_config(tmp_path, name="broken", iterations=1, model="no-such-org/no-such-model")
+    call = launch_detached(cfg)
+    try:
+        modal.FunctionCall.from_id(call).get(timeout=300)
+        raise AssertionError("the run should have failed")
+    except AssertionError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the orchestrator raised
+        error = f"{type(exc).__name__}"
+    assert not (emu.volume("vrl") / "runs" / "broken" / "config.json").exists()  # nothing finished: removed
+    cli = CliRunner()
+    status = cli.invoke(main, ["modal", "status", "broken"])
+    assert status.exit_code == 0, status.output
+    text = " ".join(status.output.split())
+    assert "not running (failed)" in text and f"error: {error}" in text, text
+    info = json.loads(cli.invoke(main, ["modal", "status", "broken", "--json"]).output)
+    assert info["call"] == call and info["status"] == "failed" and info["error"].startswith(error)
+    logs = cli.invoke(main, ["modal", "logs", "broken"])
+    assert logs.exit_code == 0 and f"failed: {error}" in logs.output
+    app_id = RunLease("vrl", "broken").launch()["app"]
+    _wait_until(lambda: not emu.app_running(app_id) and not emu.live_containers())  # nothing left billed
+
+
+def test_vrl_modal_stop_leaves_no_app_running_and_no_warm_container(emu, tmp_path):
+    """Issue 40, item 4. `vrl modal stop` mid-run: the call is cancelled and the whole app stopped.
+
+    Real Modal: stopping only cancelled the orchestrator's call; its app and the warm GPU workers stayed
+    up, billed, through their scale-down window (20 min by default). Emulated: the Modal service's app
+    stop (its containers get SIGINT, then a kill after the grace period; it takes no new inputs).
+    """
+    import threading
+
+    from click.testing import CliRunner
+
+    from vrl.cli import main
+    from vrl.runtime.modal.launch import launch_detached
+    from vrl.runtime.modal.lease import RunLease
+
+    gate, started = threading.Event(), threading.Event()
+
+    def hold(function, **_):
+        if function == "sample":
+            started.set()
+            gate.wait(120)
+
+    emu.on("input_started", hold)
+    call = launch_detached(modal_config(tmp_path, name="stopped", iterations=3))
+    try:
+        assert started.wait(300), "no GPU worker started"
+        stopped = CliRunner().invoke(main, ["modal", "stop", "stopped"])
+        assert stopped.exit_code == 0 and f"call {call}" in " ".join(stopped.output.split()), stopped.output
+    finally:
+        gate.set()
+    app_id = RunLease("vrl", "stopped").launch()["app"]
+    assert not emu.app_running(app_id)
+    _wait_until(lambda: not emu.live_containers())
+    status = CliRunner().invoke(main, ["modal", "status", "stopped", "--json"])
+    assert '"running": false' in status.output, status.output

@@ -31,7 +31,7 @@ def _wait(predicate, timeout=120.0):
 def _slow_workers(emu, seconds: float) -> None:
     """Each GPU worker input starts `seconds` late (the hook runs in the worker's request): an iteration
     then takes at least that long, whatever this machine's speed."""
-    emu.on("input_started", lambda function, **_: function == "GPUWorker" and time.sleep(seconds))
+    emu.on("input_started", lambda function, **_: function == "sample" and time.sleep(seconds))
 
 
 def _flat(output: str) -> str:
@@ -62,7 +62,7 @@ def test_one_orchestrator_owns_a_run_and_status_logs_stop_resume_manage_it(emu, 
     gate, members = threading.Event(), []
 
     def hold_the_second_iteration(function, **_):
-        if function == "GPUWorker":
+        if function == "sample":
             members.append(function)
             if len(members) > 2:  # iteration 0's two members ran: the owner waits, alive, in iteration 1
                 gate.wait(300)

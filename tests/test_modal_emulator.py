@@ -45,18 +45,24 @@ def make_app(**options):
         return "second attempt"
 
     @app.function(**opts)
-    def write(path, text, commit=True, keep_open=False):
+    def write(path, text, commit=True, keep_open=False, keep_mapped=False):
+        import mmap
         import pathlib
 
         import modal
 
         pathlib.Path("/data", path).write_text(text)
-        held = open(pathlib.Path("/data", path)) if keep_open else None  # noqa: SIM115
+        held = open(pathlib.Path("/data", path)) if keep_open or keep_mapped else None  # noqa: SIM115
+        mapped = mmap.mmap(held.fileno(), 0, access=mmap.ACCESS_READ) if keep_mapped else None
+        if keep_mapped:
+            held.close()  # only the mapping holds the file now, as safetensors' safe_open does
         try:
             if commit:
                 modal.Volume.from_name("data").commit()
         finally:
-            if held:
+            if mapped is not None:
+                mapped.close()
+            elif held:
                 held.close()
         return True
 
@@ -190,6 +196,36 @@ def test_arguments_and_results_cross_as_pickles(emu):
             echo.remote(threading.Lock())
         with pytest.raises(modal.exception.SerializationError, match="Failed to serialize result"):
             make_generator.remote()
+
+
+def test_handles_cross_by_modal_1_6_4s_own_serializer(emu):
+    """Arguments and results holding Modal handles go through the installed client's `modal._serialization`
+    (emulated: the fake handles stand in as hydrated real ones). A Function handle round-trips, in both
+    directions (the container's result too); a class handle or an instance of one does not: 1.6.4 drops the
+    class's metadata, and the receiving container fails with DeserializationError. An unhydrated handle
+    (its app stopped) cannot be serialized at all."""
+    import modal
+    from modal import _real
+
+    if _real.real() is None:
+        pytest.skip("the real modal package is not installed")
+    app, _vol, fns = make_app()
+
+    @app.function(serialized=True)
+    def echo(x):
+        return x
+
+    with app.run():
+        handle = echo.remote({"fn": fns["whoami"]})["fn"]
+        assert handle.remote("again")[1] == "again"  # a handle that came back from a container still calls
+        for refused in (fns["Warm"], fns["Warm"](tag="b")):
+            with pytest.raises(modal.exception.DeserializationError, match="deserializing"):
+                echo.remote([refused])
+        stopped, _vol2, fns2 = make_app()
+        with stopped.run():
+            pass
+        with pytest.raises(modal.exception.InvalidError, match="hasn't been hydrated"):
+            echo.spawn(fns2["whoami"])
 
 
 def test_exceptions_retries_and_return_exceptions(emu):
@@ -401,6 +437,9 @@ def test_reload_is_refused_while_a_file_of_the_volume_is_open(emu):
     with app.run():
         with pytest.raises(RuntimeError, match="there are open files preventing the operation: path /data/b.txt"):
             fns["write"].remote("b.txt", "x", keep_open=True)  # commit() reloads
+        # A memory-mapped file (safetensors maps the weights it loads) holds the Volume open too.
+        with pytest.raises(RuntimeError, match="there are open files preventing the operation: path /data/m.txt"):
+            fns["write"].remote("m.txt", "x", keep_mapped=True)
 
 
 def test_concurrent_writers_last_commit_wins_per_file(emu):

@@ -115,23 +115,23 @@ def update_log(shared, store, updates=(), snapshot_every=0):
 
 
 def call_worker(emu, shared, variant, tasks, seed, log, write_snapshot=False):
-    """One `GPUWorker.sample` call as `ModalPolicy` makes it (its new updates uploaded first, the ES state as
+    """One `sample` call as `ModalPolicy` makes it (its new updates uploaded first, the ES state as
     `UpdateLog.head()`). Returns the completions, the call's output and the container that ran it."""
     cfg = build(BASE)
     log.flush()
-    out = shared.worker.sample.remote(workers.variant_to_wire(variant), 0, len(tasks), write_snapshot,
+    out = shared.worker.remote(workers.variant_to_wire(variant), 0, len(tasks), write_snapshot,
                                       config=workers.engine_config(cfg), tasks=workers.tasks_to_wire(tasks),
                                       seed=seed, spec=workers.spec_to_wire(_spec(cfg)), es=log.head())
-    container = [row["container"] for row in emu.log if row["function"] == "GPUWorker"][-1]
+    container = [row["container"] for row in emu.log if row["function"] == "sample"][-1]
     return [workers.completion_from_wire(c) for c in out["completions"]], out, container
 
 
 def cold(emu):
     """Every GPU worker container is lost (a crash, a lost host): the next call starts a cold one."""
-    for cid in emu.running("GPUWorker"):
+    for cid in emu.running("sample"):
         emu.kill(cid)
     deadline = time.monotonic() + 60
-    while emu.running("GPUWorker"):
+    while emu.running("sample"):
         assert time.monotonic() < deadline, "the killed containers did not go"
         time.sleep(0.05)
 
@@ -144,8 +144,8 @@ def test_es_run_on_emulated_modal_matches_the_local_runtime(module_emu, referenc
     cfg = modal_cfg(tmp_path, "modal")
     before = len(module_emu.log)
     Trainer(cfg, runtime=make_runtime(cfg)).run()
-    inputs = [row for row in module_emu.log[before:] if row["function"] == "GPUWorker"]
-    assert len({row["call"] for row in inputs}) == 2 and len(inputs) >= 8  # a .map() of 4 members per iteration
+    inputs = [row for row in module_emu.log[before:] if row["function"] == "sample"]
+    assert len({row["call"] for row in inputs}) == 8 and len(inputs) >= 8  # a call per member, 4 per iteration
     local, remote = reference.dir, tmp_path / "modal"
     h_local, h_remote = reference.history, ESHistory.read(remote / "es_history.json")
     assert h_local.iterations == h_remote.iterations
@@ -204,7 +204,7 @@ def test_a_detached_run_resumes_from_the_volume_and_continues_the_history_exactl
 
 
 def test_worker_sample_equals_the_local_host_for_each_member(module_emu, shared, reference):
-    """GPUWorker.sample, in its containers (a `.map()` of three members: random containers, pickled
+    """the `sample` function, in its containers (a `.map()` of three members: random containers, pickled
     arguments, the updates from the Volume), gives each member's completions exactly as the local host
     does after `ES.load`."""
     cfg = build(BASE)
@@ -217,7 +217,7 @@ def test_worker_sample_equals_the_local_host_for_each_member(module_emu, shared,
                for i, (seed, sign) in enumerate([(11, 1), (12, 1), (11, -1)])]
     log = update_log(shared, "runs/members/es", reference.updates)
     log.flush()
-    outs = list(shared.worker.sample.map(
+    outs = list(shared.worker.map(
         [workers.variant_to_wire(v) for v in members], [0] * 3, [len(tasks)] * 3,
         kwargs={"config": workers.engine_config(cfg), "tasks": workers.tasks_to_wire(tasks), "seed": 5,
                 "spec": workers.spec_to_wire(_spec(cfg)), "es": log.head()}))
@@ -282,6 +282,8 @@ def test_a_history_that_does_not_extend_the_warm_one_starts_over(module_emu, sha
 def test_es_members_are_one_call_each_and_stream_as_they_finish(module_emu, shared, tmp_path):
     """One sample() of the Modal policy makes one worker call per member; each member's completions arrive
     as its own batch, tagged with the member's index, in the order the containers finished them."""
+    import cloudpickle
+
     from vrl.types import Result, Verdict
 
     cfg = modal_cfg(tmp_path, "stream")
@@ -289,18 +291,30 @@ def test_es_members_are_one_call_each_and_stream_as_they_finish(module_emu, shar
     es = ES(cfg.es, seed=cfg.seed, base={"model": "tiny", "revision": None})
     es.setup(policy)
     tasks = LettersEnvironment().tasks("train")[:2]
-    for iteration in range(2):
-        variants = es.ask()
-        batches = list(policy.sample(tasks, variants, seed=iteration))
-        call = [row["call"] for row in module_emu.log if row["function"] == "GPUWorker"][-1]
-        finished = module_emu.calls[call].finished  # the inputs (one per member) as their containers finished
-        assert [{c.variant for c in b} for b in batches] == [{variants[i].index} for i in finished]
-        assert sorted(finished) == list(range(len(variants))) and all(len(b) == 2 for b in batches)
-        assert policy.calls == (iteration + 1) * len(variants)
-        es.tell([Result(task=tasks[i % 2], completion=c, verdict=Verdict.ok(), reward=float(c.variant))
-                 for b in batches for i, c in enumerate(b)])
-    assert len(policy.updates) == 2 and all(policy.updates)
-    policy.close()
+    finished: list[int] = []  # members, as their containers finished them
+
+    def member_done(function, input, **_):  # noqa: A002 - the emulator's keyword
+        if function == "sample" and input.ok:
+            finished.append(cloudpickle.loads(input.blob)[0][0]["index"])
+
+    module_emu.on("input_finished", member_done)
+    try:
+        for iteration in range(2):
+            finished.clear()
+            variants = es.ask()
+            batches = list(policy.sample(tasks, variants, seed=iteration))
+            # One batch per member call, each one member's; the order they stream in is the calls' finishing
+            # order (ModalCaller's unit test pins that; two containers may finish too close to order here).
+            assert sorted(next(iter({c.variant for c in b})) for b in batches) == sorted(finished)
+            assert all(len({c.variant for c in b}) == 1 and len(b) == 2 for b in batches)
+            assert sorted(finished) == list(range(len(variants)))
+            assert policy.calls == (iteration + 1) * len(variants)
+            es.tell([Result(task=tasks[i % 2], completion=c, verdict=Verdict.ok(), reward=float(c.variant))
+                     for b in batches for i, c in enumerate(b)])
+        assert len(policy.updates) == 2 and all(policy.updates)
+        policy.close()
+    finally:
+        module_emu.hooks["input_finished"].remove(member_done)
 
 
 def test_low_rank_members_share_a_worker_call_and_sample_what_one_per_call_does(module_emu, shared, tmp_path):

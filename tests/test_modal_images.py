@@ -110,3 +110,23 @@ def test_a_python_tests_sandbox_gets_bubblewrap_a_plugin_image_does_not():
     assert default.distributions == ("vrl-core", "vrl-python-tests")
     kimina = images.verifier_recipe(plugins["lean"], base="projectnumina/kimina-lean-server:2.0.0")
     assert kimina.apt == ()
+
+
+def test_every_torch_is_the_pinned_one_and_no_image_asks_for_hf_transfer():
+    """Issue 40 item 7: the CPU images pinned no torch (each build could take another), and hf_transfer
+    was installed for a switch huggingface_hub 2.x ignores."""
+    from vrl.runtime.modal.images import TORCH, gpu_recipe, orchestrator_recipe, verifier_recipe
+
+    for recipe in (gpu_recipe(), orchestrator_recipe(), orchestrator_recipe(gpu=True), verifier_recipe(None)):
+        assert TORCH in recipe.pip, recipe.role
+        assert "hf_transfer" not in recipe.pip and "HF_HUB_ENABLE_HF_TRANSFER" not in recipe.env
+
+
+def test_a_client_older_than_python_3_11_is_refused_in_one_line():
+    """Issue 40 item 7: the images take the client's Python, and Modal's newest image builder has no 3.10."""
+    from vrl.errors import UsageError
+    from vrl.runtime.modal.images import ImageRecipe
+
+    with pytest.raises(UsageError, match=r"Python \(3.10\).*3.11 or newer"):
+        ImageRecipe("gpu", python="3.10").build()
+    assert ImageRecipe("gpu", python="3.11").build() is not None

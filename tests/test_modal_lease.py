@@ -160,6 +160,12 @@ def test_status_shows_a_run_no_call_owns_that_recorded_no_ending_as_stopped(monk
         def alive(self, call):
             return self._alive
 
+        def outcome(self, call):
+            return ("running" if self._alive else "finished"), None
+
+        def launch(self):
+            return None
+
     def read(volume, path):  # what `read_volume_file` does: bytes, or FileNotFoundError
         if path not in files:
             raise FileNotFoundError(path)
@@ -170,3 +176,33 @@ def test_status_shows_a_run_no_call_owns_that_recorded_no_ending_as_stopped(monk
         files["runs/r/summary.json"] = {"status": recorded}
         info = launch.run_status("r", read=read, lease=Lease(alive))
         assert (info["status"], info["running"], info["iterations_completed"]) == (shown, alive, 1)
+
+
+def test_status_of_a_run_that_failed_before_its_run_directory_shows_the_error(monkeypatch):
+    """Issue 40 item 3: the launch record outlives a removed run directory. What the orchestrator recorded
+    at its end is shown; when it recorded nothing (Modal failed the call before any vrl code ran, e.g. an
+    argument that does not deserialize), the call's own exception; a run never launched is one line."""
+    from vrl.errors import RunDirError
+    from vrl.runtime.modal import launch
+
+    monkeypatch.setattr(launch, "require_credentials", lambda: None)
+
+    def read(volume, path):
+        raise FileNotFoundError(path)  # no run directory on the Volume
+
+    remote = "DeserializationError: Encountered an error when deserializing an object in the remote environment"
+    store = Store()
+    lease = RunLease("vrl", "r", store=store, alive=lambda call: False, outcome=lambda call: ("failed", remote))
+    with pytest.raises(RunDirError, match="no detached run 'r'"):
+        launch.run_status("r", read=read, lease=lease)
+    lease.record_launch("fc-1", "ap-1")
+    info = launch.run_status("r", read=read, lease=lease)
+    assert (info["status"], info["error"], info["call"], info["app"]) == ("failed", remote, "fc-1", "ap-1")
+    lease.record_end("OSError: no-such-org/no-such-model is not a local folder")
+    info = launch.run_status("r", read=read, lease=lease)
+    assert (info["status"], info["error"]) == ("failed", "OSError: no-such-org/no-such-model is not a local folder")
+    running = RunLease("vrl", "r", store=store, alive=lambda call: True, outcome=lambda call: ("running", None))
+    running.record_launch("fc-2", "ap-2")  # the record of a call still running is kept by a start beside it
+    assert running.launch()["call"] == "fc-2"  # (fc-1 has ended: replaced)
+    running.record_launch("fc-3", "ap-3")
+    assert running.launch()["call"] == "fc-2"

@@ -501,12 +501,13 @@ def modal() -> None:
 @click.option("--secret", "secrets", multiple=True, help="Modal Secret name to mount, e.g. huggingface (repeatable).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="runtime.modal.* overrides, e.g. runtime.modal.volume=vrl2.")
-def prepare(model, revision, secrets, overrides) -> None:
+@click.option("--quiet", "-q", is_flag=True, help="Hide Modal's image build and container output.")
+def prepare(model, revision, secrets, overrides, quiet) -> None:
     """Download base weights and tokenizer onto the Modal Volume once; workers load them from there."""
     from vrl.runtime.modal.launch import prepare as run_prepare
 
     with _checking_input():
-        cfg = _resolve_config(None, {"model": model, "runtime.kind": "modal",
+        cfg = _resolve_config(None, {"model": model, "runtime.kind": "modal", "runtime.modal.output": not quiet,
                                      "runtime.modal.secrets": list(secrets) or None}, overrides, ())
     with _checking_input():  # Modal's own refusals (no token, no such model) are the user's to fix
         info = run_prepare(cfg, model, revision)
@@ -518,12 +519,13 @@ def prepare(model, revision, secrets, overrides) -> None:
 @click.argument("name")
 @click.option("--iterations", "-n", type=int, help="Train up to this many iterations (default: the recorded number).")
 @click.option("--volume", default="vrl", show_default=True, help="The Modal Volume the run lives on.")
-def modal_resume(name, iterations, volume) -> None:
+@click.option("--quiet", "-q", is_flag=True, help="Hide Modal's image build and container output.")
+def modal_resume(name, iterations, volume, quiet) -> None:
     """Continue a detached run on Modal from its run directory on the Volume (runs/NAME)."""
     from vrl.runtime.modal.launch import resume_detached
 
     with _checking_input():  # no account, no such run: the user's to fix
-        call, cfg = resume_detached(name, volume=volume, iterations=iterations)
+        call, cfg = resume_detached(name, volume=volume, iterations=iterations, output=not quiet)
     console.print(f"detached run {name!r} resumed on Modal up to iteration {cfg.iterations} (call {call}); "
                   f"its run directory is runs/{name} on the Volume {volume!r}")
 
@@ -572,6 +574,30 @@ def modal_stop(name, volume) -> None:
         call = stop_run(name, volume)
     console.print(f"stopped {name!r} (call {call}); continue it with `vrl modal resume {name}`" if call
                   else f"{name!r} is not running; nothing to stop")
+
+
+@modal.command(name="doctor")
+@click.option("--plugin", "-p", help="The plugin whose verifier sandbox to start (default: the run's, countdown).")
+@click.option("--model", "-m", help="The model a run would use (its name goes into the probe's config).")
+@click.option("--config", "config_file", type=click.Path(path_type=Path), help="YAML or TOML file with TrainConfig fields.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Overrides, e.g. runtime.modal.gpu=A100-80GB (check the settings the run will use).")
+@click.option("--quiet", "-q", is_flag=True, help="Hide Modal's image build and container output.")
+def modal_doctor(plugin, model, config_file, overrides, quiet) -> None:
+    """Check a Modal account before a long run, for cents: images, GPU, Volume, handles, a verifier sandbox."""
+    from vrl.runtime.modal.doctor import run as run_doctor
+
+    with _checking_input():
+        cfg = _resolve_config(config_file, {"plugin": plugin, "model": model, "runtime.kind": "modal",
+                                            "runtime.modal.output": not quiet}, overrides, ())
+    with _checking_input():
+        checks = run_doctor(cfg, say=lambda line: console.print(escape(line), soft_wrap=True, highlight=False))
+    failed = [c for c in checks if not c.ok]
+    total = sum(c.cents for c in checks)
+    console.print(f"{len(checks) - len(failed)}/{len(checks)} checks passed in {sum(c.seconds for c in checks):.0f} s, "
+                  f"{total:.1f} ¢ at list prices")
+    if failed:
+        sys.exit(1)
 
 
 @click.command()

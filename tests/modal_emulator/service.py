@@ -12,7 +12,9 @@ Containers (modal.com/docs/guide/lifecycle-functions, /guide/scale, modal/_runti
   containers to keep running", modal/app.py);
 - a function is sent as the client pickled it (`serialized=True`: cloudpickle, modal/_serialization.py);
   a client Python other than the image's fails to deserialize (DeserializationError, Modal's message);
-  arguments and results cross as pickles: an unpicklable one fails as it does on Modal.
+  arguments and results cross as pickles: an unpicklable one fails as it does on Modal; one that holds a
+  Modal handle goes through modal's own serializer (fake/modal/_real.py): an unhydrated handle is refused,
+  a class handle or `Obj` fails to deserialize in the receiver (modal 1.6.4 drops a Cls's metadata).
 
 Calls (modal/_functions.py, modal/parallel_map.py, modal.com/docs/guide/retries, /guide/preemption)
 - `.map()` inputs go to containers in random order; `order_outputs=False` yields in completion order;
@@ -25,7 +27,12 @@ Calls (modal/_functions.py, modal/parallel_map.py, modal.com/docs/guide/retries,
   `nonpreemptible=True` functions are never preempted (and a GPU function cannot be nonpreemptible);
 - an app that is not running has no callable functions (ExecutionError); `app.run()` ends by stopping
   the app's containers unless `detach=True` (then its calls go on); `app.run()` fails on a named Secret
-  that does not exist (the tests create them: `service.secrets[name] = {...}`).
+  that does not exist (the tests create them: `service.secrets[name] = {...}`);
+- `App.lookup("ap-...")` finds any app by id, and `App.stop()` "terminates all of its running containers
+  ... and prevents new inputs from being processed" (modal/app.py): pending inputs fail, containers get
+  SIGINT then a kill after the grace period (its sandboxes are not tracked: the pool ends its own);
+- a `.map()` whose consumer stops early leaves its other inputs running (modal/parallel_map.py cancels
+  only its own client tasks): only `FunctionCall.cancel()` stops an input.
 
 Volumes (modal/volume.py `_Volume`, modal.com/docs/guide/volumes)
 - a container mounts the Volume's committed state at start; it sees another's writes only after that
@@ -33,7 +40,8 @@ Volumes (modal/volume.py `_Volume`, modal.com/docs/guide/volumes)
 - `commit()` and `reload()` work only in a container that mounts the Volume: elsewhere RuntimeError
   ("commit() can only be called on a mounted volume inside a container", Modal's message);
 - `commit()` reloads after committing and `reload()` is refused while a file of the Volume is open in
-  the container (RuntimeError "there are open files preventing the operation");
+  the container, by a descriptor or a memory mapping (RuntimeError "there are open files preventing the
+  operation");
 - concurrent writers: per file, the last commit wins (a commit carries the files its container changed);
 - a container that ends gracefully commits its changes (user_code_imports.py step 8); a killed one does not.
   Periodic background commits are not emulated (writes become visible no earlier than that).
@@ -328,8 +336,20 @@ class Service:
             self.apps[app_id]["running"] = True
 
     def op_app_exit(self, app_id: str, detach: bool) -> None:
-        if detach:
-            return
+        if not detach:
+            self.op_app_stop(app_id)
+
+    def op_app_lookup(self, app_id: str) -> str:
+        from modal.exception import NotFoundError
+
+        with self.cond:
+            if app_id not in self.apps:
+                raise NotFoundError(f"App '{app_id}' not found")
+        return app_id
+
+    def op_app_stop(self, app_id: str) -> None:
+        """Stop an app: its pending inputs fail, its containers stop (SIGINT, then a kill after the grace
+        period), and it takes no new calls."""
         from modal.exception import RemoteError
 
         with self.cond:
@@ -338,10 +358,21 @@ class Service:
                 if pool.fn["app"] != app_id:
                     continue
                 for inp in list(pool.pending):
+                    pool.pending.remove(inp)
                     self._finish(inp, False, _pickle(RemoteError("the app was stopped")))
                 for c in pool.containers:
                     self._interrupt(c)
             self.cond.notify_all()
+
+    def app_running(self, app_id: str) -> bool:
+        """Whether the app takes calls (tests)."""
+        with self.cond:
+            return self.apps[app_id]["running"]
+
+    def live_containers(self) -> list[str]:
+        """Every container alive now, of any app (tests: what is still billed)."""
+        with self.cond:
+            return [c.cid for c in self.containers.values() if not c.gone]
 
     # -- calls --------------------------------------------------------------------------------------
     def op_call_start(self, fid: str, method: str | None, params: bytes | None, blobs: list[bytes]) -> str:

@@ -92,6 +92,10 @@ class ESConfig(BaseModel):
     rank: int = Field(
         8, ge=1, le=MAX_RANK, description="Rank r of each member's perturbation A·Bᵀ (with noise=lowrank)."
     )
+    max_lost_share: float = Field(
+        0.1, ge=0, lt=1, description="Members that came back with no result (their remote call failed after its "
+        "retries) are dropped, with their antithetic partner, and the step is the one of the members that "
+        "answered; more than this share of N lost fails the iteration.")
 
     @model_validator(mode="after")
     def _check(self) -> ESConfig:
@@ -121,10 +125,12 @@ class BaseModelRef(BaseModel):
 
 
 class IterationRecord(BaseModel):
-    """One iteration: member i used seed `seed + i` (antithetic: `seed + i//2`, sign (−1)**i) and weight z[i]."""
+    """One iteration: member i used seed `seed + i` (antithetic: `seed + i//2`, sign (−1)**i) and weight z[i];
+    `lost`: members dropped for want of a result (the step is over the others, as if N were smaller)."""
 
     seed: int
     z: list[float]
+    lost: list[int] = Field(default_factory=list)
 
 
 class ESHistory(BaseModel):
@@ -151,7 +157,8 @@ class ESHistory(BaseModel):
     def to_json(self) -> str:
         """Compact JSON with one iteration per line (diff-friendly, ~250 bytes per line)."""
         head = self.model_dump(mode="json", exclude={"iterations"})
-        lines = [json.dumps(r.model_dump(mode="json"), separators=(",", ":")) for r in self.iterations]
+        lines = [json.dumps(r.model_dump(mode="json", exclude_defaults=True), separators=(",", ":"))
+                 for r in self.iterations]
         body = ",\n  ".join(lines)
         return json.dumps(head, indent=1)[:-2] + ',\n "iterations": [\n  ' + body + "\n ]\n}\n"
 
@@ -171,7 +178,8 @@ class ESHistory(BaseModel):
 
     def digest(self, iterations: int) -> str:
         """Fingerprint of the first `iterations` records (ties a snapshot to the history it came from)."""
-        data = json.dumps([r.model_dump(mode="json") for r in self.iterations[:iterations]], separators=(",", ":"))
+        data = json.dumps([r.model_dump(mode="json", exclude_defaults=True) for r in self.iterations[:iterations]],
+                          separators=(",", ":"))
         return hashlib.sha256(data.encode()).hexdigest()
 
 
@@ -182,10 +190,18 @@ def member_seeds(record: IterationRecord, antithetic: bool) -> list[tuple[int, i
     return [(record.seed + i, 1) for i in range(len(record.z))]
 
 
+def kept_members(record: IterationRecord, antithetic: bool) -> tuple[list[tuple[int, int]], list[float]]:
+    """(seed, sign) and z of the members an iteration's step is made of (all but the `lost` ones)."""
+    lost = set(record.lost)
+    members = member_seeds(record, antithetic)
+    kept = [i for i in range(len(record.z)) if i not in lost]
+    return [members[i] for i in kept], [record.z[i] for i in kept]
+
+
 def update_terms(record: IterationRecord, antithetic: bool, alpha: float) -> FullRankUpdate:
     """The full-rank update Σᵢ (α/N)·zᵢ·signᵢ·ε(seedᵢ) of one iteration: (seed, coefficient of the
-    integer noise) terms, one per seed (`FullRankUpdate.from_members`)."""
-    return FullRankUpdate.from_members(member_seeds(record, antithetic), record.z, alpha)
+    integer noise) terms, one per seed (`FullRankUpdate.from_members`); N counts the members kept."""
+    return FullRankUpdate.from_members(*kept_members(record, antithetic), alpha)
 
 
 # -- reward normalisation ---------------------------------------------------------------------------
@@ -234,8 +250,7 @@ def iteration_update(history: ESHistory, record: IterationRecord) -> Update:
     if history.perturbation == "lowrank":
         if history.rank is None:
             raise ValueError("a low-rank ES history needs its rank")
-        members = member_seeds(record, history.antithetic)
-        return LowRankUpdate.from_members(members, record.z, history.alpha, history.rank)
+        return LowRankUpdate.from_members(*kept_members(record, history.antithetic), history.alpha, history.rank)
     return update_terms(record, history.antithetic, history.alpha)
 
 
@@ -382,26 +397,39 @@ class ES(Optimizer):
             if not 0 <= r.completion.variant < n:
                 raise ValueError(f"result for variant {r.completion.variant}, but this iteration has members 0..{n - 1}")
             by_member[r.completion.variant].append(r)
-        missing = [i for i, rs in enumerate(by_member) if not rs]
-        if missing:
-            raise ValueError(f"ES members {missing} have no results; every member needs at least one rewarded completion")
-        rewards = [sum(r.reward for r in rs) / len(rs) for rs in by_member]
+        lost = self._lost([i for i, rs in enumerate(by_member) if not rs], n)
+        kept = [rs for i, rs in enumerate(by_member) if i not in lost]
+        rewards = [sum(r.reward for r in rs) / len(rs) for rs in kept]
         per_task = None
         if self.config.normalization == "group":
             task_ids = sorted({r.task.id for r in results})
-            per_task = [_task_means(rs, task_ids) for rs in by_member]
-        z = [round(v, Z_DECIMALS) + 0.0 for v in normalize(rewards, self.config.normalization, per_task)]
-        record = IterationRecord(seed=self._variants[0].seed, z=z)
+            per_task = [_task_means(rs, task_ids) for rs in kept]
+        weights = iter(normalize(rewards, self.config.normalization, per_task))
+        z = [0.0 if i in lost else round(next(weights), Z_DECIMALS) + 0.0 for i in range(n)]
+        record = IterationRecord(seed=self._variants[0].seed, z=z, lost=sorted(lost))
         host.update(iteration_update(history, record))
         history.iterations.append(record)
         self._variants = None
-        mean = sum(rewards) / n
+        mean = sum(rewards) / len(rewards)
         return {
             "es/member_reward_mean": mean,
-            "es/member_reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n),
+            "es/member_reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
             "es/member_reward_max": max(rewards),
             "es/member_reward_min": min(rewards),
+            "es/lost_members": float(len(lost)),
         }
+
+    def _lost(self, missing: list[int], n: int) -> set[int]:
+        """The members to drop: those with no result and, antithetic, their partners (one side of a pair
+        alone would bias the step). Refused above `max_lost_share` of N, or when fewer than two remain."""
+        lost = set(missing)
+        if self.config.antithetic:
+            lost |= {i ^ 1 for i in missing}  # pairs are (0, 1), (2, 3), ...: they share a seed
+        if lost and (len(lost) > self.config.max_lost_share * n or n - len(lost) < 2):
+            raise ValueError(f"ES members {missing} have no results (their generation failed): {len(lost)} of {n} "
+                             f"members lost is more than es.max_lost_share={self.config.max_lost_share}; raise it, or "
+                             "fix what failed and resume")
+        return lost
 
     # -- persistence ----------------------------------------------------------------------------------
     def save(self, run_dir: Path, final: bool = False) -> None:

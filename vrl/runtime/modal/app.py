@@ -4,16 +4,16 @@ Built from the run's `runtime.modal` section (`ModalConfig`: GPU type, timeouts,
 functions are declared when the app is built, with `serialized=True`). Each role sits next to its
 image, in the spirit of modal-labs' examples::
 
-    GPUWorker          gpu image, gpu=runtime.modal.gpu, Volume at /vrl, no secrets
-      .sample          one variant on a shard of tasks, on the host the local runtime would build
+    sample             gpu image, gpu=runtime.modal.gpu, Volume at /vrl, no secrets:
+                       one variant on a shard of tasks, on the host the local runtime would build
                        (vllm or hf): an ES member (seed + the run's updates, replayed warm) or the
                        current weights (GRPO, eval; trained weights from the Volume) -> completions
-    prepare_model      gpu image, CPU only, Volume, secrets: base weights + tokenizer onto the Volume
+    prepare_model      orchestrator image, CPU only, Volume, secrets: base weights + tokenizer onto the Volume
     orchestrate        orchestrator image (+ optional GPU for GRPO), Volume, secrets: the detached loop
+    stop_app           orchestrator image, a quarter core: stops a detached run's app after its last call
     verifier sandboxes verifier image per plugin, block_network, no secrets (created by the runtime)
 """
 
-# No `from __future__ import annotations`: Modal reads the class parameter annotation at runtime.
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,9 @@ def orchestrator_options(runtime: Any) -> dict[str, Any]:
     optional GPU (GRPO's learner), no retries, and not preemptible where Modal allows it (a CPU function;
     a GPU one is restarted on the same input and resumes its run: detached.py)."""
     return {"gpu": runtime.orchestrator_gpu, "timeout": runtime.orchestrator_timeout_s, "retries": 0, "cpu": 2.0,
-            "nonpreemptible": not runtime.orchestrator_gpu}
+            "nonpreemptible": not runtime.orchestrator_gpu,
+            # a GPU orchestrator trains (GRPO's learner): the workers' memory, not Modal's small default
+            **({"memory": runtime.memory_mb} if runtime.orchestrator_gpu else {})}
 
 
 @dataclass
@@ -55,14 +57,11 @@ class ModalApp:
     images: dict[str, Any]
     volume: Any
     secrets: list[Any]
-    GPUWorker: Any
+    sample: Any
     prepare_model: Any
     orchestrate: Any
+    stop_app: Any
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def worker(self, root: str = workers.VOLUME_ROOT) -> Any:
-        """A handle on the GPU worker class (`root`: where its Volume is mounted)."""
-        return self.GPUWorker(root=root)
 
 
 def build_app(config: Any) -> ModalApp:
@@ -83,27 +82,24 @@ def build_app(config: Any) -> ModalApp:
     opts = {"gpu": gpu_options(rt), "orchestrator": orchestrator_options(rt)}
 
     # The Hub switches are read when huggingface_hub is imported, so they are set for the container.
-    @app.cls(image=images["gpu"], volumes={root: volume}, env=workers.volume_env(root), serialized=True, **opts["gpu"])
-    class GPUWorker:
+    # A plain function, not a class: its handle crosses call boundaries (the detached orchestrator gets it as
+    # an argument), and modal 1.6.4's serializer drops a class handle's metadata, so an `Obj` argument fails
+    # to deserialize in the container. The warm state lives in the module (`workers._WARM`), one per container.
+    @app.function(image=images["gpu"], volumes={root: volume}, env=workers.volume_env(root), serialized=True,
+                  name="sample", **opts["gpu"])
+    def sample(variant: dict | list, start: int, stop: int, write_snapshot: bool = False, *, config: dict,
+               tasks: list, seed: int | None, spec: dict | None = None, es: dict | None = None,
+               weights: str | None = None, probe: bool = False) -> dict:
         """Generation on one GPU; warm across calls (base weights, replayed ES state, loaded shards)."""
-
-        root: str = modal.parameter(default=workers.VOLUME_ROOT)
-
-        @modal.enter()
-        def load(self) -> None:
-            workers.warm_up()
-
-        @modal.method()
-        def sample(self, variant: dict | list, start: int, stop: int, write_snapshot: bool = False, *, config: dict,
-                   tasks: list, seed: int | None, spec: dict | None = None, es: dict | None = None,
-                   weights: str | None = None) -> dict:
-            if weights:
-                # New GRPO weights were committed after this container mounted the Volume.
-                _reload(self.root)
-            # ES: a worker that is behind reloads to see the newest updates; a θ snapshot it writes is committed.
-            return workers.sample_call(variant, start, stop, write_snapshot, config=config, tasks=tasks, seed=seed,
-                                       spec=spec, es=es, weights=weights, root=self.root,
-                                       reload=lambda: _reload(self.root), commit=lambda: _commit(self.root))
+        if probe:  # `vrl modal doctor`: what this image holds, and whether CUDA sees the GPU
+            return workers.environment_report(gpu=True)
+        if weights:
+            # New GRPO weights were committed after this container mounted the Volume.
+            _reload(root)
+        # ES: a worker that is behind reloads to see the newest updates; a θ snapshot it writes is committed.
+        return workers.sample_call(variant, start, stop, write_snapshot, config=config, tasks=tasks, seed=seed,
+                                   spec=spec, es=es, weights=weights, root=root,
+                                   reload=lambda: _reload(root), commit=lambda: _commit(root))
 
     volume_name = rt.volume
 
@@ -115,7 +111,8 @@ def build_app(config: Any) -> ModalApp:
         if mount == workers.VOLUME_ROOT:
             modal.Volume.from_name(volume_name).commit()
 
-    @app.function(image=images["gpu"], volumes={root: volume}, secrets=secrets, timeout=PREPARE_TIMEOUT_S,
+    # The CPU image: downloading and checking the tokenizer needs no vllm (nor the GPU image's build).
+    @app.function(image=images["orchestrator"], volumes={root: volume}, secrets=secrets, timeout=PREPARE_TIMEOUT_S,
                   cpu=2.0, memory=8192, serialized=True, name="prepare_model")
     def prepare_model(model: str, revision: str | None = None, mount: str = workers.VOLUME_ROOT) -> dict:
         info = workers.prepare_model(model, revision, mount)
@@ -127,12 +124,28 @@ def build_app(config: Any) -> ModalApp:
                   env=workers.volume_env(root, offline=False),  # datasets may still come from the Hub
                   name="orchestrate", **opts["orchestrator"])
     def orchestrate(config_data: dict, resume: bool = False, worker: Any = None, orchestrator: Any = None,
-                    predecessor: str | None = None) -> dict:
-        # `orchestrator`: this function's own handle (passed in: a closure cannot hold it before the app
-        # runs), so the loop can continue itself in a new call before the timeout.
+                    predecessor: str | None = None, app_id: str | None = None, stopper: Any = None,
+                    probe: str | None = None) -> dict:
+        # `worker` (the `sample` function), `orchestrator` (this function) and `stopper` (`stop_app`): Function
+        # handles, passed in because a closure cannot hold them before the app runs; the loop continues
+        # itself in a new call, and the last call has the app (`app_id`) stopped once it has returned.
+        if probe is not None:  # `vrl modal doctor`: the arguments arrived; the Volume and the worker answer
+            return workers.in_orchestrator(root, probe, worker, reload=lambda: _reload(root),
+                                           commit=lambda: _commit(root))
         from vrl.runtime.modal.detached import run_on_modal
 
         return run_on_modal(config_data, root, worker, resume=resume, volume=volume_name, orchestrator=orchestrator,
-                            predecessor=predecessor, timeout_s=opts["orchestrator"]["timeout"])
+                            predecessor=predecessor, timeout_s=opts["orchestrator"]["timeout"], app_id=app_id,
+                            stopper=stopper)
 
-    return ModalApp(app, recipes, images, volume, secrets, GPUWorker, prepare_model, orchestrate, opts)
+    @app.function(image=images["orchestrator"], serialized=True, name="stop_app", cpu=0.25, timeout=900, retries=0)
+    def stop_app(app_id: str, call_id: str) -> None:
+        """Stop the detached run's app once its last call has returned (its result stays readable), so no
+        GPU container idles, billed, through its scale-down window after the run."""
+        import contextlib
+
+        with contextlib.suppress(Exception):  # finished, failed or cancelled: the run is over either way
+            modal.FunctionCall.from_id(call_id).get(timeout=600)
+        modal.App.lookup(app_id).stop()
+
+    return ModalApp(app, recipes, images, volume, secrets, sample, prepare_model, orchestrate, stop_app, opts)

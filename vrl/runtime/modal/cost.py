@@ -6,6 +6,8 @@ is a small event simulation, so it shows both the sequential loop (verify after 
 in the AE Studio case study) and the overlapped one (verify each member as it returns).
 
     python -m vrl.runtime.modal.cost            # the case study, then the same iteration with a pool
+    python -m vrl.runtime.modal.cost runs/NAME/metrics.jsonl --batch-size 64 --members 30 --cap 10
+                                                # batch_s measured by a run; the pool that keeps pace under $10
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import asdict, dataclass, replace
 H100_PER_S = 3.95 / 3600
 CPU_CORE_PER_S = 0.0473 / 3600
 MEMORY_GIB_PER_S = 0.008 / 3600
+# Sandboxes: CPU at about 3x a Function's core price, billed on max(request, use) (modal.com/pricing).
+SANDBOX_CPU_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
@@ -34,9 +38,13 @@ class Iteration:
     batch_size: int = 64  # attempts per verifier call (verifier.batch_size)
     batch_s: float = 6.5  # wall time of one batch in one sandbox
     sandboxes: int = 1  # verifier calls in flight (pool size)
-    sandbox_cores: float = 2.0
-    sandbox_memory_gib: float = 8.0
+    sandbox_cores: float = 2.0  # runtime.modal.sandbox_cpu (billed as requested: max(request, use))
+    sandbox_memory_gib: float = 32.0  # a Lean sandbox: 8 GiB per REPL x 4 REPLs (plugins/lean)
+    sandbox_cpu_factor: float = SANDBOX_CPU_FACTOR
     gpu_price_per_s: float = H100_PER_S
+    gpu_cores: float = 4.0  # runtime.modal.cpu: reserved (and billed) with every GPU container
+    gpu_memory_gib: float = 64.0  # runtime.modal.memory_mb / 1024, likewise
+    orchestrator_cores: float = 2.0  # the detached orchestrator, for the whole loop
     scaledown_s: float = 1200.0  # runtime.modal.scaledown_window_s (its default): idle GPU containers stay warm (and billed) this long
 
     @property
@@ -76,11 +84,13 @@ def simulate(it: Iteration) -> dict[str, float]:
     cpu_core_s = verify_busy_s * it.sandbox_cores
 
     def cost(loop: float) -> float:
-        # Warm GPU containers wait for the next iteration while the verifier finishes (up to scaledown_s);
-        # the sandbox pool is up for the whole loop.
+        # Warm GPU containers wait for the next iteration while the verifier finishes (up to scaledown_s),
+        # with the CPU and memory they reserve; the sandbox pool and the orchestrator are up for the loop.
         idle_gpu_s = min(it.gpus, it.members) * min(it.scaledown_s, loop - generation_s)
-        sandbox = it.sandboxes * loop * (it.sandbox_cores * CPU_CORE_PER_S + it.sandbox_memory_gib * MEMORY_GIB_PER_S)
-        return (gpu_s + idle_gpu_s) * it.gpu_price_per_s + sandbox
+        gpu_rate = it.gpu_price_per_s + it.gpu_cores * CPU_CORE_PER_S + it.gpu_memory_gib * MEMORY_GIB_PER_S
+        sandbox = it.sandboxes * loop * (it.sandbox_cores * it.sandbox_cpu_factor * CPU_CORE_PER_S
+                                         + it.sandbox_memory_gib * MEMORY_GIB_PER_S)
+        return (gpu_s + idle_gpu_s) * gpu_rate + sandbox + loop * it.orchestrator_cores * CPU_CORE_PER_S
 
     return {
         "attempts": it.attempts,
@@ -95,6 +105,41 @@ def simulate(it: Iteration) -> dict[str, float]:
         "cost_sequential_usd": cost(sequential),
         "cost_overlapped_usd": cost(overlapped),
     }
+
+
+def batch_s_measured(rows: list[dict], batch_size: int, members: int) -> float:
+    """Seconds one sandbox spends on one batch, from a run's metrics.jsonl rows: each iteration's
+    verification busy time (summed over concurrent batches) over its batches (`members` calls, each split
+    into batches of `batch_size`); the median over iterations (the first includes sandbox start-up)."""
+    per_iteration = []
+    for row in rows:
+        completions, busy = int(row.get("completions", 0)), float(row.get("verification_s", 0.0))
+        if completions and busy > 0:
+            batches = members * math.ceil(completions / members / batch_size)
+            per_iteration.append(busy / batches)
+    if not per_iteration:
+        raise ValueError("no iteration in these metrics judged anything (verification_s and completions)")
+    ordered = sorted(per_iteration)
+    return ordered[len(ordered) // 2]
+
+
+def pool_for(it: Iteration, cap_usd: float | None = None, largest: int = 128) -> tuple[int, dict[str, float], bool]:
+    """The verifier pool to ask for: the smallest with which verification keeps pace with generation (the
+    overlapped loop ends within one batch of generation); with `cap_usd` (per iteration) and that pool
+    over it, the fastest pool under the cap (or the cheapest, if none is). Returns the size, its
+    `simulate` row, and whether it keeps pace."""
+    rows = {size: simulate(replace(it, sandboxes=size)) for size in range(1, largest + 1)}
+
+    def paced(size: int) -> bool:
+        return rows[size]["loop_overlapped_s"] <= rows[size]["generation_s"] + it.batch_s
+
+    keeping = [size for size in rows if paced(size)]
+    pick = keeping[0] if keeping else min(rows, key=lambda size: rows[size]["cost_overlapped_usd"])
+    if cap_usd is not None and rows[pick]["cost_overlapped_usd"] > cap_usd:
+        under = [size for size in rows if rows[size]["cost_overlapped_usd"] <= cap_usd]
+        pick = min(under, key=lambda size: (rows[size]["loop_overlapped_s"], size)) if under else \
+            min(rows, key=lambda size: rows[size]["cost_overlapped_usd"])
+    return pick, rows[pick], paced(pick)
 
 
 CASE_STUDY = Iteration()
@@ -116,6 +161,10 @@ def table(rows: list[tuple[str, Iteration]]) -> str:
     return "\n".join(lines)
 
 
+KIMINA = replace(CASE_STUDY, batch_s=320.0)
+"""The case study at kimina-lean-server's own throughput (about 0.8 proofs/s on 8 CPUs, so 0.2 on a 2-core
+sandbox: 320 s per batch of 64), an assumption until a run measures `batch_s` (`batch_s_measured`)."""
+
 SCENARIOS = [
     ("case study (1 sandbox)", CASE_STUDY),
     ("pool of 4", replace(CASE_STUDY, sandboxes=4)),
@@ -123,11 +172,37 @@ SCENARIOS = [
     ("8 GPUs, 1 sandbox", replace(CASE_STUDY, gpus=8)),
     ("8 GPUs, pool of 4", replace(CASE_STUDY, gpus=8, sandboxes=4)),
     ("8 GPUs, pool of 16", replace(CASE_STUDY, gpus=8, sandboxes=16)),
+    ("kimina rate, pool of 4", replace(KIMINA, sandboxes=4)),
+    ("kimina rate, pool of 16", replace(KIMINA, sandboxes=16)),
+    ("kimina rate, pool that keeps pace", replace(KIMINA, sandboxes=pool_for(KIMINA)[0])),
 ]
 
 
-if __name__ == "__main__":  # pragma: no cover - prints the table in docs/cost-model.md
+def main(argv: list[str] | None = None) -> None:
+    """Print the scenarios of docs/cost-model.md, or size a pool from a run's measured batch time."""
+    import argparse
     import json
+    from pathlib import Path
 
-    print(json.dumps(asdict(CASE_STUDY)))
-    print(table(SCENARIOS))
+    parser = argparse.ArgumentParser(prog="python -m vrl.runtime.modal.cost", description=main.__doc__)
+    parser.add_argument("metrics", nargs="?", type=Path, help="a run's metrics.jsonl (batch_s is measured from it)")
+    parser.add_argument("--batch-size", type=int, default=CASE_STUDY.batch_size, help="verifier.batch_size of that run")
+    parser.add_argument("--members", type=int, default=CASE_STUDY.members, help="ES members per iteration of that run")
+    parser.add_argument("--cap", type=float, help="the most an iteration may cost (USD)")
+    args = parser.parse_args(argv)
+    if args.metrics is None:
+        print(json.dumps(asdict(CASE_STUDY)))
+        print(table(SCENARIOS))
+        return
+    rows = [json.loads(line) for line in args.metrics.read_text().splitlines() if line.strip()]
+    it = replace(CASE_STUDY, batch_s=batch_s_measured(rows, args.batch_size, args.members), batch_size=args.batch_size,
+                 members=args.members)
+    size, row, paced = pool_for(it, args.cap)
+    print(f"batch_s measured: {it.batch_s:.1f} s ({it.batch_size / it.batch_s:.2f} attempts/s per sandbox)")
+    print(f"runtime.modal.sandboxes={size}: loop {row['loop_overlapped_s']:.0f} s for {row['generation_s']:.0f} s of "
+          f"generation, ${row['cost_overlapped_usd']:.2f} per iteration"
+          + ("" if paced else " (verification does not keep pace under the cap)"))
+
+
+if __name__ == "__main__":  # pragma: no cover - prints the table in docs/cost-model.md
+    main()

@@ -35,7 +35,7 @@ from vrl.rundir import RunDir
 from vrl.runtime import runtime_class
 from vrl.runtime.modal.lease import RunLease, RunLeaseError, already_exists
 from vrl.runtime.modal.workers import RUNS_DIR
-from vrl.trainer import Trainer
+from vrl.trainer import Trainer  # the public loop only (a detached run is a `vrl train` run): no internals
 
 log = logging.getLogger(__name__)
 
@@ -120,14 +120,51 @@ class Deadline:
 
 
 def run_on_modal(config: dict[str, Any], root: str, worker: Any, *, resume: bool, volume: str, orchestrator: Any,
-                 predecessor: str | None, timeout_s: float, lease: RunLease | None = None) -> dict[str, Any]:
-    """The `orchestrate` Modal function: own the run (lease), train, commit, continue before the timeout."""
+                 predecessor: str | None, timeout_s: float, lease: RunLease | None = None, app_id: str | None = None,
+                 stopper: Any = None) -> dict[str, Any]:
+    """The `orchestrate` Modal function: own the run (lease), train, commit, continue before the timeout.
+
+    When the run ends here (finished, failed or stopped; not handed to a continuation) its end goes into
+    the launch record and `stopper` (the app's `stop_app`) stops the app `app_id` after this call returns.
+    """
+    import modal
+
+    me = modal.current_function_call_id()
+    lease = lease or RunLease(volume, str(config["logging"]["name"]))
+    claimed: list[int] = []
+    try:
+        summary = _own_and_train(config, root, worker, resume=resume, volume=volume, orchestrator=orchestrator,
+                                 predecessor=predecessor, timeout_s=timeout_s, lease=lease, me=me, app_id=app_id,
+                                 stopper=stopper, claimed=claimed)
+    except BaseException as exc:
+        # A call refused the run (or that lost it) records nothing: the run's record is its owner's.
+        owned = claimed and not isinstance(exc, RunLeaseError)
+        _ended(lease if owned else None, f"{type(exc).__name__}: {exc}".splitlines()[0], app_id, stopper, me)
+        raise
+    if summary.get("status") != "continued":
+        _ended(lease, summary.get("error"), app_id, stopper, me)
+    return summary
+
+
+def _ended(lease: RunLease | None, error: str | None, app_id: str | None, stopper: Any, me: str | None) -> None:
+    """Record the run's end (`lease`) and have this call's app stopped once the call has returned (best
+    effort: the run's own outcome is what matters here)."""
+    try:
+        if lease is not None:
+            lease.record_end(error)
+        if app_id and stopper is not None:
+            stopper.spawn(app_id, me)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not record the run's end or stop its app: %s: %s", type(exc).__name__, exc)
+
+
+def _own_and_train(config: dict[str, Any], root: str, worker: Any, *, resume: bool, volume: str, orchestrator: Any,
+                   predecessor: str | None, timeout_s: float, lease: RunLease, me: str | None, app_id: str | None,
+                   stopper: Any, claimed: list[int]) -> dict[str, Any]:
     import modal
 
     deadline = Deadline(timeout_s)
     name = str(config["logging"]["name"])
-    me = modal.current_function_call_id()
-    lease = lease or RunLease(volume, name)
     successor = lease.successor_of(me)
     if successor is not None:  # this call handed the run on, then Modal re-ran its input
         return {"name": name, "status": "continued", "call": successor}
@@ -140,6 +177,7 @@ def run_on_modal(config: dict[str, Any], root: str, worker: Any, *, resume: bool
         if not resume and exists:
             raise RunDirError(already_exists(name, volume))
     generation = lease.claim(me, predecessor)
+    claimed.append(generation)
     vol = modal.Volume.from_name(volume)
 
     def on_iteration(_metrics: dict[str, Any]) -> None:
@@ -162,7 +200,8 @@ def run_on_modal(config: dict[str, Any], root: str, worker: Any, *, resume: bool
     lease.check_owned(generation)
     vol.commit()
     if deadline.reached and summary.get("status") == "interrupted":
-        nxt = orchestrator.spawn(config, True, worker=worker, orchestrator=orchestrator, predecessor=me)
+        nxt = orchestrator.spawn(config, True, worker=worker, orchestrator=orchestrator, predecessor=me,
+                                 app_id=app_id, stopper=stopper)
         lease.hand_over(me, nxt.object_id)
         summary = {**summary, "status": "continued", "call": nxt.object_id}
     return summary

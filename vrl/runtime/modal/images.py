@@ -47,7 +47,10 @@ made by one Python minor version does not load in another."""
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 TORCH = "torch==2.11.0"
 """The torch vLLM 0.26.0 pins (the pair tested on the GPU machine, docs/vllm.md)."""
-GPU_PACKAGES = ("vllm==0.26.0", TORCH, "transformers", "datasets", "safetensors", "hf_transfer")
+GPU_PACKAGES = ("vllm==0.26.0", TORCH, "transformers", "datasets", "safetensors")
+"""No hf_transfer: huggingface_hub 2.x ignores HF_HUB_ENABLE_HF_TRANSFER (its hf_xet backend downloads in parallel)."""
+OLDEST_PYTHON = (3, 11)
+"""Modal's newest image builder (2025.06) has no Python 3.10 images, and the images' Python is the client's."""
 ORCHESTRATOR_PACKAGES = ("requests", "tqdm", "numpy")
 VERIFIER_APT = ("bubblewrap",)
 """Debian packages of the default verifier image: bubblewrap isolates each attempt of a code verifier
@@ -101,6 +104,10 @@ class ImageRecipe:
         """The `modal.Image` for this recipe (lazy: Modal builds it on first use, then caches it)."""
         import modal
 
+        if not self.base and tuple(int(x) for x in self.python.split(".")[:2]) < OLDEST_PYTHON:
+            raise UsageError(f"the Modal images run this machine's Python ({self.python}), and Modal's image builder "
+                             f"has none older than {OLDEST_PYTHON[0]}.{OLDEST_PYTHON[1]}: run vrl with Python "
+                             f"{OLDEST_PYTHON[0]}.{OLDEST_PYTHON[1]} or newer")
         if self.base:
             # Registry images (kimina-lean-server) bring their own Python; add only our packages.
             image = modal.Image.from_registry(self.base)
@@ -379,14 +386,14 @@ def _plugin_requires(plugins: tuple[InstalledPlugin, ...]) -> tuple[str, ...]:
 def gpu_recipe(plugins: tuple[InstalledPlugin, ...] = ()) -> ImageRecipe:
     """Generation workers: vllm/torch/transformers/datasets + vrl and the plugins (prompts, tasks)."""
     pip = tuple(dict.fromkeys((*GPU_PACKAGES, *vrl_requires(), *_plugin_requires(plugins))))
-    return ImageRecipe("gpu", pip=pip, dists=dists_for(plugins), env={"HF_HUB_ENABLE_HF_TRANSFER": "1"})
+    return ImageRecipe("gpu", pip=pip, dists=dists_for(plugins))
 
 
 def orchestrator_recipe(plugins: tuple[InstalledPlugin, ...] = (), gpu: bool = False) -> ImageRecipe:
     """The detached loop: light, CPU torch (ES keeps no weights here; the history is the state), or the
     GPU build of the workers' torch when the orchestrator has a GPU (GRPO's learner, runtime.modal.orchestrator_gpu)."""
-    pip = tuple(dict.fromkeys((*ORCHESTRATOR_PACKAGES, *((TORCH,) if gpu else ()), *vrl_requires(),
-                               *_plugin_requires(plugins))))
+    # CPU or GPU build, the same torch version as the workers' (the CPU index's 2.11.0+cpu meets the pin)
+    pip = tuple(dict.fromkeys((*ORCHESTRATOR_PACKAGES, TORCH, *vrl_requires(), *_plugin_requires(plugins))))
     return ImageRecipe("orchestrator", pip=pip, extra_index_url=None if gpu else TORCH_CPU_INDEX,
                        dists=dists_for(plugins))
 
@@ -395,7 +402,7 @@ def verifier_recipe(plugin: InstalledPlugin | None, base: str | None = None) -> 
     """A verifier sandbox: the plugin's own image (if it names one) + vrl and that plugin, CPU only;
     debian_slim gets bubblewrap (a registry image is left as its maker built it)."""
     plugins = (plugin,) if plugin else ()
-    pip = tuple(dict.fromkeys((*vrl_requires(), *_plugin_requires(plugins))))
+    pip = tuple(dict.fromkeys((TORCH, *vrl_requires(), *_plugin_requires(plugins))))  # pinned CPU torch
     role = f"verifier:{plugin.name if plugin else 'vrl'}"
     return ImageRecipe(role, base=base, apt=() if base else VERIFIER_APT, pip=pip, extra_index_url=TORCH_CPU_INDEX,
                        dists=dists_for(plugins))

@@ -12,6 +12,7 @@ from typing import Any
 
 from vrl.config import dump
 from vrl.runtime.modal.credentials import NO_ACCOUNT, ModalUnavailable, require_credentials
+from vrl.runtime.modal.output import modal_output
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ def prepare(config: Any, model: str, revision: str | None = None) -> dict[str, A
 
     app = build_app(config)
     try:
-        with app.app.run():
+        with modal_output(config.runtime.modal.output), app.app.run():
             return app.prepare_model.remote(model, revision)
     except _modal_errors() as exc:
         raise ModalUnavailable(NO_ACCOUNT.format(error=exc)) from None
@@ -67,13 +68,16 @@ def recorded_config(name: str, volume: str, iterations: int | None, read: Any = 
     return cfg.model_copy(update={"runtime": runtime})
 
 
-def resume_detached(name: str, volume: str = "vrl", iterations: int | None = None) -> tuple[str, Any]:
-    """Continue the detached run `name` on Modal: its recorded config, only `iterations` changed.
-    Refused (one line) while another call owns the run."""
+def resume_detached(name: str, volume: str = "vrl", iterations: int | None = None, output: bool = True
+                    ) -> tuple[str, Any]:
+    """Continue the detached run `name` on Modal: its recorded config, only `iterations` changed (and
+    `output`: Modal's build and log output here). Refused (one line) while another call owns the run."""
     from vrl.runtime.modal.lease import RunLease
 
     require_credentials()
     cfg = recorded_config(name, volume, iterations)
+    modal = cfg.runtime.modal.model_copy(update={"output": output})
+    cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"modal": modal})})
     RunLease(volume, name).check_free()  # the orchestrator checks again when it starts
     return launch_detached(cfg, resume=True), cfg
 
@@ -87,12 +91,22 @@ def launch_detached(config: Any, resume: bool = False) -> str:
                          "(or --set runtime.kind=modal)")
     if not config.logging.name:
         raise ValueError("a detached run needs --name, so you can find (and resume) it on the Volume")
+    if config.runtime.modal.min_containers:
+        raise ValueError("runtime.modal.min_containers keeps GPU containers running, billed, for as long as the app "
+                         "lives, and a detached app outlives this command: set it to 0 with --detach (workers stay "
+                         "warm between iterations for runtime.modal.scaledown_window_s)")
     if not resume:
         _refuse_existing(config.logging.name, config.runtime.modal.volume)
+    from vrl.runtime.modal.lease import RunLease
+
     app = build_app(config)
     try:
-        with app.app.run(detach=True):
-            call = app.orchestrate.spawn(dump(config), resume, worker=app.worker(), orchestrator=app.orchestrate)
+        with modal_output(config.runtime.modal.output), app.app.run(detach=True):
+            app_id = app.app.app_id
+            call = app.orchestrate.spawn(dump(config), resume, worker=app.sample, orchestrator=app.orchestrate,
+                                         app_id=app_id, stopper=app.stop_app)
+        # Kept in the lease Dict: a start that fails before its first iteration leaves no run directory.
+        RunLease(config.runtime.modal.volume, config.logging.name).record_launch(call.object_id, app_id)
     except _modal_errors() as exc:
         raise ModalUnavailable(NO_ACCOUNT.format(error=exc)) from None
     return call.object_id
@@ -144,22 +158,32 @@ def run_status(name: str, volume: str = "vrl", read: Any = read_volume_file, lea
     from vrl.runtime.modal.lease import RunLease
 
     require_credentials()
-    config = _read_json(volume, f"runs/{name}/config.json", read)
-    if config is None:
-        raise RunDirError(f"no detached run {name!r} on the Volume {volume!r} (no runs/{name}/config.json)")
     lease = lease or RunLease(volume, name)
-    call = lease.latest_call()
+    launch = lease.launch()
+    config = _read_json(volume, f"runs/{name}/config.json", read)
+    if config is None and launch is None:
+        raise RunDirError(f"no detached run {name!r} on the Volume {volume!r} (no runs/{name}/config.json)")
+    call = lease.latest_call() or (launch or {}).get("call")
     state = _read_json(volume, f"runs/{name}/state.json", read) or {}
     summary = _read_json(volume, f"runs/{name}/summary.json", read) or {}
     metrics = _read_jsonl(volume, f"runs/{name}/metrics.jsonl", read)
-    running = call is not None and lease.alive(call)
-    status = summary.get("status")
-    if status == "running" and not running:  # no call owns it and it recorded no ending: stopped or killed
+    outcome, remote_error = lease.outcome(call) if call is not None else ("never started", None)
+    running = outcome == "running"
+    status, error = summary.get("status"), summary.get("error")
+    if not running and not error:
+        # What the orchestrator recorded at its end, else, when the run wrote nothing (no summary), what the
+        # call itself raised: an error Modal raised before any vrl code ran.
+        error = (launch or {}).get("error") or (remote_error if status is None else None)
+        if error and status in (None, "running"):
+            status = "failed"
+    if status is None and config is None:  # launched, no run directory yet (or removed: it finished nothing)
+        status = "running" if running else "failed" if error else None
+    elif status == "running" and not running:  # no call owns it and it recorded no ending: stopped or killed
         status = "stopped"
     return {
-        "name": name, "volume": volume, "call": call, "running": running,
-        "iterations_completed": int(state.get("iteration", 0)), "iterations": config.get("iterations"),
-        "status": status, "error": summary.get("error"), "last": metrics[-1] if metrics else None,
+        "name": name, "volume": volume, "call": call, "app": (launch or {}).get("app"), "running": running,
+        "iterations_completed": int(state.get("iteration", 0)), "iterations": (config or {}).get("iterations"),
+        "status": status, "error": error, "last": metrics[-1] if metrics else None,
     }
 
 
@@ -188,7 +212,11 @@ def stop_run(name: str, volume: str = "vrl", lease: Any = None) -> str | None:
 
     lease = lease or RunLease(volume, name)
     call = lease.latest_call()
-    if call is None or not lease.alive(call):
-        return None
-    modal.FunctionCall.from_id(call).cancel(terminate_containers=True)
-    return call
+    launch = lease.launch() or {}
+    running = call is not None and lease.alive(call)
+    if running:
+        modal.FunctionCall.from_id(call).cancel(terminate_containers=True)
+    if launch.get("app"):
+        # Its GPU workers would idle, billed, through their scale-down window: the whole app goes.
+        modal.App.lookup(launch["app"]).stop()
+    return call if running else None

@@ -42,28 +42,38 @@ class Owner:
     call_id: str
 
 
-def call_alive(call_id: str) -> bool:
-    """Whether a function call still has an unfinished input (running, queued or about to be restarted)."""
+def call_outcome(call_id: str) -> tuple[str, str | None]:
+    """'running', 'finished' or 'failed' of a function call, with the remote exception (one line) when it
+    failed: what `FunctionCall.get` raises, e.g. a DeserializationError before any vrl code ran."""
     import modal
 
     try:
         modal.FunctionCall.from_id(call_id).get(timeout=0)
     except TimeoutError:  # the builtin: modal's poll raises it while the call is unfinished
-        return True
-    except Exception:  # noqa: BLE001 - it failed, was cancelled, or its output expired: finished
-        return False
-    return False
+        return "running", None
+    except Exception as exc:  # noqa: BLE001 - it failed, was cancelled, or its output expired
+        return "failed", f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return "finished", None
+
+
+def call_alive(call_id: str) -> bool:
+    """Whether a function call still has an unfinished input (running, queued or about to be restarted)."""
+    return call_outcome(call_id)[0] == "running"
 
 
 class RunLease:
     """The lease of run `name` on Volume `volume` (`store`: the Dict; `alive(call_id)`: is that call running)."""
 
-    def __init__(self, volume: str, name: str, store: Any = None, alive: Any = call_alive):
+    def __init__(self, volume: str, name: str, store: Any = None, alive: Any = call_alive, outcome: Any = None):
         if store is None:
             import modal
 
             store = modal.Dict.from_name(LEASES, create_if_missing=True)
         self.volume, self.name, self.store, self.alive = volume, name, store, alive
+        if outcome is None:  # `call_outcome`, or what a given `alive` says (tests pass one)
+            outcome = call_outcome if alive is call_alive else (lambda call: ("running" if alive(call) else "finished",
+                                                                              None))
+        self.outcome = outcome
 
     def _key(self, generation: int) -> tuple[str, str, int]:
         return (self.volume, self.name, generation)
@@ -120,6 +130,25 @@ class RunLease:
 
     def successor_of(self, call_id: str) -> str | None:
         return self.store.get((self.volume, self.name, "successor", call_id))
+
+    # -- the launch record: kept in the Dict, so it outlives a run directory that a failed start removed --
+    def record_launch(self, call_id: str, app_id: str | None) -> None:
+        """Note the call that starts (or resumes) the run and its app (`vrl modal stop` stops it); a record
+        of a call still running stays (a start that its orchestrator will refuse does not replace it)."""
+        record = self.launch()
+        if record and record.get("call") and record.get("ended") is None and self.alive(record["call"]):
+            return
+        self.store.put((self.volume, self.name, "launch"), {"call": call_id, "app": app_id, "started": time.time(),
+                                                             "ended": None, "error": None})
+
+    def record_end(self, error: str | None) -> None:
+        """Note how the run's last call ended (None: without an error)."""
+        record = self.launch() or {"call": None, "app": None, "started": None}
+        self.store.put((self.volume, self.name, "launch"), {**record, "ended": time.time(), "error": error})
+
+    def launch(self) -> dict[str, Any] | None:
+        """The launch record: call, app, started, ended, error (None: never launched from this workspace)."""
+        return self.store.get((self.volume, self.name, "launch"))
 
     def latest_call(self) -> str | None:
         """The owner's call, or the call it handed the run to if that one has not claimed it yet."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,6 +42,7 @@ from vrl.policy import (
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.runtime.modal import workers
 from vrl.runtime.modal.credentials import require_credentials
+from vrl.runtime.modal.output import modal_output
 from vrl.runtime.modal.sandbox import (
     ModalSandbox,
     SandboxPool,
@@ -60,24 +62,46 @@ log = logging.getLogger(__name__)
 
 
 class ModalCaller:
-    """Fans calls of one remote method out with `method.map(..., order_outputs=False)` and yields each
-    result as soon as its container returns it (any order)."""
+    """Spawns one call of a remote function per argument set and yields `(index, result)` as each call
+    returns (any order); a call that failed after Modal's retries is yielded as its exception.
 
-    def imap(self, method: Any, argsets: Sequence[tuple], kwargs: dict[str, Any]) -> Iterator[Any]:
+    Calls, not one `.map()`: a map's inputs keep running when its consumer stops (modal 1.6.4's map has no
+    handle to cancel them), so an abandoned iteration (a failed shard, Ctrl-C, a lost verifier) would
+    leave GPU containers working, billed, on results nobody reads. Closing the stream cancels every call
+    still running.
+    """
+
+    def imap(self, function: Any, argsets: Sequence[tuple], kwargs: dict[str, Any]) -> Iterator[tuple[int, Any]]:
         if not argsets:
             return
-        columns = [list(col) for col in zip(*argsets)]
-        for out in method.map(*columns, kwargs=kwargs, order_outputs=False, return_exceptions=True):
-            if isinstance(out, BaseException):
-                # Modal retried it (runtime.modal.retries; preemptions and lost containers restart on their
-                # own): the iteration fails with what went wrong, it is never scored without this call.
-                log.error("a GPU worker call failed after Modal's retries, so this iteration is not scored "
-                          "(resume the run once the cause is fixed): %s: %s", type(out).__name__, out)
-                raise out
-            yield out
+        done: queue.Queue = queue.Queue()
+        calls: list[Any] = []
+
+        def wait(index: int, call: Any) -> None:
+            try:
+                done.put((index, call.get()))
+            except BaseException as exc:  # noqa: BLE001 - the consumer decides what a failed call means
+                done.put((index, exc))
+
+        pending: set[int] = set()
+        try:
+            for index, args in enumerate(argsets):
+                calls.append(function.spawn(*args, **kwargs))
+                pending.add(index)
+                threading.Thread(target=wait, args=(index, calls[-1]), daemon=True, name=f"modal-call-{index}").start()
+            while pending:
+                index, out = done.get()
+                pending.discard(index)
+                yield index, out
+        finally:
+            for index in sorted(pending):
+                try:
+                    calls[index].cancel()
+                except Exception as exc:  # noqa: BLE001 - the iteration's own error is the one to report
+                    log.warning("could not cancel Modal call %s: %s", calls[index].object_id, exc)
 
     def close(self) -> None:
-        """Nothing runs in the background: `map` ends with the iteration that consumes it."""
+        """Nothing runs in the background once a stream is closed (its calls are done or cancelled)."""
 
 
 def worker_dtype(config: Any) -> str:
@@ -148,7 +172,20 @@ class ModalPolicy(PolicyHost):
                 argsets += [(workers.variant_to_wire(v), s, min(s + size, len(tasks)), False)
                             for s in range(0, len(tasks), size)]
         self.calls += len(argsets)
-        for out in self.caller.imap(self.worker.sample, argsets, shared):
+        members = -(-len(seeded) // per_call)  # the member calls come first
+        for index, out in self.caller.imap(self.worker, argsets, shared):
+            if isinstance(out, BaseException):
+                if index < members:
+                    # An ES member whose call failed after Modal's retries: the optimizer drops it (and its
+                    # antithetic partner) if few enough are lost (es.max_lost_share), else fails the iteration.
+                    log.warning("ES member call %d failed after Modal's retries; the member is dropped from this "
+                                "iteration: %s: %s", index, type(out).__name__, out)
+                    continue
+                # A shard of the current weights (GRPO, eval): never scored without it; the stream's close
+                # cancels the calls still running.
+                log.error("a GPU worker call failed after Modal's retries, so this iteration is not scored "
+                          "(resume the run once the cause is fixed): %s: %s", type(out).__name__, out)
+                raise out
             if out["snapshot"]:
                 self.log.snapshot = max(self.log.snapshot, out["snapshot"])
             self.replayed.append(out["replayed"])
@@ -268,7 +305,10 @@ class ModalConfig(Section):
     )
     sandbox_cpu: float = Field(2.0, gt=0, description="CPU cores per verifier sandbox.")
     sandbox_memory_mb: int = Field(8192, ge=256, description="Memory (MiB) per verifier sandbox.")
-    sandbox_timeout_s: int = Field(3600, ge=60, description="Lifetime of a verifier sandbox; the pool replaces expired ones.")
+    sandbox_timeout_s: int = Field(
+        86400, ge=60, le=86400, description="Lifetime of a verifier sandbox (Modal's limit: 24 h); the pool replaces "
+        "one a minute before it. Long: each replacement pays a start (a Lean sandbox imports Mathlib); the idle "
+        "timeout, not this, ends the sandboxes of an orchestrator that died.")
     sandbox_idle_timeout_s: int = Field(
         600, ge=10, description="A verifier sandbox nobody writes to for this long ends (Modal's idle_timeout), so a dead "
         "orchestrator's sandboxes go away; the pool pings idle ones three times as often while the run lives.")
@@ -276,6 +316,10 @@ class ModalConfig(Section):
         600.0, gt=0, description="How long a sandbox may take to become healthy (a Lean server imports Mathlib)."
     )
     block_network: bool = Field(True, description="Verifier sandboxes get no network (model-written code runs there).")
+    output: bool = Field(
+        True, description="Show Modal's own output (image builds, container logs) while this machine runs the app "
+        "(modal.enable_output()); `vrl modal ... --quiet` turns it off. Inside a container Modal keeps the logs "
+        "(`modal app logs`).")
 
 
 class ModalRuntime(Runtime):
@@ -292,7 +336,7 @@ class ModalRuntime(Runtime):
             require_credentials()
         self.app = app
         self.volume_root = Path(volume_root or workers.VOLUME_ROOT)
-        self.worker = worker or app.worker(workers.VOLUME_ROOT)
+        self.worker = worker or app.sample  # the GPU function's handle
         self.caller = ModalCaller()
         self._stack = contextlib.ExitStack()
         self._running = False
@@ -317,6 +361,7 @@ class ModalRuntime(Runtime):
         with self._lock:
             if self._running or self.in_container:
                 return
+            self._stack.enter_context(modal_output(self.config.runtime.modal.output))
             self._stack.enter_context(self.app.app.run())
             self._running = True
 

@@ -15,9 +15,12 @@ Volume layout (mounted at `VOLUME_ROOT` in Modal containers)::
 from __future__ import annotations
 
 import hashlib
+import importlib
+import importlib.metadata
 import json
 import logging
 import os
+import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -44,14 +47,6 @@ def volume_env(root: str | os.PathLike = VOLUME_ROOT, offline: bool = True) -> d
     if offline:
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     return env
-
-
-def warm_up() -> None:
-    """Import the heavy modules when the container starts, not during the first call."""
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-
-    import vrl.generate.hf  # noqa: F401
 
 
 # -- wire formats --------------------------------------------------------------------------------
@@ -440,3 +435,48 @@ def check_offline_load(model: str, revision: str | None, root: str | os.PathLike
     cache = str(Path(root) / HF_DIR)
     AutoConfig.from_pretrained(model, revision=revision, cache_dir=cache, local_files_only=True)
     AutoTokenizer.from_pretrained(model, revision=revision, cache_dir=cache, local_files_only=True)
+
+
+# -- `vrl modal doctor`: the probes' container side ----------------------------------------------------
+
+DOCTOR_DIR = "doctor"  # on the Volume: the doctor's round-trip files (it removes them)
+
+
+def environment_report(gpu: bool) -> dict[str, Any]:
+    """What this container's image holds: Python, vrl, torch (and vllm on the GPU image), and CUDA."""
+    report: dict[str, Any] = {"python": platform.python_version()}
+    try:
+        report["vrl"] = importlib.metadata.version("vrl-core")
+    except importlib.metadata.PackageNotFoundError:
+        report["vrl"] = "not installed"
+    for name in ("torch", "transformers") + (("vllm",) if gpu else ()):
+        try:
+            report[name] = getattr(importlib.import_module(name), "__version__", "?")
+        except Exception as exc:  # noqa: BLE001 - what is missing is the report
+            report[name] = f"not importable ({type(exc).__name__}: {exc})".splitlines()[0]
+    try:
+        import torch
+
+        report["cuda"] = bool(torch.cuda.is_available())
+        report["device"] = torch.cuda.get_device_name(0) if report["cuda"] else None
+    except Exception:  # noqa: BLE001
+        report["cuda"], report["device"] = False, None
+    return report
+
+
+def in_orchestrator(root: str | os.PathLike, token: str, worker: Any, reload: Callable[[], None],
+                    commit: Callable[[], None]) -> dict[str, Any]:
+    """The orchestrator's side of the probe (inside its container): its image, the Volume (`reload` makes
+    the client's upload visible, `commit` publishes the answer), then the GPU worker's probe."""
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {"orchestrator": environment_report(gpu=False)}
+    reload()
+    folder = Path(root) / DOCTOR_DIR
+    sent = (folder / f"{token}.txt").read_text()
+    (folder / f"{token}.back").write_text(sent[::-1])
+    commit()
+    report["volume_s"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    report["worker"] = worker.remote(None, 0, 0, probe=True, config={}, tasks=[], seed=None)
+    report["worker_s"] = time.perf_counter() - t1
+    return report

@@ -24,7 +24,22 @@ from modal.exception import Error, ExecutionError, InvalidError
 
 __version__ = "1.6.4"
 __all__ = ["App", "Cls", "Dict", "Error", "Function", "FunctionCall", "Image", "Sandbox", "Secret", "Volume",
-           "current_function_call_id", "enter", "exception", "is_local", "method", "parameter"]
+           "current_function_call_id", "enable_output", "enter", "exception", "is_local", "method", "parameter"]
+
+#: How many `enable_output()` blocks are open in this process (emulator only: tests read it).
+output_enabled = 0
+
+
+@contextlib.contextmanager
+def enable_output(show_progress: bool = True):
+    """modal/output.py `enable_output`: Modal prints builds, logs and progress while the block runs (here the
+    container logs stay in the emulator's state directory; the block is only counted)."""
+    global output_enabled
+    output_enabled += 1
+    try:
+        yield
+    finally:
+        output_enabled -= 1
 
 # The keyword names of modal 1.6.4's decorators (inspect.signature of the installed package); a name
 # outside these is a TypeError there too. tests/test_modal_emulator.py checks them against the source.
@@ -326,19 +341,23 @@ class Volume:
 
 def _refuse_open_files(mount: str) -> None:
     """What the service does on reload: refuse while any process of the container holds a file of the
-    Volume open (modal/volume.py: "there are open files preventing the operation"; its
-    `_open_files_error_annotation` scans /proc the same way to name one)."""
+    Volume open, by a descriptor or a memory mapping (safetensors maps what it loads) (modal/volume.py:
+    "there are open files preventing the operation"; its `_open_files_error_annotation` scans /proc the
+    same way to name one)."""
     prefix = mount.rstrip("/") + "/"
     for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        held: list[str] = []
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    held.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                except OSError:
+                    continue
+            with open(f"/proc/{pid}/maps") as maps:
+                held += [line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6]
         except OSError:
             continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
+        for target in held:
             if target.startswith(prefix):
                 raise RuntimeError(f"Volume reload failed: there are open files preventing the operation: "
                                    f"path {target} is open in process {pid}")
@@ -449,7 +468,33 @@ class App:
         self.name, self._image = name, image
         self._app_id = call("app_create", name)
         self._running = False
+        self._known = False  # run or looked up: its id is public (modal/app.py `app_id`)
         self._pending: list[tuple[Any, dict]] = []  # (Function or Cls, options) to send at run()
+
+    @property
+    def app_id(self) -> str | None:
+        """The app's id once it runs or was looked up (modal/app.py); None before."""
+        return self._app_id if self._known else None
+
+    @staticmethod
+    def lookup(name: str, *, client: Any = None, environment_name: str | None = None,
+               create_if_missing: bool = False) -> App:
+        """modal/app.py `lookup`: by an app id (`ap-...`) any app, ephemeral or stopped, is found."""
+        if not name.startswith("ap-"):
+            raise InvalidError("the emulator looks up apps by id (ap-...) only")
+        if create_if_missing:
+            raise InvalidError("`create_if_missing=True` is not supported when looking up an App by ID.")
+        app = App.__new__(App)
+        app.name, app._image, app._running, app._pending = None, None, False, []
+        app._app_id, app._known = call("app_lookup", name), True
+        return app
+
+    def _stop(self) -> None:
+        """modal/app.py `stop`: "terminates all of its running containers and sandboxes and prevents new
+        inputs from being processed"."""
+        call("app_stop", self._app_id)
+
+    stop = Dual(_stop)
 
     def function(self, _warn_parentheses_missing: Any = None, **options: Any):
         _check_names("App.function", options, FUNCTION_OPTIONS)
@@ -485,7 +530,7 @@ class App:
         for obj, options in self._pending:
             obj._register(options)
         call("app_run", self._app_id)
-        self._running = True
+        self._running = self._known = True
         try:
             yield self
         finally:
@@ -573,21 +618,15 @@ class Function:
 
     @staticmethod
     def _map_results(fcid: str, n: int, ordered: bool, return_exceptions: bool):
-        done = 0
-        try:
-            while done < n:
-                ok, blob = call("call_next", fcid, ordered)
-                done += 1
-                value = loads(blob)
-                if ok:
-                    yield value
-                elif return_exceptions:
-                    yield value
-                else:
-                    raise value
-        finally:
-            if done < n:
-                call("call_cancel", fcid, False)
+        """A map's inputs keep running when its consumer stops early: modal/parallel_map.py cancels only
+        its own client tasks, never the function call's inputs (they run to their end, billed)."""
+        for _ in range(n):
+            ok, blob = call("call_next", fcid, ordered)
+            value = loads(blob)
+            if ok or return_exceptions:
+                yield value
+            else:
+                raise value
 
     def local(self, *args: Any, **kwargs: Any) -> Any:
         """Run the body in this process (modal/_functions.py `local`): the caller's environment, no

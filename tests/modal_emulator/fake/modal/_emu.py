@@ -1,7 +1,8 @@
 """The fake client's wire to the emulated Modal service (tests/modal_emulator/service.py).
 
 Every call is one request on a per-thread connection to the service's socket; the client process and
-every container process use the same code. Values cross as pickles, as Modal's own wire does.
+every container process use the same code. Values cross as pickles, as Modal's own wire does; a value
+that holds a Modal handle also goes through modal's real serializer (`_real.py`).
 """
 
 from __future__ import annotations
@@ -71,7 +72,58 @@ def close_all() -> None:
     _local.conn = None
 
 
+class _HoldsHandle(Exception):
+    pass
+
+
+class _Scan(cloudpickle.Pickler):
+    """cloudpickle as Modal's wire uses it; stops at the first Modal handle (those go through `_real`)."""
+
+    def __init__(self, buf):
+        super().__init__(buf, protocol=PICKLE_PROTOCOL)
+
+    def persistent_id(self, obj):
+        import modal
+
+        if isinstance(obj, (modal.Function, modal.Cls, modal.Obj, modal.Volume, modal.Dict, modal.FunctionCall,
+                            modal.Sandbox)):
+            raise _HoldsHandle
+        return None
+
+
+class _Refused:
+    """A value modal's real `deserialize` refuses: loading it raises that DeserializationError (in the
+    container that receives it, as on Modal)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __reduce__(self):
+        return _refuse, (self.message,)
+
+
+def _refuse(message: str):
+    from modal.exception import DeserializationError
+
+    raise DeserializationError(message)
+
+
 def dumps(obj) -> bytes:
+    """The bytes of an argument, result or serialized function. A value that holds a Modal handle is
+    also put through modal's own serializer (`_real.check`): what it refuses fails as on Modal."""
+    import io
+
+    buf = io.BytesIO()
+    try:
+        _Scan(buf).dump(obj)
+        return buf.getvalue()
+    except _HoldsHandle:
+        pass
+    from modal import _real
+
+    refused = _real.check(obj)  # raises what `serialize` raises, here, in the sender
+    if refused is not None:
+        return cloudpickle.dumps(_Refused(refused), protocol=PICKLE_PROTOCOL)
     return cloudpickle.dumps(obj, protocol=PICKLE_PROTOCOL)
 
 
