@@ -97,12 +97,10 @@ def app(monkeypatch):
 
 def test_every_argument_and_result_vrl_passes_round_trips_through_modals_serializer(app, boundary, monkeypatch,
                                                                                     tmp_path):
-    from vrl.runtime.modal import launch
+    from tests.test_modal_lease import Store
+    from vrl.runtime.modal import launch, lease
     from vrl.runtime.modal.runtime import ModalCaller, ModalPolicy
     from vrl.runtime.modal.volume import VolumeWeights
-
-    from tests.test_modal_lease import Store
-    from vrl.runtime.modal import lease
 
     cfg, built = app
     monkeypatch.setattr(launch, "read_volume_file", lambda volume, path: (_ for _ in ()).throw(FileNotFoundError(path)))
