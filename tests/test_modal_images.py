@@ -103,13 +103,23 @@ def test_a_distribution_from_the_index_is_installed_by_its_pinned_version():
     assert (dist.wheel, dist.requirement) == (None, f"pluggy=={metadata.version('pluggy')}")
 
 
-def test_a_python_tests_sandbox_gets_bubblewrap_a_plugin_image_does_not():
+def test_a_python_tests_sandbox_gets_bubblewrap_a_plugin_image_only_what_its_spec_asks():
+    """A registry image is left as its maker built it, but for the Debian packages its sandbox spec names
+    (the Lean re-check's bubblewrap on kimina's image, issue 39/40): the spec's `apt` reaches the recipe."""
+    from vrl.plugins import registry
+    from vrl.runtime.modal.sandbox import spec_for
+
     plugins = {p.name: p for p in images.installed_plugins()}
     default = images.verifier_recipe(plugins["python-tests"])
     assert default.base is None and default.apt == ("bubblewrap",)
     assert default.distributions == ("vrl-core", "vrl-python-tests")
     kimina = images.verifier_recipe(plugins["lean"], base="projectnumina/kimina-lean-server:2.0.0")
     assert kimina.apt == ()
+    spec = spec_for(registry().environment("lean"), "lean", {})
+    lean = images.verifier_recipe(plugins["lean"], base=spec.image, apt=spec.apt)
+    assert lean.base == "projectnumina/kimina-lean-server:2.0.0" and lean.apt == ("bubblewrap",)
+    off = spec_for(registry().environment("lean", recheck="off"), "lean", {"recheck": "off"})
+    assert images.verifier_recipe(plugins["lean"], base=off.image, apt=off.apt).apt == ()
 
 
 def test_every_torch_is_the_pinned_one_and_no_image_asks_for_hf_transfer():

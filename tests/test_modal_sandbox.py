@@ -380,6 +380,39 @@ def test_a_sandbox_is_ready_only_once_its_warm_up_attempts_pass():
         start([wrong])
 
 
+def test_warm_up_options_build_a_verifier_of_their_own_for_the_warm_up_only():
+    """Issue 40 item 2: a spec's `warmup_options` (Lean: a per-proof limit long enough to import Mathlib on
+    every REPL) judge the warm-up with a verifier built with them on top of the run's options; the batches
+    after it use the run's verifier. An option only the warm-up verifier gets, and that cannot build, keeps
+    the sandbox from becoming ready with that reason, while a valid one leaves the run's verdicts as they were."""
+    import dataclasses
+
+    from vrl.plugins import registry
+
+    env = registry().environment("countdown")
+    task = env.task_from_data({"numbers": [3, 5, 7], "target": 22})
+    right = Attempt(task=task, completion=Completion(task_id=task.id, text="<answer>3 * 5 + 7</answer>"))
+    spec = dataclasses.replace(spec_for(env, "countdown", {}), warmup=(right.model_dump(mode="json"),))
+
+    def start(warmup_options):
+        ready = dataclasses.replace(spec, warmup_options=warmup_options)
+
+        async def go():
+            pool = SandboxPool(lambda: ProcessSandbox.for_spec(ready, 60), size=1, request_timeout_s=60,
+                               start_timeout_s=60)
+            try:
+                await pool.start()
+                return await pool.verify([right])
+            finally:
+                await pool.aclose()
+
+        return run(go())
+
+    assert [v.passed for v in start({"seed": 1})] == [True]
+    with pytest.raises(SandboxUnavailable, match="warm-up verifier.*max_numbers"):
+        start({"max_numbers": 9})
+
+
 def test_a_sidecar_that_needs_more_memory_than_configured_gets_it():
     """Issue 25 item 5: kimina-lean-server allows up to 8 GiB per REPL; a spec that says what its sidecar
     needs raises the sandbox's memory instead of starting REPLs that cannot fit."""

@@ -220,30 +220,41 @@ def test_modal_sandbox_runs_kimina_as_a_sidecar():
     assert off.verifier().rechecker.sandbox == "off"
 
 
-def test_a_lean_sandbox_is_ready_only_with_mathlib_loaded_and_a_proof_judged():
-    """Issue 25 item 5: kimina's /health answers before Mathlib is imported, so readiness is the REPLs
-    preloading lean_workbook's imports (LEAN_SERVER_INIT_REPLS) and a warm-up proof the sandbox's own
-    verifier must pass; the sandbox gets kimina's 8 GiB per REPL. The warm-up attempt is one the
-    validity policy accepts for its theorem, in the file shape the verifier sends (emulated: no Lean
-    here, so that it passes in Lean is not checked)."""
-    import json
-
-    from vrl_lean.environment import WARMUP_IMPORTS, warmup_attempt
+def test_a_lean_sandbox_is_ready_only_with_mathlib_loaded_on_every_repl_and_a_proof_judged():
+    """Issue 25 item 5 and issue 40 item 2: kimina's /health answers before Mathlib is imported, so readiness
+    is a warm-up the sandbox's own verifier must pass: one proof per REPL, sent at once, so that every REPL
+    imports lean_workbook's header, each under a per-proof limit long enough for a slow import (not the run's
+    60 s), inside the sandbox's start budget. kimina's own LEAN_SERVER_INIT_REPLS is not used: kimina runs those
+    imports inside its start-up under a hard 60 s limit, and one overrun kills the server. The re-check's
+    bubblewrap is installed on kimina's image. Emulated: no Lean here, so that the proofs pass in Lean is not
+    checked; that each is one the validity policy accepts for its theorem is."""
+    from vrl_lean.environment import WARMUP_IMPORTS, WARMUP_TIMEOUT_S, warmup_attempt
     from vrl_lean.policy import prepare
     from vrl_lean.verifier import theorem_of
+
+    from vrl.runtime.modal.runtime import ModalConfig
 
     sandbox = pytest.importorskip("vrl.runtime.modal.sandbox", reason="the Modal runtime is not installed in this tree")
     env = LeanEnvironment(server="http://remote:8000", recheck="off", repls=3)
     spec = sandbox.spec_for(env, "lean", {"server": "http://remote:8000", "recheck": "off"})
-    assert json.loads(spec.env["LEAN_SERVER_INIT_REPLS"]) == {WARMUP_IMPORTS: 3}
+    assert not any(key.startswith("LEAN_SERVER_INIT") for key in spec.env)
     assert spec.memory_mb == 3 * KIMINA.memory_per_repl_mb == 3 * 8192
-    (warm,) = spec.warmup
-    attempt = warmup_attempt()
-    assert warm == attempt.model_dump(mode="json")
-    header = attempt.task.data["header"]
-    assert header.startswith(WARMUP_IMPORTS + "\n")  # the REPLs preload exactly this file's imports
-    submission = prepare(attempt.completion.text, theorem_of(attempt.task.data))
-    assert "vrl_warmup" in submission.code and "norm_num" in submission.code
+    assert len(spec.warmup) == 3 and len({w["task"]["id"] for w in spec.warmup}) == 3  # one distinct proof per REPL
+    assert spec.warmup[1] == warmup_attempt(1).model_dump(mode="json")
+    start_budget = ModalConfig().sandbox_start_timeout_s
+    assert 60 < spec.warmup_options["timeout_s"] == WARMUP_TIMEOUT_S < start_budget
+    assert spec.options["timeout_s"] == 60.0  # the batches after it keep the run's limit
+    command = " ".join(spec.command("python", start_budget))
+    assert f"--warmup-option timeout_s={WARMUP_TIMEOUT_S}" in command
+    for warm in spec.warmup:
+        attempt = warmup_attempt(int(warm["task"]["id"].rsplit("_", 1)[1]))
+        header = attempt.task.data["header"]
+        assert header.startswith(WARMUP_IMPORTS + "\n")
+        submission = prepare(attempt.completion.text, theorem_of(attempt.task.data))
+        assert attempt.task.id in submission.code and "norm_num" in submission.code
+    assert spec.apt == ()  # recheck=off: no re-check sandbox to install
+    checked = sandbox.spec_for(LeanEnvironment(server="http://x", repls=2), "lean", {"server": "http://x"})
+    assert checked.apt == ("bubblewrap",) and checked.options["recheck_sandbox"] == "bwrap"
 
 
 def test_under_modal_the_lean_plugin_needs_no_server_option():

@@ -93,16 +93,24 @@ class LeanOptions(EnvOptions):
 
 
 WARMUP_IMPORTS = "import Mathlib\nimport Aesop"
-"""The imports of lean_workbook's header (`data.parse_jsonl_row`'s default), which the sandbox's REPLs preload."""
+"""The imports of lean_workbook's header (`data.parse_jsonl_row`'s default), which the sandbox's warm-up imports
+on every REPL."""
+
+WARMUP_TIMEOUT_S = 540.0
+"""The per-proof limit of a sandbox's warm-up: its REPLs import Mathlib all at once, on a sandbox's few cores and
+a lazily fetched image, which can take minutes; it stays inside the sandbox's start budget
+(`runtime.modal.sandbox_start_timeout_s`, 600 s by default)."""
 
 
-def warmup_attempt() -> Attempt:
-    """A proof every working verifier passes: what a Lean sandbox must judge before it counts as ready."""
+def warmup_attempt(index: int | None = None) -> Attempt:
+    """A proof every working verifier passes: what a Lean sandbox must judge before it counts as ready.
+    `index`: a theorem name of its own (`vrl_warmup_3`), so that several go to several REPLs as distinct proofs."""
+    name = "vrl_warmup" if index is None else f"vrl_warmup_{index}"
     header = WARMUP_IMPORTS + "\n\nopen BigOperators Real Nat Topology Rat\n"
-    statement = "theorem vrl_warmup : (2 : ℕ) + 2 = 4"  # as tasks hold it: without `:=`
-    task = Task(id="vrl_warmup", prompt="", data={"name": "vrl_warmup", "header": header, "statement": statement})
+    statement = f"theorem {name} : (2 : ℕ) + 2 = 4"  # as tasks hold it: without `:=`
+    task = Task(id=name, prompt="", data={"name": name, "header": header, "statement": statement})
     text = f"```lean4\n{header}\n{statement} := by\n  norm_num\n```"
-    return Attempt(task=task, completion=Completion(task_id="vrl_warmup", text=text))
+    return Attempt(task=task, completion=Completion(task_id=name, text=text))
 
 
 class LeanEnvironment(RepairEpisodes, Environment):
@@ -223,11 +231,16 @@ class LeanEnvironment(RepairEpisodes, Environment):
             "sidecar": KIMINA.command,
             "wait_url": f"{local}/health",  # liveness only: kimina answers before Mathlib is loaded
             "workdir": KIMINA.workdir,
-            # Every REPL imports Mathlib at start-up, and the sandbox is ready only once the warm-up
-            # proof below passed through the whole verifier (policy, Lean, re-check, canary).
-            "env": KIMINA.environment(self.repls, preload=WARMUP_IMPORTS),
+            # No LEAN_SERVER_INIT_REPLS: kimina imports those inside its own start-up under a hard 60 s limit, and
+            # one overrun kills the server. vrl warms up instead: one proof per REPL, at once, each under
+            # WARMUP_TIMEOUT_S, through the whole verifier (policy, Lean, re-check); the sandbox is ready only
+            # once every one passed, so every REPL has imported Mathlib before the first batch.
+            "env": KIMINA.environment(self.repls),
             "memory_mb": KIMINA.memory_per_repl_mb * self.repls,
-            "warmup": [warmup_attempt().model_dump(mode="json")],
+            "warmup": [warmup_attempt(i).model_dump(mode="json") for i in range(self.repls)],
+            "warmup_options": {"timeout_s": WARMUP_TIMEOUT_S, "canary_rate": 0.0},
+            # The re-check runs each Lean process in a bubblewrap sandbox, which kimina's image lacks.
+            "apt": ["bubblewrap"] if self.recheck != "off" and self.recheck_sandbox == "bwrap" else [],
             "options": options,
         }
 

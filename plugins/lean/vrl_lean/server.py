@@ -8,7 +8,6 @@ a local process (a kimina-lean-server checkout started with `python -m server`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -39,11 +38,10 @@ class ServerSpec:
     """What kimina lets one REPL take (its LEAN_SERVER_MAX_REPL_MEM default, 8G): a machine or sandbox
     for `repls` REPLs needs this much memory per REPL."""
 
-    def environment(self, repls: int, api_key: str | None = None, max_wait_s: int = 60,
-                    preload: str | None = None) -> dict[str, str]:
-        """The server's settings (LEAN_SERVER_* variables) for `repls` REPLs; `preload`: a header (its
-        import lines, e.g. "import Mathlib\nimport Aesop") every REPL loads at start-up
-        (LEAN_SERVER_INIT_REPLS), so the first batch does not pay the Mathlib import."""
+    def environment(self, repls: int, api_key: str | None = None, max_wait_s: int = 60) -> dict[str, str]:
+        """The server's settings (LEAN_SERVER_* variables) for `repls` REPLs. No LEAN_SERVER_INIT_REPLS:
+        kimina imports those inside its start-up under a hard 60 s limit, and one overrun kills the
+        server; a Modal sandbox warms its REPLs up through the verifier instead (`modal_sandbox`)."""
         if repls < 1:
             raise ValueError("repls must be at least 1")
         env = {
@@ -53,8 +51,6 @@ class ServerSpec:
             "LEAN_SERVER_MAX_WAIT": str(max_wait_s),
             "LEAN_SERVER_ENVIRONMENT": "prod",
         }
-        if preload:
-            env["LEAN_SERVER_INIT_REPLS"] = json.dumps({preload: repls})
         if api_key:
             env["LEAN_SERVER_API_KEY"] = api_key
         return env

@@ -398,11 +398,13 @@ def orchestrator_recipe(plugins: tuple[InstalledPlugin, ...] = (), gpu: bool = F
                        dists=dists_for(plugins))
 
 
-def verifier_recipe(plugin: InstalledPlugin | None, base: str | None = None) -> ImageRecipe:
+def verifier_recipe(plugin: InstalledPlugin | None, base: str | None = None, apt: tuple[str, ...] = ()
+                    ) -> ImageRecipe:
     """A verifier sandbox: the plugin's own image (if it names one) + vrl and that plugin, CPU only;
-    debian_slim gets bubblewrap (a registry image is left as its maker built it)."""
+    debian_slim gets bubblewrap; a registry image gets only the Debian packages its spec asks for (`apt`)."""
     plugins = (plugin,) if plugin else ()
     pip = tuple(dict.fromkeys((TORCH, *vrl_requires(), *_plugin_requires(plugins))))  # pinned CPU torch
     role = f"verifier:{plugin.name if plugin else 'vrl'}"
-    return ImageRecipe(role, base=base, apt=() if base else VERIFIER_APT, pip=pip, extra_index_url=TORCH_CPU_INDEX,
+    packages = tuple(dict.fromkeys(apt if base else (*VERIFIER_APT, *apt)))
+    return ImageRecipe(role, base=base, apt=packages, pip=pip, extra_index_url=TORCH_CPU_INDEX,
                        dists=dists_for(plugins))

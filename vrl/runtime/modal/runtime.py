@@ -415,7 +415,7 @@ class ModalRuntime(Runtime):
         spec = spec_for(env, config.plugin, config.env_options)
         from vrl.runtime.modal.images import plugin_for_environment, verifier_recipe
 
-        image = verifier_recipe(plugin_for_environment(config.plugin), base=spec.image).build()
+        image = verifier_recipe(plugin_for_environment(config.plugin), base=spec.image, apt=spec.apt).build()
         argv = spec.command("python", rt.sandbox_start_timeout_s)
         memory_mb = sandbox_memory_mb(spec, rt.sandbox_memory_mb)
 

@@ -74,7 +74,11 @@ class SandboxSpec:
     # Attempts (`Attempt` JSON) the verify server judges before it answers its first ping; every one must
     # pass. Ready then means ready to judge (a Lean server with Mathlib imported), not merely alive.
     warmup: tuple[dict[str, Any], ...] = ()
+    # Verifier options for the warm-up only (the Lean plugin: a per-proof timeout long enough to import Mathlib
+    # on every REPL at once), on top of `options`; the batches that follow use `options` alone.
+    warmup_options: dict[str, Any] = field(default_factory=dict)
     memory_mb: int | None = None  # what the sidecar needs (e.g. kimina: 8 GiB per REPL); the sandbox gets at least this
+    apt: tuple[str, ...] = ()  # Debian packages the verifier needs on top of `image` (Lean's re-check: bubblewrap)
 
     def command(self, python: str = "python", wait_timeout_s: float = 600.0) -> list[str]:
         """argv of the sandbox's main process."""
@@ -87,6 +91,8 @@ class SandboxSpec:
             serve += ["--wait-timeout", str(wait_timeout_s)]
         if self.warmup:
             serve += ["--warmup", json.dumps(list(self.warmup))]
+            for key, value in self.warmup_options.items():
+                serve += ["--warmup-option", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
         if not self.sidecar:
             return serve
         sidecar = " ".join(_quote(a) for a in self.sidecar)
@@ -117,8 +123,8 @@ def spec_for(environment: Any, plugin: str, options: dict[str, Any]) -> SandboxS
         return SandboxSpec(plugin=plugin, options=dict(options))
     if isinstance(spec, Mapping):
         spec = SandboxSpec(**{"plugin": plugin, "options": options, **spec})
-        if not isinstance(spec.warmup, tuple):
-            spec = replace(spec, warmup=tuple(spec.warmup))
+        if not isinstance(spec.warmup, tuple) or not isinstance(spec.apt, tuple):
+            spec = replace(spec, warmup=tuple(spec.warmup), apt=tuple(spec.apt))
     if not isinstance(spec, SandboxSpec):
         raise TypeError(f"{plugin}: modal_sandbox() must return a SandboxSpec, a dict or None, got {type(spec).__name__}")
     return spec

@@ -12,7 +12,8 @@ With `--wait-url`, pings are answered only once that URL is healthy (a sidecar s
 kimina-lean-server is up: alive, which is not ready). With `--warmup` (a JSON list of attempts), the
 first ping is answered only once the plugin's own verifier has judged every one of them as passed: a
 Lean server has then imported Mathlib and checked a proof, so the pool's start timeout covers the
-warm-up and the first batch does not pay it inside the verifier's timeout.
+warm-up and the first batch does not pay it inside the verifier's timeout. `--warmup-option KEY=VALUE`
+judges the warm-up with those verifier options on top of `-o` (a long per-proof timeout).
 """
 
 from __future__ import annotations
@@ -59,6 +60,29 @@ async def _warm_up(verifier, attempts: list[dict], timeout_s: float) -> str | No
     return None
 
 
+async def _warm_up_with(plugin: str, options: dict, warmup_options: list[str], verifier, attempts: list[dict],
+                        timeout_s: float) -> str | None:
+    """The warm-up, judged by the run's verifier, or, with warm-up options, by a verifier of its own built
+    with them on top of the run's options (and closed after: what it warmed, such as a Lean server's REPLs,
+    stays with the server)."""
+    if not warmup_options:
+        return await _warm_up(verifier, attempts, timeout_s)
+    from vrl.config import parse_override
+    from vrl.plugins import registry
+
+    merged = dict(options)
+    for item in warmup_options:
+        merged.update(parse_override(item))
+    try:
+        warm = registry().environment(plugin, **merged).verifier()
+    except Exception as exc:  # noqa: BLE001 - the sandbox is then not ready, with the reason
+        return f"cannot build the warm-up verifier: {type(exc).__name__}: {exc}"
+    try:
+        return await _warm_up(warm, attempts, timeout_s)
+    finally:
+        await warm.aclose()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plugin", required=True)
@@ -67,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-timeout", type=float, default=600.0)
     parser.add_argument("--batch-timeout", type=float, default=None)
     parser.add_argument("--warmup", default=None, help="JSON list of attempts that must pass before the first ping")
+    parser.add_argument("--warmup-option", action="append", default=[],
+                        help="KEY=VALUE: a verifier option for the warm-up only (e.g. a long per-attempt timeout)")
     args = parser.parse_args(argv)
 
     # Keep fd 1 for the protocol; everything else written to stdout lands on stderr.
@@ -110,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                 error = _wait_healthy(args.wait_url, args.wait_timeout)
             if not waited and args.warmup and error is None:
                 left = max(1.0, args.wait_timeout - (time.monotonic() - started))
-                error = loop.run_until_complete(_warm_up(verifier, json.loads(args.warmup), left))
+                error = loop.run_until_complete(
+                    _warm_up_with(args.plugin, options, args.warmup_option, verifier, json.loads(args.warmup), left))
             waited = True
             reply({"id": rid, "ok": error is None, **({"error": error} if error else {})})
         elif op == "verify":
