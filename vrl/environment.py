@@ -105,7 +105,9 @@ class Environment(ABC):
     def iteration_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """The metrics.jsonl entries made from an iteration's summed `Verdict.metrics` (verifier counters).
 
-        Default: the sums as they are. Override to add rates (the lean plugin adds `lean/exploit_rate`).
+        Default: the sums as they are. Override to add rates (the lean plugin adds `lean/exploit_rate`);
+        name a derived value for what it is (`_rate`, `_ratio`, `_fraction`, `_mean`, `/mean`, `/max`, ...),
+        so `vrl report` shows it as a rate rather than summing it over the run like a counter.
         """
         return dict(sums)
 
