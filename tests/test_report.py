@@ -96,6 +96,7 @@ def test_interrupted_mid_iteration_run_is_reported_and_resumed(tmp_path):
     assert [r["iteration"] for r in RunDir.open(run).metrics()] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_report_of_21_runs_stays_readable_and_html_has_no_control_bytes(runs, tmp_path):
     """21 runs with long names: every image stays within a bounded size (the old layout grew with the
     number of runs: 5412 px and 11550 px wide), and control bytes in completions never reach the page."""

@@ -37,6 +37,7 @@ def test_the_plugin_registers_an_optimizer_and_a_backend(installed):
     assert "random_search:\n  population_size: 8\n" in out.stdout and "  canned:\n    completions:\n" in out.stdout
 
 
+@pytest.mark.slow
 def test_random_search_trains_the_canned_backend_and_resumes_exactly(installed, tmp_path):
     """Random search on the canned policy learns letters' best answer; a run stopped after 3 iterations
     and resumed to 6 writes what an uninterrupted run writes (the accepted seeds are replayed)."""
@@ -54,6 +55,7 @@ def test_random_search_trains_the_canned_backend_and_resumes_exactly(installed, 
     assert rewards(tmp_path / "part") == whole
 
 
+@pytest.mark.slow
 def test_each_trains_with_vrls_own_kinds(installed, tmp_path):
     """Random search moves the tiny model's weights (hf backend); ES moves the canned backend's logits."""
     out = vrl(installed, "train", *LETTERS, "--optimizer", "random_search", "--iterations", "1", "--name", "hf",
