@@ -2,8 +2,9 @@ import pytest
 
 # setuptools swaps in its own distutils the first time it is imported, and asserts that the swap worked;
 # torch's inductor imports it on its first compile. Imported after other tests changed the process's
-# import state, the assertion failed (tests/test_grpo_compile.py, seen when pytest-xdist ran that file
-# after others in one worker). Imported here, first, a file passes or fails the same whatever ran before it.
+# import state, the assertion failed: tests/test_grpo_compile.py, run in one process after
+# tests/test_modal_{images,app,sandbox,lease}.py (as pytest-xdist's workers may). Imported here, first,
+# a file passes or fails the same whatever ran before it.
 import setuptools  # noqa: F401, I001
 import torch
 
