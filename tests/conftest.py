@@ -1,4 +1,11 @@
 import pytest
+
+# setuptools swaps in its own distutils the first time it is imported, and asserts that the swap worked;
+# torch's inductor imports it on its first compile. Imported after other tests changed the process's
+# import state, the assertion failed: tests/test_grpo_compile.py, run in one process after
+# tests/test_modal_{images,app,sandbox,lease}.py (as pytest-xdist's workers may). Imported here, first,
+# a file passes or fails the same whatever ran before it.
+import setuptools  # noqa: F401, I001
 import torch
 
 from vrl.plugins import registry
@@ -6,6 +13,14 @@ from vrl.plugins import registry
 # One intra-op thread: the tiny models gain nothing from more, and on a loaded 2-core machine torch's
 # thread pool makes generation 10-100x slower (measured while several test runs shared the cores).
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that starts the Modal emulator (`emu`, `module_emu`: containers in processes of their own,
+    typically 10-70 s on the 2-core machine) is `slow`: `-m "not slow"` leaves it out."""
+    for item in items:
+        if {"emu", "module_emu"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

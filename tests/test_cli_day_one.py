@@ -39,6 +39,7 @@ def test_a_runs_dir_blocked_by_a_file_is_named_in_one_line(tmp_path):
         vrl.Trainer(vrl.TrainConfig(plugin="letters", logging={"runs_dir": str(tmp_path / "afile")}))
 
 
+@pytest.mark.slow
 def test_a_runs_dir_the_system_refuses_is_named_with_exit_2(tmp_path):
     """A directory the kernel refuses to create even for root (sysfs); a read-only file system (EROFS) used to
     exit 1 with raw errno text from the same place."""
@@ -185,6 +186,7 @@ def test_grpo_training_and_resume_emit_no_scheduler_warning(tmp_path):
 
 
 # -- W&B --------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_wandb_without_a_key_suggests_offline_mode(tmp_path, monkeypatch):
     """Real wandb, no API key and no login (a fresh HOME): it refuses at `wandb.init`; the one line says how to
     go on without an account."""

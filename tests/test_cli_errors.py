@@ -117,6 +117,7 @@ def test_unknown_and_mistyped_environment_options(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_es_selection_is_checked_before_anything_loads_or_starts(tmp_path, monkeypatch):
     """A selection ES cannot use fails in the preflight, on the model's weightless module tree: a typo
     in es.include, a low-rank selection with no matrix, and (no vLLM here: the engine could not even
@@ -245,6 +246,7 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_naming_the_first(tmp_path):
     """A live `vrl train` holds its run directory: `--resume` of it and a new run of the same name are refused."""
     env = {**os.environ, "HF_ENDPOINT": NO_HUB}
@@ -286,6 +288,7 @@ def sigterm_after_an_iteration(proc: subprocess.Popen, run: Path) -> str:
             proc.communicate()
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
     """SIGTERM (a job scheduler's stop, torchrun ending its launch, `kill`) ends `vrl train` as Ctrl-C does:
     exit 130, the summary says interrupted, the finished iterations are kept and the run resumes. Before,
@@ -335,6 +338,7 @@ def train_failure(stderr: str, *fragments: str) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 def test_a_verifier_whose_check_always_raises_fails_vrl_train_with_one_line(tmp_path):
     """`vrl train` of a plugin whose `SimpleVerifier.check` has a typo: exit 2 at iteration 0, no update, nothing kept."""
     (tmp_path / "typo_plugin.py").write_text(

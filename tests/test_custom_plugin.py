@@ -26,6 +26,7 @@ def test_example_plugin_is_listed(installed):
     assert plugins["reverse"]["error"] is None
 
 
+@pytest.mark.slow
 def test_train_one_iteration_on_the_example_plugin(installed, tmp_path):
     out = vrl(installed, "train", "--plugin", "reverse", "--iterations", "1", "--name", "rev",
               "--set", f"logging.runs_dir={tmp_path}", "--set", "tasks_per_iteration=2", "--set", "es.population_size=2")

@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from vrl.cli import main
@@ -60,6 +61,7 @@ def test_readme_names_the_pass_at_k_that_eval_prints():
     assert re.findall(r"pass@(\d+)", line) == printed
 
 
+@pytest.mark.slow
 def test_python_md_examples_run(tmp_path, monkeypatch):
     """docs/python.md's examples, top to bottom in one namespace as the page says, in a fresh directory
     (they train and evaluate the tiny model for real: a few seconds each)."""

@@ -138,6 +138,7 @@ def _reward(generator: HFGenerator, env: LettersEnvironment) -> float:
     return total / len(completions)
 
 
+@pytest.mark.slow
 def test_es_raises_the_reward_on_the_toy_task(tmp_path: Path) -> None:
     """Before ≈ 0.07 (16 of 257 byte tokens), after ≈ 0.99 with these settings (σ=0.2, α=1, lm_head only).
 

@@ -76,6 +76,7 @@ def test_cached_model_with_no_hub_switches_to_offline(offline_hub, monkeypatch):
         hub.check_model("org/tiny", revision="other")  # another revision is not cached
 
 
+@pytest.mark.slow
 def test_eval_of_a_cached_hub_model_runs_offline_without_retries(tmp_path):
     """The whole command against a cached model while the Hub refuses connections: it just works."""
     cache_tiny_model(tmp_path / "cache", "org/tiny")

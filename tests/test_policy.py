@@ -230,8 +230,7 @@ def test_pooled_engines_are_sized_for_the_members_each_one_is_dealt(monkeypatch)
     member and runs its LoRA kernels over every slot), and `deal` never gives one engine more than that
     in a call, for any population and pool size (the invariant the sizing rests on)."""
     import vrl.runtime.local as local_mod
-    from vrl.policy import HostNeeds
-    from vrl.runtime.pool import deal
+    from vrl.policy import HostNeeds, deal
 
     asked = []
 

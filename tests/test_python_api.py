@@ -34,6 +34,7 @@ def readme_first_run() -> list[str]:
     return shlex.split(runs[0])[2:]
 
 
+@pytest.mark.slow
 def test_the_readme_first_run_learns_and_the_library_makes_the_same_run(tmp_path):
     """The README's first run (letters) visibly learns in its 10 iterations, and
     `vrl.Trainer(vrl.TrainConfig(plugin="letters", iterations=10)).run()` is the same run: the same

@@ -1,7 +1,12 @@
 """vrl report renders plots and an HTML page from real (short) runs, including an interrupted one."""
 
 import base64
+import html
+import json
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -91,6 +96,7 @@ def test_interrupted_mid_iteration_run_is_reported_and_resumed(tmp_path):
     assert [r["iteration"] for r in RunDir.open(run).metrics()] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_report_of_21_runs_stays_readable_and_html_has_no_control_bytes(runs, tmp_path):
     """21 runs with long names: every image stays within a bounded size (the old layout grew with the
     number of runs: 5412 px and 11550 px wide), and control bytes in completions never reach the page."""
@@ -142,3 +148,67 @@ def test_each_rule_labels_its_runs_from_the_recorded_config(tmp_path):
     assert method({"optimizer": "es", "es": {"noise": "full", "rank": 8}}) == "es"
     assert method({"optimizer": "grpo", "grpo": {"use_peft": True}}) == "grpo"
     assert method({"optimizer": "random-search"}) == "random-search"  # a rule not installed here: its name
+
+
+# -- the page in a real browser -------------------------------------------------------------------------------
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+# Runs in the page after layout: per <h2> section, the first cell of each table row (the metric names), and
+# every element that reaches past the window or whose content overflows its box (what scrolls sideways).
+MEASURE = """<script>
+const W = document.documentElement.clientWidth, out = {width: W, scroll: document.documentElement.scrollWidth,
+                                                        sections: {}, overflow: []};
+let section = "(top)";
+for (const el of document.body.querySelectorAll("*")) {
+  if (el.tagName === "H2") { section = el.textContent; out.sections[section] = []; }
+  if (el.tagName === "TD" && el.cellIndex === 0 && el.closest("table").querySelector("th")) out.sections[section].push(el.textContent);
+  const r = el.getBoundingClientRect();
+  if (r.right > W + 1 || el.scrollWidth > el.clientWidth + 1 && getComputedStyle(el).overflowX === "visible")
+    out.overflow.push(section + ": <" + el.tagName.toLowerCase() + "> " + Math.round(r.right) + "/" + el.scrollWidth);
+}
+const pre = document.createElement("pre"); pre.id = "measured"; pre.textContent = JSON.stringify(out);
+document.body.appendChild(pre);
+</script>"""
+
+
+def in_chromium(page: Path, width: int, tmp_path: Path) -> dict:
+    """`page` laid out by headless Chromium in a window `width` px wide: what MEASURE found."""
+    probe = page.with_name("measured.html")
+    probe.write_text(page.read_text().replace("</body>", MEASURE + "</body>"))
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+             "--no-first-run", f"--user-data-dir={tmp_path / 'chromium'}", f"--window-size={width},900"]
+    dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120)
+    found = re.search(r'<pre id="measured">(.*?)</pre>', dom.stdout, flags=re.S)
+    assert found, dom.stderr[-3000:]
+    return json.loads(html.unescape(found.group(1)))
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs the Debian package chromium (apt-get install chromium)")
+def test_the_page_in_chromium_keeps_each_kind_of_metric_under_its_heading_and_fits_1300_px(runs, tmp_path):
+    """A GRPO run whose verifier logs counters and a rate, with a long run name and a completion of one long
+    unbroken word: in a 1300 px window nothing reaches past the page's width, verifier counters are
+    summed under their heading, and GRPO's statistics (loss, grad norm, learning rate) and the rate are
+    shown under theirs (a sum of learning rates means nothing)."""
+    run = tmp_path / ("letters-grpo-" + "a-very-long-sweep-name-" * 4 + "20261128")
+    shutil.copytree(runs[1], run)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for i, row in enumerate(rows):
+        row.update({"lean/canaries": 4.0, "lean/canary_exploits": float(i), "lean/exploit_rate": i / 4})
+        assert {"grpo/loss", "grpo/grad_norm", "grpo/learning_rate"} <= set(row)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    samples[0].update(completion="x" * 3000, reward=99.0)  # the best attempt: shown in full
+    samples[0]["task_id"] = "task-" + "0123456789" * 30
+    (run / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    out = tmp_path / "report"
+    res = CliRunner().invoke(main, ["report", str(run), str(runs[0]), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+
+    seen = in_chromium(out / "report.html", 1300, tmp_path)
+    assert seen["width"] <= 1300 and seen["overflow"] == [] and seen["scroll"] <= seen["width"], seen["overflow"]
+    sections = seen["sections"]
+    assert set(sections["Verifier counters"]) == {"lean/canaries", "lean/canary_exploits"}
+    assert set(sections["Verifier rates"]) == {"lean/exploit_rate"}
+    statistics = set(sections["Optimizer statistics"])
+    assert {"grpo/loss", "grpo/grad_norm", "grpo/learning_rate"} <= statistics
+    assert all(k.startswith(("grpo/", "es/", "time/")) for k in statistics), statistics

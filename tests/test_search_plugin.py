@@ -26,6 +26,7 @@ def rewards(run: Path) -> list[float]:
     return [json.loads(line)["reward_mean"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_the_plugin_registers_an_optimizer_and_a_backend(installed):
     plugins = {p["name"]: p for p in json.loads(vrl(installed, "plugins", "--json").stdout)}
     search = plugins["search"]
@@ -37,6 +38,7 @@ def test_the_plugin_registers_an_optimizer_and_a_backend(installed):
     assert "random_search:\n  population_size: 8\n" in out.stdout and "  canned:\n    completions:\n" in out.stdout
 
 
+@pytest.mark.slow
 def test_random_search_trains_the_canned_backend_and_resumes_exactly(installed, tmp_path):
     """Random search on the canned policy learns letters' best answer; a run stopped after 3 iterations
     and resumed to 6 writes what an uninterrupted run writes (the accepted seeds are replayed)."""
@@ -54,6 +56,7 @@ def test_random_search_trains_the_canned_backend_and_resumes_exactly(installed, 
     assert rewards(tmp_path / "part") == whole
 
 
+@pytest.mark.slow
 def test_each_trains_with_vrls_own_kinds(installed, tmp_path):
     """Random search moves the tiny model's weights (hf backend); ES moves the canned backend's logits."""
     out = vrl(installed, "train", *LETTERS, "--optimizer", "random_search", "--iterations", "1", "--name", "hf",
@@ -67,6 +70,7 @@ def test_each_trains_with_vrls_own_kinds(installed, tmp_path):
     assert len(rewards(tmp_path / "es")) == 2
 
 
+@pytest.mark.slow
 def test_vrl_plugins_selects_the_plugins_a_run_may_use(installed, tmp_path):
     """Hermetic runs: VRL_PLUGINS= (empty) loads vrl's built-ins alone, so the plugin's names are unknown."""
     out = vrl(installed, "train", "--optimizer", "random_search", "--set", f"logging.runs_dir={tmp_path}", VRL_PLUGINS="")

@@ -66,6 +66,7 @@ def test_mlflow_works_with_no_environment_variables(tmp_path):
     assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.slow
 def test_mlflow_resume_continues_the_run_and_respects_the_tracking_uri(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     no_mlflow_env(monkeypatch)
@@ -147,6 +148,7 @@ def test_a_later_sink_failing_to_start_closes_the_runs_already_opened(tmp_path):
     assert events == ["start", "failed"] and not (tmp_path / "sinks.json").exists()
 
 
+@pytest.mark.slow
 def test_wandb_offline_run(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -81,6 +81,7 @@ class WatchedSampling(LocalRuntime):
         return host
 
 
+@pytest.mark.slow
 def test_verification_overlaps_generation(tmp_path):
     """A batch is judged while later batches are still being generated (an ordering, not a timing)."""
     cfg = small_config(

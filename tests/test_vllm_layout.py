@@ -525,6 +525,7 @@ def test_an_engine_that_cannot_wake_after_training_says_what_to_change():
         gen._wake()
 
 
+@pytest.mark.slow
 def test_vllm_backend_without_vllm_is_a_one_line_error_and_leaves_no_run(tmp_path):
     """On a machine without vLLM (this one), `--set generator.backend=vllm` says how to install it, exit 2."""
     import importlib.util

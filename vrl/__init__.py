@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "RewardFunctions": "vrl.reward_functions",
     "RewardShaper": "vrl.reward",
     "Runtime": "vrl.runtime.base",
+    "SandboxSpec": "vrl.environment",
     "SimpleVerifier": "vrl.verifier",
     "Status": "vrl.types",
     "Task": "vrl.types",
@@ -68,7 +69,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names (tests/test_import_light.py checks both lists agree)
     from vrl.config import TrainConfig, resolve_config  # noqa: F401
-    from vrl.environment import Environment, EnvOptions  # noqa: F401
+    from vrl.environment import Environment, EnvOptions, SandboxSpec  # noqa: F401
     from vrl.envs.dataset import DatasetEnvironment  # noqa: F401
     from vrl.errors import UsageError  # noqa: F401
     from vrl.generate.base import Generator  # noqa: F401

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import collections.abc
 import inspect
+import json
+import shlex
 import types
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
@@ -22,9 +25,54 @@ from vrl.reward import Binary, RewardShaper
 from vrl.types import Task
 from vrl.verifier import Verifier
 
-if TYPE_CHECKING:  # a type only: the Modal runtime sits above this module
+if TYPE_CHECKING:  # a type only
     from vrl.episodes import Interaction
-    from vrl.runtime.modal.sandbox import SandboxSpec
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What a verifier sandbox runs: the command (verify server, maybe a sidecar) and its limits.
+
+    An environment describes its own sandbox by overriding `Environment.modal_sandbox()` to return
+    one of these, or a dict of its fields (the Lean plugin names the kimina-lean-server image and its
+    start command). It lives here, in the core, because environments return it; the Modal runtime
+    (`vrl.runtime.modal.sandbox`) runs it.
+    """
+
+    plugin: str
+    options: dict[str, Any] = field(default_factory=dict)
+    image: str | None = None  # registry image to build on; None: debian_slim
+    sidecar: tuple[str, ...] = ()  # a server started in the background before the verify server
+    wait_url: str | None = None  # health URL of the sidecar; the verify server answers once it is healthy
+    workdir: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    network: bool = False  # a verifier that must reach the network sets this (code verifiers never do)
+    # Attempts (`Attempt` JSON) the verify server judges before it answers its first ping; every one must
+    # pass. Ready then means ready to judge (a Lean server with Mathlib imported), not merely alive.
+    warmup: tuple[dict[str, Any], ...] = ()
+    # Verifier options for the warm-up only (the Lean plugin: a per-proof timeout long enough to import Mathlib
+    # on every REPL at once), on top of `options`; the batches that follow use `options` alone.
+    warmup_options: dict[str, Any] = field(default_factory=dict)
+    memory_mb: int | None = None  # what the sidecar needs (e.g. kimina: 8 GiB per REPL); the sandbox gets at least this
+    apt: tuple[str, ...] = ()  # Debian packages the verifier needs on top of `image` (Lean's re-check: bubblewrap)
+
+    def command(self, python: str = "python", wait_timeout_s: float = 600.0) -> list[str]:
+        """argv of the sandbox's main process."""
+        serve = [python, "-m", "vrl.runtime.modal.verify_server", "--plugin", self.plugin]
+        for key, value in self.options.items():
+            serve += ["-o", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
+        if self.wait_url:
+            serve += ["--wait-url", self.wait_url]
+        if self.wait_url or self.warmup:
+            serve += ["--wait-timeout", str(wait_timeout_s)]
+        if self.warmup:
+            serve += ["--warmup", json.dumps(list(self.warmup))]
+            for key, value in self.warmup_options.items():
+                serve += ["--warmup-option", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
+        if not self.sidecar:
+            return serve
+        sidecar = shlex.join(self.sidecar)
+        return ["bash", "-c", f"{sidecar} >/tmp/sidecar.log 2>&1 & exec {shlex.join(serve)}"]
 
 
 class EnvOptions(BaseModel):
@@ -76,7 +124,9 @@ class Environment(ABC):
     def iteration_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """The metrics.jsonl entries made from an iteration's summed `Verdict.metrics` (verifier counters).
 
-        Default: the sums as they are. Override to add rates (the lean plugin adds `lean/exploit_rate`).
+        Default: the sums as they are. Override to add rates (the lean plugin adds `lean/exploit_rate`);
+        name a derived value for what it is (`_rate`, `_ratio`, `_fraction`, `_mean`, `/mean`, `/max`, ...),
+        so `vrl report` shows it as a rate rather than summing it over the run like a counter.
         """
         return dict(sums)
 
@@ -91,7 +141,7 @@ class Environment(ABC):
         """How the Modal runtime runs this environment's verifier in a sandbox (`runtime.modal.verify_in: sandbox`).
 
         None (the default): the verifier, with the run's options, on a plain image with no network.
-        Return a `vrl.runtime.modal.sandbox.SandboxSpec`, or a dict of its fields, to change that: the
+        Return a `SandboxSpec`, or a dict of its fields, to change that: the
         Lean plugin names the kimina-lean-server image, starts it as a sidecar and points the verifier
         at it. Called in the orchestrator, on the environment built from the run's options.
         """

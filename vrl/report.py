@@ -273,24 +273,60 @@ def printable(text: str) -> str:
     return _CONTROL.sub(visible, text)
 
 
-def _verifier_counters(runs: list[Run], e: Any) -> list[str]:
-    """The verifiers' own counters (metrics named `plugin/...`, e.g. lean/exploit_rate): summed over the
-    run, with the last iteration's value; and the integrity alarms a run stopped on."""
+# A verifier's derived metrics (`Environment.iteration_metrics`: lean/exploit_rate, lean/recheck_s_mean) are
+# named for what they are; its per-attempt counters (`Verdict.metrics`, summed per iteration) are plain counts.
+_RATE = re.compile(r"(_rate|_ratio|_fraction|_mean|_std|_min|_max|/mean|/std|/min|/max)$")
+
+
+def metric_kinds(run: Run) -> dict[str, list[str]]:
+    """A run's named metrics (`a/b`), by how they add up over its iterations:
+
+    - `counters`: the verifiers' counts (`Verdict.metrics` summed per iteration): summed over the run;
+    - `rates`: the verifiers' rates and means (`Environment.iteration_metrics` derives them; the name
+      ends in `_rate`, `_ratio`, `_fraction`, `_mean`, `_std`, `/mean`, ...): a sum means nothing;
+    - `statistics`: the update rule's own (`<optimizer>/...`: loss, grad_norm, learning_rate) and the
+      loop's timings (`time/...`): a sum means nothing either.
+
+    Status counts and reward functions have sections of their own."""
+    rule = f"{run.config.get('optimizer', '?')}/"
+    keys = sorted({k for m in run.metrics for k in m if "/" in k and not k.startswith(("status/", "reward/"))})
+    kinds: dict[str, list[str]] = {"counters": [], "rates": [], "statistics": []}
+    for k in keys:
+        kind = "statistics" if k.startswith((rule, "time/")) else "rates" if _RATE.search(k) else "counters"
+        kinds[kind].append(k)
+    return kinds
+
+
+def _values(run: Run, key: str) -> list[float]:
+    return [float(m[key]) for m in run.metrics if isinstance(m.get(key), (int, float))]
+
+
+def _metric_sections(runs: list[Run], e: Any) -> list[str]:
+    """Verifier counters (summed over the run, and the last iteration's), verifier rates and the update
+    rule's statistics (the mean over the run's iterations, and the last value), each under its own
+    heading; and the integrity alarms a run stopped on."""
+    sections = (("counters", "Verifier counters", "sum over the run", lambda v: sum(v)),
+                ("rates", "Verifier rates", "mean over the run", lambda v: sum(v) / len(v)),
+                ("statistics", "Optimizer statistics", "mean over the run", lambda v: sum(v) / len(v)))
+    kinds = {id(run): metric_kinds(run) for run in runs}
     parts: list[str] = []
+    for kind, title, total, fold in sections:
+        body = []
+        for run in runs:
+            rows = "".join(f"<tr><td>{e(k)}</td><td>{fold(v):.4g}</td><td>{v[-1]:.4g}</td></tr>"
+                           for k in kinds[id(run)][kind] if (v := _values(run, k)))
+            if rows:
+                body.append(f"<h3>{e(run.label)}</h3><table class='{kind}'><tr><th>metric</th><th>{total}</th>"
+                            f"<th>last iteration</th></tr>{rows}</table>")
+        if body:
+            parts += [f"<h2>{title}</h2>", *body]
     for run in runs:
-        keys = sorted({k for m in run.metrics for k in m if "/" in k and not k.startswith(("status/", "reward/"))})
         alarms = run.path / "alarms.jsonl"
-        if not keys and not alarms.exists():
-            continue
-        if not parts:
-            parts.append("<h2>Verifier counters</h2>")
-        rows = "".join(f"<tr><td>{e(k)}</td><td>{sum(float(m.get(k, 0)) for m in run.metrics):.4g}</td>"
-                       f"<td>{float(run.metrics[-1].get(k, 0)):.4g}</td></tr>" for k in keys)
-        parts.append(f"<h3>{e(run.label)}</h3><table><tr><th>counter</th><th>sum over the run</th><th>last iteration</th></tr>{rows}</table>")
         if alarms.exists():
             lines = [json.loads(x) for x in alarms.read_text().splitlines() if x.strip()]
             first = e(lines[0]["alarm"]) if lines else ""
-            parts.append(f"<p><b>{len(lines)} integrity alarm(s)</b> (alarms.jsonl); the first: {first}</p>")
+            parts.append(f"<h2>Integrity alarms</h2><h3>{e(run.label)}</h3>"
+                         f"<p><b>{len(lines)} integrity alarm(s)</b> (alarms.jsonl); the first: {first}</p>")
     return parts
 
 
@@ -315,9 +351,12 @@ def _html(runs: list[Run], images: dict[str, Path]) -> str:
 
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>vrl report</title><style>",
-        "body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:1em 0}"
-        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top}"
-        "pre{white-space:pre-wrap;max-width:600px;margin:0;font-size:12px}img{max-width:100%}",
+        # Nothing scrolls sideways at any width down to a laptop's: long unbroken words (a run name, a
+        # completion with no spaces) break anywhere, tables and images shrink to the page.
+        "body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;overflow-wrap:anywhere}"
+        "table{border-collapse:collapse;margin:1em 0;max-width:100%}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top;overflow-wrap:anywhere}"
+        "pre{white-space:pre-wrap;overflow-wrap:anywhere;max-width:600px;margin:0;font-size:12px}img{max-width:100%}",
         "</style></head><body><h1>vrl report</h1>",
         "<h2>Runs</h2><table><tr><th>run</th><th>plugin</th><th>model</th><th>optimizer</th><th>status</th>"
         "<th>iterations</th><th>reward first → last (best)</th><th>pass rate last</th><th>tokens</th><th>loop s</th></tr>",
@@ -333,7 +372,7 @@ def _html(runs: list[Run], images: dict[str, Path]) -> str:
         )
     parts.append("</table>")
     parts.extend(_reward_function_table(runs, e))
-    parts.extend(_verifier_counters(runs, e))
+    parts.extend(_metric_sections(runs, e))
     for title, path in images.items():
         data = base64.b64encode(path.read_bytes()).decode()
         parts.append(f"<h2>{e(title)}</h2><img alt='{e(title)}' src='data:image/png;base64,{data}'>")

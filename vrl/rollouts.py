@@ -1,7 +1,9 @@
-"""Asynchronous rollouts: sample and verify the next iterations while GRPO trains on this one.
+"""Asynchronous rollouts: sample and verify the next iterations while the rule trains on this one.
 
-With `grpo.max_staleness` = S > 0 a producer thread runs the sampling passes (and hands their
-completions to the verification pool) while the main thread waits for verdicts, shapes and trains::
+A rule that trains weights and declares a staleness setting (`Optimizer.staleness`: GRPO's
+`grpo.max_staleness`; a plugin's rule names its own) runs this way when the setting is S > 0: a
+producer thread runs the sampling passes (and hands their completions to the verification pool)
+while the main thread waits for verdicts, shapes and trains::
 
     producer:  sample j+1 ─────┐ sample j+2 ──────┐ ...           (verification streams behind each pass)
     trainer:   train j ── publish ─ train j+1 ── publish ─ ...
@@ -33,47 +35,59 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vrl.errors import UsageError
+from vrl.optim import optimizer_class
 from vrl.policy import PolicyHost, Trainable, Variant
 from vrl.types import Attempt, Completion, Task, Verdict
 
 _POLL_S = 0.1  # how often a waiting thread looks for a stop or a failure on the other side
 
 
+def staleness(config: Any) -> tuple[str, int]:
+    """The run's asynchronous-rollouts setting, as (its dotted name, its value): how many updates sampling
+    may run ahead of training. ("", 0) for a rule that declares none (`Optimizer.staleness`)."""
+    field_ = optimizer_class(config.optimizer).staleness
+    if field_ is None:
+        return "", 0
+    return f"{config.optimizer}.{field_}", int(getattr(getattr(config, config.optimizer), field_))
+
+
 def asynchronous(config: Any) -> bool:
-    """Whether a run samples ahead of its updates (grpo.max_staleness > 0 with optimizer=grpo)."""
-    return config.optimizer == "grpo" and config.grpo.max_staleness > 0
+    """Whether a run samples ahead of its updates (its rule's `staleness` setting is > 0)."""
+    return staleness(config)[1] > 0
 
 
 def check(config: Any) -> None:
     """Refuse, before anything starts, an asynchronous run that cannot work (one line, what to change)."""
-    stale = config.grpo.max_staleness
+    for name in getattr(type(config), "optimizers", ()):  # another rule's setting, given to a run of this one
+        other = optimizer_class(name).staleness
+        if name != config.optimizer and other and getattr(getattr(config, name), other) > 0:
+            raise UsageError(f"{name}.{other}={getattr(getattr(config, name), other)} pipelines {name}'s rollouts; "
+                             f"optimizer={config.optimizer} samples and updates in turn: leave {name}.{other} at 0")
+    setting, stale = staleness(config)
     if stale == 0:
         return
-    if config.optimizer != "grpo":
-        raise UsageError(f"grpo.max_staleness={stale} pipelines GRPO's rollouts; optimizer={config.optimizer} samples "
-                         "and updates in turn: leave grpo.max_staleness at 0")
+    rule = optimizer_class(config.optimizer)
+    if rule.moves != "trained":
+        raise UsageError(f"{setting}={stale}: optimizer={config.optimizer} moves {rule.moves}, which cannot be sampled "
+                         f"ahead of its updates (only a rule that trains weights can): set {setting}=0")
     if config.runtime.kind != "local":
-        raise UsageError(f"grpo.max_staleness={stale} needs runtime.kind=local (runtime {config.runtime.kind!r} samples "
-                         "in step with its updates): set grpo.max_staleness=0")
+        raise UsageError(f"{setting}={stale} needs runtime.kind=local (runtime {config.runtime.kind!r} samples "
+                         f"in step with its updates): set {setting}=0")
     from vrl.generate import generator_class
 
     backend = config.generator.backend
     if generator_class(backend).decouple is PolicyHost.decouple:
-        raise UsageError(f"grpo.max_staleness={stale}: generator.backend={backend} cannot sample while the policy "
-                         "trains (no `decouple`); use generator.backend=hf or set grpo.max_staleness=0")
-    from vrl.optim.grpo import vespo_mode_error
-
-    if why := vespo_mode_error(config.grpo):
-        raise UsageError(why)
+        raise UsageError(f"{setting}={stale}: generator.backend={backend} cannot sample while the policy "
+                         f"trains (no `decouple`); use generator.backend=hf or set {setting}=0")
     section = getattr(config.generator, backend, None)
     if not getattr(section, "sampling_logprobs", True):
-        raise UsageError(f"grpo.max_staleness={stale} trains on batches sampled by older weights, which only the "
+        raise UsageError(f"{setting}={stale} trains on batches sampled by older weights, which only the "
                          f"sampler's log-probs correct for: set generator.{backend}.sampling_logprobs=true")
     if getattr(section, "sleep", False):
-        raise UsageError(f"grpo.max_staleness={stale} keeps the engine sampling while the policy trains, and "
+        raise UsageError(f"{setting}={stale} keeps the engine sampling while the policy trains, and "
                          f"generator.{backend}.sleep=true frees its memory for training between passes: use one of them")
     if getattr(section, "sync_every", 1) > 1:
-        raise UsageError(f"grpo.max_staleness={stale} and generator.{backend}.sync_every={section.sync_every} both "
+        raise UsageError(f"{setting}={stale} and generator.{backend}.sync_every={section.sync_every} both "
                          "delay the sampler's weights, and staleness is counted in publishes: use one of them")
 
 
@@ -293,7 +307,7 @@ class Rollouts:
         behind = [self.optimizer.iteration - r.completion.weights_version for r in stats.results]
         if min(behind) < 0 or max(behind) > self.lead:  # the schedule makes this impossible: say so loudly
             raise RuntimeError(f"iteration {iteration}: a batch sampled {max(behind, default=0)} updates ago reached "
-                               f"the update (grpo.max_staleness={self.lead}); this is a bug in vrl.rollouts")
+                               f"the update ({staleness(self.trainer.config)[0]}={self.lead}); this is a bug in vrl.rollouts")
         self.host.publish_wait_s = 0.0
         t_update = time.perf_counter()
         self.trainer._updating = True  # as the synchronous loop: a stop inside tell leaves nothing to save
@@ -302,8 +316,8 @@ class Rollouts:
         stats.update_s = time.perf_counter() - t_update
         stats.optimizer_metrics = {
             **metrics,
-            "grpo/staleness/mean": sum(behind) / len(behind),
-            "grpo/staleness/max": max(behind),
+            f"{self.trainer.config.optimizer}/staleness/mean": sum(behind) / len(behind),
+            f"{self.trainer.config.optimizer}/staleness/max": max(behind),
             "time/wait_for_rollouts_s": ready - start,
             "time/wait_for_trainer_s": item.waited_s,
             "time/publish_wait_s": self.host.publish_wait_s,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from vrl import console as show
-from vrl import distributed, episodes, rollouts
+from vrl import distributed, episodes, launch, rollouts
 from vrl.environment import Environment
 from vrl.errors import IntegrityAlarm, PluginError, RunDirError, UsageError, describe
 from vrl.optim import Optimizer, make_optimizer
@@ -78,7 +78,7 @@ class Trainer:
         self._stop_requested: str | None = None  # the stop signal's name (`_stop_signals`)
         self._interruptible = False  # inside `_collective_free()`: a stop signal interrupts at once
         if self._follower:  # a rank > 0 of a torchrun launch: rank 0 owns the run directory and the loop
-            distributed.check(config)  # refused here with rank 0's line, before this rank joins the group
+            launch.check(config)  # refused here with rank 0's line, before this rank joins the group
             self.run_dir = run_dir
             return
         # Everything that can fail runs before the run directory is created or changed, so a bad
@@ -105,8 +105,8 @@ class Trainer:
                 close_unused(self.env.verifier())  # its options refused before tasks load (one line)
             self._pool_tasks = self._task_pool()
             preflight(self.config, self.env)
-            distributed.check(self.config)  # under torchrun: what several processes cannot train
-            rollouts.check(self.config)  # grpo.max_staleness > 0: what cannot sample while it trains
+            launch.check(self.config)  # under torchrun: what several processes cannot train
+            rollouts.check(self.config)  # asynchronous rollouts: what cannot sample while it trains
         except BaseException:
             if run_dir is not None:
                 run_dir.release()
@@ -200,7 +200,7 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         if self._follower:
-            return distributed.follow(self.config)
+            return launch.follow(self.config)
         with self._stop_signals():
             return self._run()
 
@@ -277,7 +277,7 @@ class Trainer:
             if self.env.multi_turn:  # the environment answers back: the host samples whole episodes
                 policy.episodes(episodes.Episodes(self.env))
             if rollouts.asynchronous(cfg):  # sampling runs ahead in a thread, on weights only `publish` changes
-                policy = rollouts.VersionedHost(policy, cfg.grpo.max_staleness)
+                policy = rollouts.VersionedHost(policy, rollouts.staleness(cfg)[1])
             optimizer.setup(policy)
             policy = optimizer.sampler(policy)  # GRPO under torchrun may sample on every rank
             if self.start_iteration >= cfg.iterations:  # nothing to load: a checkpoint older than the end would redo iterations

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from vrl.config import Section
-from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Unsupported, Variant, WeightsInfo
+from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Unsupported, Variant, WeightsInfo, shard_seed  # noqa: F401 (shard_seed: its old home, imported from here)
 from vrl.types import Completion, Task
 from vrl.weights.update import Update
 
@@ -149,11 +149,6 @@ class Generator(PolicyHost):
 
         with torch.no_grad():
             self._perturbation_state()[0].load_state(state)
-
-
-def shard_seed(seed: int | None, start: int, n: int) -> int | None:
-    """The seed that makes `stream(tasks[start:], n, seed=...)` sample what `stream(tasks, n, seed)` does."""
-    return None if seed is None else seed + start * n
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:

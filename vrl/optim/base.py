@@ -10,6 +10,9 @@ One iteration of the loop::
 ES asks for N seeded perturbations with one sample each; GRPO asks for the current policy with G
 samples per task. An optimizer changes weights only through its `PolicyHost` (`vrl.policy`): ES
 with seeded perturbations and updates, GRPO by training `host.trainable()` and publishing it.
+
+A rule declares what it can do (`moves`, `staleness`, `ranks`); the loop, the launch and preflight
+ask those declarations, never the rule's name, so a plugin's rule is treated as a built-in is.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ class Optimizer(ABC):
     name: str = "optimizer"
     Config: type[BaseModel]  # its settings: the config section named after the rule (`config.<name>`)
     moves: Moves = "perturbations"  # how this rule changes weights (see `vrl.policy.Moves`)
+    # Asynchronous rollouts (`vrl.rollouts`): the field of its section (`config.<name>.<field>`, an int) that
+    # lets sampling run that many updates ahead of training; None: it samples and updates in turn. Needs
+    # moves="trained" (seeded perturbations are asked for per iteration, with nothing to run ahead on).
+    staleness: str | None = None
+    # Trains under torchrun: rank 0 runs the loop and leads, every other rank runs `follow` (`vrl.launch`).
+    ranks: bool = False
     fixed_on_resume: tuple[str, ...] = ()  # fields of its section a resume may not change
     host: PolicyHost | None = None
 
@@ -54,6 +63,11 @@ class Optimizer(ABC):
         (`vrl.generate.hf.meta_model`; called only by rules that need it); None where the weights
         are elsewhere (Modal). Raises a `UsageError`: one line, what is wrong and how to fix it."""
 
+    @classmethod
+    def check_launch(cls, config: Any) -> None:
+        """Refuse settings a torchrun launch of several ranks cannot train with (rules with `ranks`), on
+        every rank before it joins the process group. Raises a `UsageError`: one line."""
+
     def needs(self) -> HostNeeds:
         """What this rule will ask of its hosts (the runtime places and sizes engines with it)."""
         return HostNeeds(self.moves)
@@ -66,6 +80,16 @@ class Optimizer(ABC):
         """What the loop samples from once `setup(host)` ran: `host` itself, unless the rule spreads the
         sampling over processes it leads (GRPO under torchrun with `grpo.sample_on_every_rank`)."""
         return host
+
+    def samples_on_every_rank(self) -> bool:
+        """Under torchrun: whether the ranks > 0 sample too (each then holds an engine of the run's backend;
+        otherwise a rank loads the model with the in-process backend, for its weights alone)."""
+        return False
+
+    def follow(self) -> None:
+        """A rank > 0 of a torchrun launch (rules with `ranks`): do what rank 0's rule tells it until the
+        run stops. Called once `setup` ran."""
+        raise NotImplementedError(f"{self.name} does not train under torchrun (Optimizer.ranks is False)")
 
     @property
     @abstractmethod

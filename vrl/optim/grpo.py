@@ -123,6 +123,8 @@ class GRPO(Optimizer):
     name = "grpo"
     Config = GRPOConfig
     moves = "trained"
+    staleness = "max_staleness"  # grpo.max_staleness > 0: asynchronous rollouts (`vrl.rollouts`)
+    ranks = True  # FSDP2 (or data-parallel LoRA) across a torchrun launch's ranks (`vrl.optim.grpo_dist`)
     fixed_on_resume = ("use_peft",) + LORA_FIELDS
 
     def __init__(self, config: GRPOConfig, seed: int = 0, total_iterations: int | None = None):
@@ -145,7 +147,8 @@ class GRPO(Optimizer):
                              "greedy decoding gives the group's samples identical and their advantages zero; "
                              "set e.g. --set sampling.temperature=1.0")
         g, backend = config.grpo, getattr(config.generator, config.generator.backend, None)
-        if getattr(backend, "sampling_logprobs", False) and (why := vespo_mode_error(g)):
+        # The sampler's log-probs come with a vLLM backend that reports them, and with any decoupled host.
+        if (getattr(backend, "sampling_logprobs", False) or g.max_staleness > 0) and (why := vespo_mode_error(g)):
             raise UsageError(why)
         if getattr(backend, "sync_every", 1) > 1 and not g.vllm_importance_sampling_correction:
             log.warning("generator.%s.sync_every=%d samples with stale weights, and "
@@ -507,6 +510,15 @@ class GRPO(Optimizer):
                 out["grpo/sampling/importance_sampling_ratio/mean"] = s["sum"] / s["n"]
                 out["grpo/sampling/importance_sampling_ratio/max"] = self.group.max(float(w.max()) if w.numel() else -inf)
         return out
+
+    @classmethod
+    def check_launch(cls, config: Any) -> None:
+        if config.grpo.sample_on_every_rank and config.grpo.max_staleness > 0:
+            raise UsageError("grpo.sample_on_every_rank samples on every rank between training steps; it cannot run "
+                             "with asynchronous rollouts: set grpo.max_staleness=0 or grpo.sample_on_every_rank=false")
+
+    def samples_on_every_rank(self) -> bool:
+        return self.config.sample_on_every_rank
 
     def needs(self) -> HostNeeds:
         """Trained weights; with `use_peft`, the adapter's rank (a vLLM engine can then serve the adapter

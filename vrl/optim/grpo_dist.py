@@ -150,7 +150,7 @@ class RankHosts(PolicyHost):
 
     def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
                ) -> Iterator[list[Completion]]:
-        from vrl.runtime.pool import deal
+        from vrl.policy import deal
 
         work = deal(tasks, variants, seed, self.group.world, self.granule)
         self.group.send("sample_share", work)

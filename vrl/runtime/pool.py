@@ -22,35 +22,11 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from vrl.generate.base import shard_seed
-from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Trainable, Variant, WeightsInfo, WeightStream
+from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Trainable, Variant, WeightsInfo, WeightStream, deal
 from vrl.types import Completion, Task
 from vrl.weights.update import Update
 
 _DONE = object()
-
-
-def deal(tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None, k: int, granule: int = 1
-         ) -> list[list[tuple[Sequence[Task], list[Variant], int | None]]]:
-    """An iteration's work dealt over `k` samplers with the same weights: per sampler, the (tasks,
-    variants, seed) calls it makes. Variants round-robin (each sampler runs all its members in one
-    call) or, with fewer variants than samplers, each variant's tasks in contiguous shards starting at
-    multiples of `granule`, each seeded for its position (`shard_seed`), so the samples are one
-    sampler's whoever draws them."""
-    work: list[list[tuple[Sequence[Task], list[Variant], int | None]]] = [[] for _ in range(k)]
-    if len(variants) >= k or len(tasks) < 2:
-        for h in range(k):  # one call per sampler with all its members (hf low-rank ES batches them)
-            if variants[h::k]:
-                work[h].append((tasks, list(variants[h::k]), seed))
-        return work
-    per_host = -(-len(tasks) // k)
-    size = -(-per_host // granule) * granule
-    h = 0
-    for v in variants:
-        for start in range(0, len(tasks), size):
-            work[h % k].append((tasks[start : start + size], [v], shard_seed(seed, start, v.samples_per_task)))
-            h += 1
-    return work
 
 
 def host_needs(needs: HostNeeds | None, k: int) -> HostNeeds | None:

@@ -39,7 +39,10 @@ class RandomSearch(vrl.Optimizer):
 
     name = "random_search"
     Config = RandomSearchConfig
-    moves = "perturbations"
+    # What it can do, which the loop, the launch and preflight ask (never its name):
+    moves = "perturbations"  # seeded perturbations through the host, as ES: any backend and runtime ES runs on
+    staleness = None  # no asynchronous rollouts: each iteration's members are drawn when it starts
+    ranks = False  # one process; a torchrun launch is refused in one line
     fixed_on_resume = ("sigma", "include", "exclude")  # the accepted seeds mean θ only with these
 
     def __init__(self, config: RandomSearchConfig, seed: int = 0):

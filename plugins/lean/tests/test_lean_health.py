@@ -112,6 +112,7 @@ def test_verify_stops_before_verifying_when_no_server_answers(tmp_path):
     assert not (tmp_path / "v.jsonl").exists() and res.stdout == ""
 
 
+@pytest.mark.slow
 def test_train_leaves_no_run_directory_when_the_server_does_not_answer(tmp_path):
     with silent_server() as url:
         res = subprocess.run([sys.executable, "-m", "vrl.cli", "train", "--plugin", "lean", "--model", "tiny",

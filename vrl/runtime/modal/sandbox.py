@@ -31,9 +31,10 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
+from vrl.environment import SandboxSpec  # the type environments return (`Environment.modal_sandbox`)
 from vrl.types import Attempt, Status, Verdict
 from vrl.verifier import Verifier, VerifierUnavailable
 
@@ -52,57 +53,6 @@ class SandboxUnavailable(VerifierUnavailable):
 
 class SandboxFailure(VerifierUnavailable):
     """The sandboxes, not the attempts, failed a batch: it died in fresh sandboxes on every try."""
-
-
-@dataclass(frozen=True)
-class SandboxSpec:
-    """What a verifier sandbox runs: the command (verify server, maybe a sidecar) and its limits.
-
-    An environment describes its own sandbox by overriding `Environment.modal_sandbox()` to return
-    one of these, or a dict of its fields (the Lean plugin names the kimina-lean-server image and its
-    start command).
-    """
-
-    plugin: str
-    options: dict[str, Any] = field(default_factory=dict)
-    image: str | None = None  # registry image to build on; None: debian_slim
-    sidecar: tuple[str, ...] = ()  # a server started in the background before the verify server
-    wait_url: str | None = None  # health URL of the sidecar; the verify server answers once it is healthy
-    workdir: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    network: bool = False  # a verifier that must reach the network sets this (code verifiers never do)
-    # Attempts (`Attempt` JSON) the verify server judges before it answers its first ping; every one must
-    # pass. Ready then means ready to judge (a Lean server with Mathlib imported), not merely alive.
-    warmup: tuple[dict[str, Any], ...] = ()
-    # Verifier options for the warm-up only (the Lean plugin: a per-proof timeout long enough to import Mathlib
-    # on every REPL at once), on top of `options`; the batches that follow use `options` alone.
-    warmup_options: dict[str, Any] = field(default_factory=dict)
-    memory_mb: int | None = None  # what the sidecar needs (e.g. kimina: 8 GiB per REPL); the sandbox gets at least this
-    apt: tuple[str, ...] = ()  # Debian packages the verifier needs on top of `image` (Lean's re-check: bubblewrap)
-
-    def command(self, python: str = "python", wait_timeout_s: float = 600.0) -> list[str]:
-        """argv of the sandbox's main process."""
-        serve = [python, "-m", "vrl.runtime.modal.verify_server", "--plugin", self.plugin]
-        for key, value in self.options.items():
-            serve += ["-o", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
-        if self.wait_url:
-            serve += ["--wait-url", self.wait_url]
-        if self.wait_url or self.warmup:
-            serve += ["--wait-timeout", str(wait_timeout_s)]
-        if self.warmup:
-            serve += ["--warmup", json.dumps(list(self.warmup))]
-            for key, value in self.warmup_options.items():
-                serve += ["--warmup-option", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
-        if not self.sidecar:
-            return serve
-        sidecar = " ".join(_quote(a) for a in self.sidecar)
-        return ["bash", "-c", f"{sidecar} >/tmp/sidecar.log 2>&1 & exec {' '.join(_quote(a) for a in serve)}"]
-
-
-def _quote(arg: str) -> str:
-    import shlex
-
-    return shlex.quote(arg)
 
 
 def sandbox_memory_mb(spec: SandboxSpec, configured: int) -> int:
