@@ -381,7 +381,7 @@ def test_a_sandbox_is_ready_only_once_its_warm_up_attempts_pass():
 
 
 def test_warm_up_options_build_a_verifier_of_their_own_for_the_warm_up_only():
-    """Issue 40 item 2: a spec's `warmup_options` (Lean: a per-proof limit long enough to import Mathlib on
+    """Issue 40 item 2: per-sandbox start and batch times reach the metrics; a spec's `warmup_options` (Lean: a per-proof limit long enough to import Mathlib on
     every REPL) judge the warm-up with a verifier built with them on top of the run's options; the batches
     after it use the run's verifier. An option only the warm-up verifier gets, and that cannot build, keeps
     the sandbox from becoming ready with that reason, while a valid one leaves the run's verdicts as they were."""
@@ -402,13 +402,20 @@ def test_warm_up_options_build_a_verifier_of_their_own_for_the_warm_up_only():
                                start_timeout_s=60)
             try:
                 await pool.start()
-                return await pool.verify([right])
+                return await pool.verify([right]), await pool.verify([right, right])
             finally:
                 await pool.aclose()
 
         return run(go())
 
-    assert [v.passed for v in start({"seed": 1})] == [True]
+    first, second = start({"seed": 1})
+    assert [v.passed for v in first + second] == [True] * 3
+    # The pool's own counters ride on each batch's first verdict (summed per iteration into metrics.jsonl):
+    # the sandbox's start-up (warm-up included) once, on the first batch after it; each batch's seconds.
+    assert first[0].metrics["modal/sandbox_starts"] == 1 and first[0].metrics["modal/sandbox_start_s"] > 0
+    assert "modal/sandbox_starts" not in second[0].metrics and not second[1].metrics
+    assert [b[0].metrics["modal/sandbox_batches"] for b in (first, second)] == [1, 1]
+    assert all(b[0].metrics["modal/sandbox_batch_s"] > 0 for b in (first, second))
     with pytest.raises(SandboxUnavailable, match="warm-up verifier.*max_numbers"):
         start({"max_numbers": 9})
 

@@ -323,6 +323,7 @@ class SandboxPool(Verifier):
         self.trials = max(1, trials)  # tries of a batch in fresh sandboxes before it is split
         self.keepalive_s = keepalive_s  # ping idle sandboxes this often (their idle_timeout must not end them)
         self._keepalive: asyncio.Task | None = None
+        self._unreported_starts: list[float] = []  # seconds each sandbox took to become ready, not yet in metrics
         self.stats = {"starts": 0, "restarts": 0, "crashes": 0, "timeouts": 0, "batches": 0, "judged": 0,
                       "attempt_crashes": 0, "failures": 0, "keepalives": 0}
         self._slots = [_Slot(i) for i in range(size)]
@@ -371,7 +372,9 @@ class SandboxPool(Verifier):
         if not reply.get("ok"):
             await slot.handle.stop()
             raise SandboxUnavailable(f"sandbox {slot.index} is unhealthy: {reply.get('error', reply)}")
-        log.info("verifier sandbox %d ready in %.1f s (%s)", slot.index, time.monotonic() - t0, slot.handle.describe())
+        ready_s = time.monotonic() - t0
+        self._unreported_starts.append(ready_s)  # into the metrics of the next batch judged (`_measured`)
+        log.info("verifier sandbox %d ready in %.1f s (%s)", slot.index, ready_s, slot.handle.describe())
 
     async def _restart(self, slot: _Slot, reason: str) -> None:
         """A fresh sandbox in the slot; a start that fails is tried once more, then `SandboxUnavailable`."""
@@ -482,8 +485,20 @@ class SandboxPool(Verifier):
             if "verdicts" not in reply:
                 raise RuntimeError(f"verifier sandbox error: {reply.get('error', reply)}")
             self.stats["judged"] += 1
-            return [Verdict.model_validate(v) for v in reply["verdicts"]]
+            return self._measured([Verdict.model_validate(v) for v in reply["verdicts"]], time.monotonic() - start)
         return None
+
+    def _measured(self, verdicts: list[Verdict], batch_s: float) -> list[Verdict]:
+        """The batch's verdicts, the first carrying the pool's own counters (`Verdict.metrics`, summed per
+        iteration into metrics.jsonl): this batch's seconds in its sandbox, and the start-up seconds of every
+        sandbox that became ready since the last batch (import and warm-up included)."""
+        if verdicts:
+            starts, self._unreported_starts = self._unreported_starts, []
+            verdicts[0].metrics.update({"modal/sandbox_batches": 1.0, "modal/sandbox_batch_s": batch_s})
+            if starts:
+                verdicts[0].metrics.update({"modal/sandbox_starts": float(len(starts)),
+                                            "modal/sandbox_start_s": sum(starts)})
+        return verdicts
 
     async def _settle(self, slot: _Slot, attempts: list[Attempt], judged: Callable[[], bool]) -> list[Verdict] | None:
         """Verdicts for a batch that killed its sandbox on every try: each half tried alone, and a half
