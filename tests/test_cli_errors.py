@@ -35,12 +35,16 @@ def vrl(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-def one_line_error(res: subprocess.CompletedProcess, *fragments: str) -> str:
-    """Exit 2, no traceback, and stderr holding exactly one line, `error: ...`, containing `fragments`."""
+def one_line_error(res: subprocess.CompletedProcess, *fragments: str, warned: str | None = None) -> str:
+    """Exit 2, no traceback, and stderr holding exactly one line, `error: ...`, containing `fragments`;
+    with `warned`, also exactly one warning line containing it (a warning the options ask for), before it."""
     output = res.stdout + res.stderr
     assert res.returncode == 2, output
     assert "Traceback" not in output, output
     lines = [line for line in res.stderr.splitlines() if line.strip()]
+    if warned is not None:
+        assert len(lines) == 2 and "warning: " in lines[0] and warned in lines[0], output
+        lines = lines[1:]
     assert len(lines) == 1 and lines[0].startswith("error: "), output
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
@@ -159,7 +163,8 @@ def test_lean_missing_data_and_default_dataset_without_network(tmp_path, monkeyp
               cwd=tmp_path)
     one_line_error(res, "-o data='/nonexistent'", "no such file or directory", ".jsonl")
     res = vrl("train", "--plugin", "lean", "--model", "tiny", "-o", "server=http://127.0.0.1:9", "-o", "recheck=off", cwd=tmp_path)
-    one_line_error(res, "kfdong/STP_Lean_SFT", "not in the local Hugging Face cache", "-o data=PATH")
+    one_line_error(res, "kfdong/STP_Lean_SFT", "not in the local Hugging Face cache", "-o data=PATH",
+                   warned="-o recheck=off: passes were NOT re-checked")  # issue 39: said once, at the start
     assert not (tmp_path / "runs").exists()
     monkeypatch.chdir(tmp_path)
     assert "docker run" in cli("train", "--plugin", "lean", "--model", "tiny")  # no server at all

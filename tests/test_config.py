@@ -138,10 +138,11 @@ def flat(data: dict) -> dict:
     return out
 
 
-# Settings added after the flat keys moved (issue 25: Modal at scale; issue 29: vLLM weight transfer): no
+# Settings added after the flat keys moved (issue 25: Modal at scale; issue 29: vLLM weight transfer; issue 40:
+# Modal output): no
 # old run directory has them.
 SINCE_ISSUE_28 = {"members_per_call", "min_containers", "orchestrator_timeout_s", "sandbox_idle_timeout_s",
-                  "snapshot_every", "weight_transfer"}
+                  "snapshot_every", "weight_transfer", "output"}  # output: issue 40
 
 
 def test_migrate_puts_old_keys_where_they_are_now():

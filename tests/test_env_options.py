@@ -12,8 +12,9 @@ DECLARED = {
     "countdown": ["size", "seed", "min_numbers", "max_numbers", "calculator", "max_turns"],
     "guess": ["size", "turns", "seed"],
     "letters": ["size"],
-    "lean": ["server", "api_key", "data", "test_fraction", "timeout_s", "max_heartbeats", "repls", "recheck", "lean_project", "lean_command",
-             "recheck_timeout_s", "canary_rate", "turns", "feedback_chars", "on_exploit"],
+    "lean": ["server", "api_key", "data", "test_fraction", "timeout_s", "max_heartbeats", "repls", "recheck", "recheck_api_key",
+             "recheck_sandbox", "lean_project", "lean_command", "recheck_timeout_s", "canary_rate", "turns", "feedback_chars",
+             "on_exploit"],
     "python-tests": ["tasks", "format", "visible_tests", "reward", "sandbox", "workers", "test_timeout_s",
                      "attempt_timeout_s", "memory_mb", "max_processes", "python", "turns", "feedback_chars"],
 }

@@ -502,3 +502,22 @@ async def test_the_self_test_passes_an_honest_host_and_stops_a_run_on_a_broken_o
             await v._check_recheck()
         assert "self-test" in str(info.value) and words in str(info.value) and "\n" not in str(info.value)
         await v.aclose()
+
+
+def test_a_toolchain_under_tmp_stays_visible_in_the_sandbox(tmp_path):
+    """The sandbox hides the host's /tmp behind a private one; a Lean command whose files live there (a checkout
+    and its virtualenv in /tmp, as a CI runner may have) would not start. Its folders are bound read-only: a
+    program in bin/ brings its virtualenv, a script its folder; nothing outside /tmp, and never /tmp itself."""
+    from vrl_lean.recheck_host import under_tmp
+
+    if not str(tmp_path).startswith("/tmp/"):
+        pytest.skip(f"pytest's tmp_path is not under /tmp here ({tmp_path})")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    script = tmp_path / "tools" / "fake_lean.py"
+    script.parent.mkdir()
+    script.write_text("")
+    command = [str(venv / "bin" / "python"), str(script), "-o", "/usr/bin/env", "/tmp"]
+    assert under_tmp(command) == (str(venv), str(script.parent))
+    assert under_tmp(["/usr/bin/env", "lean"]) == ()

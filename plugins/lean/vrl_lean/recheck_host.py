@@ -88,6 +88,20 @@ def sandbox_argv(project: str, writable: str | None, readable: tuple[str, ...] =
     return argv + ["--chdir", project, "--"]
 
 
+def under_tmp(command: list[str]) -> tuple[str, ...]:
+    """The folders of `command`'s files that lie under /tmp, which the sandbox would otherwise hide behind its
+    private /tmp: a toolchain or a virtualenv there (a checkout in /tmp) stays visible, read-only. A program in
+    a `bin/` folder brings the folder above it (a virtualenv: its `pyvenv.cfg` and libraries)."""
+    folders = []
+    for arg in command:
+        path = Path(arg)
+        if path.is_absolute() and path.exists() and path.parts[1:2] == ("tmp",):
+            folder = path.parent.parent if path.parent.name == "bin" else path.parent
+            if len(folder.parts) > 2:  # never /tmp itself
+                folders.append(str(folder))
+    return tuple(dict.fromkeys(folders))
+
+
 def check_sandbox(project: str) -> str | None:
     """None if bubblewrap can run a sandboxed process here; else why not, in one line."""
     if shutil.which("bwrap") is None:
@@ -181,7 +195,7 @@ def recheck(job: Any, project: str, lean: list[str] | None = None, checker: Path
         for stem in ("reference", "candidate"):
             source = dirs[stem] / f"{stem}.lean"
             source.write_text(texts[stem], encoding="utf-8")
-            box = sandbox_argv(project, str(dirs[stem])) if sandbox == "bwrap" else None
+            box = sandbox_argv(project, str(dirs[stem]), under_tmp(lean)) if sandbox == "bwrap" else None
             t0 = time.monotonic()
             rc, out, err = _run([*lean, "-o", str(olean[stem]), str(source)], project, deadline - time.monotonic(), box)
             stages[f"compile_{stem}_s"] = round(time.monotonic() - t0, 3)
@@ -198,7 +212,7 @@ def recheck(job: Any, project: str, lean: list[str] | None = None, checker: Path
             if _digest(original) != guarded[copy] or _digest(copy) != guarded[copy]:
                 return answer("error", f"{copy.name} changed while the candidate compiled: the candidate ran code")
         t0 = time.monotonic()
-        box = sandbox_argv(project, None, (str(dirs["check"]),)) if sandbox == "bwrap" else None
+        box = sandbox_argv(project, None, (str(dirs["check"]), *under_tmp(lean))) if sandbox == "bwrap" else None
         rc, out, err = _run([*lean, "--run", str(copies["checker"]), str(copies["candidate"]), str(copies["reference"]),
                              name, str(header_heartbeats(reference))], project, deadline - time.monotonic(), box)
         stages["check_s"] = round(time.monotonic() - t0, 3)
