@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import Field
 
 from vrl.environment import Environment, EnvOptions
+from vrl.envs import TINY_MODEL_STEPS
 from vrl.episodes import Interaction, ModelTurn, Reply
 from vrl.reward import PartialCredit
 from vrl.types import Attempt, Status, Task, Verdict
@@ -91,14 +92,7 @@ class GuessEnvironment(Environment):
         "iterations": 30,
         "tasks_per_iteration": 8,
         "sampling.max_new_tokens": 2,
-        "es.population_size": 16,
-        "es.sigma": 0.2,
-        "es.alpha": 1.0,
-        "es.include": ["lm_head.*"],
-        "grpo.num_generations": 8,
-        "grpo.learning_rate": 1e-2,
-        "grpo.lr_scheduler_type": "constant",
-        "grpo.micro_batch_size": 32,
+        **TINY_MODEL_STEPS,
     }
     Options = GuessOptions
 
