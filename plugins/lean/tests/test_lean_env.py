@@ -257,6 +257,56 @@ def test_a_lean_sandbox_is_ready_only_with_mathlib_loaded_on_every_repl_and_a_pr
     assert checked.apt == ("bubblewrap",) and checked.options["recheck_sandbox"] == "bwrap"
 
 
+@pytest.mark.slow
+def test_a_lean_sandbox_whose_warm_up_outlasts_kiminas_start_up_limit_still_becomes_ready():
+    """Issue 40 item 2: kimina 2.0.0 imports LEAN_SERVER_INIT_REPLS's header inside its start-up under a hard
+    60 s limit, and one overrun kills the server; a 2-core sandbox importing Mathlib four times at once can
+    overrun it. The Lean sandbox's real spec (its env, warm-up attempts and warm-up options) runs as a local
+    process against a stand-in kimina that keeps those rules time-scaled (`kimina_startup.py`: the import
+    takes 1.5 s against a 1 s start-up limit and a 1 s per-proof timeout, standing for 90 s against 60 s):
+    the sandbox becomes ready and judges, where kimina's own preload kills the server and a warm-up under the
+    run's per-proof timeout never passes. Emulated: no Lean here; the sandbox is a local process."""
+    import asyncio
+    import dataclasses
+    import json
+    import socket
+    import sys
+    from pathlib import Path
+
+    from vrl_lean.environment import WARMUP_IMPORTS, warmup_attempt
+
+    sandbox = pytest.importorskip("vrl.runtime.modal.sandbox", reason="the Modal runtime is not installed in this tree")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    env = LeanEnvironment(server="http://remote:8000", recheck="off", repls=2, timeout_s=1.0, canary_rate=0.0)
+    real = sandbox.spec_for(env, "lean", {"server": "http://remote:8000", "recheck": "off"})
+    stand_in = (sys.executable, str(Path(__file__).parent / "kimina_startup.py"), str(port), "1.5", "1.0")
+    spec = dataclasses.replace(real, sidecar=stand_in, wait_url=f"{url}/health", workdir=None,
+                               options={**real.options, "server": url})
+
+    def start(spec):
+        async def go():
+            pool = sandbox.SandboxPool(lambda: sandbox.ProcessSandbox.for_spec(spec, 8), size=1,
+                                       request_timeout_s=30, start_timeout_s=20)
+            try:
+                await pool.start()
+                return await pool.verify([warmup_attempt(7)])
+            finally:
+                await pool.aclose()
+
+        return asyncio.run(go())
+
+    (verdict,) = start(spec)
+    assert verdict.passed, verdict.detail  # ready, and the REPLs it warmed judge in the run's 1 s
+    preloading = dataclasses.replace(spec, env={**spec.env, "LEAN_SERVER_INIT_REPLS": json.dumps({WARMUP_IMPORTS: 2})})
+    with pytest.raises(sandbox.SandboxUnavailable):
+        start(preloading)  # kimina's own preload: the server dies in its start-up
+    with pytest.raises(sandbox.SandboxUnavailable, match="warm-up attempt did not pass"):
+        start(dataclasses.replace(spec, warmup_options={}))  # the warm-up under the run's 1 s per proof
+
+
 def test_under_modal_the_lean_plugin_needs_no_server_option():
     """Issue 25 item 5: `--plugin lean --runtime modal` with no `-o server=` (nor `-o recheck=`): the
     environment builds, the trainer builds no verifier here (the sandboxes judge), and the sandbox's own
