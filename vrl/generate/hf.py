@@ -319,21 +319,13 @@ class HFGenerator(Generator):
         import contextlib
 
         import torch
-        from transformers import LogitsProcessorList
 
         from vrl.episodes import Sampled
 
         pad, width = self.tokenizer.pad_token_id, max(len(x) for x in sequences)
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in sequences], device=self.device)
         attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in sequences], device=self.device)
-        values = self.sampling.effective()
-        # greedy, or greedy over the row sampler's Gumbel-perturbed scores
-        kwargs = generation_arguments(self.sampling, self.tokenizer, sample=False)
-        sampler, record = None, self._decoupled and values["temperature"] > 0
-        if values["temperature"] > 0:
-            sampler = _RowSampler([_fresh_seed() if s is None else s for s in seeds], values, self.device,
-                                  record=record)
-            kwargs["logits_processor"] = LogitsProcessorList([sampler])
+        kwargs, sampler = self._row_sampled([_fresh_seed() if s is None else s for s in seeds], self._decoupled)
         with torch.inference_mode():
             if members:
                 from vrl.generate.hf_population import population
@@ -343,7 +335,7 @@ class HFGenerator(Generator):
                 rows = contextlib.nullcontext()
             with rows, own_generation_config(self.model):
                 out = self.model.generate(input_ids=input_ids, attention_mask=attention, **kwargs)
-            logps = sampler.sampled_logprobs(out).float().cpu() if record else None
+            logps = sampler.sampled_logprobs(out).float().cpu() if sampler is not None and sampler.record else None
         sampled = []
         for r in range(len(sequences)):
             ids, text, finish = self._trim(out[r, width:].tolist())
@@ -351,6 +343,20 @@ class HFGenerator(Generator):
             sampled.append(Sampled(ids=ids, text=text, raw=raw, finish_reason=finish,
                                    logprobs=logps[r, : len(ids)].tolist() if logps is not None else None))
         return sampled
+
+    def _row_sampled(self, seeds: Sequence[int], record: bool = False) -> tuple[dict[str, Any], _RowSampler | None]:
+        """`generate`'s arguments with row r drawn from its own generator seeded `seeds[r]` (`_RowSampler`:
+        greedy over its Gumbel-perturbed scores, recording each drawn token's log-prob with `record`), and
+        that sampler; at temperature 0, plain greedy decoding and no sampler."""
+        kwargs = generation_arguments(self.sampling, self.tokenizer, sample=False)
+        values = self.sampling.effective()
+        if values["temperature"] <= 0:
+            return kwargs, None
+        from transformers import LogitsProcessorList
+
+        sampler = _RowSampler(seeds, values, self.device, record=record)
+        kwargs["logits_processor"] = LogitsProcessorList([sampler])
+        return kwargs, sampler
 
     def _encode(self, tasks: Sequence[Task]) -> Any:
         texts = [render_prompt(self.tokenizer, t.prompt) for t in tasks]
@@ -382,13 +388,7 @@ class HFGenerator(Generator):
                         meta.append((v.index, i, j))
             index = torch.tensor(rows, device=self.device)
             batch = {k: t.index_select(0, index) for k, t in enc.items()}
-            values = self.sampling.effective()
-            # greedy over the row sampler's Gumbel-perturbed scores
-            kwargs = generation_arguments(self.sampling, self.tokenizer, sample=False)
-            if values["temperature"] > 0:
-                from transformers import LogitsProcessorList
-
-                kwargs["logits_processor"] = LogitsProcessorList([_RowSampler(row_seeds, values, self.device)])
+            kwargs, _ = self._row_sampled(row_seeds)
             members_st = [(v.seed, v.sign) for v in members]
             with population(self._params.layers, members_st, self._spec.sigma, self._spec.rank, row_member), \
                     own_generation_config(self.model):
@@ -424,7 +424,6 @@ class HFGenerator(Generator):
         `completion_logprobs` computes.
         """
         import torch
-        from transformers import LogitsProcessorList
 
         if seed is None:
             seed = int(torch.randint(0, 2**31 - 1, ()).item())
@@ -432,10 +431,7 @@ class HFGenerator(Generator):
             enc = self._encode(tasks)
             rows = {k: v.repeat_interleave(n, dim=0) for k, v in enc.items()}
             count = rows["input_ids"].shape[0]
-            sampler = _RowSampler([seed + r for r in range(count)], self.sampling.effective(), self.device, record=True)
-            # greedy over the row sampler's Gumbel-perturbed scores
-            kwargs = generation_arguments(self.sampling, self.tokenizer, sample=False)
-            kwargs["logits_processor"] = LogitsProcessorList([sampler])
+            kwargs, sampler = self._row_sampled([seed + r for r in range(count)], record=True)
             with own_generation_config(self.model):
                 out = self.model.generate(**rows, **kwargs)
             logps = sampler.sampled_logprobs(out).float().cpu()
