@@ -60,21 +60,27 @@ async def _warm_up(verifier, attempts: list[dict], timeout_s: float) -> str | No
     return None
 
 
-async def _warm_up_with(plugin: str, options: dict, warmup_options: list[str], verifier, attempts: list[dict],
+def _options(items: list[str]) -> dict:
+    """`KEY=VALUE` items (`-o`, `--warmup-option`) as one options dict, later items winning."""
+    from vrl.config import parse_override
+
+    options: dict = {}
+    for item in items:
+        options.update(parse_override(item))
+    return options
+
+
+async def _warm_up_with(plugin: str, options: dict, warmup_options: dict, verifier, attempts: list[dict],
                         timeout_s: float) -> str | None:
     """The warm-up, judged by the run's verifier, or, with warm-up options, by a verifier of its own built
     with them on top of the run's options (and closed after: what it warmed, such as a Lean server's REPLs,
     stays with the server)."""
     if not warmup_options:
         return await _warm_up(verifier, attempts, timeout_s)
-    from vrl.config import parse_override
     from vrl.plugins import registry
 
-    merged = dict(options)
-    for item in warmup_options:
-        merged.update(parse_override(item))
     try:
-        warm = registry().environment(plugin, **merged).verifier()
+        warm = registry().environment(plugin, **{**options, **warmup_options}).verifier()
     except Exception as exc:  # noqa: BLE001 - the sandbox is then not ready, with the reason
         return f"cannot build the warm-up verifier: {type(exc).__name__}: {exc}"
     try:
@@ -101,16 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="verify_server: %(message)s")
 
-    from vrl.config import parse_override
     from vrl.plugins import registry
     from vrl.types import Attempt
     from vrl.verifier import verify_safely
 
     started = time.monotonic()
 
-    options: dict = {}
-    for item in args.option:
-        options.update(parse_override(item))
+    options, warmup_options = _options(args.option), _options(args.warmup_option)
     loop = asyncio.new_event_loop()
     try:
         verifier = registry().environment(args.plugin, **options).verifier()
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             if not waited and args.warmup and error is None:
                 left = max(1.0, args.wait_timeout - (time.monotonic() - started))
                 error = loop.run_until_complete(
-                    _warm_up_with(args.plugin, options, args.warmup_option, verifier, json.loads(args.warmup), left))
+                    _warm_up_with(args.plugin, options, warmup_options, verifier, json.loads(args.warmup), left))
             waited = True
             reply({"id": rid, "ok": error is None, **({"error": error} if error else {})})
         elif op == "verify":
