@@ -108,6 +108,14 @@ class Sampled:
 Continue = Callable[[list[list[int]], list[int | None], list[int]], list[Sampled]]
 
 
+def attach(host: Any, environment: Any) -> None:
+    """Where `environment` answers back (`multi_turn`), `host` samples its tasks as whole episodes; a
+    single-turn environment leaves the host as it is. Every place that samples for training or evaluation
+    (rank 0's loop, a sampling follower rank, `vrl eval`) attaches through here."""
+    if environment.multi_turn:
+        host.episodes(Episodes(environment))
+
+
 def turn_seed(seed: int | None, turn: int) -> int | None:
     """The seed of an episode's turn `turn` (0-based): the first is the row's own seed, so a one-turn episode
     draws what a single completion draws; later ones are spread over [0, 2**31) by a golden-ratio step

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import Progress
 
+from vrl import episodes
 from vrl.environment import Environment
 from vrl.errors import UsageError
 from vrl.policy import Variant
@@ -45,10 +46,7 @@ def evaluate(config: TrainConfig, split: str = "test", k: int = 1, limit: int | 
     pending = []
     try:
         policy = runtime.policy(config)
-        if env.multi_turn:  # evaluated as trained: whole episodes
-            from vrl.episodes import Episodes
-
-            policy.episodes(Episodes(env))
+        episodes.attach(policy, env)  # evaluated as trained: whole episodes where the environment answers back
         pool = runtime.verification(env.verifier() if runtime.verifies_in_process(config) else None, config, len(tasks) * k)
         with Progress(console=console or Console(stderr=True), transient=True) as progress:
             bar = progress.add_task(f"eval {env.name}/{split}", total=len(tasks) * k)

@@ -57,13 +57,11 @@ def follow(config: Any) -> dict[str, Any]:
 
         gpu = str(torch.cuda.current_device()) if torch.cuda.is_available() else None
         [host] = generator_class(config.generator.backend).engines(config, optimizer.needs(), [gpu])
+        from vrl import episodes
         from vrl.plugins import registry
 
-        environment = registry().environment(config.plugin, **config.env_options)
-        if environment.multi_turn:  # its share of the batch is whole episodes, as rank 0's
-            from vrl.episodes import Episodes
-
-            host.episodes(Episodes(environment))
+        # its share of the batch is whole episodes where the environment answers back, as rank 0's
+        episodes.attach(host, registry().environment(config.plugin, **config.env_options))
     else:
         # Only rank 0 samples: here the model is loaded for its weights alone, with the in-process backend
         # whatever rank 0 samples with (a vLLM engine per rank would hold GPU memory for nothing).

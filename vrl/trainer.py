@@ -274,8 +274,7 @@ class Trainer:
             distributed.start()  # under torchrun: this rank's GPU, before any model loads
             optimizer = make_optimizer(cfg)
             policy = self.runtime.policy(cfg, optimizer.needs())
-            if self.env.multi_turn:  # the environment answers back: the host samples whole episodes
-                policy.episodes(episodes.Episodes(self.env))
+            episodes.attach(policy, self.env)  # an environment that answers back: whole episodes
             if rollouts.asynchronous(cfg):  # sampling runs ahead in a thread, on weights only `publish` changes
                 policy = rollouts.VersionedHost(policy, rollouts.staleness(cfg)[1])
             optimizer.setup(policy)
