@@ -62,6 +62,7 @@ class Group:
 
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.leader = self.rank == 0
+        self.lost: int | None = None  # rank 0: the rank that stopped answering (`gather`); nothing is sent after
         self.device = device
         self.mesh = init_device_mesh(device.type, (self.world,))
         # Objects travel over gloo (CPU) whatever the device; background checkpoint writes get a group of
@@ -74,6 +75,8 @@ class Group:
 
     # -- rank 0 leads -------------------------------------------------------------------------------
     def send(self, command: str, *args: Any) -> None:
+        if self.lost is not None:  # the launch is ending: a broadcast would fail on the lost rank's connection
+            return
         dist.broadcast_object_list([(command, args)], src=0, group=self.commands)
 
     def receive(self) -> tuple[str, tuple[Any, ...]]:
@@ -88,9 +91,20 @@ class Group:
         return box[0]
 
     def gather(self, value: Any) -> list[Any] | None:
-        """Every rank's `value`, in rank order, on rank 0 (None on the others)."""
-        out: list[Any] | None = [None] * self.world if self.leader else None
-        dist.gather_object(value, out, dst=0, group=self.objects)
+        """Every rank's `value`, in rank order, on rank 0 (None on the others). Rank 0 receives from one
+        rank after another, so a rank whose process died (its connection closed) is named: `RankLost`."""
+        if not self.leader:
+            dist.send_object_list([value], dst=0, group=self.objects)
+            return None
+        out = [value]
+        for r in range(1, self.world):
+            box: list[Any] = [None]
+            try:
+                dist.recv_object_list(box, src=r, group=self.objects)
+            except RuntimeError as exc:  # gloo: "Connection closed by peer", a timeout, ...
+                self.lost = r
+                raise RankLost(r, self.world, exc) from exc
+            out.append(box[0])
         return out
 
     def close(self) -> None:
@@ -98,7 +112,8 @@ class Group:
         communication threads end before the interpreter does (a gloo or DCP thread still joinable at
         exit aborts the process: "terminate called without an active exception")."""
         if dist.is_initialized():
-            dist.barrier(group=self.objects)
+            if self.lost is None:  # a lost rank would fail the barrier: the others end with the launch
+                dist.barrier(group=self.objects)
             dist.destroy_process_group()
 
     # -- reductions ---------------------------------------------------------------------------------
@@ -130,6 +145,16 @@ class Group:
 
     def min(self, value: float) -> float:
         return -self.max(-value)
+
+
+class RankLost(RuntimeError):
+    """A rank stopped answering rank 0 (its process died, or its node was lost): the launch ends."""
+
+    def __init__(self, rank: int, world: int, cause: BaseException):
+        reason = " ".join(str(cause).split())[:200]
+        super().__init__(f"rank {rank} of {world} stopped answering ({reason}): its process died or its node was lost, "
+                         "so the launch ends; the finished iterations are kept: resume the run")
+        self.rank = rank
 
 
 class RankHosts(PolicyHost):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -109,6 +109,11 @@ class FlatParams:
         """θ per parameter name (fp32, CPU copies)."""
         return {n: v.detach().to("cpu", copy=True) for g in self.groups for n, v in zip(g.names, g.master_views)}
 
+    def checksum(self) -> str:
+        """A fingerprint of θ's exact bits (`checksum`): equal on two copies only if their θ are equal
+        (up to a hash collision), whatever device each lives on."""
+        return checksum(g.master for g in self.groups)
+
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Set θ (and the weights) from `state`; names and shapes must match."""
         for g in self.groups:
@@ -117,6 +122,30 @@ class FlatParams:
                     raise ValueError(f"snapshot does not match the model at parameter {name}")
                 view.copy_(state[name])
         self.restore()
+
+
+CHECKSUM_CHUNK = 1 << 22  # elements per step of `checksum`: bounds its scratch memory (64 MiB) on a large θ
+
+
+def checksum(tensors: Iterable[torch.Tensor]) -> str:
+    """A fingerprint of fp32 tensors' exact bits, computed where they live (no copy to the host): two
+    wrapping 64-bit integer sums over the bit patterns, one of them weighted by position. Integer sums
+    are exact and independent of summation order, so every device and GPU model gives the same value
+    for the same bits; a single changed bit changes both. Cheap (one read of θ), not cryptographic:
+    it catches copies of θ that drifted apart (ES ranks), not an adversary."""
+    plain = weighted = 0
+    offset = 0
+    for t in tensors:
+        bits = t.detach().reshape(-1).view(torch.int32)
+        for start in range(0, bits.numel(), CHECKSUM_CHUNK):
+            chunk = bits[start : start + CHECKSUM_CHUNK].to(torch.int64)
+            position = torch.arange(offset + start + 1, offset + start + 1 + chunk.numel(), dtype=torch.int64,
+                                    device=chunk.device)
+            plain += int(chunk.sum())
+            weighted += int((chunk * position).sum())
+        offset += bits.numel()
+    mask = (1 << 64) - 1
+    return f"{plain & mask:016x}{weighted & mask:016x}"
 
 
 class _Group:

@@ -1,0 +1,128 @@
+"""ES under torchrun on CPU ranks (gloo, hf backend, the tiny local model), launched with the real
+`torchrun`, against one process: the same rewards, samples, history and θ, bit for bit.
+
+Every launch runs tests/es_torchrun_cli.py: the real `vrl train`, which also writes each rank's θ checksum
+after every update (and can kill a rank, or nudge one rank's update). Several nodes are emulated as the
+GRPO tests do: torchrun agents of one process each (`--nnodes N --node-rank i`) on this machine, sharing
+its filesystem; only the hosts are absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+CLI = str(HERE / "es_torchrun_cli.py")
+# 5 members over 2 or 3 ranks: dealt unevenly; sigma large enough that the members' rewards differ.
+SETTINGS = ["tasks_per_iteration=3", "es.population_size=5", "sampling.max_new_tokens=8", "sampling.temperature=1.0",
+            "es.sigma=0.05", "logging.samples_per_iteration=15"]
+
+pytestmark = pytest.mark.slow  # about 2 minutes of launches on the 2-core machine
+
+
+def job(runs: Path, iterations: int, resume: Path | None = None) -> list[str]:
+    """`vrl train` arguments of an ES run on the toy environment named "es" under `runs` (or its resume)."""
+    if resume is not None:
+        return ["train", "--resume", str(resume), "--iterations", str(iterations)]
+    sets = [a for s in [f"logging.runs_dir={runs}", *SETTINGS] for a in ("--set", s)]
+    return ["train", "--plugin", "letters", "--optimizer", "es", "--iterations", str(iterations), "--name", "es", *sets]
+
+
+def launch(args: list[str], checksums: Path, ranks: int = 1, nodes: int = 1, env: dict[str, str] | None = None,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """`args` as one process (`ranks=1`), or under torchrun: `ranks` processes on one node, or `nodes` agents
+    of `ranks // nodes` processes each (as on `nodes` hosts). Returns node 0's agent's output."""
+    path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "VRL_TEST_CHECKSUMS": str(checksums),
+           **(env or {})}
+    checksums.mkdir(parents=True, exist_ok=True)
+    if ranks == 1:
+        cmds = [[sys.executable, CLI, *args]]
+    else:
+        with socket.socket() as s:  # a free port: two test sessions on one machine must not meet
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks // nodes)]
+        if nodes == 1:
+            cmds = [[*run, "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", CLI, *args]]
+        else:
+            cmds = [[*run, "--nnodes", str(nodes), "--node-rank", str(i), "--master-addr", "127.0.0.1",
+                     "--master-port", str(port), CLI, *args] for i in range(nodes)]
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
+             for c in cmds]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=300))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    if check:
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, out[-3000:] + err[-6000:]
+    return subprocess.CompletedProcess(cmds[0], procs[0].returncode, *outs[0])
+
+
+def record(run: Path, checksums: Path) -> dict:
+    """What a run wrote, per iteration (rewards, member rewards, samples, history), and every rank's θ
+    checksums by iteration ({rank: {iteration: checksum}})."""
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    sums: dict[str, dict[int, str]] = {}
+    for f in sorted(checksums.glob("rank*.txt")):
+        for line in f.read_text().splitlines():
+            it, s = line.split()
+            sums.setdefault(f.stem, {})[int(it)] = s
+    return {"rewards": [(m["iteration"], m["reward_mean"], m["es/member_reward_mean"], m["es/member_reward_std"],
+                         m["es/member_reward_max"]) for m in metrics],
+            "samples": [(s["iteration"], s["task_id"], s.get("variant"), s["completion"]) for s in samples],
+            "history": json.loads((run / "es_history.json").read_text())["iterations"],
+            "checksums": sums}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The one-process run of 5 iterations, everything later launches are compared with."""
+    tmp = tmp_path_factory.mktemp("es_one")
+    launch(job(tmp / "runs", 5), tmp / "sums")
+    ref = record(tmp / "runs" / "es", tmp / "sums")
+    assert len(ref["rewards"]) == 5 and all(r[3] > 0 for r in ref["rewards"])  # members' rewards differ
+    return ref
+
+
+def prefix(ref: dict, n: int) -> dict:
+    """The reference's first `n` iterations."""
+    return {"rewards": ref["rewards"][:n], "samples": [s for s in ref["samples"] if s[0] < n],
+            "history": ref["history"][:n]}
+
+
+def test_two_ranks_on_two_nodes_then_three_ranks_then_one_process_equal_one_process(reference, tmp_path):
+    """2 ranks as two nodes (two torchrun agents) for 3 iterations, resumed on 3 ranks of one node for the
+    4th and on one process for the 5th: every iteration's rewards, samples and history equal the
+    one-process run's, every rank's θ equals its θ after every update, and rank 0 alone spoke."""
+    runs, sums = tmp_path / "runs", tmp_path / "sums"
+    done = launch(job(runs, 3), sums, ranks=2, nodes=2)
+    assert done.stderr.count("vrl train run") == 1, done.stderr[-3000:]  # one console: rank 0's
+    run = runs / "es"
+    two = record(run, sums)
+    assert {k: two[k] for k in ("rewards", "samples", "history")} == prefix(reference, 3)
+    assert sorted(two["checksums"]) == ["rank0", "rank1"]  # node 1's agent wrote to the same folder
+    launch(job(runs, 4, resume=run), sums, ranks=3)
+    launch(job(runs, 5, resume=run), sums)
+    got = record(run, sums)
+    assert {k: got[k] for k in ("rewards", "samples", "history")} == prefix(reference, 5)
+    want = reference["checksums"]["rank0"]
+    assert set(got["checksums"]) == {"rank0", "rank1", "rank2"}
+    for rank, by_iteration in got["checksums"].items():
+        assert by_iteration == {i: want[i] for i in by_iteration}, rank
+    assert sorted(got["checksums"]["rank1"]) == [1, 2, 3, 4] and sorted(got["checksums"]["rank2"]) == [4]
+    assert sorted(got["checksums"]["rank0"]) == [1, 2, 3, 4, 5]
