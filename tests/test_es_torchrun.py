@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -126,3 +127,37 @@ def test_two_ranks_on_two_nodes_then_three_ranks_then_one_process_equal_one_proc
         assert by_iteration == {i: want[i] for i in by_iteration}, rank
     assert sorted(got["checksums"]["rank1"]) == [1, 2, 3, 4] and sorted(got["checksums"]["rank2"]) == [4]
     assert sorted(got["checksums"]["rank0"]) == [1, 2, 3, 4, 5]
+
+
+def test_a_rank_killed_mid_iteration_ends_the_launch_naming_it_and_the_run_resumes(reference, tmp_path):
+    """Rank 1 of 2 dies (SIGKILL) when asked for its share of the second iteration: the launch ends, rank 0
+    names rank 1 in one line, the first iteration stays recorded (metrics and es_history.json), and the run
+    resumes on one process to the same results as the one-process run."""
+    runs, sums = tmp_path / "runs", tmp_path / "sums"
+    done = launch(job(runs, 3), sums, ranks=2, env={"VRL_TEST_KILL": "1:1"}, check=False)
+    assert done.returncode != 0
+    assert "rank 1 of 2 stopped answering" in done.stdout + done.stderr, done.stderr[-4000:]
+    run = runs / "es"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["iterations_completed"] == 1, summary
+    assert "rank 1 of 2 stopped answering" in summary["error"]
+    assert len(json.loads((run / "es_history.json").read_text())["iterations"]) == 1
+    shutil.rmtree(sums)
+    launch(job(runs, 2, resume=run), sums)
+    got = record(run, sums)
+    assert {k: got[k] for k in ("rewards", "samples", "history")} == prefix(reference, 2)
+    assert got["checksums"]["rank0"] == {2: reference["checksums"]["rank0"][2]}
+
+
+def test_a_rank_whose_weights_drift_stops_the_run_in_one_line_naming_it(tmp_path):
+    """Rank 2 of 3 applies the second update with one member's weight nudged by 1e-4: rank 0 compares the
+    ranks' θ checksums after the update and stops the run with one line naming rank 2; the first iteration
+    stays recorded and the second is not (es_history.json holds one iteration)."""
+    runs, sums = tmp_path / "runs", tmp_path / "sums"
+    done = launch(job(runs, 2), sums, ranks=3, env={"VRL_TEST_DRIFT": "2:1"}, check=False)
+    assert done.returncode != 0
+    line = "rank 2's weights differ from rank 0's after iteration 1"
+    assert line in done.stdout + done.stderr, done.stderr[-4000:]
+    summary = json.loads((runs / "es" / "summary.json").read_text())
+    assert summary["status"] == "failed" and line in summary["error"] and summary["iterations_completed"] == 1
+    assert len(json.loads((runs / "es" / "es_history.json").read_text())["iterations"]) == 1

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vrl.errors import UsageError
 from vrl.policy import PolicyHost, Trainable, Variant
 from vrl.types import Completion, Task
 
@@ -147,13 +149,14 @@ class Group:
         return -self.max(-value)
 
 
-class RankLost(RuntimeError):
-    """A rank stopped answering rank 0 (its process died, or its node was lost): the launch ends."""
+class RankLost(UsageError, RuntimeError):
+    """A rank stopped answering rank 0 (its process died, or its node was lost): the launch ends, in one
+    line naming the rank (a `UsageError`: what happened and what to do, no traceback)."""
 
     def __init__(self, rank: int, world: int, cause: BaseException):
-        reason = " ".join(str(cause).split())[:200]
-        super().__init__(f"rank {rank} of {world} stopped answering ({reason}): its process died or its node was lost, "
-                         "so the launch ends; the finished iterations are kept: resume the run")
+        reason = re.sub(r"\[[^\]]*\.cc:\d+\]\s*", "", " ".join(str(cause).split()))  # gloo's source location
+        super().__init__(f"rank {rank} of {world} stopped answering ({reason.split('. ')[0][:120]}): its process died "
+                         "or its node was lost, so the launch ends (a run resumes on any number of ranks)")
         self.rank = rank
 
 
