@@ -28,11 +28,11 @@ SETTINGS = ["tasks_per_iteration=3", "es.population_size=5", "sampling.max_new_t
 pytestmark = pytest.mark.slow  # about 2 minutes of launches on the 2-core machine
 
 
-def job(runs: Path, iterations: int, resume: Path | None = None) -> list[str]:
+def job(runs: Path, iterations: int, resume: Path | None = None, extra: tuple[str, ...] = ()) -> list[str]:
     """`vrl train` arguments of an ES run on the toy environment named "es" under `runs` (or its resume)."""
     if resume is not None:
         return ["train", "--resume", str(resume), "--iterations", str(iterations)]
-    sets = [a for s in [f"logging.runs_dir={runs}", *SETTINGS] for a in ("--set", s)]
+    sets = [a for s in [f"logging.runs_dir={runs}", *SETTINGS, *extra] for a in ("--set", s)]
     return ["train", "--plugin", "letters", "--optimizer", "es", "--iterations", str(iterations), "--name", "es", *sets]
 
 
@@ -150,14 +150,20 @@ def test_a_rank_killed_mid_iteration_ends_the_launch_naming_it_and_the_run_resum
 
 
 def test_a_rank_whose_weights_drift_stops_the_run_in_one_line_naming_it(tmp_path):
-    """Rank 2 of 3 applies the second update with one member's weight nudged by 1e-4: rank 0 compares the
-    ranks' θ checksums after the update and stops the run with one line naming rank 2; the first iteration
-    stays recorded and the second is not (es_history.json holds one iteration)."""
+    """Low-rank members (es.noise=lowrank: each rank batches its dealt members in one pass) on 3 ranks: the
+    first iteration equals one process's. Rank 2 then applies the second update with one member's weight
+    nudged by 1e-4: rank 0 compares the ranks' θ checksums after the update and stops the run with one line
+    naming rank 2; the first iteration stays recorded and the second is not (es_history.json holds one)."""
+    lowrank = ("es.noise=lowrank", "es.rank=2")
+    launch(job(tmp_path / "one", 1, extra=lowrank), tmp_path / "sums-one")
+    one = record(tmp_path / "one" / "es", tmp_path / "sums-one")
     runs, sums = tmp_path / "runs", tmp_path / "sums"
-    done = launch(job(runs, 2), sums, ranks=3, env={"VRL_TEST_DRIFT": "2:1"}, check=False)
+    done = launch(job(runs, 2, extra=lowrank), sums, ranks=3, env={"VRL_TEST_DRIFT": "2:1"}, check=False)
     assert done.returncode != 0
     line = "rank 2's weights differ from rank 0's after iteration 1"
     assert line in done.stdout + done.stderr, done.stderr[-4000:]
     summary = json.loads((runs / "es" / "summary.json").read_text())
     assert summary["status"] == "failed" and line in summary["error"] and summary["iterations_completed"] == 1
-    assert len(json.loads((runs / "es" / "es_history.json").read_text())["iterations"]) == 1
+    got = record(runs / "es", sums)
+    assert {k: got[k] for k in ("rewards", "samples", "history")} == prefix(one, 1)
+    assert got["checksums"]["rank1"][1] == got["checksums"]["rank2"][1] == one["checksums"]["rank0"][1]
