@@ -131,21 +131,26 @@ def checksum(tensors: Iterable[torch.Tensor]) -> str:
     """A fingerprint of fp32 tensors' exact bits, computed where they live (no copy to the host): two
     wrapping 64-bit integer sums over the bit patterns, one of them weighted by position. Integer sums
     are exact and independent of summation order, so every device and GPU model gives the same value
-    for the same bits; a single changed bit changes both. Cheap (one read of θ), not cryptographic:
-    it catches copies of θ that drifted apart (ES ranks), not an adversary."""
-    plain = weighted = 0
+    for the same bits; a single changed bit changes both. Cheap (one read of θ, one sync at the end),
+    not cryptographic: it catches copies of θ that drifted apart (ES ranks), not an adversary."""
+    plain = weighted = ramp = None
     offset = 0
     for t in tensors:
         bits = t.detach().reshape(-1).view(torch.int32)
+        if ramp is None:
+            ramp = torch.arange(1, CHECKSUM_CHUNK + 1, dtype=torch.int64, device=bits.device)
+            plain = weighted = torch.zeros((), dtype=torch.int64, device=bits.device)
         for start in range(0, bits.numel(), CHECKSUM_CHUNK):
             chunk = bits[start : start + CHECKSUM_CHUNK].to(torch.int64)
-            position = torch.arange(offset + start + 1, offset + start + 1 + chunk.numel(), dtype=torch.int64,
-                                    device=chunk.device)
-            plain += int(chunk.sum())
-            weighted += int((chunk * position).sum())
+            total = chunk.sum()
+            # Σ (offset + start + i + 1)·xᵢ = Σ (i + 1)·xᵢ + (offset + start)·Σ xᵢ, all modulo 2⁶⁴
+            weighted = weighted + (chunk * ramp[: chunk.numel()]).sum() + total * (offset + start)
+            plain = plain + total
         offset += bits.numel()
+    if plain is None:
+        return "0" * 32
     mask = (1 << 64) - 1
-    return f"{plain & mask:016x}{weighted & mask:016x}"
+    return f"{int(plain) & mask:016x}{int(weighted) & mask:016x}"
 
 
 class _Group:
