@@ -26,6 +26,9 @@ clipping; AdamW then takes the same step on every rank. The adapter is megabytes
 nothing, while FSDP2 would hold the frozen base in fp32 (its shards are masters, one dtype per unit).
 Rank 0's model is both the one trained and the one its host samples from, as on one process.
 
+ES under torchrun uses the same `Group` (its commands, `gather`, a lost rank named: `RankLost`) and
+`RankHosts` (its members dealt over the ranks): `vrl.optim.es`.
+
 Checkpoints: `train/` is a `torch.distributed.checkpoint` folder of the fp32 masters and the AdamW
 state, keyed by parameter name, so any number of ranks (one process included) loads it. (A LoRA
 adapter's tensors are whole on every rank; DCP writes each once.)
