@@ -150,14 +150,6 @@ class HostPool(PolicyHost):
     def load_state(self, state: dict[str, Any]) -> None:
         self._each(lambda h: h.load_state(state))
 
-    def checksum(self) -> str:
-        sums = self._each(lambda h: h.checksum())
-        for i, s in enumerate(sums[1:], start=1):
-            if s != sums[0]:
-                raise RuntimeError(f"engine {i} of this pool holds other weights than engine 0 (checksum {s} != "
-                                   f"{sums[0]}): its copy of θ drifted; resume the run to rebuild every copy")
-        return sums[0]
-
     def trainable(self) -> Trainable:
         return self.hosts[0].trainable()
 
