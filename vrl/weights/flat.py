@@ -110,9 +110,10 @@ class FlatParams:
         return {n: v.detach().to("cpu", copy=True) for g in self.groups for n, v in zip(g.names, g.master_views)}
 
     def checksum(self) -> str:
-        """A fingerprint of θ's exact bits (`checksum`): equal on two copies only if their θ are equal
-        (up to a hash collision), whatever device each lives on."""
-        return checksum(g.master for g in self.groups)
+        """A fingerprint of θ's exact bits (`checksum`), tensor by tensor (the padding between them is left
+        out: a kernel may write there): equal on two copies of the same selection only if their θ are
+        equal (up to a hash collision), whatever device each lives on."""
+        return checksum(v for g in self.groups for v in g.master_views)
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Set θ (and the weights) from `state`; names and shapes must match."""
