@@ -4,7 +4,7 @@
 Every launch runs tests/es_torchrun_cli.py: the real `vrl train`, which also writes each rank's θ checksum
 after every update (and can kill a rank, or nudge one rank's update). Several nodes are emulated as the
 GRPO tests do: torchrun agents of one process each (`--nnodes N --node-rank i`) on this machine, sharing
-its filesystem; only the hosts are absent.
+its filesystem; only the hosts are absent. The vLLM test needs 2 GPUs (skipped here).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).parent
 CLI = str(HERE / "es_torchrun_cli.py")
@@ -167,3 +168,18 @@ def test_a_rank_whose_weights_drift_stops_the_run_in_one_line_naming_it(tmp_path
     got = record(runs / "es", sums)
     assert {k: got[k] for k in ("rewards", "samples", "history")} == prefix(one, 1)
     assert got["checksums"]["rank1"][1] == got["checksums"]["rank2"][1] == one["checksums"]["rank0"][1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_ranks_on_two_gpus_with_vllm_equal_one_engine(tmp_path):
+    """The same job on vLLM: one engine in one process, against 2 ranks with an engine each on its own GPU
+    (LOCAL_RANK): the same rewards, samples and history, and every rank's θ checksum (computed inside the
+    engines' workers) equal to the one engine's after every update. (Not run on the CPU machine.)"""
+    vllm = ("generator.backend=vllm", "generator.vllm.enforce_eager=true", "generator.vllm.gpu_memory_utilization=0.3")
+    launch(job(tmp_path / "one", 3, extra=vllm), tmp_path / "sums-one")
+    one = record(tmp_path / "one" / "es", tmp_path / "sums-one")
+    launch(job(tmp_path / "two", 3, extra=vllm), tmp_path / "sums-two", ranks=2)
+    two = record(tmp_path / "two" / "es", tmp_path / "sums-two")
+    assert {k: two[k] for k in ("rewards", "samples", "history")} == {k: one[k] for k in ("rewards", "samples", "history")}
+    assert two["checksums"]["rank0"] == two["checksums"]["rank1"] == one["checksums"]["rank0"]
