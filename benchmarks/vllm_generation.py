@@ -20,7 +20,8 @@ import time
 
 
 def build_model(path: str, small: bool, shape: str = "1.5b") -> None:
-    """Random bf16 weights in the shape of Qwen2.5-1.5B (`shape="7b"`: Qwen2.5-7B) and vrl's tiny tokenizer."""
+    """Random bf16 weights in the shape of Qwen2.5-1.5B (`shape="7b"`: Qwen2.5-7B, `"0.5b"`: Qwen2.5-0.5B) and vrl's
+    tiny tokenizer; built on the GPU when there is one."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -33,18 +34,23 @@ def build_model(path: str, small: bool, shape: str = "1.5b") -> None:
         cfg = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                           num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
                           rope_theta=1_000_000.0, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    elif shape == "0.5b":  # Qwen2.5-0.5B (its config.json): 0.49B parameters, embeddings tied
+        cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                          rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)
     else:  # Qwen2.5-1.5B
         cfg = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                           num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
                           rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)
     cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = 256
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(path)
     tiny.build_tokenizer().save_pretrained(path)
     del model
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main() -> None:

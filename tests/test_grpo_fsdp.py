@@ -447,8 +447,8 @@ def _toy_config_from(run: Path, iterations: int):
 
 
 def test_a_torchrun_launch_refuses_what_it_cannot_train_before_writing_anything(tmp_path, monkeypatch):
-    """WORLD_SIZE > 1 (what torchrun sets): ES, and sampling on every rank with asynchronous rollouts, are
-    refused in one line before a run directory exists (GRPO with LoRA is not: tests/test_grpo_fsdp_lora.py);
+    """WORLD_SIZE > 1 (what torchrun sets): ES with several engines per rank (tests/test_es_torchrun.py runs
+    ES under torchrun), and sampling on every rank with asynchronous rollouts, are refused in one line before a run directory exists (GRPO with LoRA is not: tests/test_grpo_fsdp_lora.py);
     a rank > 0 never creates one (rank 0 owns it) and refuses the same in the same line."""
     from vrl.config import build
     from vrl.errors import UsageError
@@ -458,7 +458,8 @@ def test_a_torchrun_launch_refuses_what_it_cannot_train_before_writing_anything(
     runs = tmp_path / "runs"
     base = {"plugin": "letters", "iterations": 1, "logging": {"runs_dir": str(runs), "name": "r"}}
     every_rank_async = {"optimizer": "grpo", "grpo": {"sample_on_every_rank": True, "max_staleness": 1}}
-    for fields, match in (({"optimizer": "es"}, "optimizer=grpo only"),
+    es_pool = {"optimizer": "es", "runtime": {"local": {"engines": 2}}}
+    for fields, match in ((es_pool, "ES under torchrun runs one engine per rank"),
                           (every_rank_async, "sample_on_every_rank .* cannot run with asynchronous rollouts")):
         with pytest.raises(UsageError, match=match) as err:
             Trainer(build({**base, **fields}), environment=LettersEnvironment(), console=Console(file=io.StringIO()))

@@ -111,3 +111,29 @@ def test_bad_seeds_and_indices_are_refused() -> None:
         nz.seed_words(2**64)
     with pytest.raises(ValueError, match="2\\*\\*32"):
         nz.noise_int((1, 2), 2**32 - 1, 2)
+
+
+def test_the_theta_checksum_sees_one_changed_bit_and_a_swap_and_not_the_chunking(monkeypatch) -> None:
+    """`checksum` (what ES ranks compare under torchrun): equal bits give equal sums however the tensors are
+    split into chunks; one ulp in one element, or two elements swapped, change it; a model's θ after a
+    seeded update differs from θ₀ and agrees with a second copy given the same update."""
+    from vrl.weights.flat import FlatParams, checksum
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(1000, generator=g)
+    base = checksum([a[:300], a[300:]])
+    monkeypatch.setattr("vrl.weights.flat.CHECKSUM_CHUNK", 7)
+    assert checksum([a[:300], a[300:]]) == base  # order- and chunk-independent integer sums
+    nudged = a.clone()
+    nudged[500] = torch.nextafter(nudged[500], torch.tensor(math.inf))
+    swapped = a.clone()
+    swapped[[3, 4]] = a[[4, 3]]
+    assert checksum([nudged[:300], nudged[300:]]) != base
+    assert checksum([swapped[:300], swapped[300:]]) != base
+    from vrl.weights.update import FullRankUpdate
+
+    copies = [FlatParams([("w", torch.nn.Parameter(a.clone().view(40, 25)))]) for _ in range(2)]
+    before = copies[0].checksum()
+    for p in copies:
+        p.update(FullRankUpdate.from_members([(7, 1)], [1.0], 0.5))
+    assert copies[0].checksum() == copies[1].checksum() != before

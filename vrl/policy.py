@@ -169,6 +169,11 @@ class PolicyHost(ABC):
         """Set θ of the perturbable parameters (from `state`) on every copy."""
         raise Unsupported(f"{self.name} cannot load weights")
 
+    def checksum(self) -> str:
+        """A fingerprint of θ's exact bits, computed where θ lives (`vrl.weights.flat.checksum`): ES ranks
+        under torchrun compare theirs after every update, so copies that drift apart stop the run."""
+        raise Unsupported(f"{self.name} cannot fingerprint its weights")
+
     # -- trained weights (GRPO) --------------------------------------------------------------------
     def trainable(self) -> Trainable:
         """The in-process model to train; built on first call (a vLLM host loads an HF copy then)."""

@@ -144,6 +144,9 @@ class Generator(PolicyHost):
     def state(self) -> dict[str, Any]:
         return self._perturbation_state()[0].state()
 
+    def checksum(self) -> str:
+        return self._perturbation_state()[0].checksum()
+
     def load_state(self, state: dict[str, Any]) -> None:
         import torch  # see `applied`
 

@@ -132,6 +132,9 @@ class EngineES:
     def state(self) -> dict[str, torch.Tensor]:
         return self.flat.state()
 
+    def checksum(self) -> str:
+        return self.flat.checksum()
+
     @torch.no_grad()
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         self.flat.load_state(dict(state))

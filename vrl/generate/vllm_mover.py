@@ -84,6 +84,10 @@ class EngineWeights:
         self.last_update_s = max(float(t) for t in times)
         self._written()
 
+    def checksum(self) -> str:
+        """θ's fingerprint, computed inside the workers (one per tensor-parallel shard, joined)."""
+        return "/".join(self.generator.rpc("vrl_checksum"))
+
     def state(self) -> dict[str, torch.Tensor]:
         from vrl.generate.vllm_worker import unpack_tensor
 

@@ -240,6 +240,9 @@ class LowRankEngine:
     def state(self) -> dict[str, torch.Tensor]:
         return self.params.state()
 
+    def checksum(self) -> str:
+        return self.params.checksum()
+
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         self.params.load_state(dict(state))
 

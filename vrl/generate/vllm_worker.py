@@ -207,5 +207,8 @@ class MasterExtension(WorkerBase):
         # Packed explicitly: vLLM's RPC encoding of tensors is not a contract we can rely on.
         return {n: pack_tensor(v) for n, v in self._vrl_require().state().items()}
 
+    def vrl_checksum(self) -> str:
+        return self._vrl_require().checksum()
+
     def vrl_load_state(self, state: dict[str, object]) -> None:
         self._vrl_require().load_state({n: unpack_tensor(v) for n, v in state.items()})

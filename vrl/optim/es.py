@@ -18,6 +18,12 @@ multipliers). Noise is never stored: ε is a pure function of (seed, parameter n
 the base model reference plus the list of (seed, z) per iteration: `es_history.json` in the run
 directory. `replay` rebuilds θ_t from θ₀ bit for bit; optional snapshots every K iterations bound the
 replay.
+
+Under torchrun (`ES.ranks`; docs/es.md "ES on many machines") every rank holds an engine and its own
+θ. Rank 0 runs the loop; the members of an iteration are dealt over the ranks (`grpo_dist.RankHosts`,
+the seeds of one process), the attempts come back to rank 0's verification, and every rank applies
+the same `iteration_update` of rank 0's record; a fingerprint of θ (`PolicyHost.checksum`) compared
+after every update turns ranks that drift apart into a one-line error.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vrl import distributed
 from vrl.fileio import atomic_path, write_text
 from vrl.optim.base import Optimizer
 from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Variant
@@ -55,6 +62,9 @@ SNAPSHOT_DIR = "es_snapshots"
 HISTORY_FORMAT = "vrl-es-history"
 HISTORY_VERSION = 1
 Z_DECIMALS = 4
+RANK_TIMEOUT_S = 3600.0
+"""Under torchrun: how long rank 0 waits for another rank's share of a sampling pass or its checksum
+beyond its own (a rank that died is reported at once; this bounds one that hangs)."""
 
 
 class ESConfig(BaseModel):
@@ -284,6 +294,7 @@ class ES(Optimizer):
     name = "es"
     Config = ESConfig
     moves = "perturbations"
+    ranks = True  # under torchrun every rank samples its members and applies the same update (module docstring)
     fixed_on_resume = ("population_size", "sigma", "alpha", "normalization", "antithetic", "include", "exclude",
                        "noise", "rank")
 
@@ -309,16 +320,108 @@ class ES(Optimizer):
             return
         select_linear(tree, es.include, es.exclude, report=False)  # what a backend serves: its `check_fits`
 
-    def __init__(self, config: ESConfig, seed: int = 0, base: dict[str, Any] | None = None):
+    def __init__(self, config: ESConfig, seed: int = 0, base: dict[str, Any] | None = None, granule: int = 1):
+        """`granule`: the hosts' batch size; under torchrun, task shards dealt to ranks start at its multiples."""
         self.config, self.seed = config, seed
         self.base = dict(base or {"model": "unknown"})
+        self.granule = granule
         self.host: PolicyHost | None = None
         self.history: ESHistory | None = None
         self._variants: list[Variant] | None = None
+        self.group = None  # the ranks of a torchrun launch (`vrl.optim.grpo_dist.Group`), None on one process
 
     @classmethod
     def from_config(cls, config: Any) -> ES:
-        return cls(config.es, seed=config.seed, base={"model": config.model, "revision": config.generator.revision})
+        return cls(config.es, seed=config.seed, base={"model": config.model, "revision": config.generator.revision},
+                   granule=config.sampling.batch_size)
+
+    # -- several ranks (torchrun) ----------------------------------------------------------------------
+    @classmethod
+    def check_launch(cls, config: Any) -> None:
+        """Each rank samples on one engine of the local runtime, on its own GPU (LOCAL_RANK)."""
+        from vrl.errors import UsageError
+
+        if config.runtime.kind != "local":
+            raise UsageError(f"ES under torchrun samples on each rank's own engine: runtime.kind={config.runtime.kind} "
+                             "cannot run under torchrun; use runtime.kind=local, or start it without torchrun")
+        local = config.runtime.local
+        if local.engines > 1 or local.gpus:
+            raise UsageError("ES under torchrun runs one engine per rank, on the rank's own GPU: start one rank per "
+                             "GPU (torchrun --nproc-per-node K) instead of setting runtime.local.engines / "
+                             "runtime.local.gpus")
+
+    def samples_on_every_rank(self) -> bool:
+        return True
+
+    def sampler(self, host: PolicyHost) -> PolicyHost:
+        """Under torchrun: every rank's host as one (`grpo_dist.RankHosts`: the members dealt over the
+        ranks with one process's seeds, the attempts gathered to rank 0); otherwise `host`."""
+        if self.group is None:
+            return host
+        from vrl.optim.grpo_dist import RankHosts
+
+        return RankHosts(host, self.group, granule=self.granule)
+
+    def follow(self) -> None:
+        """A rank > 0: sample its share, apply rank 0's updates, rebuild θ on resume, until rank 0 stops."""
+        if self.group is None or self.group.leader:
+            raise RuntimeError("ES.follow runs on ranks > 0 of a torchrun launch")
+        while True:
+            command, args = self.group.receive()
+            if command == "stop":
+                return
+            getattr(self, f"_follow_{command}")(*args)
+
+    def _follow_sample_share(self, work: list[Any]) -> None:
+        from vrl.optim.grpo_dist import sample_calls
+
+        self.group.gather(sample_calls(self.host, work[self.group.rank]))
+
+    def _follow_apply(self, record: IterationRecord) -> None:
+        self._apply(record)
+
+    def _follow_resume(self, history: str) -> None:
+        """θ rebuilt from rank 0's history (replayed from θ₀: rank 0's snapshots may be on another node)."""
+        saved = ESHistory.model_validate_json(history)
+        self._check_compatible(saved, self.history)
+        replay(saved, self.host)
+        self.history = saved
+        self._agree("resuming")
+
+    def _apply(self, record: IterationRecord) -> None:
+        """θ ← θ + the update of `record` on this rank, then (under torchrun) the ranks compare θ."""
+        host, history = self._require_setup()
+        host.update(iteration_update(history, record))
+        history.iterations.append(record)
+        if self.group is not None:
+            self._agree(f"iteration {len(history.iterations) - 1}")
+
+    def _agree(self, when: str) -> None:
+        """Every rank's θ fingerprint to rank 0, which stops the run (one line naming the rank) if they differ."""
+        sums = self.group.gather(self.host.checksum())
+        if sums is None:
+            return
+        for rank, s in enumerate(sums[1:], start=1):
+            if s != sums[0]:
+                raise RuntimeError(f"rank {rank}'s weights differ from rank 0's after {when} (θ checksum {s} != "
+                                   f"{sums[0]}): the ranks drifted apart; the run stops before recording it (resume "
+                                   "rebuilds every rank's θ from the history)")
+
+    def stop_followers(self) -> None:
+        """Rank 0: end the other ranks' `follow` (once; nothing on one process)."""
+        if self.group is not None and self.group.leader and not getattr(self, "_followers_stopped", False):
+            self._followers_stopped = True
+            self.group.send("stop")
+
+    def close(self) -> None:
+        """Under torchrun, on every rank: release the others (rank 0), then the process group."""
+        if self.group is not None:
+            group = self.group
+            try:
+                self.stop_followers()
+            finally:
+                self.group = None
+                group.close()
 
     def spec(self) -> PerturbationSpec:
         """The perturbations this run's members are (what `setup` declares to the host)."""
@@ -341,6 +444,13 @@ class ES(Optimizer):
             )
         self.info = info
         self.history = self._new_history(info.dtype)
+        if distributed.world_size() > 1 and self.group is None:
+            import torch
+
+            from vrl.optim.grpo_dist import Group
+
+            # Only Python objects travel (work, attempts, records, checksums): gloo on CPU, whatever the engines.
+            self.group = Group(torch.device("cpu"), RANK_TIMEOUT_S)
         log.info("ES: %d tensors, %d parameters selected", len(info.names), info.numel)
 
     def _new_history(self, dtype: str) -> ESHistory:
@@ -407,8 +517,9 @@ class ES(Optimizer):
         weights = iter(normalize(rewards, self.config.normalization, per_task))
         z = [0.0 if i in lost else round(next(weights), Z_DECIMALS) + 0.0 for i in range(n)]
         record = IterationRecord(seed=self._variants[0].seed, z=z, lost=sorted(lost))
-        host.update(iteration_update(history, record))
-        history.iterations.append(record)
+        if self.group is not None:
+            self.group.send("apply", record)  # every rank applies the same update
+        self._apply(record)
         self._variants = None
         mean = sum(rewards) / len(rewards)
         return {
@@ -445,6 +556,9 @@ class ES(Optimizer):
         """Rebuild θ_t for the run's t = `completed` iterations: latest valid snapshot, then replay."""
         host, _ = self._require_setup()
         start = self._rebuild(host, Path(run_dir), completed)
+        if self.group is not None:
+            self.group.send("resume", self.history.to_json())
+            self._agree("resuming")
         self.replayed_from = start  # the snapshot's iteration (0: replayed from θ₀)
         self._variants = None
         log.info("ES: resumed at iteration %d (snapshot %d, replayed %d)", completed, start, completed - start)

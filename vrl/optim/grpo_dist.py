@@ -26,6 +26,9 @@ clipping; AdamW then takes the same step on every rank. The adapter is megabytes
 nothing, while FSDP2 would hold the frozen base in fp32 (its shards are masters, one dtype per unit).
 Rank 0's model is both the one trained and the one its host samples from, as on one process.
 
+ES under torchrun uses the same `Group` (its commands, `gather`, a lost rank named: `RankLost`) and
+`RankHosts` (its members dealt over the ranks): `vrl.optim.es`.
+
 Checkpoints: `train/` is a `torch.distributed.checkpoint` folder of the fp32 masters and the AdamW
 state, keyed by parameter name, so any number of ranks (one process included) loads it. (A LoRA
 adapter's tensors are whole on every rank; DCP writes each once.)
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -42,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vrl.errors import UsageError
 from vrl.policy import PolicyHost, Trainable, Variant
 from vrl.types import Completion, Task
 
@@ -62,6 +67,7 @@ class Group:
 
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.leader = self.rank == 0
+        self.lost: int | None = None  # rank 0: the rank that stopped answering (`gather`); nothing is sent after
         self.device = device
         self.mesh = init_device_mesh(device.type, (self.world,))
         # Objects travel over gloo (CPU) whatever the device; background checkpoint writes get a group of
@@ -74,6 +80,8 @@ class Group:
 
     # -- rank 0 leads -------------------------------------------------------------------------------
     def send(self, command: str, *args: Any) -> None:
+        if self.lost is not None:  # the launch is ending: a broadcast would fail on the lost rank's connection
+            return
         dist.broadcast_object_list([(command, args)], src=0, group=self.commands)
 
     def receive(self) -> tuple[str, tuple[Any, ...]]:
@@ -88,9 +96,20 @@ class Group:
         return box[0]
 
     def gather(self, value: Any) -> list[Any] | None:
-        """Every rank's `value`, in rank order, on rank 0 (None on the others)."""
-        out: list[Any] | None = [None] * self.world if self.leader else None
-        dist.gather_object(value, out, dst=0, group=self.objects)
+        """Every rank's `value`, in rank order, on rank 0 (None on the others). Rank 0 receives from one
+        rank after another, so a rank whose process died (its connection closed) is named: `RankLost`."""
+        if not self.leader:
+            dist.send_object_list([value], dst=0, group=self.objects)
+            return None
+        out = [value]
+        for r in range(1, self.world):
+            box: list[Any] = [None]
+            try:
+                dist.recv_object_list(box, src=r, group=self.objects)
+            except RuntimeError as exc:  # gloo: "Connection closed by peer", a timeout, ...
+                self.lost = r
+                raise RankLost(r, self.world, exc) from exc
+            out.append(box[0])
         return out
 
     def close(self) -> None:
@@ -98,7 +117,8 @@ class Group:
         communication threads end before the interpreter does (a gloo or DCP thread still joinable at
         exit aborts the process: "terminate called without an active exception")."""
         if dist.is_initialized():
-            dist.barrier(group=self.objects)
+            if self.lost is None:  # a lost rank would fail the barrier: the others end with the launch
+                dist.barrier(group=self.objects)
             dist.destroy_process_group()
 
     # -- reductions ---------------------------------------------------------------------------------
@@ -130,6 +150,17 @@ class Group:
 
     def min(self, value: float) -> float:
         return -self.max(-value)
+
+
+class RankLost(UsageError, RuntimeError):
+    """A rank stopped answering rank 0 (its process died, or its node was lost): the launch ends, in one
+    line naming the rank (a `UsageError`: what happened and what to do, no traceback)."""
+
+    def __init__(self, rank: int, world: int, cause: BaseException):
+        reason = re.sub(r"\[[^\]]*\.cc:\d+\]\s*", "", " ".join(str(cause).split()))  # gloo's source location
+        super().__init__(f"rank {rank} of {world} stopped answering ({reason.split('. ')[0][:120]}): its process died "
+                         "or its node was lost, so the launch ends (a run resumes on any number of ranks)")
+        self.rank = rank
 
 
 class RankHosts(PolicyHost):

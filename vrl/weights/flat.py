@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -109,6 +109,12 @@ class FlatParams:
         """θ per parameter name (fp32, CPU copies)."""
         return {n: v.detach().to("cpu", copy=True) for g in self.groups for n, v in zip(g.names, g.master_views)}
 
+    def checksum(self) -> str:
+        """A fingerprint of θ's exact bits (`checksum`), tensor by tensor (the padding between them is left
+        out: a kernel may write there): equal on two copies of the same selection only if their θ are
+        equal (up to a hash collision), whatever device each lives on."""
+        return checksum(v for g in self.groups for v in g.master_views)
+
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Set θ (and the weights) from `state`; names and shapes must match."""
         for g in self.groups:
@@ -117,6 +123,35 @@ class FlatParams:
                     raise ValueError(f"snapshot does not match the model at parameter {name}")
                 view.copy_(state[name])
         self.restore()
+
+
+CHECKSUM_CHUNK = 1 << 22  # elements per step of `checksum`: bounds its scratch memory (64 MiB) on a large θ
+
+
+def checksum(tensors: Iterable[torch.Tensor]) -> str:
+    """A fingerprint of fp32 tensors' exact bits, computed where they live (no copy to the host): two
+    wrapping 64-bit integer sums over the bit patterns, one of them weighted by position. Integer sums
+    are exact and independent of summation order, so every device and GPU model gives the same value
+    for the same bits; a single changed bit changes both. Cheap (one read of θ, one sync at the end),
+    not cryptographic: it catches copies of θ that drifted apart (ES ranks), not an adversary."""
+    plain = weighted = ramp = None
+    offset = 0
+    for t in tensors:
+        bits = t.detach().reshape(-1).view(torch.int32)
+        if ramp is None:
+            ramp = torch.arange(1, CHECKSUM_CHUNK + 1, dtype=torch.int64, device=bits.device)
+            plain = weighted = torch.zeros((), dtype=torch.int64, device=bits.device)
+        for start in range(0, bits.numel(), CHECKSUM_CHUNK):
+            chunk = bits[start : start + CHECKSUM_CHUNK].to(torch.int64)
+            total = chunk.sum()
+            # Σ (offset + start + i + 1)·xᵢ = Σ (i + 1)·xᵢ + (offset + start)·Σ xᵢ, all modulo 2⁶⁴
+            weighted = weighted + (chunk * ramp[: chunk.numel()]).sum() + total * (offset + start)
+            plain = plain + total
+        offset += bits.numel()
+    if plain is None:
+        return "0" * 32
+    mask = (1 << 64) - 1
+    return f"{int(plain) & mask:016x}{int(weighted) & mask:016x}"
 
 
 class _Group:

@@ -129,6 +129,10 @@ class LowRankParams:
     def state(self) -> dict[str, torch.Tensor]:
         return self.flat.state()
 
+    def checksum(self) -> str:
+        """A fingerprint of θ's exact bits (`vrl.weights.flat.checksum`)."""
+        return self.flat.checksum()
+
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         self.flat.load_state(state)
 
