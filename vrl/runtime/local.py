@@ -1,7 +1,9 @@
-"""The local runtime: sampling engines in this process (CPU or local GPUs), the verifier on a background loop.
+"""The local runtime: sampling engines on this machine (CPU or local GPUs), the verifier on a background loop.
 
 `runtime.local.engines` engines of the run's backend (each with its own copy of the weights) are
-dealt over `runtime.local.gpus`; one engine is the default. Several engines form a `HostPool`.
+dealt over `runtime.local.gpus`; one engine is the default. Several engines form a `HostPool`. With
+`runtime.local.driver_processes` each engine is driven from a process of its own
+(`vrl.runtime.driver`), so engines do not compete with each other or the loop for one interpreter.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from typing import Any
 from pydantic import Field
 
 from vrl.config import Section
-from vrl.errors import DeviceUnavailable
+from vrl.errors import DeviceUnavailable, UsageError
 from vrl.generate import generator_class, make_generator
 from vrl.policy import HostNeeds, PolicyHost
 from vrl.runtime.base import Runtime, VerificationPool
+from vrl.runtime.driver import NOT_CARRIED, DriverHost
 from vrl.runtime.pool import HostPool, host_needs
 from vrl.verifier import Verifier
 
@@ -31,6 +34,13 @@ class LocalConfig(Section):
         None,
         description="GPU indices the engines are dealt over (round-robin); vllm engines sharing a GPU split "
         "generator.vllm.gpu_memory_utilization evenly. None: one GPU (vllm) or generator.device (hf).",
+    )
+    driver_processes: bool = Field(
+        False,
+        description="Drive each engine from a process of its own (only commands, completions and seeded updates "
+        "cross), so the engines' Python-side work does not compete for one interpreter with each other and the "
+        "loop. Update rules that move seeded perturbations (ES) and sampling (eval) only; needs one engine per "
+        "GPU when runtime.local.gpus is set. Off by default until GPU measurements favour it (docs/vllm.md).",
     )
 
 
@@ -54,7 +64,13 @@ class LocalRuntime(Runtime):
 
         check_model(config.model, config.generator.revision)
         resolve_device(config.generator.device)
-        gpus = config.runtime.local.gpus
+        local = config.runtime.local
+        gpus = local.gpus
+        if local.driver_processes and gpus and (local.engines > len(gpus) or len(set(gpus)) < len(gpus)):
+            # Each driver process would size its engine as if it were alone on the GPU.
+            raise UsageError(f"runtime.local.driver_processes needs one engine per GPU, but {local.engines} engine(s) "
+                             f"share runtime.local.gpus={gpus}; list as many distinct GPUs as engines, or set "
+                             "runtime.local.driver_processes=false")
         if gpus:
             import torch
 
@@ -67,11 +83,19 @@ class LocalRuntime(Runtime):
 
     def policy(self, config: Any, needs: HostNeeds | None = None) -> PolicyHost:
         local = config.runtime.local
-        if local.engines == 1 and not local.gpus:
+        if local.driver_processes and needs is not None and needs.moves != "perturbations":
+            raise UsageError(f"runtime.local.driver_processes: an update rule that moves {needs.moves} weights "
+                             f"(optimizer={config.optimizer}) keeps its engine in the training process, since "
+                             f"driver processes do not carry {NOT_CARRIED}; set runtime.local.driver_processes=false")
+        if local.engines == 1 and not local.gpus and not local.driver_processes:
             return make_generator(config, needs)
         gpus: list[str | None] = [str(i) for i in local.gpus] if local.gpus else [None]
         placement = [gpus[i % len(gpus)] for i in range(local.engines)]
-        hosts = generator_class(config.generator.backend).engines(config, host_needs(needs, len(placement)), placement)
+        if local.driver_processes:
+            hosts: list[PolicyHost] = list(DriverHost.start(config, host_needs(needs, len(placement)), placement))
+        else:
+            hosts = list(generator_class(config.generator.backend).engines(config, host_needs(needs, len(placement)),
+                                                                         placement))
         if len(hosts) == 1:  # one engine placed on a GPU is that engine: a pool would draw a streamed push whole
             return hosts[0]
         return HostPool(hosts, granule=config.sampling.batch_size)
