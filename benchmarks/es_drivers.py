@@ -9,7 +9,7 @@ One ES iteration is what `vrl train` does without verification: `host.sample(tas
 `ES.tell` on made-up rewards (the update on every engine). Each configuration (noise mode, pool size,
 `runtime.local.driver_processes` off or on) is started once before anything is timed; the
 configurations are interleaved over `--repeats` rounds and medians reported, with iterations per
-second (`it_s` = 1 / (sampling + update)) and, per pool, the ratio of driver processes to in-process
+second (`it_s` = 1 / (sampling + update), `es_engines.iteration`) and, per pool, the ratio of driver processes to in-process
 (`drivers_vs_in_process`) and to one in-process engine (`vs_one_engine`, when `--engines` lists 1).
 
 vllm (default): Qwen2.5-1.5B shapes with random bf16 weights (`vllm_generation.build_model`), prompts of
@@ -52,10 +52,12 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     sys.path.insert(0, str(Path(__file__).parent))
 
+    from es_engines import iteration
+
     from vrl.config import build
     from vrl.optim.es import ES
     from vrl.runtime.local import LocalRuntime
-    from vrl.types import Result, Task, Verdict
+    from vrl.types import Task
 
     res: dict = {"backend": args.backend, "members": args.members, "new_tokens": args.new_tokens, "rank": args.rank,
                  "small": args.small, "runs": []}
@@ -78,7 +80,6 @@ def main() -> None:
     rng = random.Random(0)
     tasks = [Task(id=f"p{i}", prompt="".join(rng.choice(string.ascii_letters + " ") for _ in range(64)))
              for i in range(max(args.tasks))]
-    by_id = {t.id: t for t in tasks}
     pools = {}
     configs = [(noise, k, drivers) for noise in args.noise for k in args.engines for drivers in (False, True)]
     memory = args.memory or round(0.85 / len(configs), 3)  # GPU 0 holds an engine of every configuration
@@ -101,29 +102,17 @@ def main() -> None:
         res[f"startup_s_{noise}_{k}_engines_{'drivers' if drivers else 'in_process'}"] = time.perf_counter() - t0
         save()
 
-    def iteration(key: tuple[str, int, bool], n_tasks: int) -> dict:
-        host, es = pools[key]
-        variants = es.ask()
-        t0 = time.perf_counter()
-        tokens, done = 0, []
-        for batch in host.sample(tasks[:n_tasks], variants, seed=7):
-            tokens += sum(c.completion_tokens for c in batch)
-            done += batch
-        wall = time.perf_counter() - t0
-        rewards = random.Random(len(done))
-        t1 = time.perf_counter()
-        es.tell([Result(task=by_id[c.task_id], completion=c, verdict=Verdict.ok(), reward=rewards.random()) for c in done])
-        update = time.perf_counter() - t1
-        return {"sample_s": wall, "update_s": update, "loop_s": wall + update, "it_s": 1 / (wall + update),
-                "tokens": tokens, "tok_s": tokens / wall, "completions": len(done)}
+    def timed(key: tuple[str, int, bool], n_tasks: int) -> dict:
+        run = iteration(*pools[key], tasks[:n_tasks])
+        return {**run, "it_s": 1 / run["loop_s"]}
 
     for key in configs:  # warm-up
-        iteration(key, args.tasks[0])
+        timed(key, args.tasks[0])
     for rep in range(args.repeats):
         for n_tasks in args.tasks:
             for noise, k, drivers in configs:
                 run = {"repeat": rep, "tasks": n_tasks, "noise": noise, "engines": k, "drivers": drivers,
-                       **iteration((noise, k, drivers), n_tasks)}
+                       **timed((noise, k, drivers), n_tasks)}
                 res["runs"].append(run)
                 print(json.dumps(run), flush=True)
                 save()
@@ -137,7 +126,7 @@ def main() -> None:
         for noise, k, drivers in configs:
             it_s = median("it_s", n_tasks, noise, k, drivers)
             summary[f"tasks={n_tasks},noise={noise},engines={k},drivers={drivers}"] = {
-                "it_s": it_s, "sample_s": median("sample_s", n_tasks, noise, k, drivers),
+                "it_s": it_s, "sample_s": median("wall_s", n_tasks, noise, k, drivers),
                 "update_s": median("update_s", n_tasks, noise, k, drivers),
                 "tok_s": median("tok_s", n_tasks, noise, k, drivers),
                 "drivers_vs_in_process": it_s / median("it_s", n_tasks, noise, k, False),

@@ -194,20 +194,20 @@ class DriverHost(PolicyHost):
         return self._call("counters")
 
     def trainable(self) -> Trainable:
-        raise Unsupported(f"{self.label} runs in a driver process, which does not carry {NOT_CARRIED}; "
-                          "set runtime.local.driver_processes=false")
+        raise self._not_carried()
 
     def publish(self, model: Any) -> None:
-        raise Unsupported(f"{self.label} runs in a driver process, which does not carry {NOT_CARRIED}; "
-                          "set runtime.local.driver_processes=false")
+        raise self._not_carried()
 
     def decouple(self) -> None:
-        raise Unsupported(f"{self.label} runs in a driver process, which does not carry {NOT_CARRIED}; "
-                          "set runtime.local.driver_processes=false")
+        raise self._not_carried()
 
     def episodes(self, runner: Any) -> None:
-        raise Unsupported(f"{self.label} runs in a driver process, which does not carry {NOT_CARRIED}; "
-                          "set runtime.local.driver_processes=false")
+        raise self._not_carried()
+
+    def _not_carried(self) -> Unsupported:
+        return Unsupported(f"{self.label} runs in a driver process, which does not carry {NOT_CARRIED}; "
+                           "set runtime.local.driver_processes=false")
 
     def close(self) -> None:
         """Close the child's engine and end the child: asked first (it finishes the batch it is on), then
