@@ -109,8 +109,9 @@ def test_two_driven_engines_sample_and_update_as_one_in_process_engine(pool):
 
 def test_settings_a_driver_process_cannot_serve_are_refused_before_an_engine_starts():
     cfg = build(BASE, {"optimizer": "grpo"})
-    with pytest.raises(UsageError, match=r"moves trained weights .*driver_processes=false"):
-        LocalRuntime().policy(cfg, HostNeeds("trained"))
+    for refuse in (lambda: LocalRuntime.check(cfg), lambda: LocalRuntime().policy(cfg, HostNeeds("trained"))):
+        with pytest.raises(UsageError, match=r"optimizer=grpo moves trained weights, .*driver_processes=false$"):
+            refuse()
     shared = build(BASE, {"runtime": {"local": {"engines": 2, "gpus": [0], "driver_processes": True}}})
     with pytest.raises(UsageError, match="one engine per GPU"):
         LocalRuntime.check(shared)

@@ -44,6 +44,14 @@ class LocalConfig(Section):
     )
 
 
+def refuse_trained(moves: str, optimizer: str) -> None:
+    """Driver processes carry seeded perturbations only: an update rule that moves trained weights is refused."""
+    if moves != "perturbations":
+        raise UsageError(f"runtime.local.driver_processes: optimizer={optimizer} moves {moves} weights, which driver "
+                         f"processes do not carry (they carry ES's seeded updates; not {NOT_CARRIED}); set "
+                         "runtime.local.driver_processes=false")
+
+
 class LocalRuntime(Runtime):
     name = "local"
     Config = LocalConfig
@@ -66,6 +74,10 @@ class LocalRuntime(Runtime):
         resolve_device(config.generator.device)
         local = config.runtime.local
         gpus = local.gpus
+        if local.driver_processes:  # refused here, before the run directory is written
+            from vrl.optim import optimizer_class
+
+            refuse_trained(optimizer_class(config.optimizer).moves, config.optimizer)
         if local.driver_processes and gpus and (local.engines > len(gpus) or len(set(gpus)) < len(gpus)):
             # Each driver process would size its engine as if it were alone on the GPU.
             raise UsageError(f"runtime.local.driver_processes needs one engine per GPU, but {local.engines} engine(s) "
@@ -83,10 +95,8 @@ class LocalRuntime(Runtime):
 
     def policy(self, config: Any, needs: HostNeeds | None = None) -> PolicyHost:
         local = config.runtime.local
-        if local.driver_processes and needs is not None and needs.moves != "perturbations":
-            raise UsageError(f"runtime.local.driver_processes: an update rule that moves {needs.moves} weights "
-                             f"(optimizer={config.optimizer}) keeps its engine in the training process, since "
-                             f"driver processes do not carry {NOT_CARRIED}; set runtime.local.driver_processes=false")
+        if local.driver_processes and needs is not None:
+            refuse_trained(needs.moves, config.optimizer)
         if local.engines == 1 and not local.gpus and not local.driver_processes:
             return make_generator(config, needs)
         gpus: list[str | None] = [str(i) for i in local.gpus] if local.gpus else [None]
