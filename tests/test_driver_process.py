@@ -112,9 +112,16 @@ def test_settings_a_driver_process_cannot_serve_are_refused_before_an_engine_sta
     for refuse in (lambda: LocalRuntime.check(cfg), lambda: LocalRuntime().policy(cfg, HostNeeds("trained"))):
         with pytest.raises(UsageError, match=r"optimizer=grpo moves trained weights, .*driver_processes=false$"):
             refuse()
-    shared = build(BASE, {"runtime": {"local": {"engines": 2, "gpus": [0], "driver_processes": True}}})
-    with pytest.raises(UsageError, match="one engine per GPU"):
-        LocalRuntime.check(shared)
+    for engines, gpus in ((2, [0]), (3, [0, 1])):  # each child would size its engine as if alone on the GPU
+        shared = build(BASE, {"runtime": {"local": {"engines": engines, "gpus": gpus, "driver_processes": True}}})
+        with pytest.raises(UsageError, match=f"{engines} engines would share runtime.local.gpus="):
+            LocalRuntime.check(shared)
+    apart = build(BASE, {"runtime": {"local": {"engines": 2, "gpus": [0, 1, 0], "driver_processes": True}}})
+    if torch.cuda.device_count() >= 2:
+        LocalRuntime.check(apart)  # placed apart: accepted
+    else:  # placed apart: on to the next check, whether the GPUs exist
+        with pytest.raises(UsageError, match=r"names GPU \d, but this machine has"):
+            LocalRuntime.check(apart)
 
 
 def test_a_killed_child_ends_the_iteration_naming_its_engine_and_close_leaves_nothing(pool):

@@ -71,18 +71,20 @@ class LocalRuntime(Runtime):
         from vrl.hub import check_model
 
         check_model(config.model, config.generator.revision)
-        resolve_device(config.generator.device)
+        device = resolve_device(config.generator.device)
         local = config.runtime.local
         gpus = local.gpus
         if local.driver_processes:  # refused here, before the run directory is written
             from vrl.optim import optimizer_class
 
             refuse_trained(optimizer_class(config.optimizer).moves, config.optimizer)
-        if local.driver_processes and gpus and (local.engines > len(gpus) or len(set(gpus)) < len(gpus)):
-            # Each driver process would size its engine as if it were alone on the GPU.
-            raise UsageError(f"runtime.local.driver_processes needs one engine per GPU, but {local.engines} engine(s) "
-                             f"share runtime.local.gpus={gpus}; list as many distinct GPUs as engines, or set "
-                             "runtime.local.driver_processes=false")
+            placed = [gpus[i % len(gpus)] for i in range(local.engines)] if gpus else None
+            if (len(set(placed)) < len(placed)) if placed else (local.engines > 1 and device.type == "cuda"):
+                # Each driver process would size its engine as if it were alone on the GPU.
+                raise UsageError(f"runtime.local.driver_processes needs one engine per GPU, but {local.engines} "
+                                 f"engines would share {f'runtime.local.gpus={gpus}' if gpus else 'one GPU'}; list "
+                                 "as many distinct GPUs as engines in runtime.local.gpus, or set "
+                                 "runtime.local.driver_processes=false")
         if gpus:
             import torch
 
