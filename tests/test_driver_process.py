@@ -103,8 +103,10 @@ def test_two_driven_engines_sample_and_update_as_one_in_process_engine(pool):
     with pytest.raises(Exception, match="lowrank") as refused:
         pool.update(LowRankUpdate(rank=2, coeff=1.0, terms=((7, 1.0),)))
     assert type(refused.value) is not DriverDied
-    with pytest.raises(Unsupported, match="runtime.local.driver_processes=false"):
-        pool.trainable()
+    for refused in (pool.trainable, lambda: pool.episodes(object())):  # one line in the CLI (a UsageError)
+        with pytest.raises(UsageError, match="does not carry .*; set runtime.local.driver_processes=false$") as err:
+            refused()
+        assert isinstance(err.value, Unsupported)
 
 
 def test_settings_a_driver_process_cannot_serve_are_refused_before_an_engine_starts():

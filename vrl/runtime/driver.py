@@ -57,6 +57,10 @@ class DriverDied(UsageError, RuntimeError):
     """An engine's driver process ended while the run still needed it."""
 
 
+class NotCarried(UsageError, Unsupported):
+    """What a driver process does not carry (`NOT_CARRIED`) was asked of it: one line naming the switch."""
+
+
 class DriverHost(PolicyHost):
     """The `PolicyHost` of one engine driven from a child process; see the module docstring.
 
@@ -205,8 +209,8 @@ class DriverHost(PolicyHost):
     def episodes(self, runner: Any) -> None:
         raise self._not_carried()
 
-    def _not_carried(self) -> Unsupported:
-        return Unsupported(f"{self.label} runs in a driver process, which does not carry {NOT_CARRIED}; "
+    def _not_carried(self) -> NotCarried:
+        return NotCarried(f"{self.label} runs in a driver process, which does not carry {NOT_CARRIED}; "
                            "set runtime.local.driver_processes=false")
 
     def close(self) -> None:
