@@ -2,10 +2,13 @@
 a pool of two process-driven hf engines on this CPU samples and updates exactly as one in-process engine
 does, a child's error is raised here as the same one-line error, and a child that dies ends the call with
 a line naming its engine and leaves no process behind. The children are real (spawned interpreters that
-load the tiny model), so the module shares one pool; each child costs a few seconds to start."""
+load the tiny model), so the module shares one pool; each child costs a few seconds to start. On a
+machine with 2 GPUs and vLLM (`pytest -m gpu`), two vLLM engines in driver processes are compared with
+the same two engines driven in-process."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -188,3 +191,33 @@ def test_vrl_train_in_driver_processes_and_a_killed_parent_leaves_no_child(tmp_p
         assert all(_gone(i) for i in identities)
     finally:
         parent.kill()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'vrl-core[vllm]')")
+@pytest.mark.parametrize("noise", ["full", "lowrank"])
+def test_vllm_engines_in_driver_processes_sample_what_the_in_process_pool_samples(small_qwen2_dir, noise):
+    """Two vLLM engines, one per GPU, driven from processes of their own, give the completions and ES
+    updates the same two engines give driven from this process (same placement, so the same batches),
+    over two iterations of full-rank or low-rank members (engines in bf16, eager)."""
+    from vrl.types import Task
+
+    es = {"population_size": 4, "sigma": 0.05, "alpha": 0.05, "antithetic": True, "noise": noise,
+          **({"rank": 2, "exclude": ["lm_head*"]} if noise == "lowrank" else {"exclude": ["*norm*"]})}
+    tasks = [Task(id=f"t{i}", prompt=p) for i, p in enumerate(["Hello there", "2 + 2 =", "def f(x):", "abc", "Q:"])]
+    seen = {}
+    for drivers in (False, True):
+        cfg = build({"model": small_qwen2_dir, "optimizer": "es", "seed": 3, "es": es,
+                     "sampling": {"temperature": 1.0, "max_new_tokens": 16, "batch_size": 4},
+                     "generator": {"backend": "vllm", "dtype": "bfloat16", "vllm": {
+                         "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_model_len": 256}},
+                     "runtime": {"local": {"engines": 2, "gpus": [0, 1], "driver_processes": drivers}}})
+        LocalRuntime.check(cfg)
+        host = LocalRuntime().policy(cfg, ES.from_config(cfg).needs())
+        try:
+            assert [type(h) is DriverHost for h in host.hosts] == [drivers, drivers]
+            seen[drivers] = _iterations(host, cfg, tasks, 2)
+        finally:
+            host.close()
+    assert seen[True][0] == seen[False][0] and seen[True][1].iterations == seen[False][1].iterations
