@@ -74,6 +74,7 @@ class DriverHost(PolicyHost):
         self.name = f"driver process of {label}"
         self.label = label
         self._lock = threading.Lock()  # one call at a time on the pipe
+        self._sending = threading.Lock()  # whole messages: `close` may send while a sampling thread aborts
         self._ready = False
         self._closed = False
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA or threads of this one
@@ -137,7 +138,8 @@ class DriverHost(PolicyHost):
 
     def _send(self, message: tuple[Any, ...], doing: str) -> None:
         try:
-            self._conn.send(message)
+            with self._sending:
+                self._conn.send(message)
         except (OSError, ValueError):  # the pipe is gone: the child has ended
             raise self._died(doing) from None
 
@@ -178,7 +180,7 @@ class DriverHost(PolicyHost):
             finally:
                 if not ended:  # closed early: stop the child's stream and read what it still sends
                     with contextlib.suppress(Exception):
-                        self._conn.send(("abort", ()))
+                        self._send(("abort", ()), "sample")
                         while self._recv("sample")[0] == "batch":
                             pass
 
@@ -216,12 +218,12 @@ class DriverHost(PolicyHost):
     def close(self) -> None:
         """Close the child's engine and end the child: asked first (it finishes the batch it is on), then
         SIGTERM after `CLOSE_GRACE_S`, then SIGKILL. Safe to call twice, and from another thread while a
-        call is waiting (that call then ends with `DriverDied`)."""
+        call is waiting (a stream then ends after the child's current batch; another call raises `DriverDied`)."""
         if self._closed:
             return
         self._closed = True
         with contextlib.suppress(Exception):
-            self._conn.send(("close", ()))
+            self._send(("close", ()), "close")
         deadline = time.monotonic() + CLOSE_GRACE_S
         while self._proc.is_alive() and time.monotonic() < deadline:
             if self._lock.acquire(blocking=False):  # nobody else reads: drain, so a child sending is not stuck
