@@ -79,6 +79,7 @@ def _iterations(host, cfg, tasks, iterations: int) -> tuple[list, ESHistory]:
     return seen, es.history
 
 
+@pytest.mark.slow  # two children start (13-20 s on the loaded 2-core machine)
 def test_two_driven_engines_sample_and_update_as_one_in_process_engine(pool):
     """Full-rank, then low-rank ES, two iterations each: the same completions, the same updates and θ
     bit for bit; a child's errors come back as the same errors."""
@@ -129,6 +130,7 @@ def test_settings_a_driver_process_cannot_serve_are_refused_before_an_engine_sta
             LocalRuntime.check(apart)
 
 
+@pytest.mark.slow  # two children start (13-20 s on the loaded 2-core machine)
 def test_a_killed_child_ends_the_iteration_naming_its_engine_and_close_leaves_nothing(pool):
     """SIGKILL to engine 1's process mid-sample: the pool's call ends with `DriverDied` naming engine 1;
     engine 0's stream is stopped and stays usable; close() ends the rest. (Last in the module: it
