@@ -153,6 +153,18 @@ def test_a_killed_child_ends_the_iteration_naming_its_engine_and_close_leaves_no
     assert _key(pool.hosts[0].sample(tasks[:3], v, seed=4)) == _key(alone.sample(tasks[:3], v, seed=4))
     pool.close()
     assert all(_gone(i) for i in identities)
+    # An engine that cannot start: its error, raised here, and its child ended.
+    before = reaper.children()
+    with pytest.raises(RuntimeError, match=r"^cannot load model '/nonexistent/model'"):
+        DriverHost.start(build(BASE, {"model": "/nonexistent/model"}), None, [None])
+    assert all(_gone(i) for i in reaper.children() - before if "vrl.reaper" not in _cmdline(i[0]))
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 @pytest.mark.slow
