@@ -29,7 +29,7 @@ from vrl.envs.letters import LettersEnvironment
 from vrl.errors import UsageError
 from vrl.generate.hf import HFGenerator
 from vrl.optim.es import ES, ESHistory
-from vrl.policy import HostNeeds, PerturbationSpec, Unsupported, Variant
+from vrl.policy import HostNeeds, PerturbationSpec, Unsupported, Variant, WeightStream
 from vrl.runtime.driver import DriverDied, DriverHost
 from vrl.runtime.local import LocalRuntime
 from vrl.runtime.pool import HostPool
@@ -107,16 +107,53 @@ def test_two_driven_engines_sample_and_update_as_one_in_process_engine(pool):
     with pytest.raises(Exception, match="lowrank") as refused:
         pool.update(LowRankUpdate(rank=2, coeff=1.0, terms=((7, 1.0),)))
     assert type(refused.value) is not DriverDied
-    for refused in (pool.trainable, lambda: pool.episodes(object())):  # one line in the CLI (a UsageError)
-        with pytest.raises(UsageError, match="does not carry .*; set runtime.local.driver_processes=false$") as err:
-            refused()
-        assert isinstance(err.value, Unsupported)
+    with pytest.raises(UsageError, match="does not carry .*; set runtime.local.driver_processes=false$") as err:
+        pool.episodes(object())  # one line in the CLI (a UsageError)
+    assert isinstance(err.value, Unsupported)
+
+
+@pytest.mark.slow  # the module's pool (two children)
+def test_trained_weights_reach_the_driven_engines_in_shared_memory(pool):
+    """GRPO's side: the model trains in this process; `publish` (the module, or a `WeightStream` in
+    buckets) makes both children sample what an in-process engine given the same weights samples. The
+    parameters crossed in shared memory, not copied through the pipe; a bucket the engine refuses is its
+    error, raised here, and the rest of the stream is not drawn."""
+    tasks = LettersEnvironment().tasks()[:4]
+    model = pool.trainable().model
+    assert pool.trainable().model is model and pool.trainable().separate
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    pool.publish(model)
+    assert all(p.is_shared() for p in model.parameters())
+    ref = HFGenerator.from_config(build(BASE))
+    ref.publish(model)
+    v = [Variant(index=0, samples_per_task=2)]
+    assert _key(pool.sample(tasks, v, seed=1)) == _key(ref.sample(tasks, v, seed=1))
+    drawn = []
+
+    def buckets(weights):
+        for name, t in weights:
+            drawn.append(name)
+            yield [(name, t)]
+
+    halved = [(n, p.detach() * 0.5) for n, p in model.named_parameters()]
+    pool.publish(WeightStream(buckets(halved)))  # lockstep over both engines, one tensor per bucket
+    assert drawn == [n for n, _ in halved]
+    ref.publish(dict(halved))
+    assert _key(pool.sample(tasks, v, seed=2)) == _key(ref.sample(tasks, v, seed=2))
+    drawn.clear()
+    with pytest.raises(ValueError) as err:
+        pool.hosts[1].publish(WeightStream(buckets([("nope", torch.zeros(1)), *halved])))
+    assert str(err.value) == "published weights do not match the model: unknown ['nope']" and drawn == ["nope"]
 
 
 def test_settings_a_driver_process_cannot_serve_are_refused_before_an_engine_starts():
-    cfg = build(BASE, {"optimizer": "grpo"})
+    LocalRuntime.check(build(BASE, {"optimizer": "grpo"}))  # hf engines sample weights trained here
+    cfg = build(BASE, {"optimizer": "grpo", "generator": {"backend": "vllm"}})
     for refuse in (lambda: LocalRuntime.check(cfg), lambda: LocalRuntime().policy(cfg, HostNeeds("trained"))):
-        with pytest.raises(UsageError, match=r"optimizer=grpo moves trained weights, .*driver_processes=false$"):
+        with pytest.raises(UsageError, match=r"optimizer=grpo trains weights that generator backend 'vllm' can take "
+                                             r"only in the training process .*driver_processes=false$"):
             refuse()
     for engines, gpus in ((2, [0]), (3, [0, 1])):  # each child would size its engine as if alone on the GPU
         shared = build(BASE, {"runtime": {"local": {"engines": engines, "gpus": gpus, "driver_processes": True}}})
@@ -147,8 +184,8 @@ def test_a_killed_child_ends_the_iteration_naming_its_engine_and_close_leaves_no
             pass
     # Engine 0 read its aborted stream to its end: it samples on, as one in-process host does.
     alone = HFGenerator.from_config(build(BASE))
-    alone.perturbations(PerturbationSpec(("*",), (), 0.1))  # the spec the first test left: every weight
-    alone.load_state(pool.hosts[0].state())
+    for host in (pool.hosts[0], alone):
+        host.publish(pool.trainable().model)
     v = [Variant(index=0, samples_per_task=2)]
     assert _key(pool.hosts[0].sample(tasks[:3], v, seed=4)) == _key(alone.sample(tasks[:3], v, seed=4))
     pool.close()
@@ -170,20 +207,26 @@ def _cmdline(pid: int) -> str:
 @pytest.mark.slow
 def test_vrl_train_in_driver_processes_and_a_killed_parent_leaves_no_child(tmp_path: Path):
     """`vrl train`'s loop with two driven engines writes what one in-process engine writes (samples,
-    metrics, ES history, low-rank); and a parent killed with SIGKILL while its engines run leaves
+    metrics; low-rank ES's history; GRPO, trained here and published to the children); and a parent killed with SIGKILL while its engines run leaves
     none of them behind (vrl.reaper ends them)."""
-    rows = {}
-    for name, local in (("one", {"engines": 1, "driver_processes": False}), ("driven", {})):
-        cfg = build(BASE, {"optimizer": "es", "iterations": 2, "es": {"noise": "lowrank", "rank": 2},
-                           "runtime": {"local": {**BASE["runtime"]["local"], **local}},
-                           "logging": {"runs_dir": str(tmp_path), "name": name}})
-        Trainer(cfg, environment=LettersEnvironment(), runtime=LocalRuntime(), console=Console(file=io.StringIO())).run()
-        run = tmp_path / name
-        samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
-        rows[name] = ([{k: r[k] for k in ("reward_mean", "tokens")} for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())],
-                      sorted(json.dumps({**s, "verdict": {**s["verdict"], "elapsed_s": None}}, sort_keys=True) for s in samples),
-                      ESHistory.read(run / "es_history.json").iterations)
-    assert rows["one"] == rows["driven"]
+    for optimizer, extra in (("es", {"es": {"noise": "lowrank", "rank": 2}}),
+                             ("grpo", {"grpo": {"num_generations": 3, "learning_rate": 1e-2,
+                                                "lr_scheduler_type": "constant"}})):
+        rows = {}
+        for name, local in (("one", {"engines": 1, "driver_processes": False}), ("driven", {})):
+            cfg = build(BASE, extra, {"optimizer": optimizer, "iterations": 2,
+                                      "runtime": {"local": {**BASE["runtime"]["local"], **local}},
+                                      "logging": {"runs_dir": str(tmp_path), "name": f"{optimizer}-{name}"}})
+            Trainer(cfg, environment=LettersEnvironment(), runtime=LocalRuntime(),
+                    console=Console(file=io.StringIO())).run()
+            run = tmp_path / f"{optimizer}-{name}"
+            metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+            samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+            rows[name] = ([{k: r[k] for k in ("reward_mean", "tokens", "completions")} for r in metrics],
+                          sorted(json.dumps({**s, "verdict": {**s["verdict"], "elapsed_s": None}}, sort_keys=True)
+                                 for s in samples),
+                          ESHistory.read(run / "es_history.json").iterations if optimizer == "es" else None)
+        assert rows["one"] == rows["driven"], optimizer
 
     script = textwrap.dedent(f"""
         import sys, time

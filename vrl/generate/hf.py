@@ -186,12 +186,25 @@ class HFConfig(Section):
     )
 
 
+def _load(config: Any, device: str) -> tuple[Any, Any]:
+    """The run's model and tokenizer on `device`, with the run's CPU threads (set process-wide: GRPO's
+    training step on CPU runs with the same pool)."""
+    g = config.generator
+    threads = cpu_threads(g.hf.threads, config.model, resolve_device(device))
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    return load_model_and_tokenizer(config.model, device, g.dtype, g.revision)
+
+
 class HFGenerator(Generator):
     """Sampling with `model.generate`. The model is the one optimizers train or perturb, in place."""
 
     name = "hf"
     Config = HFConfig
     runs_episodes = True
+    trains_elsewhere = True  # `publish` copies any weights in by name
 
     def __init__(self, model: Any, tokenizer: Any, sampling: Any):
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
@@ -203,15 +216,16 @@ class HFGenerator(Generator):
         """The run's model on GPU `gpu` (default generator.device); `needs` asks nothing of this backend."""
         g = config.generator
         device = f"cuda:{gpu}" if gpu is not None else None
-        threads = cpu_threads(g.hf.threads, config.model, resolve_device(device or g.device))
-        if threads is not None:  # process-wide: GRPO's training step on CPU runs with the same pool
-            import torch
-
-            torch.set_num_threads(threads)
-        model, tokenizer = load_model_and_tokenizer(config.model, device or g.device, g.dtype, g.revision)
+        model, tokenizer = _load(config, device or g.device)
         gen = cls(model, tokenizer, config.sampling)
         gen.train_device = resolve_device(g.device)
         return gen
+
+    @classmethod
+    def trainable_elsewhere(cls, config: Any) -> Trainable:
+        """The run's model on generator.device, loaded as `from_config` loads the engine's."""
+        model, tokenizer = _load(config, config.generator.device)
+        return Trainable(model, tokenizer, config.sampling, separate=True)
 
     @property
     def device(self) -> torch.device:

@@ -12,8 +12,12 @@ What crosses the boundary (pickled through a pipe; tensors through shared memory
 `torch.multiprocessing` sends them): the run's config (its JSON dump, once), tasks, variants and the
 sampling seed; completion batches as the child's engine yields them; the `PerturbationSpec`; seeded
 updates as their `to_wire` data (seeds and coefficients); θ for `state`/`load_state` (snapshots,
-resume); counters. Trained weights (GRPO's `trainable`/`publish`) and multi-turn episodes do not
-cross: such a run keeps its engine in this process (`LocalRuntime.check` refuses the setting).
+resume); counters. GRPO trains a model in this process (`Generator.trainable_elsewhere`, for a backend
+that `trains_elsewhere`: hf) and `publish` sends its weights bucket by bucket, each bucket's tensors in
+shared memory (CPU) or as CUDA IPC handles, so no bucket is copied through the pipe and the next is
+drawn only once the child has loaded this one. vLLM engines push trained weights from the trainer's
+own process (their transports), and multi-turn episodes run their environment beside the engine: such
+runs keep their engine in this process (`LocalRuntime.check` refuses the setting).
 
 Errors: an exception in the child is raised here as the same exception (type and one-line message;
 its traceback is attached as a note). A child that dies (killed, out of memory, a crash in native
@@ -33,14 +37,23 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from vrl import reaper
 from vrl.distributed import outside_launch
 from vrl.errors import UsageError
-from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Trainable, Unsupported, Variant, WeightsInfo
+from vrl.policy import (
+    HostNeeds,
+    PerturbationSpec,
+    PolicyHost,
+    Trainable,
+    Unsupported,
+    Variant,
+    WeightsInfo,
+    WeightStream,
+)
 from vrl.types import Completion, Task
 
 log = logging.getLogger(__name__)
@@ -49,8 +62,11 @@ CLOSE_GRACE_S = 30.0
 """Seconds `close` waits for the child to close its engine and exit (it may be finishing a generation
 batch first) before it terminates it."""
 
-NOT_CARRIED = "trained weights (GRPO) and multi-turn episodes"
+NOT_CARRIED = "multi-turn episodes (their environment would have to run beside the engine)"
 """What a driver process does not carry across its boundary (the run keeps its engine in this process)."""
+
+
+_END = object()
 
 
 class DriverDied(UsageError, RuntimeError):
@@ -73,6 +89,8 @@ class DriverHost(PolicyHost):
 
         self.name = f"driver process of {label}"
         self.label = label
+        self.config = config
+        self._trainable: Trainable | None = None
         self._lock = threading.Lock()  # one call at a time on the pipe
         self._sending = threading.Lock()  # whole messages: `close` may send while a sampling thread aborts
         self._ready = False
@@ -199,17 +217,46 @@ class DriverHost(PolicyHost):
     def counters(self) -> dict[str, float]:
         return self._call("counters")
 
-    def trainable(self) -> Trainable:
-        raise self._not_carried()
-
-    def publish(self, model: Any) -> None:
-        raise self._not_carried()
-
-    def decouple(self) -> None:
-        raise self._not_carried()
-
     def episodes(self, runner: Any) -> None:
         raise self._not_carried()
+
+    def trainable(self) -> Trainable:
+        """GRPO's model, in this process (`Generator.trainable_elsewhere`: loaded as the engine's weights
+        were); the engine samples what `publish` sends it."""
+        if self._trainable is None:
+            from vrl.generate import generator_class
+
+            self._trainable = generator_class(self.config.generator.backend).trainable_elsewhere(self.config)
+        return self._trainable
+
+    def publish(self, model: Any) -> None:
+        """Send `model`'s weights (the module, tensors by checkpoint name, or a `WeightStream`) to the engine,
+        one bucket at a time: the child asks for each (`next`) once it has loaded the one before, so the
+        stream's contract holds and at most one bucket is shared at once. Tensors cross in shared memory
+        (CPU: the storage moves there once and is shared from then on) or as CUDA IPC handles; none is
+        copied through the pipe. The child may stop asking (its host skipped the push, or failed)."""
+        if isinstance(model, WeightStream):
+            buckets: Iterable[list[tuple[str, Any]]] = model
+        elif isinstance(model, Mapping):
+            buckets = [list(model.items())]
+        else:
+            from vrl.weights.export import weights_for_engine
+
+            buckets = [weights_for_engine(model)]  # checkpoint names, LoRA merged
+        self.ready()
+        with self._lock:
+            self._send(("publish", ()), "publish")
+            kind, value = self._recv("publish")
+            remaining = iter(buckets)
+            while kind == "next":  # the next bucket is drawn only when the engine asks for it
+                bucket = next(remaining, _END)
+                self._send(("end", ()) if bucket is _END else ("bucket", bucket), "publish")
+                kind, value = self._recv("publish")
+            if kind == "err":
+                raise _raised(value, self.label)
+
+    def decouple(self) -> None:
+        self._call("decouple")
 
     def _not_carried(self) -> NotCarried:
         return NotCarried(f"{self.label} runs in a driver process, which does not carry {NOT_CARRIED}; "
@@ -295,6 +342,8 @@ def _serve(conn: Connection, config_data: dict[str, Any], needs: HostNeeds | Non
                     if _stream(conn, host, *args):
                         return
                     continue
+                if op == "publish":
+                    args = (WeightStream(_buckets(conn)),)
                 if op == "update":
                     from vrl.weights.update import update_from_wire
 
@@ -312,6 +361,16 @@ def _serve(conn: Connection, config_data: dict[str, Any], needs: HostNeeds | Non
     finally:
         if host is not None:
             host.close()
+
+
+def _buckets(conn: Connection) -> Iterator[list[tuple[str, Any]]]:
+    """The buckets of a `publish`, asked of the parent one at a time (each once the last is loaded)."""
+    while True:
+        conn.send(("next", None))
+        kind, bucket = conn.recv()
+        if kind != "bucket":
+            return
+        yield bucket
 
 
 def _stream(conn: Connection, host: PolicyHost, tasks: list[Task], variants: list[Variant], seed: int | None

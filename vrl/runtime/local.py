@@ -17,7 +17,7 @@ from vrl.errors import DeviceUnavailable, UsageError
 from vrl.generate import generator_class, make_generator
 from vrl.policy import HostNeeds, PolicyHost
 from vrl.runtime.base import Runtime, VerificationPool
-from vrl.runtime.driver import NOT_CARRIED, DriverHost
+from vrl.runtime.driver import DriverHost
 from vrl.runtime.pool import HostPool, host_needs
 from vrl.verifier import Verifier
 
@@ -37,19 +37,22 @@ class LocalConfig(Section):
     )
     driver_processes: bool = Field(
         False,
-        description="Drive each engine from a process of its own (only commands, completions and seeded updates "
-        "cross), so the engines' Python-side work does not compete for one interpreter with each other and the "
-        "loop. Update rules that move seeded perturbations (ES) and sampling (eval) only; needs one engine per "
-        "GPU when runtime.local.gpus is set. Off by default until GPU measurements favour it (docs/vllm.md).",
+        description="Drive each engine from a process of its own (commands, completions, seeded updates and trained "
+        "weights in shared memory cross), so the engines' Python-side work does not compete for one interpreter "
+        "with each other and the loop. GRPO on the hf backend only (vllm pushes trained weights from the training "
+        "process); no multi-turn episodes; one engine per GPU. Off by default until GPU measurements favour it "
+        "(docs/vllm.md).",
     )
 
 
-def refuse_trained(moves: str, optimizer: str) -> None:
-    """Driver processes carry seeded perturbations only: an update rule that moves trained weights is refused."""
-    if moves != "perturbations":
-        raise UsageError(f"runtime.local.driver_processes: optimizer={optimizer} moves {moves} weights, which driver "
-                         f"processes do not carry (they carry ES's seeded updates; not {NOT_CARRIED}); set "
-                         "runtime.local.driver_processes=false")
+def refuse_trained(moves: str, config: Any) -> None:
+    """Driver processes serve trained weights (GRPO) only where the backend samples weights trained in
+    another process (`Generator.trains_elsewhere`); otherwise the setting is refused in one line."""
+    backend = config.generator.backend
+    if moves == "trained" and not generator_class(backend).trains_elsewhere:
+        raise UsageError(f"runtime.local.driver_processes: optimizer={config.optimizer} trains weights that generator "
+                         f"backend {backend!r} can take only in the training process (its own weight transports); "
+                         "set runtime.local.driver_processes=false")
 
 
 class LocalRuntime(Runtime):
@@ -77,7 +80,7 @@ class LocalRuntime(Runtime):
         if local.driver_processes:  # refused here, before the run directory is written
             from vrl.optim import optimizer_class
 
-            refuse_trained(optimizer_class(config.optimizer).moves, config.optimizer)
+            refuse_trained(optimizer_class(config.optimizer).moves, config)
             placed = [gpus[i % len(gpus)] for i in range(local.engines)] if gpus else None
             if (len(set(placed)) < len(placed)) if placed else (local.engines > 1 and device.type == "cuda"):
                 # Each driver process would size its engine as if it were alone on the GPU.
@@ -98,7 +101,7 @@ class LocalRuntime(Runtime):
     def policy(self, config: Any, needs: HostNeeds | None = None) -> PolicyHost:
         local = config.runtime.local
         if local.driver_processes and needs is not None:
-            refuse_trained(needs.moves, config.optimizer)
+            refuse_trained(needs.moves, config)
         if local.engines == 1 and not local.gpus and not local.driver_processes:
             return make_generator(config, needs)
         gpus: list[str | None] = [str(i) for i in local.gpus] if local.gpus else [None]
