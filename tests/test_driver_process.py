@@ -170,7 +170,7 @@ def test_settings_a_driver_process_cannot_serve_are_refused_before_an_engine_sta
 @pytest.mark.slow  # two children start (13-20 s on the loaded 2-core machine)
 def test_a_killed_child_ends_the_iteration_naming_its_engine_and_close_leaves_nothing(pool):
     """SIGKILL to engine 1's process mid-sample: the pool's call ends with `DriverDied` naming engine 1;
-    engine 0's stream is stopped and stays usable; close() ends the rest. (Last in the module: it
+    engine 0's stream is stopped and stays usable (and samples decoupled as in-process); close() ends the rest. (Last in the module: it
     breaks the shared pool.)"""
     tasks = LettersEnvironment().tasks()[:8]
     variants = [Variant(index=i, samples_per_task=8) for i in range(8)]  # long enough to be killed mid-way
@@ -183,11 +183,16 @@ def test_a_killed_child_ends_the_iteration_naming_its_engine_and_close_leaves_no
         for _ in stream:
             pass
     # Engine 0 read its aborted stream to its end: it samples on, as one in-process host does.
+    # Decoupled (asynchronous GRPO), it reports sampling log-probs as an in-process engine does.
     alone = HFGenerator.from_config(build(BASE))
     for host in (pool.hosts[0], alone):
         host.publish(pool.trainable().model)
+        host.decouple()
     v = [Variant(index=0, samples_per_task=2)]
-    assert _key(pool.hosts[0].sample(tasks[:3], v, seed=4)) == _key(alone.sample(tasks[:3], v, seed=4))
+    got = [c for b in pool.hosts[0].sample(tasks[:3], v, seed=4) for c in b]
+    want = [c for b in alone.sample(tasks[:3], v, seed=4) for c in b]
+    assert _key([got]) == _key([want]) and [c.logprobs for c in got] == [c.logprobs for c in want]
+    assert all(c.logprobs and len(c.logprobs) == len(c.token_ids) for c in got)
     pool.close()
     assert all(_gone(i) for i in identities)
     # An engine that cannot start: its error, raised here, and its child ended.
