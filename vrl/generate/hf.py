@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
@@ -17,7 +17,7 @@ from pydantic import Field
 from vrl.config import Section
 from vrl.errors import DeviceUnavailable
 from vrl.generate.base import Generator, cut_at_stop, shard_seed, tokens_covering
-from vrl.policy import HostNeeds, PerturbationSpec, Trainable, Variant, WeightStream
+from vrl.policy import HostNeeds, PerturbationSpec, Trainable, Variant
 from vrl.types import Completion, Prompt, Task
 
 # torch and the weights layer are imported in the functions that use them: the registry imports this
@@ -261,16 +261,11 @@ class HFGenerator(Generator):
             return
         import torch
 
-        from vrl.weights.export import weights_for_engine
-        if isinstance(model, WeightStream):
-            buckets: Iterable[list[tuple[str, Any]]] = model
-        elif isinstance(model, Mapping):
-            buckets = [list(model.items())]
-        else:
-            buckets = [weights_for_engine(model)]  # checkpoint names, LoRA merged
+        from vrl.weights.export import published_buckets
+
         own = dict(self.model.named_parameters())
         with torch.no_grad():
-            for bucket in buckets:
+            for bucket in published_buckets(model):  # checkpoint names, LoRA merged
                 unknown = sorted({name for name, _ in bucket} - set(own))
                 if unknown:
                     raise ValueError(f"published weights do not match the model: unknown {unknown[:3]}")

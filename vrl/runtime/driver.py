@@ -37,7 +37,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -235,14 +235,9 @@ class DriverHost(PolicyHost):
         stream's contract holds and at most one bucket is shared at once. Tensors cross in shared memory
         (CPU: the storage moves there once and is shared from then on) or as CUDA IPC handles; none is
         copied through the pipe. The child may stop asking (its host skipped the push, or failed)."""
-        if isinstance(model, WeightStream):
-            buckets: Iterable[list[tuple[str, Any]]] = model
-        elif isinstance(model, Mapping):
-            buckets = [list(model.items())]
-        else:
-            from vrl.weights.export import weights_for_engine
+        from vrl.weights.export import published_buckets
 
-            buckets = [weights_for_engine(model)]  # checkpoint names, LoRA merged
+        buckets = published_buckets(model)  # checkpoint names, LoRA merged
         self.ready()
         with self._lock:
             self._send(("publish", ()), "publish")
