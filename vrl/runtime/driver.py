@@ -17,7 +17,8 @@ that `trains_elsewhere`: hf) and `publish` sends its weights bucket by bucket, e
 shared memory (CPU) or as CUDA IPC handles, so no bucket is copied through the pipe and the next is
 drawn only once the child has loaded this one. vLLM engines push trained weights from the trainer's
 own process (their transports), and multi-turn episodes run their environment beside the engine: such
-runs keep their engine in this process (`LocalRuntime.check` refuses the setting).
+runs keep their engines in this process (one line refuses the setting: GRPO on vLLM in
+`LocalRuntime.check`, episodes when the loop attaches them).
 
 Errors: an exception in the child is raised here as the same exception (type and one-line message;
 its traceback is attached as a note). A child that dies (killed, out of memory, a crash in native
