@@ -33,6 +33,28 @@ import time
 from pathlib import Path
 
 
+def iteration(host, es, tasks: list) -> dict:
+    """One timed ES iteration without verification: `host.sample` of every member, then `es.tell` on
+    made-up rewards (the update and its history; θ moves at random)."""
+    from vrl.types import Result, Verdict
+
+    by_id = {t.id: t for t in tasks}
+    variants = es.ask()
+    t0 = time.perf_counter()
+    tokens, done = 0, []
+    for batch in host.sample(tasks, variants, seed=7):
+        tokens += sum(c.completion_tokens for c in batch)
+        done += batch
+    wall = time.perf_counter() - t0
+    rewards = random.Random(len(done))
+    results = [Result(task=by_id[c.task_id], completion=c, verdict=Verdict.ok(), reward=rewards.random()) for c in done]
+    t1 = time.perf_counter()
+    es.tell(results)
+    update = time.perf_counter() - t1
+    return {"wall_s": wall, "update_s": update, "loop_s": wall + update, "tokens": tokens, "tok_s": tokens / wall,
+            "completions": len(done)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -64,7 +86,7 @@ def main() -> None:
     from vrl.config import build
     from vrl.optim.es import ES
     from vrl.runtime.local import LocalRuntime
-    from vrl.types import Result, Task, Verdict
+    from vrl.types import Task
 
     res: dict = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "vllm": vllm.__version__,
                  "members": args.members, "new_tokens": args.new_tokens, "small": args.small, "rank": args.rank,
@@ -115,24 +137,9 @@ def main() -> None:
     def first_tokens(t: Task) -> list[int]:
         return tokenizer(t.prompt, add_special_tokens=False)["input_ids"]
 
-    by_id = {t.id: t for t in tasks}
-
     def es_iteration(key: tuple[str, int], n_tasks: int) -> dict:
         host, es = pools[key]
-        variants = es.ask()
-        t0 = time.perf_counter()
-        tokens, done = 0, []
-        for batch in host.sample(tasks[:n_tasks], variants, seed=7):
-            tokens += sum(c.completion_tokens for c in batch)
-            done += batch
-        wall = time.perf_counter() - t0
-        rewards = random.Random(len(done))
-        results = [Result(task=by_id[c.task_id], completion=c, verdict=Verdict.ok(), reward=rewards.random()) for c in done]
-        t1 = time.perf_counter()
-        es.tell(results)  # the update (+ history); rewards are made up, so θ moves at random
-        update = time.perf_counter() - t1
-        run = {"wall_s": wall, "update_s": update, "loop_s": wall + update, "tokens": tokens, "tok_s": tokens / wall,
-               "completions": len(done)}
+        run = iteration(host, es, tasks[:n_tasks])
         counters = host.counters()  # members_s: writing the LoRA slots; update_worker_s: the update in the workers
         run.update({k: counters[k] for k in ("members_s", "update_worker_s") if k in counters})
         return run

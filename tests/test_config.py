@@ -142,7 +142,8 @@ def flat(data: dict) -> dict:
 # Modal output): no
 # old run directory has them.
 SINCE_ISSUE_28 = {"members_per_call", "min_containers", "orchestrator_timeout_s", "sandbox_idle_timeout_s",
-                  "snapshot_every", "weight_transfer", "output"}  # output: issue 40
+                  "snapshot_every", "weight_transfer", "output",  # output: issue 40
+                  "driver_processes"}  # issue 44
 
 
 def test_migrate_puts_old_keys_where_they_are_now():

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from vrl.config import Section
-from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Unsupported, Variant, WeightsInfo, shard_seed  # noqa: F401 (shard_seed: its old home, imported from here)
+from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Trainable, Unsupported, Variant, WeightsInfo, shard_seed  # noqa: F401 (shard_seed: its old home, imported from here)
 from vrl.types import Completion, Task
 from vrl.weights.update import Update
 
@@ -35,6 +35,9 @@ class Generator(PolicyHost):
     #: Whether this backend runs multi-turn episodes (`episodes`); the preflight refuses a multi-turn
     #: environment on one that cannot.
     runs_episodes: ClassVar[bool] = False
+    #: Whether its engine can sample weights trained in another process (`trainable_elsewhere`): an engine
+    #: driven from a process of its own (`vrl.runtime.driver`) then serves GRPO.
+    trains_elsewhere: ClassVar[bool] = False
     _params: Any = None  # set by `perturbations`
     _episodes: Any = None  # set by `episodes`: a `vrl.episodes.Episodes`, for a backend that runs them
 
@@ -50,6 +53,13 @@ class Generator(PolicyHost):
         """Refuse, before anything loads or starts, what this backend cannot do for the update rule's
         `needs` (`model`: a callable building the weightless module tree, or None when the weights
         live elsewhere). Runs in the preflight, after the rule's own `check_fits`; nothing by default."""
+
+    @classmethod
+    def trainable_elsewhere(cls, config: Any) -> Trainable:
+        """The model GRPO trains for an engine that runs in another process (`vrl.runtime.driver`): built in
+        this process as the engine builds its own weights, so both start equal; the engine then samples
+        only what `publish` sends it (a separate copy). Backends with `trains_elsewhere` implement it."""
+        raise Unsupported(f"generator backend {cls.name!r} cannot sample weights trained in another process")
 
     @classmethod
     def engines(cls, config: Any, needs: HostNeeds | None, gpus: Sequence[str | None]) -> list[Generator]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
@@ -17,7 +17,7 @@ from pydantic import Field
 from vrl.config import Section
 from vrl.errors import DeviceUnavailable
 from vrl.generate.base import Generator, cut_at_stop, shard_seed, tokens_covering
-from vrl.policy import HostNeeds, PerturbationSpec, Trainable, Variant, WeightStream
+from vrl.policy import HostNeeds, PerturbationSpec, Trainable, Variant
 from vrl.types import Completion, Prompt, Task
 
 # torch and the weights layer are imported in the functions that use them: the registry imports this
@@ -186,12 +186,25 @@ class HFConfig(Section):
     )
 
 
+def _load(config: Any, device: str) -> tuple[Any, Any]:
+    """The run's model and tokenizer on `device`, with the run's CPU threads (set process-wide: GRPO's
+    training step on CPU runs with the same pool)."""
+    g = config.generator
+    threads = cpu_threads(g.hf.threads, config.model, resolve_device(device))
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    return load_model_and_tokenizer(config.model, device, g.dtype, g.revision)
+
+
 class HFGenerator(Generator):
     """Sampling with `model.generate`. The model is the one optimizers train or perturb, in place."""
 
     name = "hf"
     Config = HFConfig
     runs_episodes = True
+    trains_elsewhere = True  # `publish` copies any weights in by name
 
     def __init__(self, model: Any, tokenizer: Any, sampling: Any):
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
@@ -203,15 +216,16 @@ class HFGenerator(Generator):
         """The run's model on GPU `gpu` (default generator.device); `needs` asks nothing of this backend."""
         g = config.generator
         device = f"cuda:{gpu}" if gpu is not None else None
-        threads = cpu_threads(g.hf.threads, config.model, resolve_device(device or g.device))
-        if threads is not None:  # process-wide: GRPO's training step on CPU runs with the same pool
-            import torch
-
-            torch.set_num_threads(threads)
-        model, tokenizer = load_model_and_tokenizer(config.model, device or g.device, g.dtype, g.revision)
+        model, tokenizer = _load(config, device or g.device)
         gen = cls(model, tokenizer, config.sampling)
         gen.train_device = resolve_device(g.device)
         return gen
+
+    @classmethod
+    def trainable_elsewhere(cls, config: Any) -> Trainable:
+        """The run's model on generator.device, loaded as `from_config` loads the engine's."""
+        model, tokenizer = _load(config, config.generator.device)
+        return Trainable(model, tokenizer, config.sampling, separate=True)
 
     @property
     def device(self) -> torch.device:
@@ -247,16 +261,11 @@ class HFGenerator(Generator):
             return
         import torch
 
-        from vrl.weights.export import weights_for_engine
-        if isinstance(model, WeightStream):
-            buckets: Iterable[list[tuple[str, Any]]] = model
-        elif isinstance(model, Mapping):
-            buckets = [list(model.items())]
-        else:
-            buckets = [weights_for_engine(model)]  # checkpoint names, LoRA merged
+        from vrl.weights.export import published_buckets
+
         own = dict(self.model.named_parameters())
         with torch.no_grad():
-            for bucket in buckets:
+            for bucket in published_buckets(model):  # checkpoint names, LoRA merged
                 unknown = sorted({name for name, _ in bucket} - set(own))
                 if unknown:
                     raise ValueError(f"published weights do not match the model: unknown {unknown[:3]}")

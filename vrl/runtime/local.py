@@ -1,7 +1,9 @@
-"""The local runtime: sampling engines in this process (CPU or local GPUs), the verifier on a background loop.
+"""The local runtime: sampling engines on this machine (CPU or local GPUs), the verifier on a background loop.
 
 `runtime.local.engines` engines of the run's backend (each with its own copy of the weights) are
-dealt over `runtime.local.gpus`; one engine is the default. Several engines form a `HostPool`.
+dealt over `runtime.local.gpus`; one engine is the default. Several engines form a `HostPool`. With
+`runtime.local.driver_processes` each engine is driven from a process of its own
+(`vrl.runtime.driver`), so engines do not compete with each other or the loop for one interpreter.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from typing import Any
 from pydantic import Field
 
 from vrl.config import Section
-from vrl.errors import DeviceUnavailable
+from vrl.errors import DeviceUnavailable, UsageError
 from vrl.generate import generator_class, make_generator
 from vrl.policy import HostNeeds, PolicyHost
 from vrl.runtime.base import Runtime, VerificationPool
+from vrl.runtime.driver import DriverHost
 from vrl.runtime.pool import HostPool, host_needs
 from vrl.verifier import Verifier
 
@@ -32,6 +35,24 @@ class LocalConfig(Section):
         description="GPU indices the engines are dealt over (round-robin); vllm engines sharing a GPU split "
         "generator.vllm.gpu_memory_utilization evenly. None: one GPU (vllm) or generator.device (hf).",
     )
+    driver_processes: bool = Field(
+        False,
+        description="Drive each engine from a process of its own (commands, completions, seeded updates and trained "
+        "weights in shared memory cross), so the engines' Python-side work does not compete for one interpreter "
+        "with each other and the loop. GRPO on the hf backend only (vllm pushes trained weights from the training "
+        "process); no multi-turn episodes; one engine per GPU. Off by default until GPU measurements favour it "
+        "(docs/vllm.md).",
+    )
+
+
+def refuse_trained(moves: str, config: Any) -> None:
+    """Driver processes serve trained weights (GRPO) only where the backend samples weights trained in
+    another process (`Generator.trains_elsewhere`); otherwise the setting is refused in one line."""
+    backend = config.generator.backend
+    if moves == "trained" and not generator_class(backend).trains_elsewhere:
+        raise UsageError(f"runtime.local.driver_processes: optimizer={config.optimizer} trains weights that generator "
+                         f"backend {backend!r} can take only in the training process (its own weight transports); "
+                         "set runtime.local.driver_processes=false")
 
 
 class LocalRuntime(Runtime):
@@ -53,8 +74,20 @@ class LocalRuntime(Runtime):
         from vrl.hub import check_model
 
         check_model(config.model, config.generator.revision)
-        resolve_device(config.generator.device)
-        gpus = config.runtime.local.gpus
+        device = resolve_device(config.generator.device)
+        local = config.runtime.local
+        gpus = local.gpus
+        if local.driver_processes:  # refused here, before the run directory is written
+            from vrl.optim import optimizer_class
+
+            refuse_trained(optimizer_class(config.optimizer).moves, config)
+            placed = [gpus[i % len(gpus)] for i in range(local.engines)] if gpus else None
+            if (len(set(placed)) < len(placed)) if placed else (local.engines > 1 and device.type == "cuda"):
+                # Each driver process would size its engine as if it were alone on the GPU.
+                raise UsageError(f"runtime.local.driver_processes needs one engine per GPU, but {local.engines} "
+                                 f"engines would share {f'runtime.local.gpus={gpus}' if gpus else 'one GPU'}; list "
+                                 "as many distinct GPUs as engines in runtime.local.gpus, or set "
+                                 "runtime.local.driver_processes=false")
         if gpus:
             import torch
 
@@ -67,11 +100,17 @@ class LocalRuntime(Runtime):
 
     def policy(self, config: Any, needs: HostNeeds | None = None) -> PolicyHost:
         local = config.runtime.local
-        if local.engines == 1 and not local.gpus:
+        if local.driver_processes and needs is not None:
+            refuse_trained(needs.moves, config)
+        if local.engines == 1 and not local.gpus and not local.driver_processes:
             return make_generator(config, needs)
         gpus: list[str | None] = [str(i) for i in local.gpus] if local.gpus else [None]
         placement = [gpus[i % len(gpus)] for i in range(local.engines)]
-        hosts = generator_class(config.generator.backend).engines(config, host_needs(needs, len(placement)), placement)
+        if local.driver_processes:
+            hosts: list[PolicyHost] = list(DriverHost.start(config, host_needs(needs, len(placement)), placement))
+        else:
+            hosts = list(generator_class(config.generator.backend).engines(config, host_needs(needs, len(placement)),
+                                                                         placement))
         if len(hosts) == 1:  # one engine placed on a GPU is that engine: a pool would draw a streamed push whole
             return hosts[0]
         return HostPool(hosts, granule=config.sampling.batch_size)

@@ -8,13 +8,25 @@ rebuilds the trained weights (ES: replayed onto a `vrl.weights` view) and writes
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
+from vrl.policy import WeightStream
+
 ModelLoader = Callable[[str, str, str | None], tuple[Any, Any]]
 """`load(name, dtype, revision) -> (model, tokenizer)`: a base model in this process, on the export's device."""
+
+
+def published_buckets(model: Any) -> Iterable[list[tuple[str, torch.Tensor]]]:
+    """What `PolicyHost.publish` was given, as buckets of (checkpoint name, tensor): a `WeightStream` as
+    it comes, tensors by name as one bucket, a module's weights (`weights_for_engine`) as one."""
+    if isinstance(model, WeightStream):
+        return model
+    if isinstance(model, Mapping):
+        return [list(model.items())]
+    return [weights_for_engine(model)]
 
 
 def weights_for_engine(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

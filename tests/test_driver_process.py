@@ -1,0 +1,285 @@
+"""Engines driven from processes of their own (`runtime.local.driver_processes`, `vrl.runtime.driver`):
+a pool of two process-driven hf engines on this CPU samples and updates exactly as one in-process engine
+does, a child's error is raised here as the same one-line error, and a child that dies ends the call with
+a line naming its engine and leaves no process behind. The children are real (spawned interpreters that
+load the tiny model), so the module shares one pool; each child costs a few seconds to start. On a
+machine with 2 GPUs and vLLM (`pytest -m gpu`), two vLLM engines in driver processes are compared with
+the same two engines driven in-process."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from vrl import reaper
+from vrl.config import build
+from vrl.envs.letters import LettersEnvironment
+from vrl.errors import UsageError
+from vrl.generate.hf import HFGenerator
+from vrl.optim.es import ES, ESHistory
+from vrl.policy import HostNeeds, PerturbationSpec, Unsupported, Variant, WeightStream
+from vrl.runtime.driver import DriverDied, DriverHost
+from vrl.runtime.local import LocalRuntime
+from vrl.runtime.pool import HostPool
+from vrl.trainer import Trainer
+from vrl.types import Result, Verdict
+from vrl.weights.update import LowRankUpdate
+
+BASE = {"plugin": "letters", "seed": 3, "tasks_per_iteration": 5, "model": "tiny",
+        "sampling": {"max_new_tokens": 6, "temperature": 1.0, "batch_size": 2},
+        "generator": {"device": "cpu", "dtype": "float32"},
+        "es": {"population_size": 4, "sigma": 0.2, "alpha": 0.3, "antithetic": True},
+        "runtime": {"local": {"engines": 2, "driver_processes": True}}}
+
+
+def _key(batches) -> list:
+    return sorted((c.variant, c.task_id, c.sample, c.text, tuple(c.token_ids)) for b in batches for c in b)
+
+
+def _gone(identity: tuple[int, int]) -> bool:
+    deadline = time.monotonic() + 10
+    while reaper.alive(identity) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not reaper.alive(identity)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Two hf engines in driver processes, built by the local runtime as `vrl train` builds them."""
+    host = LocalRuntime().policy(build(BASE))
+    yield host
+    host.close()
+
+
+def _iterations(host, cfg, tasks, iterations: int) -> tuple[list, ESHistory]:
+    """`iterations` ES iterations on `host` (rewards made up from the completions); every
+    iteration's completions and the history."""
+    es = ES(cfg.es, seed=cfg.seed, base={"model": "tiny"})
+    es.setup(host)
+    seen = []
+    for it in range(iterations):
+        variants = es.ask()
+        completions = [c for b in host.sample(tasks, variants, seed=10 + it) for c in b]
+        seen.append(_key([completions]))
+        by_id = {t.id: t for t in tasks}
+        es.tell([Result(task=by_id[c.task_id], completion=c, verdict=Verdict.ok(), reward=float(sum(c.token_ids) % 7))
+                 for c in completions])
+    return seen, es.history
+
+
+@pytest.mark.slow  # two children start (13-20 s on the loaded 2-core machine)
+def test_two_driven_engines_sample_and_update_as_one_in_process_engine(pool):
+    """Full-rank, then low-rank ES, two iterations each: the same completions, the same updates and θ
+    bit for bit; a child's errors come back as the same errors."""
+    assert isinstance(pool, HostPool) and [type(h) for h in pool.hosts] == [DriverHost, DriverHost]
+    assert len({h.pid for h in pool.hosts} | {os.getpid()}) == 3
+    tasks = LettersEnvironment().tasks()[:5]
+    # The child's own error, raised here with its type and message (and its traceback as a note).
+    with pytest.raises(RuntimeError) as err:
+        list(pool.hosts[1].sample(tasks, [Variant(index=0, seed=1)]))
+    assert str(err.value) == "hf: call perturbations(spec) before sampling seeded variants"  # one line, as in-process
+    assert "raised in the driver process of engine 1" in "".join(err.value.__notes__)
+    one = HFGenerator.from_config(build(BASE))
+    for noise in ("full", "lowrank"):
+        cfg = build(BASE, {"es": {"noise": noise, **({"rank": 2} if noise == "lowrank" else {})}})
+        got, want = _iterations(pool, cfg, tasks, 2), _iterations(one, cfg, tasks, 2)
+        assert got[0] == want[0] and len({c[0] for c in got[0][0]}) == 4  # every member, both iterations
+        assert got[1].iterations == want[1].iterations and any(z != 0 for z in got[1].iterations[0].z)
+        mine = one.state()
+        for host in pool.hosts:  # θ crosses back through shared memory
+            theirs = host.state()
+            assert theirs.keys() == mine.keys() and all(torch.equal(theirs[n], mine[n]) for n in mine)
+    assert isinstance(pool.counters(), dict)
+    # A full-rank spec refuses a low-rank update in the child: the same ValueError/TypeError here.
+    pool.perturbations(PerturbationSpec(("*",), (), 0.1))
+    with pytest.raises(Exception, match="lowrank") as refused:
+        pool.update(LowRankUpdate(rank=2, coeff=1.0, terms=((7, 1.0),)))
+    assert type(refused.value) is not DriverDied
+    with pytest.raises(UsageError, match="does not carry .*; set runtime.local.driver_processes=false$") as err:
+        pool.episodes(object())  # one line in the CLI (a UsageError)
+    assert isinstance(err.value, Unsupported)
+
+
+@pytest.mark.slow  # the module's pool (two children)
+def test_trained_weights_reach_the_driven_engines_in_shared_memory(pool):
+    """GRPO's side: the model trains in this process; `publish` (the module, or a `WeightStream` in
+    buckets) makes both children sample what an in-process engine given the same weights samples. The
+    parameters crossed in shared memory, not copied through the pipe; a bucket the engine refuses is its
+    error, raised here, and the rest of the stream is not drawn."""
+    tasks = LettersEnvironment().tasks()[:4]
+    model = pool.trainable().model
+    assert pool.trainable().model is model and pool.trainable().separate
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    pool.publish(model)
+    assert all(p.is_shared() for p in model.parameters())
+    ref = HFGenerator.from_config(build(BASE))
+    ref.publish(model)
+    v = [Variant(index=0, samples_per_task=2)]
+    assert _key(pool.sample(tasks, v, seed=1)) == _key(ref.sample(tasks, v, seed=1))
+    drawn = []
+
+    def buckets(weights):
+        for name, t in weights:
+            drawn.append(name)
+            yield [(name, t)]
+
+    halved = [(n, p.detach() * 0.5) for n, p in model.named_parameters()]
+    pool.publish(WeightStream(buckets(halved)))  # lockstep over both engines, one tensor per bucket
+    assert drawn == [n for n, _ in halved]
+    ref.publish(dict(halved))
+    assert _key(pool.sample(tasks, v, seed=2)) == _key(ref.sample(tasks, v, seed=2))
+    drawn.clear()
+    with pytest.raises(ValueError) as err:
+        pool.hosts[1].publish(WeightStream(buckets([("nope", torch.zeros(1)), *halved])))
+    assert str(err.value) == "published weights do not match the model: unknown ['nope']" and drawn == ["nope"]
+
+
+def test_settings_a_driver_process_cannot_serve_are_refused_before_an_engine_starts():
+    LocalRuntime.check(build(BASE, {"optimizer": "grpo"}))  # hf engines sample weights trained here
+    cfg = build(BASE, {"optimizer": "grpo", "generator": {"backend": "vllm"}})
+    for refuse in (lambda: LocalRuntime.check(cfg), lambda: LocalRuntime().policy(cfg, HostNeeds("trained"))):
+        with pytest.raises(UsageError, match=r"optimizer=grpo trains weights that generator backend 'vllm' can take "
+                                             r"only in the training process .*driver_processes=false$"):
+            refuse()
+    for engines, gpus in ((2, [0]), (3, [0, 1])):  # each child would size its engine as if alone on the GPU
+        shared = build(BASE, {"runtime": {"local": {"engines": engines, "gpus": gpus, "driver_processes": True}}})
+        with pytest.raises(UsageError, match=f"{engines} engines would share runtime.local.gpus="):
+            LocalRuntime.check(shared)
+    apart = build(BASE, {"runtime": {"local": {"engines": 2, "gpus": [0, 1, 0], "driver_processes": True}}})
+    if torch.cuda.device_count() >= 2:
+        LocalRuntime.check(apart)  # placed apart: accepted
+    else:  # placed apart: on to the next check, whether the GPUs exist
+        with pytest.raises(UsageError, match=r"names GPU \d, but this machine has"):
+            LocalRuntime.check(apart)
+
+
+@pytest.mark.slow  # two children start (13-20 s on the loaded 2-core machine)
+def test_a_killed_child_ends_the_iteration_naming_its_engine_and_close_leaves_nothing(pool):
+    """SIGKILL to engine 1's process mid-sample: the pool's call ends with `DriverDied` naming engine 1;
+    engine 0's stream is stopped and stays usable (and samples decoupled as in-process); close() ends the rest. (Last in the module: it
+    breaks the shared pool.)"""
+    tasks = LettersEnvironment().tasks()[:8]
+    variants = [Variant(index=i, samples_per_task=8) for i in range(8)]  # long enough to be killed mid-way
+    victim = pool.hosts[1]
+    identities = {(h.pid, reaper._stat(h.pid)[1]) for h in pool.hosts}
+    stream = pool.sample(tasks, variants, seed=2)
+    next(stream)
+    os.kill(victim.pid, signal.SIGKILL)
+    with pytest.raises(DriverDied, match=r"driver process of engine 1 \(pid \d+\) was killed by signal SIGKILL during sample"):
+        for _ in stream:
+            pass
+    # Engine 0 read its aborted stream to its end: it samples on, as one in-process host does.
+    # Decoupled (asynchronous GRPO), it reports sampling log-probs as an in-process engine does.
+    alone = HFGenerator.from_config(build(BASE))
+    for host in (pool.hosts[0], alone):
+        host.publish(pool.trainable().model)
+        host.decouple()
+    v = [Variant(index=0, samples_per_task=2)]
+    got = [c for b in pool.hosts[0].sample(tasks[:3], v, seed=4) for c in b]
+    want = [c for b in alone.sample(tasks[:3], v, seed=4) for c in b]
+    assert _key([got]) == _key([want]) and [c.logprobs for c in got] == [c.logprobs for c in want]
+    assert all(c.logprobs and len(c.logprobs) == len(c.token_ids) for c in got)
+    pool.close()
+    assert all(_gone(i) for i in identities)
+    # An engine that cannot start: its error, raised here, and its child ended.
+    before = reaper.children()
+    with pytest.raises(RuntimeError, match=r"^cannot load model '/nonexistent/model'"):
+        DriverHost.start(build(BASE, {"model": "/nonexistent/model"}), None, [None])
+    assert all(_gone(i) for i in reaper.children() - before if "vrl.reaper" not in _cmdline(i[0]))
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+def test_vrl_train_in_driver_processes_and_a_killed_parent_leaves_no_child(tmp_path: Path):
+    """`vrl train`'s loop with two driven engines writes what one in-process engine writes (samples,
+    metrics; low-rank ES's history; GRPO, trained here and published to the children); and a parent killed with SIGKILL while its engines run leaves
+    none of them behind (vrl.reaper ends them)."""
+    for optimizer, extra in (("es", {"es": {"noise": "lowrank", "rank": 2}}),
+                             ("grpo", {"grpo": {"num_generations": 3, "learning_rate": 1e-2,
+                                                "lr_scheduler_type": "constant"}})):
+        rows = {}
+        for name, local in (("one", {"engines": 1, "driver_processes": False}), ("driven", {})):
+            cfg = build(BASE, extra, {"optimizer": optimizer, "iterations": 2,
+                                      "runtime": {"local": {**BASE["runtime"]["local"], **local}},
+                                      "logging": {"runs_dir": str(tmp_path), "name": f"{optimizer}-{name}"}})
+            Trainer(cfg, environment=LettersEnvironment(), runtime=LocalRuntime(),
+                    console=Console(file=io.StringIO())).run()
+            run = tmp_path / f"{optimizer}-{name}"
+            metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+            samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+            rows[name] = ([{k: r[k] for k in ("reward_mean", "tokens", "completions")} for r in metrics],
+                          sorted(json.dumps({**s, "verdict": {**s["verdict"], "elapsed_s": None}}, sort_keys=True)
+                                 for s in samples),
+                          ESHistory.read(run / "es_history.json").iterations if optimizer == "es" else None)
+        assert rows["one"] == rows["driven"], optimizer
+
+    script = textwrap.dedent(f"""
+        import sys, time
+        from vrl.config import build
+        from vrl.runtime.local import LocalRuntime
+        if __name__ == "__main__":
+            pool = LocalRuntime().policy(build({BASE!r}))
+            print(" ".join(str(h.pid) for h in pool.hosts), flush=True)
+            time.sleep(600)
+    """)
+    (tmp_path / "parent.py").write_text(script)
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2
+        identities = {(p, reaper._stat(p)[1]) for p in pids}
+        parent.kill()
+        parent.wait()
+        assert all(_gone(i) for i in identities)
+    finally:
+        parent.kill()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'vrl-core[vllm]')")
+@pytest.mark.parametrize("noise", ["full", "lowrank"])
+def test_vllm_engines_in_driver_processes_sample_what_the_in_process_pool_samples(small_qwen2_dir, noise):
+    """Two vLLM engines, one per GPU, driven from processes of their own, give the completions and ES
+    updates the same two engines give driven from this process (same placement, so the same batches),
+    over two iterations of full-rank or low-rank members (engines in bf16, eager)."""
+    from vrl.types import Task
+
+    es = {"population_size": 4, "sigma": 0.05, "alpha": 0.05, "antithetic": True, "noise": noise,
+          **({"rank": 2, "exclude": ["lm_head*"]} if noise == "lowrank" else {"exclude": ["*norm*"]})}
+    tasks = [Task(id=f"t{i}", prompt=p) for i, p in enumerate(["Hello there", "2 + 2 =", "def f(x):", "abc", "Q:"])]
+    seen = {}
+    for drivers in (False, True):
+        cfg = build({"model": small_qwen2_dir, "optimizer": "es", "seed": 3, "es": es,
+                     "sampling": {"temperature": 1.0, "max_new_tokens": 16, "batch_size": 4},
+                     "generator": {"backend": "vllm", "dtype": "bfloat16", "vllm": {
+                         "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_model_len": 256}},
+                     "runtime": {"local": {"engines": 2, "gpus": [0, 1], "driver_processes": drivers}}})
+        LocalRuntime.check(cfg)
+        host = LocalRuntime().policy(cfg, ES.from_config(cfg).needs())
+        try:
+            assert [type(h) is DriverHost for h in host.hosts] == [drivers, drivers]
+            seen[drivers] = _iterations(host, cfg, tasks, 2)
+        finally:
+            host.close()
+    assert seen[True][0] == seen[False][0] and seen[True][1].iterations == seen[False][1].iterations

@@ -1,0 +1,390 @@
+"""Engines driven from processes of their own (`runtime.local.driver_processes`).
+
+In one process, every engine of a `HostPool` (one thread each) and the trainer share one interpreter:
+an engine's Python-side work (vLLM's front end scheduling and detokenising, vrl's LoRA-slot and
+perturbation bookkeeping, transformers' generate loop) waits for the GIL while another engine's runs.
+A `DriverHost` is the `PolicyHost` of one engine that lives in a child process (started with `spawn`,
+outside any torchrun launch): the child builds the real host from the run's config, exactly as the
+in-process runtime would, and serves this proxy's calls; this process only sends commands and
+receives completions.
+
+What crosses the boundary (pickled through a pipe; tensors through shared memory, as
+`torch.multiprocessing` sends them): the run's config (its JSON dump, once), tasks, variants and the
+sampling seed; completion batches as the child's engine yields them; the `PerturbationSpec`; seeded
+updates as their `to_wire` data (seeds and coefficients); θ for `state`/`load_state` (snapshots,
+resume); counters. GRPO trains a model in this process (`Generator.trainable_elsewhere`, for a backend
+that `trains_elsewhere`: hf) and `publish` sends its weights bucket by bucket, each bucket's tensors in
+shared memory (CPU) or as CUDA IPC handles, so no bucket is copied through the pipe and the next is
+drawn only once the child has loaded this one. vLLM engines push trained weights from the trainer's
+own process (their transports), and multi-turn episodes run their environment beside the engine: such
+runs keep their engines in this process (one line refuses the setting: GRPO on vLLM in
+`LocalRuntime.check`, episodes when the loop attaches them).
+
+Errors: an exception in the child is raised here as the same exception (type and one-line message;
+its traceback is attached as a note). A child that dies (killed, out of memory, a crash in native
+code) ends the call with a `DriverDied` naming the engine. `close()` always ends the child: it asks,
+then terminates, then kills; and a child registered with `vrl.reaper` is ended with this process
+however it ends (Ctrl-C, SIGKILL), along with the engine processes the child started itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from vrl import reaper
+from vrl.distributed import outside_launch
+from vrl.errors import UsageError
+from vrl.policy import (
+    HostNeeds,
+    PerturbationSpec,
+    PolicyHost,
+    Trainable,
+    Unsupported,
+    Variant,
+    WeightsInfo,
+    WeightStream,
+)
+from vrl.types import Completion, Task
+
+log = logging.getLogger(__name__)
+
+CLOSE_GRACE_S = 30.0
+"""Seconds `close` waits for the child to close its engine and exit (it may be finishing a generation
+batch first) before it terminates it."""
+
+NOT_CARRIED = "multi-turn episodes (their environment would have to run beside the engine)"
+"""What a driver process does not carry across its boundary (the run keeps its engine in this process)."""
+
+
+_END = object()
+
+
+class DriverDied(UsageError, RuntimeError):
+    """An engine's driver process ended while the run still needed it."""
+
+
+class NotCarried(UsageError, Unsupported):
+    """What a driver process does not carry (`NOT_CARRIED`) was asked of it: one line naming the switch."""
+
+
+class DriverHost(PolicyHost):
+    """The `PolicyHost` of one engine driven from a child process; see the module docstring.
+
+    `DriverHost(config, needs, gpu, label)` starts the child and returns at once; the first call (or
+    `ready()`) waits until its engine is up, so several engines start side by side (`start`).
+    """
+
+    def __init__(self, config: Any, needs: HostNeeds | None, gpu: str | None, label: str):
+        from vrl.config import dump
+
+        self.name = f"driver process of {label}"
+        self.label = label
+        self.config = config
+        self._trainable: Trainable | None = None
+        self._lock = threading.Lock()  # one call at a time on the pipe
+        self._sending = threading.Lock()  # whole messages: `close` may send while a sampling thread aborts
+        self._ready = False
+        self._closed = False
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA or threads of this one
+        self._conn, child = ctx.Pipe()
+        level = logging.getLogger("vrl").getEffectiveLevel()
+        self._proc = ctx.Process(target=_serve, args=(child, dump(config), needs, gpu, label, level),
+                                 name=f"vrl-driver-{label}", daemon=False)
+        with outside_launch(), reaper.reaped_children() as started:
+            self._proc.start()
+        self._started = started
+        child.close()  # only the child holds its end: a dead child reads as the end of the pipe here
+
+    @classmethod
+    def start(cls, config: Any, needs: HostNeeds | None, gpus: Sequence[str | None]) -> list[DriverHost]:
+        """One driven engine per entry of `gpus` (as `Generator.engines` places them), started side by
+        side; returns when every engine is up, or closes them all and raises the first failure."""
+        hosts: list[DriverHost] = []
+        try:
+            for i, gpu in enumerate(gpus):
+                hosts.append(cls(config, needs, gpu, f"engine {i}" + (f" (GPU {gpu})" if gpu is not None else "")))
+            for host in hosts:
+                host.ready()
+        except BaseException:
+            for host in hosts:
+                with contextlib.suppress(Exception):
+                    host.close()
+            raise
+        return hosts
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def ready(self) -> None:
+        """Wait until the child's engine is up (raises what building it raised)."""
+        if not self._ready:
+            with self._lock:
+                if not self._ready:
+                    self._reply("start")
+                    self._ready = True
+
+    # -- the pipe ------------------------------------------------------------------------------------
+    def _recv(self, doing: str) -> tuple[str, Any]:
+        """The child's next message; `DriverDied` if it ended instead of answering."""
+        try:
+            ready = wait([self._conn, self._proc.sentinel])
+            if self._conn in ready or self._conn.poll():  # what it sent before it ended is still read
+                return self._conn.recv()
+        except (EOFError, OSError):
+            pass
+        raise self._died(doing)
+
+    def _died(self, doing: str) -> DriverDied:
+        self._proc.join(timeout=5)
+        code = self._proc.exitcode
+        how = ("is still running but closed its pipe" if code is None else
+               f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}")
+        return DriverDied(f"the driver process of {self.label} (pid {self._proc.pid}) {how} during {doing}; "
+                          "its own output above says why (out of memory, a crash in the engine); the run's "
+                          "finished iterations are kept, resume it once the cause is fixed")
+
+    def _send(self, message: tuple[Any, ...], doing: str) -> None:
+        try:
+            with self._sending:
+                self._conn.send(message)
+        except (OSError, ValueError):  # the pipe is gone: the child has ended
+            raise self._died(doing) from None
+
+    def _reply(self, doing: str) -> Any:
+        kind, value = self._recv(doing)
+        if kind == "err":
+            raise _raised(value, self.label)
+        return value
+
+    def _call(self, op: str, *args: Any) -> Any:
+        self.ready()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name} is closed")
+            self._send((op, args), op)
+            return self._reply(op)
+
+    # -- PolicyHost ----------------------------------------------------------------------------------
+    def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
+               ) -> Iterator[list[Completion]]:
+        """The child's `sample`, batch by batch as its engine yields them. Closing this stream early
+        asks the child to stop after the batch it is on (as an in-process engine would)."""
+        self.ready()
+        with self._lock:
+            self._send(("sample", (list(tasks), list(variants), seed)), "sample")
+            ended = False
+            try:
+                while True:
+                    kind, value = self._recv("sample")
+                    if kind == "batch":
+                        yield value
+                    elif kind == "end":
+                        ended = True
+                        return
+                    else:
+                        ended = True
+                        raise _raised(value, self.label)
+            finally:
+                if not ended:  # closed early: stop the child's stream and read what it still sends
+                    with contextlib.suppress(Exception):
+                        self._send(("abort", ()), "sample")
+                        while self._recv("sample")[0] == "batch":
+                            pass
+
+    def perturbations(self, spec: PerturbationSpec) -> WeightsInfo:
+        return self._call("perturbations", spec)
+
+    def update(self, update: Any) -> None:
+        self._call("update", update.to_wire())  # seeds and coefficients
+
+    def state(self) -> dict[str, Any]:
+        return self._call("state")
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._call("load_state", state)
+
+    def counters(self) -> dict[str, float]:
+        return self._call("counters")
+
+    def episodes(self, runner: Any) -> None:
+        raise self._not_carried()
+
+    def trainable(self) -> Trainable:
+        """GRPO's model, in this process (`Generator.trainable_elsewhere`: loaded as the engine's weights
+        were); the engine samples what `publish` sends it."""
+        if self._trainable is None:
+            from vrl.generate import generator_class
+
+            self._trainable = generator_class(self.config.generator.backend).trainable_elsewhere(self.config)
+        return self._trainable
+
+    def publish(self, model: Any) -> None:
+        """Send `model`'s weights (the module, tensors by checkpoint name, or a `WeightStream`) to the engine,
+        one bucket at a time: the child asks for each (`next`) once it has loaded the one before, so the
+        stream's contract holds and at most one bucket is shared at once. Tensors cross in shared memory
+        (CPU: the storage moves there once and is shared from then on) or as CUDA IPC handles; none is
+        copied through the pipe. The child may stop asking (its host skipped the push, or failed)."""
+        from vrl.weights.export import published_buckets
+
+        buckets = published_buckets(model)  # checkpoint names, LoRA merged
+        self.ready()
+        with self._lock:
+            self._send(("publish", ()), "publish")
+            kind, value = self._recv("publish")
+            remaining = iter(buckets)
+            while kind == "next":  # the next bucket is drawn only when the engine asks for it
+                bucket = next(remaining, _END)
+                self._send(("end", ()) if bucket is _END else ("bucket", bucket), "publish")
+                kind, value = self._recv("publish")
+            if kind == "err":
+                raise _raised(value, self.label)
+
+    def decouple(self) -> None:
+        self._call("decouple")
+
+    def _not_carried(self) -> NotCarried:
+        return NotCarried(f"{self.label} runs in a driver process, which does not carry {NOT_CARRIED}; "
+                           "set runtime.local.driver_processes=false")
+
+    def close(self) -> None:
+        """Close the child's engine and end the child: asked first (it finishes the batch it is on), then
+        SIGTERM after `CLOSE_GRACE_S`, then SIGKILL. Safe to call twice, and from another thread while a
+        call is waiting (a stream then ends after the child's current batch; another call raises `DriverDied`)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._send(("close", ()), "close")
+        deadline = time.monotonic() + CLOSE_GRACE_S
+        while self._proc.is_alive() and time.monotonic() < deadline:
+            if self._lock.acquire(blocking=False):  # nobody else reads: drain, so a child sending is not stuck
+                try:
+                    with contextlib.suppress(EOFError, OSError):
+                        while self._conn.poll(0.05):
+                            self._conn.recv()
+                finally:
+                    self._lock.release()
+            else:
+                self._proc.join(0.05)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not self._proc.is_alive():
+                break
+            log.warning("%s did not exit in time: sending %s", self.name, sig.name)
+            with contextlib.suppress(OSError):
+                os.kill(self._proc.pid, sig)
+            self._proc.join(10)
+        self._proc.join(1)
+        reaper.release(self._started)
+        self._conn.close()
+
+
+def _raised(data: tuple[Any, str], label: str) -> BaseException:
+    """The child's exception, to raise here, with its traceback attached as a note."""
+    exc, text = data
+    exc.add_note(f"raised in the driver process of {label}:\n{text}")
+    return exc
+
+
+def _wire_error(exc: BaseException) -> tuple[BaseException, str]:
+    """`exc` as the parent will raise it: itself when it survives pickling, else a RuntimeError that
+    keeps its type's name and message."""
+    text = "".join(traceback.format_exception(exc))
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - an exception type that does not round-trip
+        exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+    exc.__traceback__ = None
+    exc.__cause__ = exc.__context__ = None
+    return exc, text
+
+
+def _serve(conn: Connection, config_data: dict[str, Any], needs: HostNeeds | None, gpu: str | None, label: str,
+           level: int) -> None:
+    """The child's life: build the engine, then serve the parent's calls until it says close (or is gone)."""
+    # Ctrl-C reaches the terminal's whole process group; the parent decides what stops, and closes us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=level, format=f"[{label}] %(levelname)s %(name)s: %(message)s")
+    host = None
+    try:
+        from vrl.config import TrainConfig
+        from vrl.generate import generator_class
+
+        config = TrainConfig.model_validate(config_data)
+        host = generator_class(config.generator.backend).engines(config, needs, [gpu])[0]
+        conn.send(("ok", None))
+        while True:
+            try:
+                op, args = conn.recv()
+            except EOFError:  # the parent is gone
+                return
+            if op == "close":
+                return
+            if op == "abort":  # a stream the parent closed after its end had been sent
+                continue
+            try:
+                if op == "sample":
+                    if _stream(conn, host, *args):
+                        return
+                    continue
+                if op == "publish":
+                    args = (WeightStream(_buckets(conn)),)
+                if op == "update":
+                    from vrl.weights.update import update_from_wire
+
+                    args = (update_from_wire(args[0]),)
+                result = getattr(host, op)(*args)
+            except Exception as exc:  # noqa: BLE001 - the parent raises it
+                conn.send(("err", _wire_error(exc)))
+            else:
+                conn.send(("ok", result))
+    except (BrokenPipeError, ConnectionResetError, EOFError):  # the parent is gone
+        return
+    except BaseException as exc:  # building the engine failed: the parent raises it
+        with contextlib.suppress(Exception):
+            conn.send(("err", _wire_error(exc)))
+    finally:
+        if host is not None:
+            host.close()
+
+
+def _buckets(conn: Connection) -> Iterator[list[tuple[str, Any]]]:
+    """The buckets of a `publish`, asked of the parent one at a time (each once the last is loaded)."""
+    while True:
+        conn.send(("next", None))
+        kind, bucket = conn.recv()
+        if kind != "bucket":
+            return
+        yield bucket
+
+
+def _stream(conn: Connection, host: PolicyHost, tasks: list[Task], variants: list[Variant], seed: int | None
+            ) -> bool:
+    """One `sample` call: every batch, then ("end",) or ("err", ...). Between batches, a message from
+    the parent stops it (abort, or close). Returns whether the parent asked to close."""
+    stream = host.sample(tasks, variants, seed)
+    closing = False
+    try:
+        for batch in stream:
+            conn.send(("batch", batch))
+            if conn.poll():
+                closing = conn.recv()[0] == "close"
+                break
+    except Exception as exc:  # noqa: BLE001 - the parent raises it
+        stream.close()
+        conn.send(("err", _wire_error(exc)))
+        return False
+    stream.close()
+    conn.send(("end", None))
+    return closing
