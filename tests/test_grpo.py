@@ -553,3 +553,18 @@ def test_grpo_raises_reward_on_the_toy_environment(tmp_path):
     assert summary["status"] == "finished"
     assert first < 0.15, first
     assert last > 0.5, (first, last)
+
+
+def test_a_grpo_run_whose_host_cannot_start_fails_with_that_error_alone(tmp_path, monkeypatch):
+    """GRPO is closed at the end of every run, also one whose host never started (so `setup` never ran):
+    the run's error is the host's, not an AttributeError from closing a rule that was never set up."""
+    from vrl.runtime.local import LocalRuntime
+
+    def no_engine(self, *args, **kwargs):
+        raise RuntimeError("the engine could not start")
+
+    monkeypatch.setattr(LocalRuntime, "policy", no_engine)
+    console = Console(file=io.StringIO(), width=200)
+    with pytest.raises(RuntimeError, match="the engine could not start"):
+        Trainer(_toy_config(tmp_path, "nohost", 1), environment=LettersEnvironment(), console=console).run()
+    assert "checkpoint" not in console.file.getvalue(), console.file.getvalue()

@@ -135,6 +135,7 @@ class GRPO(Optimizer):
         # mean entropy over the tokens the bonus acts on (inf before the first step, as in TRL).
         self.entropy_coef, self._last_entropy = config.entropy_coef, math.inf
         self._entropy_bonus = config.entropy_coef != 0.0 or config.use_adaptive_entropy
+        self.group = None  # set by `setup` under torchrun; `close` may come first (a run whose host failed to start)
 
     @classmethod
     def from_config(cls, config: Any) -> GRPO:
