@@ -189,14 +189,29 @@ class SignalsWhileVerifying(LettersEnvironment):
         return Stalls()
 
 
+def as_rank_0_of_a_launch(monkeypatch) -> None:
+    """This process is told it is rank 0 of a 2-process torchrun launch (`vrl.distributed.world_size`),
+    while the process group the update rule starts (ES under torchrun: `grpo_dist.Group`) is a real gloo
+    group of this one process: the stop logic sees a launch, the collectives have no one to wait for."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr("vrl.distributed.world_size", lambda: 2)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_sigterm_while_verifying_stops_at_once(tmp_path, monkeypatch, world):
     """SIGTERM while an iteration waits for its verifier interrupts it at once: on one process, and as rank 0
-    of a torchrun launch (world 2: only the stop logic is told so; rank 0 makes no collective call while it
+    of a torchrun launch (world 2: the stop logic is told so, ES's process group is this process alone; rank 0 makes no collective call while it
     samples or verifies, so it need not finish the iteration). Iteration 0 is kept, iteration 1 dropped."""
     env = SignalsWhileVerifying()
     trainer = Trainer(small_config(tmp_path, iterations=4), environment=env, on_iteration=lambda m: env.armed.set())
-    monkeypatch.setattr("vrl.distributed.world_size", lambda: world)
+    if world == 2:
+        as_rank_0_of_a_launch(monkeypatch)
     summary = trainer.run()
     assert summary["status"] == "interrupted"
     assert RunDir.open(tmp_path / "run").completed_iterations() == 1
@@ -218,7 +233,8 @@ def test_sigterm_during_the_update_waits_for_it_only_under_torchrun(tmp_path, mo
 
     monkeypatch.setattr(ES, "tell", tell_then_signal)
     trainer = Trainer(small_config(tmp_path, iterations=4), environment=LettersEnvironment())
-    monkeypatch.setattr("vrl.distributed.world_size", lambda: world)
+    if world == 2:
+        as_rank_0_of_a_launch(monkeypatch)
     summary = trainer.run()
     assert summary["status"] == "interrupted"
     assert RunDir.open(tmp_path / "run").completed_iterations() == (1 if world == 2 else 0)
