@@ -364,13 +364,9 @@ class ES(Optimizer):
 
     def follow(self) -> None:
         """A rank > 0: sample its share, apply rank 0's updates, rebuild θ on resume, until rank 0 stops."""
-        if self.group is None or self.group.leader:
+        if self.group is None:
             raise RuntimeError("ES.follow runs on ranks > 0 of a torchrun launch")
-        while True:
-            command, args = self.group.receive()
-            if command == "stop":
-                return
-            getattr(self, f"_follow_{command}")(*args)
+        self.group.serve(lambda command, *args: getattr(self, f"_follow_{command}")(*args))
 
     def _follow_sample_share(self, work: list[Any]) -> None:
         from vrl.optim.grpo_dist import sample_calls
@@ -409,9 +405,8 @@ class ES(Optimizer):
 
     def stop_followers(self) -> None:
         """Rank 0: end the other ranks' `follow` (once; nothing on one process)."""
-        if self.group is not None and self.group.leader and not getattr(self, "_followers_stopped", False):
-            self._followers_stopped = True
-            self.group.send("stop")
+        if self.group is not None:
+            self.group.stop()
 
     def close(self) -> None:
         """Under torchrun, on every rank: release the others (rank 0), then the process group."""

@@ -564,22 +564,21 @@ class GRPO(Optimizer):
 
     def follow(self) -> None:
         """A rank > 0: do what rank 0's GRPO does (tell, save, load, sample its share) until it closes the run."""
-        if self.group is None or self.group.leader:
+        if self.group is None:
             raise RuntimeError("GRPO.follow runs on ranks > 0 of a torchrun launch")
-        while True:
-            command, args = self.group.receive()
-            if command == "stop":
-                break
+
+        def run(command: str, *args: Any) -> None:
             try:
                 getattr(self, command)(*args)
             except CheckpointRefused:
                 pass  # rank 0 says so (one line) and stops or goes on; it leads what happens next
 
+        self.group.serve(run)
+
     def stop_followers(self) -> None:
         """Rank 0: end the other ranks' `follow` (once; nothing on one process)."""
-        if self.group is not None and self.group.leader and not getattr(self, "_followers_stopped", False):
-            self.group.send("stop")
-            self._followers_stopped = True
+        if self.group is not None:
+            self.group.stop()
 
     def close(self) -> None:
         """The run is over, on every rank: finish the checkpoint being written, release the other ranks

@@ -39,7 +39,7 @@ from __future__ import annotations
 import copy
 import datetime
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -68,6 +68,7 @@ class Group:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.leader = self.rank == 0
         self.lost: int | None = None  # rank 0: the rank that stopped answering (`gather`); nothing is sent after
+        self.stopped = False  # rank 0: "stop" was sent (`stop`)
         self.device = device
         self.mesh = init_device_mesh(device.type, (self.world,))
         # Objects travel over gloo (CPU) whatever the device; background checkpoint writes get a group of
@@ -88,6 +89,19 @@ class Group:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.commands)
         return box[0]
+
+    def stop(self) -> None:
+        """Rank 0: end the other ranks' `serve` (once; marked first, so a failed send is not repeated)."""
+        if self.leader and not self.stopped:
+            self.stopped = True
+            self.send("stop")
+
+    def serve(self, run: Callable[..., None]) -> None:
+        """A rank > 0: `run(command, *args)` for each of rank 0's commands, until it sends "stop"."""
+        if self.leader:
+            raise RuntimeError("only the ranks > 0 of a torchrun launch follow rank 0's commands")
+        while (message := self.receive())[0] != "stop":
+            run(message[0], *message[1])
 
     def share(self, value: Any) -> Any:
         """Rank 0's `value`, on every rank."""
