@@ -45,6 +45,13 @@ class LocalConfig(Section):
     )
 
 
+def placement(local: LocalConfig) -> list[str | None]:
+    """The GPU of each of the `runtime.local.engines` engines: `gpus` dealt round-robin (None: the
+    backend's own device)."""
+    gpus: list[str | None] = [str(i) for i in local.gpus] if local.gpus else [None]
+    return [gpus[i % len(gpus)] for i in range(local.engines)]
+
+
 def refuse_trained(moves: str, config: Any) -> None:
     """Driver processes serve trained weights (GRPO) only where the backend samples weights trained in
     another process (`Generator.trains_elsewhere`); otherwise the setting is refused in one line."""
@@ -81,7 +88,7 @@ class LocalRuntime(Runtime):
             from vrl.optim import optimizer_class
 
             refuse_trained(optimizer_class(config.optimizer).moves, config)
-            placed = [gpus[i % len(gpus)] for i in range(local.engines)] if gpus else None
+            placed = placement(local) if gpus else None
             if (len(set(placed)) < len(placed)) if placed else (local.engines > 1 and device.type == "cuda"):
                 # Each driver process would size its engine as if it were alone on the GPU.
                 raise UsageError(f"runtime.local.driver_processes needs one engine per GPU, but {local.engines} "
@@ -104,13 +111,11 @@ class LocalRuntime(Runtime):
             refuse_trained(needs.moves, config)
         if local.engines == 1 and not local.gpus and not local.driver_processes:
             return make_generator(config, needs)
-        gpus: list[str | None] = [str(i) for i in local.gpus] if local.gpus else [None]
-        placement = [gpus[i % len(gpus)] for i in range(local.engines)]
+        placed = placement(local)
         if local.driver_processes:
-            hosts: list[PolicyHost] = list(DriverHost.start(config, host_needs(needs, len(placement)), placement))
+            hosts: list[PolicyHost] = list(DriverHost.start(config, host_needs(needs, len(placed)), placed))
         else:
-            hosts = list(generator_class(config.generator.backend).engines(config, host_needs(needs, len(placement)),
-                                                                         placement))
+            hosts = list(generator_class(config.generator.backend).engines(config, host_needs(needs, len(placed)), placed))
         if len(hosts) == 1:  # one engine placed on a GPU is that engine: a pool would draw a streamed push whole
             return hosts[0]
         return HostPool(hosts, granule=config.sampling.batch_size)
