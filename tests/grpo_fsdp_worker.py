@@ -1,11 +1,13 @@
-"""One rank of a GRPO step under FSDP2, started by `torchrun` from tests/test_grpo_fsdp.py (not a test module).
+"""One rank of GRPO steps under FSDP2, started by `torchrun` from tests/test_grpo_fsdp.py (not a test module).
 
-Every rank builds the tiny model's generator and GRPO as `vrl train` does; rank 0 samples the batch,
+For each scenario (OUT RUN_DIR FIELDS, one triple per scenario, run in order in one launch: a launch
+costs each rank its interpreter, torch and transformers, several CPU-seconds, and each scenario starts
+and releases a process group of its own) every rank builds the tiny model's generator and GRPO as `vrl train` does; rank 0 samples the batch,
 trains on it (the other ranks follow its commands), checkpoints into RUN_DIR, and writes what it saw
 to OUT: the metrics, the whole pre-clipping gradient of every step, the weights after the step, and
 the AdamW state gathered from the shards.
 
-    torchrun --standalone --nproc-per-node 2 tests/grpo_fsdp_worker.py OUT RUN_DIR '{"beta": 0.1, ...}'
+    torchrun --standalone --nproc-per-node 2 tests/grpo_fsdp_worker.py OUT RUN_DIR '{"beta": 0.1, ...}' [OUT2 RUN_DIR2 FIELDS2 ...]
 
 (`"_dtype": "bfloat16"` in the fields loads the model in bf16; `"_load": RUN` resumes RUN's checkpoint of
 iteration 1 first, and `"_seed"` seeds the sampled batch. With `"use_peft": true` the ranks train a
@@ -35,6 +37,19 @@ from vrl.optim.grpo_dist import full
 
 
 def main(out: str, run_dir: str, fields: dict) -> None:
+    """One scenario; what it patches (the step's spy, the gather count, the bucket size) is restored after."""
+    import torch.distributed as dist
+
+    from vrl.optim import grpo_dist
+
+    saved = GRPO._apply_step, dist.all_gather_single, grpo_dist.BUCKET_BYTES
+    try:
+        scenario(out, run_dir, fields)
+    finally:
+        GRPO._apply_step, dist.all_gather_single, grpo_dist.BUCKET_BYTES = saved
+
+
+def scenario(out: str, run_dir: str, fields: dict) -> None:
     grads: list[list[torch.Tensor]] = []
     step = GRPO._apply_step
 
@@ -133,5 +148,27 @@ def main(out: str, run_dir: str, fields: dict) -> None:
     opt.close()  # every rank: checkpoint writes finished, process group released
 
 
+def fresh_world(index: int, fields: dict) -> None:
+    """Before scenario `index` > 0: the default process group, under a key prefix of its own in the
+    launcher's store. GRPO's own `init_process_group` (scenario 0's) would read the previous group's
+    addresses, still in the store under the same keys, and a rank that started early would connect to a
+    port already closed. GRPO then finds the group started (`Group` starts one only when none is)."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=300))
+    timeout = datetime.timedelta(seconds=GRPOConfig(**{k: v for k, v in fields.items() if not k.startswith("_")}).ddp_timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"scenario-{index}", store), rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+    args = sys.argv[1:]
+    for i in range(0, len(args), 3):
+        fields = json.loads(args[i + 2])
+        if i:
+            fresh_world(i // 3, fields)
+        main(args[i], args[i + 1], fields)

@@ -78,12 +78,34 @@ def launch(*args: str, nodes: int = 1) -> tuple[list[list[str]], dict[str, str]]
     return cmds, env
 
 
+BUCKET_LIMIT = 40_000  # "separate": the published weights gathered in buckets of 40 kB (the tiny model takes several)
+# The worker's scenarios, all run in one launch (`steps`): the default step, then each variation a test checks.
+SCENARIOS = {"default": FIELDS,
+             "separate": {**FIELDS, "_separate": BUCKET_LIMIT},
+             "every_rank": {**FIELDS, "sample_on_every_rank": True},
+             "broken_rank": {**FIELDS, "sample_on_every_rank": True, "_break_rank_1": True},
+             "paused": {**FIELDS, "ddp_timeout": 3, "_pause": 8},
+             "kept_gathered": {**FIELDS, "fsdp_reshard_after_forward": False},
+             "bf16": {**FIELDS, "_dtype": "bfloat16"}}
+
+
+def run_worker(tmp: Path, scenarios: dict[str, dict]) -> dict[str, tuple[dict, Path]]:
+    """tests/grpo_fsdp_worker.py's `scenarios` in one 2-rank launch: per name, what rank 0 saw and its run dir."""
+    args = [a for name, fields in scenarios.items() for a in (str(tmp / f"{name}.pt"), str(tmp / name), json.dumps(fields))]
+    torchrun(str(HERE / "grpo_fsdp_worker.py"), *args)
+    return {name: (torch.load(tmp / f"{name}.pt", weights_only=False), tmp / name) for name in scenarios}
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """One GRPO step on 2 ranks (tests/grpo_fsdp_worker.py): what rank 0 saw, and its checkpoint."""
-    tmp = tmp_path_factory.mktemp("fsdp")
-    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp / "out.pt"), str(tmp / "run"), json.dumps(FIELDS))
-    return torch.load(tmp / "out.pt", weights_only=False), tmp / "run"
+def steps(tmp_path_factory):
+    """Every scenario of `SCENARIOS`, one GRPO step each on 2 ranks, in one launch."""
+    return run_worker(tmp_path_factory.mktemp("fsdp"), SCENARIOS)
+
+
+@pytest.fixture
+def two_ranks(steps):
+    """The default step on 2 ranks: what rank 0 saw, and its checkpoint."""
+    return steps["default"]
 
 
 def one_process_step(monkeypatch):
@@ -170,16 +192,14 @@ def test_two_rank_checkpoint_resumes_on_one_process_exactly(two_ranks):
 
 
 @pytest.mark.slow
-def test_a_separate_sampler_gets_the_weights_streamed_in_buckets_with_no_whole_copy_on_rank_0(tmp_path):
+def test_a_separate_sampler_gets_the_weights_streamed_in_buckets_with_no_whole_copy_on_rank_0(steps):
     """Rank 0's host samples from weights of its own (decoupled, as a vLLM engine does): rank 0 shards its
     trained copy in place (no whole copy is left), and each publish gathers the weights bucket by bucket (here 40 kB
     buckets, so the tiny model takes several), every bucket under the bound unless one tensor alone is
     over it. The sampler ends holding the trained masters rounded to its dtype, to the bit, and so does
     the policy folder of the checkpoint, gathered the same way from the shards."""
-    limit = 40_000
-    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp_path / "out.pt"), str(tmp_path / "run"),
-             json.dumps({**FIELDS, "_separate": limit}))
-    dist = torch.load(tmp_path / "out.pt", weights_only=False)
+    limit = BUCKET_LIMIT
+    dist, run = steps["separate"]
     assert dist["trainable_sharded"]  # rank 0's trained copy was sharded in place: no whole copy is left
     sizes = {k: v.numel() * v.element_size() for k, v in dist["masters"].items()}
     buckets = dist["buckets"]
@@ -190,20 +210,18 @@ def test_a_separate_sampler_gets_the_weights_streamed_in_buckets_with_no_whole_c
     initial = make_generator().model.state_dict()
     assert any(not torch.equal(dist["masters"][k], initial[k]) for k in dist["masters"])  # the step moved them
     assert all(torch.equal(dist["weights"][k], v) for k, v in dist["masters"].items())
-    policy = load_file(str(tmp_path / "run" / "grpo" / "iter-000001" / "policy" / "model.safetensors"))
+    policy = load_file(str(run / "grpo" / "iter-000001" / "policy" / "model.safetensors"))
     assert sorted(policy) == sorted(dist["masters"])
     assert all(torch.equal(policy[k], v) for k, v in dist["masters"].items())
 
 
 @pytest.mark.slow
-def test_every_rank_samples_its_share_and_takes_the_trained_weights(tmp_path):
+def test_every_rank_samples_its_share_and_takes_the_trained_weights(steps):
     """`grpo.sample_on_every_rank`: rank 0 deals the batch's tasks over both ranks, rank 1 samples its
     share on its own host (an hf model here) from its command loop, and the gathered completions are
     exactly rank 0's alone with the same seed; after the step every rank's sampling model holds the
     trained masters rounded to its dtype."""
-    fields = {**FIELDS, "sample_on_every_rank": True}
-    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp_path / "out.pt"), str(tmp_path / "run"), json.dumps(fields))
-    dist = torch.load(tmp_path / "out.pt", weights_only=False)
+    dist, _ = steps["every_rank"]
 
     def key(completions):
         return sorted((c.task_id, c.sample, c.text, tuple(c.token_ids)) for c in completions)
@@ -218,16 +236,14 @@ def test_every_rank_samples_its_share_and_takes_the_trained_weights(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rank_that_fails_to_sample_is_reported_by_rank_0_in_one_line_and_the_ranks_go_on(tmp_path):
+def test_a_rank_that_fails_to_sample_is_reported_by_rank_0_in_one_line_and_the_ranks_go_on(steps):
     """Rank 1's engine fails while it samples its share: rank 0 raises one line naming the rank and the
     error (after rank 0's own share, so no collective is left half done), and every rank goes on to
     train, save and stop together."""
-    fields = {**FIELDS, "sample_on_every_rank": True, "_break_rank_1": True}
-    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp_path / "out.pt"), str(tmp_path / "run"), json.dumps(fields))
-    dist = torch.load(tmp_path / "out.pt", weights_only=False)
+    dist, run = steps["broken_rank"]
     assert dist["pooled"] == ("rank 1 could not sample its share of the batch: RuntimeError: CUDA error: an illegal "
                               "memory access was encountered (rank 1's engine)")
-    assert dist["metrics"]["grpo/grad_norm"] > 0 and (tmp_path / "run" / "grpo" / "iter-000001").is_dir()
+    assert dist["metrics"]["grpo/grad_norm"] > 0 and (run / "grpo" / "iter-000001").is_dir()
 
 
 @pytest.mark.slow
@@ -287,25 +303,20 @@ def test_asynchronous_rollouts_under_torchrun_sample_and_train_as_one_process(tm
 
 
 @pytest.mark.slow
-def test_the_other_ranks_wait_for_rank_0s_next_command_beyond_the_collective_timeout(two_ranks, tmp_path):
+def test_the_other_ranks_wait_for_rank_0s_next_command_beyond_the_collective_timeout(steps):
     """Between commands rank 0 samples and verifies, which for a large Lean batch takes longer than any
     collective should wait: with `grpo.ddp_timeout` = 3 s, rank 0 pausing 8 s before it sends the batch
     still trains (the other ranks' wait for a command has no bound), and the step is the one without a
     pause."""
-    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp_path / "out.pt"), str(tmp_path / "run"),
-             json.dumps({**FIELDS, "ddp_timeout": 3, "_pause": 8}))
-    paused = torch.load(tmp_path / "out.pt", weights_only=False)
-    assert paused["world"] == 2 and paused["metrics"]["grpo/loss"] == two_ranks[0]["metrics"]["grpo/loss"]
+    paused, _ = steps["paused"]
+    assert paused["world"] == 2 and paused["metrics"]["grpo/loss"] == steps["default"][0]["metrics"]["grpo/loss"]
 
 
 @pytest.mark.slow
-def test_keeping_layers_gathered_from_forward_to_backward_changes_nothing_but_the_gathers(two_ranks, tmp_path):
+def test_keeping_layers_gathered_from_forward_to_backward_changes_nothing_but_the_gathers(steps):
     """`grpo.fsdp_reshard_after_forward=false`: the same step to the bit (the same gathered weights enter the
     same arithmetic), with fewer all-gathers (each layer's forward weights serve its backward)."""
-    default, _ = two_ranks
-    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp_path / "out.pt"), str(tmp_path / "run"),
-             json.dumps({**FIELDS, "fsdp_reshard_after_forward": False}))
-    kept = torch.load(tmp_path / "out.pt", weights_only=False)
+    default, kept = steps["default"][0], steps["kept_gathered"][0]
     assert kept["metrics"]["grpo/loss"] == default["metrics"]["grpo/loss"]
     assert all(torch.equal(a, b) for a, b in zip(kept["grads"][0], default["grads"][0]))
     assert all(torch.equal(kept["weights"][k], v) for k, v in default["weights"].items())
@@ -478,14 +489,12 @@ def test_a_torchrun_launch_refuses_what_it_cannot_train_before_writing_anything(
 
 
 @pytest.mark.slow
-def test_two_ranks_in_bf16_train_through_fp32_shards(tmp_path, monkeypatch):
+def test_two_ranks_in_bf16_train_through_fp32_shards(steps, monkeypatch):
     """A bf16 model: FSDP2 keeps fp32 shards (the masters), computes in bf16 and reduces in fp32, as
     one process does with its fp32 masters. The gradient agrees to bf16's forward noise (2% of its
     norm, the bound tests/test_grpo.py puts on micro-batching in bf16), and rank 0's sampling model
     ends in bf16 holding the fp32 masters rounded."""
-    fields = {**FIELDS, "_dtype": "bfloat16"}
-    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp_path / "out.pt"), str(tmp_path / "run"), json.dumps(fields))
-    dist = torch.load(tmp_path / "out.pt", weights_only=False)
+    dist, run = steps["bf16"]
     grads: list[list[torch.Tensor]] = []
     step = GRPO._apply_step
     monkeypatch.setattr(GRPO, "_apply_step", lambda self: grads.append([m.grad.clone() for m in self.master]) or step(self))
@@ -500,6 +509,6 @@ def test_two_ranks_in_bf16_train_through_fp32_shards(tmp_path, monkeypatch):
     gen2 = make_generator(dtype=torch.bfloat16)
     resumed = GRPO(GRPOConfig(**FIELDS), seed=0, total_iterations=10)
     resumed.setup(gen2)
-    resumed.load(tmp_path / "run", 1)
+    resumed.load(run, 1)
     assert all(torch.equal(gen2.model.state_dict()[k], v) for k, v in dist["weights"].items())
     assert all(m.dtype == torch.float32 for m in resumed.master)

@@ -9,14 +9,12 @@ writes `train/`. Only the GPUs are absent (NCCL is the same code path with anoth
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.test_grpo import capture_grads, make_generator, sample_results
-from tests.test_grpo_fsdp import FIELDS, HERE, assert_same_step, load_on_one_process, torchrun
+from tests.test_grpo_fsdp import FIELDS, assert_same_step, load_on_one_process, run_worker
 from vrl.optim.grpo import GRPO, GRPOConfig
 
 pytest.importorskip("peft")
@@ -27,11 +25,24 @@ LORA = {**FIELDS, "use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout"
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """One GRPO LoRA step on 2 ranks (tests/grpo_fsdp_worker.py): what rank 0 saw, and its checkpoint."""
+def steps(tmp_path_factory):
+    """In one 2-rank launch (tests/grpo_fsdp_worker.py): "fresh", one GRPO LoRA step from the start, and
+    "resumed", the step after a one-process LoRA run's checkpoint of iteration 1 (made here first, under
+    "one"; batch seed 7). Per name: what rank 0 saw, and its run directory."""
     tmp = tmp_path_factory.mktemp("fsdp_lora")
-    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp / "out.pt"), str(tmp / "run"), json.dumps(LORA))
-    return torch.load(tmp / "out.pt", weights_only=False), tmp / "run"
+    gen = make_generator()
+    first = GRPO(GRPOConfig(**LORA), seed=0, total_iterations=10)
+    first.setup(gen)
+    first.tell(sample_results(gen))
+    first.save(tmp / "one", final=True)
+    first.close()
+    return run_worker(tmp, {"fresh": LORA, "resumed": {**LORA, "_load": str(tmp / "one"), "_seed": 7}})
+
+
+@pytest.fixture
+def two_ranks(steps):
+    """One GRPO LoRA step on 2 ranks: what rank 0 saw, and its checkpoint."""
+    return steps["fresh"]
 
 
 @pytest.mark.slow
@@ -95,27 +106,19 @@ def test_two_rank_lora_checkpoint_resumes_on_one_process_exactly(two_ranks):
 
 
 @pytest.mark.slow
-def test_a_one_process_lora_checkpoint_resumes_on_two_ranks(tmp_path, monkeypatch):
+def test_a_one_process_lora_checkpoint_resumes_on_two_ranks(steps, monkeypatch):
     """The other way round: a one-process LoRA run's checkpoint loads on 2 ranks (each takes the whole
     adapter and its AdamW state from `train/`), and the next step there equals the next step of the
     checkpoint resumed on one process: loss and gradient norm to 1e-6 relative, every adapter gradient
     element to 1e-6 of its tensor's largest (the ranks sum in another order), both ranks' adapters
     identical after it. (A resume that missed the adapter would train from B = 0: gradients far apart.)"""
-    gen = make_generator()
-    first = GRPO(GRPOConfig(**LORA), seed=0, total_iterations=10)
-    first.setup(gen)
-    first.tell(sample_results(gen))
-    first.save(tmp_path / "one", final=True)
-    first.close()
+    dist, run = steps["resumed"]
     grads = capture_grads(monkeypatch)
     gen = make_generator()
     again = GRPO(GRPOConfig(**LORA), seed=0, total_iterations=10)
     again.setup(gen)
-    again.load(tmp_path / "one", 1)
+    again.load(run.parent / "one", 1)
     metrics = again.tell(sample_results(gen, seed=7))
-    fields = {**LORA, "_load": str(tmp_path / "one"), "_seed": 7}
-    torchrun(str(HERE / "grpo_fsdp_worker.py"), str(tmp_path / "out.pt"), str(tmp_path / "two"), json.dumps(fields))
-    dist = torch.load(tmp_path / "out.pt", weights_only=False)
     assert dist["metrics"]["grpo/loss"] == pytest.approx(metrics["grpo/loss"], rel=1e-6)
     assert dist["metrics"]["grpo/grad_norm"] == pytest.approx(metrics["grpo/grad_norm"], rel=1e-6)
     assert len(dist["grads"]) == len(grads) == 1
@@ -124,4 +127,4 @@ def test_a_one_process_lora_checkpoint_resumes_on_two_ranks(tmp_path, monkeypatc
     assert all(float(g.abs().max()) > 0 for g in grads[0])  # A's gradients too, now that B ≠ 0
     one, two = dist["replicas"]
     assert all(torch.equal(a, b) for a, b in zip(one, two))
-    assert (tmp_path / "two" / "grpo" / "iter-000002").is_dir()
+    assert (run / "grpo" / "iter-000002").is_dir()
