@@ -572,6 +572,8 @@ def main() -> None:
     ap.add_argument("--no-eager", action="store_true", help="skip the eager engine's profile")
     ap.add_argument("--sweep", action="store_true", help="time vLLM's LoRA kernels alone under other launch configs")
     ap.add_argument("--tuned-engine", action="store_true", help="a graph engine with the sweep's best configs")
+    ap.add_argument("--engines", nargs="+", default=["graph", "tuned"], choices=["graph", "tuned"],
+                    help="which graph engines to start: vrl's default, and (with --tuned-engine) the tuned one")
     ap.add_argument("--path", default="/tmp/vrl-bench-model")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -634,7 +636,7 @@ def main() -> None:
         engines: dict[str, Engine] = {}
         try:
             for key, folder in (("graph", None), ("tuned", tuned_dir)):
-                if key == "tuned" and (folder is None or bench.left() < 200):
+                if key not in args.engines or key == "tuned" and (folder is None or bench.left() < 200):
                     continue
                 host, es, startup = start_engine(args, eager=False, memory=args.memory, tuned_dir=folder)
                 engines[key] = Engine(bench, host, es, annotate=False, prompts=prompts_of(host))
