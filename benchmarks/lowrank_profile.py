@@ -473,9 +473,10 @@ def lora_sweep(bench: Bench, tokens: int) -> dict[str, Any]:
     def expand_cfg(bm: int, bn: int, warps: int) -> dict[str, Any]:
         return dict(block_m=bm, block_n=bn, block_k=16, num_warps=warps, num_ctas=1, num_stages=2)
 
-    shrink_cands = [None, shrink_cfg(16, 64, 8, 4), shrink_cfg(128, 64, 8, 4), shrink_cfg(256, 64, 8, 8),
+    shrink_cands = [None, shrink_cfg(16, 64, 8, 4), shrink_cfg(16, 128, 8, 4), shrink_cfg(32, 64, 16, 4),
                     shrink_cfg(64, 128, 4, 4)]
-    expand_cands = [None, expand_cfg(16, 128, 4), expand_cfg(64, 128, 4), expand_cfg(128, 128, 8), expand_cfg(256, 64, 8)]
+    expand_cands = [None, expand_cfg(16, 64, 4), expand_cfg(16, 128, 4), expand_cfg(16, 256, 4), expand_cfg(16, 256, 8),
+                    expand_cfg(32, 128, 4), expand_cfg(64, 128, 4)]
     original = (lora_shrink_op.get_lora_op_configs, lora_expand_op.get_lora_op_configs)
     chosen: dict[str, Any] = {"shrink": None, "expand": None}
 
