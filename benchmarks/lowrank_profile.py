@@ -3,7 +3,8 @@ the same requests without, kernel by kernel (issue 44, item 3).
 
     python benchmarks/lowrank_profile.py --out result.json [--traces DIR] [--batches 30 120 240 480]
                                          [--members 30] [--rank 8] [--new-tokens 128] [--budget-s 540]
-                                         [--sweep] [--tuned-engine]
+                                         [--no-eager] [--sweep] [--tuned-engine] [--engines graph tuned]
+    python benchmarks/lowrank_profile.py --out result.json --configs-out DIR   # the sweep alone (~20 s)
 
 Qwen2.5-1.5B shapes with random bf16 weights, engines started by vrl exactly as `vrl train --set
 es.noise=lowrank` starts them (30 LoRA slots of rank 8, the members of one ES iteration written into
@@ -22,7 +23,12 @@ j mod members; "no LoRA" is the same requests without adapters, on the same engi
 3. `--sweep`: vLLM's LoRA shrink/expand kernels alone for each layer kind at B tokens, captured in a
    CUDA graph: the default launch configs, a few others, a grouped torch `bmm` formulation and the base
    GEMM; the best configs are written as vLLM tuned-config files (`VLLM_TUNED_CONFIG_FOLDER`).
-4. `--tuned-engine`: a graph engine started with those files, timed as in 2.
+4. `--tuned-engine`: a graph engine started with those files, timed as in 2 (`--engines tuned`: that
+   one alone, its requests without adapters being the same-run baseline).
+
+`--configs-out DIR` runs the sweep alone and writes its files to DIR: `export VLLM_TUNED_CONFIG_FOLDER=DIR`
+before `vrl train` then starts vrl's engines with them. Results: docs/benchmarks.md ("The decode step
+kernel by kernel").
 
 Each section is skipped when less than its share of `--budget-s` is left (a device call is limited to
 600 s), and the JSON is rewritten after each, so a run cut short reports what it measured.
@@ -179,6 +185,17 @@ def tuned_configs(best: dict[str, dict[str, dict[str, Any]]], defaults: dict[str
             level.setdefault(str(tokens), {}).setdefault(k, {})[n] = best.get(kind, {}).get(part, defaults[kind][part])
             level.setdefault(big, {}).setdefault(k, {})[n] = defaults[kind][part + "_large"]
     return files
+
+
+def write_configs(files: dict[str, dict], folder: str | Path) -> Path:
+    """Write `lora_sweep`'s tuned_files ({file name: content}) into `folder`, emptied first: a folder to
+    give vLLM as VLLM_TUNED_CONFIG_FOLDER (it reads the files of its own GPU's name)."""
+    folder = Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for name, content in files.items():
+        (folder / name).write_text(json.dumps(content, indent=1))
+    return folder
 
 
 # -- inside the engine's worker (sent by collective_rpc; `self` is the worker) ------------------------
@@ -573,6 +590,8 @@ def main() -> None:
     ap.add_argument("--no-eager", action="store_true", help="skip the eager engine's profile")
     ap.add_argument("--sweep", action="store_true", help="time vLLM's LoRA kernels alone under other launch configs")
     ap.add_argument("--tuned-engine", action="store_true", help="a graph engine with the sweep's best configs")
+    ap.add_argument("--configs-out", default=None,
+                    help="only the kernel sweep: write vLLM's config files to this folder (for VLLM_TUNED_CONFIG_FOLDER)")
     ap.add_argument("--engines", nargs="+", default=["graph", "tuned"], choices=["graph", "tuned"],
                     help="which graph engines to start: vrl's default, and (with --tuned-engine) the tuned one")
     ap.add_argument("--path", default="/tmp/vrl-bench-model")
@@ -590,7 +609,8 @@ def main() -> None:
 
     res = bench.res
     res.update(device=torch.cuda.get_device_name(), vllm=vllm.__version__, torch=torch.__version__)
-    build_model(args.path, False)
+    if not args.configs_out:
+        build_model(args.path, False)
     rng = random.Random(0)
     texts = ["".join(rng.choice(string.ascii_letters + " ") for _ in range(64)) for _ in range(256)]
     tasks = [Task(id=f"p{i}", prompt=t) for i, t in enumerate(texts)]
@@ -614,22 +634,20 @@ def main() -> None:
         finally:
             host.close()
 
-    if not args.no_eager:
+    if not args.no_eager and not args.configs_out:
         bench.section("eager profile", 150, eager)
 
     # 2. the LoRA kernels alone under other launch configs (before the graph engines: its best configs
     # go to a second graph engine, timed beside the default one)
     tuned_dir = None
-    if args.sweep:
-        sweep = bench.section("kernel sweep", 260, lora_sweep, bench, batch)
+    if args.sweep or args.configs_out:
+        sweep = bench.section("kernel sweep", 0 if args.configs_out else 260, lora_sweep, bench, batch)
         res["sweep"] = sweep
+        if sweep and args.configs_out:
+            print(f"vLLM LoRA kernel configs written to {write_configs(sweep['tuned_files'], args.configs_out)}")
+            return
         if sweep and sweep.get("best") and args.tuned_engine:
-            tuned = Path("/tmp/vrl-lora-tuned")
-            shutil.rmtree(tuned, ignore_errors=True)
-            tuned.mkdir(parents=True)
-            for fname, content in sweep["tuned_files"].items():
-                (tuned / fname).write_text(json.dumps(content))
-            tuned_dir = str(tuned)
+            tuned_dir = str(write_configs(sweep["tuned_files"], "/tmp/vrl-lora-tuned"))
         bench.save()
 
     # 3. the graph engine vrl runs (and the tuned one): step times and tokens/s, interleaved; then profiles

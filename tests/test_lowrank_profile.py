@@ -6,6 +6,7 @@ kernel config files vLLM reads (config[max_loras + 1][num_slices][m][k][n], from
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 from pathlib import Path
 
@@ -125,3 +126,13 @@ def test_tuned_configs_fill_every_slice_count_vllm_indexes() -> None:
     assert expand["2"]["240"]["8"]["8960"] == cfg("best-gu-e")
     assert expand["3"]["240"]["8"]["1536"] == cfg("e-qkv_proj")
     assert expand["2"]["1920"]["8"]["8960"] == cfg("E-gate_up_proj")
+
+
+def test_write_configs_leaves_exactly_the_sweeps_files(tmp_path: Path) -> None:
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "stale.json").write_text("{}")  # from an earlier sweep: vLLM would not read it, but it misleads
+    files = {"NVIDIA_H200_SHRINK.json": {"31": {"1": {}}}, "NVIDIA_H200_EXPAND_TRUE.json": {"31": {"2": {}}}}
+    out = lp.write_configs(files, folder)
+    assert sorted(p.name for p in out.iterdir()) == sorted(files)
+    assert json.loads((out / "NVIDIA_H200_EXPAND_TRUE.json").read_text()) == files["NVIDIA_H200_EXPAND_TRUE.json"]
