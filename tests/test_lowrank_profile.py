@@ -136,3 +136,22 @@ def test_write_configs_leaves_exactly_the_sweeps_files(tmp_path: Path) -> None:
     out = lp.write_configs(files, folder)
     assert sorted(p.name for p in out.iterdir()) == sorted(files)
     assert json.loads((out / "NVIDIA_H200_EXPAND_TRUE.json").read_text()) == files["NVIDIA_H200_EXPAND_TRUE.json"]
+
+
+def test_graph_summary_takes_medians_and_same_run_ratios() -> None:
+    def run(batch: int, lora: bool, tok_s: float, step_ms: float) -> dict:
+        return {"batch": batch, "lora": lora, "tok_s": tok_s,
+                "decode": {"step_ms": step_ms, "execute_model_host_ms": 3.0 if lora else 2.0}}
+
+    out = {"raw256_tok_s": [20000.0, 30000.0, 25000.0],
+           "runs": [run(240, True, 15000, 12), run(240, True, 17000, 11), run(240, True, 16000, 13),
+                    run(240, False, 20000, 10), run(240, False, 22000, 9), run(240, False, 21000, 8)],
+           "vrl": [{"tok_s": 20000.0}, {"tok_s": 22500.0}, {"tok_s": 21000.0}]}
+    s = lp.graph_summary(out, [240], 240)
+    row = s["batch=240"]
+    assert (row["lora_tok_s"], row["nolora_tok_s"], row["lora_step_ms"], row["nolora_step_ms"]) == (16000, 21000, 12, 9)
+    assert row["lora_vs_nolora_tok_s"] == pytest.approx(16 / 21)
+    assert row["nolora_vs_lora_step"] == pytest.approx(9 / 12)
+    assert s["raw256_tok_s"] == 25000 and s["vrl_tok_s"] == 21000
+    assert s["vrl_vs_raw256"] == pytest.approx(21 / 25)
+    assert s["vrl_vs_nolora_same_requests"] == pytest.approx(1.0)
