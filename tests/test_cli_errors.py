@@ -253,7 +253,9 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
 
 @pytest.mark.slow
 def test_a_second_writer_is_refused_naming_the_first(tmp_path):
-    """A live `vrl train` holds its run directory: `--resume` of it and a new run of the same name are refused."""
+    """A live `vrl train` holds its run directory: `--resume` of it and a new run of the same name are refused.
+    The first writer is stopped (SIGSTOP) while the others try: it still holds its flock, and burns no CPU
+    meanwhile (it would train on, 1000 iterations, beside them); continued, it goes on training."""
     env = {**os.environ, "HF_ENDPOINT": NO_HUB}
     first = subprocess.Popen([sys.executable, "-m", "vrl.cli", "train", "--plugin", "letters", "--name", "live",
                               "--iterations", "1000", *SMALL], cwd=tmp_path, env=env,
@@ -262,10 +264,14 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path):
     try:
         _wait_for(lambda: (run / "state.json").exists(), 300, "the first iteration")  # it is training now
         assert (run / "lock").read_text().strip() == str(first.pid)
+        first.send_signal(signal.SIGSTOP)
+        done = (run / "metrics.jsonl").read_text().count("\n")
         res = vrl("train", "--resume", str(run), "--iterations", "2000", cwd=tmp_path)
         one_line_error(res, f"being written by process {first.pid}", f"kill {first.pid}")
         res = vrl("train", "--plugin", "letters", "--name", "live", cwd=tmp_path)
         one_line_error(res, f"being written by process {first.pid}")
+        first.send_signal(signal.SIGCONT)
+        _wait_for(lambda: (run / "metrics.jsonl").read_text().count("\n") > done, 300, "another iteration")
         assert first.poll() is None  # the first writer goes on, undisturbed
     finally:
         first.send_signal(signal.SIGKILL)  # dies holding the lock: the kernel drops it
