@@ -251,19 +251,22 @@ def test_vrl_train_sampling_on_every_rank_or_on_two_engines_writes_what_one_engi
     """`torchrun … vrl train` with `grpo.sample_on_every_rank=true`, and with two engines on rank 0
     (`runtime.local.engines=2`, each taking the streamed push bucket by bucket), against the default
     launch: the same samples (text and tokens) and the same rewards in every iteration, so every engine
-    sampled its share with the seeds one engine uses and with the weights trained so far."""
+    sampled its share with the seeds one engine uses and with the weights trained so far. The default
+    launch runs on two nodes of one process each and resumes on one process (`resumes_on_one_process`)."""
     rows = {}
     for name, extra in {"one": [], "every": ["grpo.sample_on_every_rank=true"],
                         "pool": ["runtime.local.engines=2"]}.items():
         runs = tmp_path / name
         # sampling.batch_size=1: the 3 tasks are dealt 2 + 1 (shards start at multiples of the batch size)
         sets = [a for x in ["iterations=3", "grpo.learning_rate=0.3", "sampling.batch_size=1", *extra] for a in ("--set", x)]
-        torchrun(*VRL, *_letters_job(runs), *sets)
+        done = torchrun(*VRL, *_letters_job(runs), *sets, nodes=2 if name == "one" else 1)
         run = runs / "fsdp"
         samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
         metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         rows[name] = ([(r["iteration"], r["task_id"], r.get("sample"), r["completion"]) for r in samples],
                       [m["reward_mean"] for m in metrics])
+        if name == "one":
+            resumes_on_one_process(done, run, iterations=3, lora=False)
     assert len(rows["one"][1]) == 3
     assert rows["every"] == rows["one"]
     assert rows["pool"] == rows["one"]
@@ -347,29 +350,34 @@ def _letters_job(runs: Path) -> list[str]:
             "--set", "grpo.learning_rate=1e-2"]
 
 
+def resumes_on_one_process(done: subprocess.CompletedProcess, run: Path, iterations: int, lora: bool) -> None:
+    """A finished `torchrun … vrl train` of `iterations` (node 0's output `done`, the run `run`): rank 0 alone
+    wrote the run (one metrics line per iteration, one console: its own), both ranks trained, the last
+    checkpoint records 2 ranks; then `vrl train --resume` on one process continues it by one iteration."""
+    assert done.stderr.count("vrl train") == 1, done.stderr[-3000:]  # one console: rank 0's
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(iterations))
+    assert any(r["grpo/grad_norm"] > 0 for r in rows)  # (a batch whose rewards are all equal has no gradient)
+    ckpt = run / "grpo" / f"iter-{iterations:06d}"
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    assert state["world_size"] == 2 and state["iteration"] == iterations and state["config"]["use_peft"] is lora
+    assert (ckpt / "policy" / ("adapter_model.safetensors" if lora else "model.safetensors")).is_file()
+    trainer = Trainer(_toy_config_from(run, iterations + 1), run_dir=RunDir.open(run), environment=LettersEnvironment(),
+                      console=Console(file=io.StringIO()))
+    assert trainer.start_iteration == iterations
+    assert trainer.run()["status"] == "finished"
+    assert [r["iteration"] for r in trainer.run_dir.metrics()] == list(range(iterations + 1))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True])
-def test_vrl_train_under_torchrun_then_resume_on_one_process(tmp_path, lora):
-    """`torchrun … vrl train` on the toy environment, full fine-tuning on two nodes of one process each
-    (two torchrun agents, as on two hosts) or a LoRA adapter (`grpo.use_peft`, data-parallel) on one node
-    of two: rank 0 alone writes the run (one metrics line per iteration, its console), both ranks train;
-    then `vrl train --resume` on one process continues the 2-rank run from its checkpoint to the end."""
+def test_vrl_train_of_a_lora_adapter_under_torchrun_then_resume_on_one_process(tmp_path):
+    """`torchrun … vrl train` on the toy environment training a LoRA adapter (`grpo.use_peft`, data-parallel)
+    on one node of two processes, then resumed on one process (`resumes_on_one_process`). Full fine-tuning
+    on two nodes: test_vrl_train_sampling_on_every_rank_or_on_two_engines_writes_what_one_engine_writes."""
     runs = tmp_path / "runs"
     adapter = ["--set", "grpo.use_peft=true", "--set", "grpo.lora_r=4", "--set", "grpo.lora_target_modules=[\"q_proj\"]"]
-    done = torchrun(*VRL, *_letters_job(runs), *(adapter if lora else []), nodes=1 if lora else 2)
-    assert done.stderr.count("vrl train") == 1, done.stderr[-3000:]  # one console: rank 0's
-    run = runs / "fsdp"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == [0, 1] and all(r["grpo/grad_norm"] > 0 for r in rows)
-    ckpt = run / "grpo" / "iter-000002"
-    state = torch.load(ckpt / "state.pt", weights_only=True)
-    assert state["world_size"] == 2 and state["iteration"] == 2 and state["config"]["use_peft"] is lora
-    assert (ckpt / "policy" / ("adapter_model.safetensors" if lora else "model.safetensors")).is_file()
-    trainer = Trainer(_toy_config_from(run, 3), run_dir=RunDir.open(run), environment=LettersEnvironment(),
-                      console=Console(file=io.StringIO()))
-    assert trainer.start_iteration == 2
-    assert trainer.run()["status"] == "finished"
-    assert [r["iteration"] for r in trainer.run_dir.metrics()] == [0, 1, 2]
+    done = torchrun(*VRL, *_letters_job(runs), *adapter)
+    resumes_on_one_process(done, runs / "fsdp", iterations=2, lora=True)
 
 
 @pytest.mark.slow
