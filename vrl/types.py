@@ -139,6 +139,19 @@ class Attempt(BaseModel):
     completion: Completion
 
 
+class Verified(list):  # list[Completion]
+    """A batch of completions that arrives already judged, by the same verifier where it was sampled (a rank
+    > 0 of a torchrun launch verifies its own share): `verdicts[i]` is the verdict of `self[i]`, and
+    `busy_s` the verifier's busy seconds on them there. The loop takes the verdicts as they are instead of
+    verifying again; whoever reads only the completions sees a plain batch."""
+
+    def __init__(self, completions: list[Completion] = (), verdicts: list[Verdict] = (), busy_s: float = 0.0):
+        super().__init__(completions)
+        if len(verdicts) != len(self):
+            raise ValueError(f"{len(verdicts)} verdicts for {len(self)} completions")
+        self.verdicts, self.busy_s = list(verdicts), busy_s
+
+
 class Result(BaseModel):
     """A judged attempt with its shaped reward: what the optimizer's `tell` receives."""
 

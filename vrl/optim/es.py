@@ -21,8 +21,8 @@ replay.
 
 Under torchrun (`ES.ranks`; docs/es.md "ES on many machines") every rank holds an engine and its own
 θ. Rank 0 runs the loop; the members of an iteration are dealt over the ranks (`grpo_dist.RankHosts`,
-the seeds of one process), the attempts come back to rank 0's verification, and every rank applies
-the same `iteration_update` of rank 0's record; a fingerprint of θ (`PolicyHost.checksum`) compared
+the seeds of one process), each rank verifies its own attempts and sends rank 0 their verdicts, and
+every rank applies the same `iteration_update` of rank 0's record; a fingerprint of θ (`PolicyHost.checksum`) compared
 after every update turns ranks that drift apart into a one-line error.
 """
 
@@ -329,6 +329,7 @@ class ES(Optimizer):
         self.history: ESHistory | None = None
         self._variants: list[Variant] | None = None
         self.group = None  # the ranks of a torchrun launch (`vrl.optim.grpo_dist.Group`), None on one process
+        self._verification: Any = None  # a rank > 0: its verification pool (`follow`)
 
     @classmethod
     def from_config(cls, config: Any) -> ES:
@@ -362,16 +363,22 @@ class ES(Optimizer):
 
         return RankHosts(host, self.group, granule=self.granule)
 
-    def follow(self) -> None:
-        """A rank > 0: sample its share, apply rank 0's updates, rebuild θ on resume, until rank 0 stops."""
+    def follow(self, verification: Any = None) -> None:
+        """A rank > 0: sample and verify its share, apply rank 0's updates, rebuild θ on resume, until rank 0 stops."""
         if self.group is None:
             raise RuntimeError("ES.follow runs on ranks > 0 of a torchrun launch")
+        self._verification = verification
         self.group.serve(lambda command, *args: getattr(self, f"_follow_{command}")(*args))
 
     def _follow_sample_share(self, work: list[Any]) -> None:
+        """This rank's members, verified here (`grpo_dist.sample_calls`), to rank 0. ES learns from rewards
+        alone: the token ids stay here, so only text, counts and verdicts travel."""
         from vrl.optim.grpo_dist import sample_calls
 
-        self.group.gather(sample_calls(self.host, work[self.group.rank]))
+        share = sample_calls(self.host, work[self.group.rank], self._verification)
+        for c in share if isinstance(share, list) else ():
+            c.prompt_token_ids = c.token_ids = c.logprobs = c.token_mask = None
+        self.group.gather(share)
 
     def _follow_apply(self, record: IterationRecord) -> None:
         self._apply(record)

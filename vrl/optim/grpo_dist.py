@@ -2,9 +2,9 @@
 
 Who does what (see `vrl.distributed` for the launch):
 
-- Rank 0 samples (alone, or with every rank sampling its share: `RankHosts`, `grpo.sample_on_every_rank`,
-  the same seeds either way) and verifies the whole batch, and sends the rewarded results to every
-  rank (`broadcast_object_list`), so every rank sees the whole batch: advantages and every loss
+- Rank 0 samples (alone, or with every rank sampling and verifying its share: `RankHosts`,
+  `sample_calls`, `grpo.sample_on_every_rank`, the same seeds either way), has the whole batch's
+  verdicts, and sends the rewarded results to every rank (`broadcast_object_list`), so every rank sees the whole batch: advantages and every loss
   normaliser (sequences, tokens) are those of the whole batch, as on one process.
 - The batch, sorted by length, is cut into `world × k` micro-batches of near-equal size; rank r
   trains on micro-batches r, r + world, ... Each micro-batch loss is divided by the whole-batch
@@ -48,7 +48,7 @@ from torch import nn
 
 from vrl.errors import UsageError
 from vrl.policy import PolicyHost, Trainable, Variant
-from vrl.types import Completion, Task
+from vrl.types import Attempt, Completion, Task, Verified
 
 COMMAND_WAIT = datetime.timedelta(days=365)  # how long a rank > 0 waits for rank 0's next command: no real bound
 
@@ -182,8 +182,9 @@ class RankHosts(PolicyHost):
 
     `sample` deals the batch's tasks over the ranks as a `HostPool` deals them over engines (`deal`: the
     same shards and seeds, so the samples are one engine's), sends every rank its calls (the other ranks
-    run `GRPO.sample_share` from their command loop), streams rank 0's own batches as they finish, then
-    gathers the other ranks' completions. Everything else is rank 0's host's: every rank's GRPO pushes
+    run `GRPO.sample_share` or ES's from their command loop), streams rank 0's own batches as they
+    finish, then gathers the other ranks' completions, each rank's share `Verified` where that rank has
+    a verification pool (`sample_calls`). Everything else is rank 0's host's: every rank's GRPO pushes
     the trained weights into its own host (`GRPO._publish`)."""
 
     name = "ranks"
@@ -231,17 +232,30 @@ class RankHosts(PolicyHost):
         self.host.close()
 
 
-def sample_calls(host: PolicyHost, calls: list[tuple[Sequence[Task], list[Variant], int | None]]
-                 ) -> list[Completion] | str:
-    """Every completion of `calls` on `host`, or why sampling failed (one line, for rank 0 to raise)."""
+def sample_calls(host: PolicyHost, calls: list[tuple[Sequence[Task], list[Variant], int | None]],
+                 verification: Any = None) -> list[Completion] | str:
+    """Every completion of `calls` on `host`, or why sampling failed (one line, for rank 0 to raise).
+
+    `verification`: this rank's verification pool (a `vrl.runtime.base.VerificationPool` of the run's
+    verifier, built by `vrl.launch.follow`): each batch is queued to it as it finishes, so this rank
+    verifies while it samples, and the share comes back `Verified` (its verdicts and the verifier's busy
+    seconds); rank 0 then only shapes and records it. None: rank 0 verifies the completions."""
     out: list[Completion] = []
+    pending: list[tuple[list[Attempt], Any]] = []
+    busy = verification.busy_s if verification is not None else 0.0
     try:
         for shard, vs, s in calls:
+            by_id = {t.id: t for t in shard}
             for batch in host.sample(shard, vs, s):
                 out.extend(batch)
+                if verification is not None:
+                    pending += verification.submit([Attempt(task=by_id[c.task_id], completion=c) for c in batch])
+        if verification is None:
+            return out
+        verdicts = [v for _, done in pending for v in done.result()]  # a verifier's failure is a verdict
     except Exception as exc:  # noqa: BLE001 - rank 0 raises it; this rank must still answer the gather
         return f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
-    return out
+    return Verified(out, verdicts, verification.busy_s - busy)
 
 
 def share_rows(order: list[int], world: int, micro_batch_size: int, rank: int) -> list[list[int]]:
