@@ -48,7 +48,8 @@ from torch import nn
 
 from vrl.errors import UsageError
 from vrl.policy import PolicyHost, Trainable, Variant
-from vrl.types import Attempt, Completion, Task, Verified
+from vrl.types import Attempt, Completion, Status, Task, Verified
+from vrl.verifier import VerifierUnavailable
 
 COMMAND_WAIT = datetime.timedelta(days=365)  # how long a rank > 0 waits for rank 0's next command: no real bound
 
@@ -214,10 +215,7 @@ class RankHosts(PolicyHost):
             shares = self.group.gather(None) or []
         self.counts = [own] + [len(share) if isinstance(share, list) else 0 for share in shares[1:]]
         for rank, share in enumerate(shares[1:], start=1):
-            if isinstance(share, str):
-                raise RuntimeError(f"rank {rank} could not sample its share of the batch: {share}")
-            if share:
-                yield share
+            yield from share_batches(rank, share)
 
     def trainable(self) -> Trainable:
         return self.host.trainable()
@@ -232,14 +230,27 @@ class RankHosts(PolicyHost):
         self.host.close()
 
 
+def share_batches(rank: int, share: list[Completion] | str | VerifierUnavailable) -> Iterator[list[Completion]]:
+    """What rank `rank`'s answer to `sample_calls` gives rank 0's loop: its share as one batch, or the
+    one-line error of a rank that could not sample it or whose verifier is down."""
+    if isinstance(share, VerifierUnavailable):
+        raise VerifierUnavailable(f"rank {rank}'s share: {share}")
+    if isinstance(share, str):
+        raise RuntimeError(f"rank {rank} could not sample its share of the batch: {share}")
+    if share:
+        yield share
+
+
 def sample_calls(host: PolicyHost, calls: list[tuple[Sequence[Task], list[Variant], int | None]],
-                 verification: Any = None) -> list[Completion] | str:
+                 verification: Any = None) -> list[Completion] | str | VerifierUnavailable:
     """Every completion of `calls` on `host`, or why sampling failed (one line, for rank 0 to raise).
 
     `verification`: this rank's verification pool (a `vrl.runtime.base.VerificationPool` of the run's
     verifier, built by `vrl.launch.follow`): each batch is queued to it as it finishes, so this rank
     verifies while it samples, and the share comes back `Verified` (its verdicts and the verifier's busy
-    seconds); rank 0 then only shapes and records it. None: rank 0 verifies the completions."""
+    seconds); rank 0 then only shapes and records it. None: rank 0 verifies the completions. When half
+    the share or more crashed and the verifier says it is down, the share is that `VerifierUnavailable`
+    (rank 0 raises it, naming this rank), not verdicts that would score this rank's members 0."""
     out: list[Completion] = []
     pending: list[tuple[list[Attempt], Any]] = []
     busy = verification.busy_s if verification is not None else 0.0
@@ -253,6 +264,12 @@ def sample_calls(host: PolicyHost, calls: list[tuple[Sequence[Task], list[Varian
         if verification is None:
             return out
         verdicts = [v for _, done in pending for v in done.result()]  # a verifier's failure is a verdict
+        crashed = sum(v.status is Status.CRASHED for v in verdicts)
+        if verdicts and crashed * 2 >= len(verdicts):  # as rank 0 checks its own (`Trainer._check_verifier_alive`)
+            try:
+                verification.check_ready()
+            except VerifierUnavailable as exc:  # down here only, say: rank 0 would score the share 0 and go on
+                return VerifierUnavailable(f"{crashed} of {len(verdicts)} verdicts crashed and the verifier is down: {exc}")
     except Exception as exc:  # noqa: BLE001 - rank 0 raises it; this rank must still answer the gather
         return f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
     return Verified(out, verdicts, verification.busy_s - busy)

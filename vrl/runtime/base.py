@@ -139,6 +139,11 @@ class VerificationPool:
         """One chunk's verdicts: whatever the verifier does wrong becomes verdicts (`verify_safely`)."""
         return await verify_safely(self.verifier, chunk, self.timeout_s)
 
+    def check_ready(self) -> None:
+        """Raise `VerifierUnavailable` if the pool's verifier cannot judge anything now (`Verifier.check_ready`,
+        run on the pool's own event loop, where the verifier's connections live)."""
+        asyncio.run_coroutine_threadsafe(self.verifier.check_ready(), self._loop).result()
+
     def close(self) -> None:
         """Cancel what is pending, close the verifier, stop the loop."""
         if self._loop.is_closed():
