@@ -5,9 +5,10 @@
 shapes, writes the run directory, the metrics and the console. Every other rank *follows*: it
 builds the same model and optimizer and then does what rank 0's optimizer tells it (sample and
 verify this share, train on this batch, apply this update, save, load, stop), so the update itself
-runs on every rank, and so does the verification of what each rank samples. Only a rule that declares `Optimizer.ranks` trains this way (GRPO: each rank on its shard of the
-model, `vrl.optim.grpo_dist`; ES: each rank samples its dealt members on its own engine and applies
-the same seeded update to its whole θ, `vrl.optim.es`); the others run on one process.
+runs on every rank, and so does the verification of what each rank samples. Only a rule that
+declares `Optimizer.ranks` trains this way (GRPO: each rank on its shard of the model,
+`vrl.optim.grpo_dist`; ES: each rank samples its dealt members on its own engine and applies the
+same seeded update to its whole θ, `vrl.optim.es`); the others run on one process.
 
 Which process this is, and hiding the launch from processes a rank starts, sit below the optimizers
 and engines in `vrl.distributed`; this module builds hosts and optimizers, so it sits beside the trainer.

@@ -22,8 +22,8 @@ replay.
 Under torchrun (`ES.ranks`; docs/es.md "ES on many machines") every rank holds an engine and its own
 θ. Rank 0 runs the loop; the members of an iteration are dealt over the ranks (`grpo_dist.RankHosts`,
 the seeds of one process), each rank verifies its own attempts and sends rank 0 their verdicts, and
-every rank applies the same `iteration_update` of rank 0's record; a fingerprint of θ (`PolicyHost.checksum`) compared
-after every update turns ranks that drift apart into a one-line error.
+every rank applies the same `iteration_update` of rank 0's record; a fingerprint of θ
+(`PolicyHost.checksum`) compared after every update turns ranks that drift apart into a one-line error.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Who does what (see `vrl.distributed` for the launch):
 
 - Rank 0 samples (alone, or with every rank sampling and verifying its share: `RankHosts`,
   `sample_calls`, `grpo.sample_on_every_rank`, the same seeds either way), has the whole batch's
-  verdicts, and sends the rewarded results to every rank (`broadcast_object_list`), so every rank sees the whole batch: advantages and every loss
-  normaliser (sequences, tokens) are those of the whole batch, as on one process.
+  verdicts, and sends the rewarded results to every rank (`broadcast_object_list`), so every rank
+  sees the whole batch: advantages and every loss normaliser (sequences, tokens) are those of the
+  whole batch, as on one process.
 - The batch, sorted by length, is cut into `world × k` micro-batches of near-equal size; rank r
   trains on micro-batches r, r + world, ... Each micro-batch loss is divided by the whole-batch
   normalisers, so the micro-batch losses of all ranks sum to the batch loss; FSDP2 *sums* the
@@ -269,7 +270,8 @@ def sample_calls(host: PolicyHost, calls: list[tuple[Sequence[Task], list[Varian
             try:
                 verification.check_ready()
             except VerifierUnavailable as exc:  # down here only, say: rank 0 would score the share 0 and go on
-                return VerifierUnavailable(f"{crashed} of {len(verdicts)} verdicts crashed and the verifier is down: {exc}")
+                return VerifierUnavailable(f"{crashed} of {len(verdicts)} verdicts crashed and the verifier is "
+                                           f"down: {exc}")
     except Exception as exc:  # noqa: BLE001 - rank 0 raises it; this rank must still answer the gather
         return f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
     return Verified(out, verdicts, verification.busy_s - busy)
