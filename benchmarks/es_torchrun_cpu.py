@@ -8,10 +8,11 @@ Each launch is the real `vrl train` (built-in `letters` environment, the tiny lo
 full-rank members) on 1 process and under `torchrun --nproc-per-node 2` (gloo), with the letters
 verifier made to sleep `--verify-ms` per attempt (a Lean server or a test sandbox answering: time that
 costs no CPU, so the split shows even on a loaded machine). Every rank records, per iteration, the time
-its process spent in the group's `gather` (rank 0: waiting for the other rank's share, then for its θ
-checksum) and in `ES._agree`; metrics.jsonl gives rank 0's sampling (`generation_s`, which holds the
+its process spent in the group's `gather` (rank 0: waiting for the other rank's share, then, in code
+that agrees after each update, for its θ checksum) and in `ES._agree` (since the checksums ride with
+the shares, only on resuming); metrics.jsonl gives rank 0's sampling (`generation_s`, which holds the
 wait for the share), its wait for the verdicts after sampling (`verify_wait_s`), the verifier's busy
-time (`verification_s`) and the update (`update_s`, which holds the agreement).
+time (`verification_s`) and the update (`update_s`, which holds the reading of θ's checksum).
 
 Launches are interleaved: for each repeat, each code, 1 then 2 ranks. Reported per (code, ranks):
 medians over the measured iterations (the first of each launch is dropped: start-up) of each part, and

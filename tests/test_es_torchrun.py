@@ -175,22 +175,24 @@ def test_a_rank_killed_mid_iteration_ends_the_launch_naming_it_and_the_run_resum
 
 def test_a_rank_whose_weights_drift_stops_the_run_in_one_line_naming_it(tmp_path):
     """Low-rank members (es.noise=lowrank: each rank batches its dealt members in one pass) on 3 ranks: the
-    first iteration equals one process's. Rank 2 then applies the second update with one member's weight
-    nudged by 1e-4: rank 0 compares the ranks' θ checksums after the update and stops the run with one line
-    naming rank 2; the first iteration stays recorded and the second is not (es_history.json holds one)."""
+    first two iterations equal one process's. Rank 2 applies the second update with one member's weight
+    nudged by 1e-4: the fingerprint of its θ comes with its share of the third iteration, and rank 0 stops
+    the run with one line naming rank 2 before that iteration is recorded (es_history.json holds two:
+    rank 0's record of the second is right; only rank 2 applied it wrongly)."""
     lowrank = ("es.noise=lowrank", "es.rank=2")
-    launch(job(tmp_path / "one", 1, extra=lowrank), tmp_path / "sums-one")
+    launch(job(tmp_path / "one", 2, extra=lowrank), tmp_path / "sums-one")
     one = record(tmp_path / "one" / "es", tmp_path / "sums-one")
     runs, sums = tmp_path / "runs", tmp_path / "sums"
-    done = launch(job(runs, 2, extra=lowrank), sums, ranks=3, env={"VRL_TEST_DRIFT": "2:1"}, check=False)
+    done = launch(job(runs, 3, extra=lowrank), sums, ranks=3, env={"VRL_TEST_DRIFT": "2:1"}, check=False)
     assert done.returncode != 0
     line = "rank 2's weights differ from rank 0's after iteration 1"
     assert line in done.stdout + done.stderr, done.stderr[-4000:]
     summary = json.loads((runs / "es" / "summary.json").read_text())
-    assert summary["status"] == "failed" and line in summary["error"] and summary["iterations_completed"] == 1
+    assert summary["status"] == "failed" and line in summary["error"] and summary["iterations_completed"] == 2
     got = record(runs / "es", sums)
-    assert {k: got[k] for k in ("rewards", "samples", "history")} == prefix(one, 1)
+    assert {k: got[k] for k in ("rewards", "samples", "history")} == prefix(one, 2)
     assert got["checksums"]["rank1"][1] == got["checksums"]["rank2"][1] == one["checksums"]["rank0"][1]
+    assert got["checksums"]["rank1"][2] == one["checksums"]["rank0"][2] != got["checksums"]["rank2"][2]
 
 
 @pytest.mark.gpu

@@ -559,9 +559,9 @@ class GRPO(Optimizer):
     def sample_share(self, work: list[Any]) -> None:
         """A rank > 0: sample this rank's calls of `work` (`RankHosts.sample`) on its host, verify them here
         (where `follow` was given a verification pool), and hand them (or why it could not) to rank 0."""
-        from vrl.optim.grpo_dist import sample_calls
+        from vrl.optim.grpo_dist import sample_calls, send_share
 
-        self.group.gather(sample_calls(self.host, work[self.group.rank], self._verification))
+        send_share(self.group, sample_calls(self.host, work[self.group.rank], self._verification))
 
     def follow(self, verification: Any = None) -> None:
         """A rank > 0: do what rank 0's GRPO does (tell, save, load, sample and verify its share) until it

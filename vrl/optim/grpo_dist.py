@@ -192,8 +192,12 @@ class RankHosts(PolicyHost):
     name = "ranks"
     collective = True  # sends the calls and gathers the shares
 
-    def __init__(self, host: PolicyHost, group: Group, granule: int = 1):
-        self.host, self.group, self.granule = host, group, granule
+    def __init__(self, host: PolicyHost, group: Group, granule: int = 1,
+                 check: Callable[[list[Any]], None] | None = None):
+        """`check(notes)`: run on rank 0 with what every other rank sent beside its share (`send_share`),
+        before any share is used; a rule compares the ranks there without a round trip of its own (ES:
+        the fingerprints of the θ each rank sampled from)."""
+        self.host, self.group, self.granule, self.check = host, group, granule, check
         self.counts: list[int] = []  # completions each rank sampled in the last `sample`
 
     def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
@@ -213,9 +217,12 @@ class RankHosts(PolicyHost):
                 finally:
                     stream.close()
         finally:  # the other ranks sample meanwhile; their results come back even when this rank failed
-            shares = self.group.gather(None) or []
-        self.counts = [own] + [len(share) if isinstance(share, list) else 0 for share in shares[1:]]
-        for rank, share in enumerate(shares[1:], start=1):
+            answers = (self.group.gather(None) or [None])[1:]
+        shares = [share for share, _ in answers]
+        self.counts = [own] + [len(share) if isinstance(share, list) else 0 for share in shares]
+        if self.check is not None:
+            self.check([note for _, note in answers])
+        for rank, share in enumerate(shares, start=1):
             yield from share_batches(rank, share)
 
     def trainable(self) -> Trainable:
@@ -229,6 +236,11 @@ class RankHosts(PolicyHost):
 
     def close(self) -> None:
         self.host.close()
+
+
+def send_share(group: Group, share: list[Completion] | str | VerifierUnavailable, note: Any = None) -> None:
+    """A rank > 0: its answer to `RankHosts.sample` (`sample_calls`'s), and `note` for the rule's `check`."""
+    group.gather((share, note))
 
 
 def share_batches(rank: int, share: list[Completion] | str | VerifierUnavailable) -> Iterator[list[Completion]]:
