@@ -116,17 +116,21 @@ def rank_main(args: argparse.Namespace) -> None:
     Path(args.result).write_text(json.dumps({"startup_s": startup, "runs": runs}))
 
 
+def command(own: list[str], ranks: int) -> list[str]:
+    """A script's arguments `own` as one process (1 rank), or under torchrun on `ranks` processes of this
+    node, meeting on a free port (two launches on one machine must not meet)."""
+    if ranks == 1:
+        return [sys.executable, *own]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *own]
+
+
 def launch_once(args: argparse.Namespace, noise: str, ranks: int, result: Path) -> subprocess.CompletedProcess:
     """One launch of `rank_main` on `ranks` processes; returns it (rank 0 wrote `result`)."""
-    own = [str(Path(__file__).resolve()), *sys.argv[1:], "--rank-worker", noise, "--result", str(result)]
-    if ranks == 1:
-        cmd = [sys.executable, *own]
-    else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *own]
+    cmd = command([str(Path(__file__).resolve()), *sys.argv[1:], "--rank-worker", noise, "--result", str(result)], ranks)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
     if args.backend == "hf":
         env.setdefault("OMP_NUM_THREADS", "1")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -88,16 +87,13 @@ def launch(code: Path, ranks: int, args: argparse.Namespace, work: Path) -> list
              *[a for s in [f"logging.runs_dir={work}", f"tasks_per_iteration={args.tasks}",
                            f"es.population_size={args.members}", f"sampling.max_new_tokens={args.new_tokens}",
                            f"sampling.batch_size={args.batch_size}", "sampling.temperature=1.0"] for a in ("--set", s)]]
-    own = [str(Path(__file__).resolve()), "--rank-worker", str(args.verify_ms), "--timings", str(work), "--", *train]
-    if ranks == 1:
-        cmd = [sys.executable, *own]
-    else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *own]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))}
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from es_torchrun import command
+
+    cmd = command([str(Path(__file__).resolve()), "--rank-worker", str(args.verify_ms), "--timings", str(work), "--",
+                   *train], ranks)
+    path = os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=work)
     if done.returncode != 0:
         raise SystemExit(f"launch of {code} on {ranks} rank(s) failed:\n{done.stderr[-4000:]}")
