@@ -13,10 +13,12 @@ train` does (the local runtime) and the other ranks run `vrl.launch.follow`, the
 and sampled (`ES.sampler`: `RankHosts`), made-up rewards, `tell` (every rank applies the update and the
 ranks compare θ checksums). Inside one launch the task counts (`--tasks`) take turns for
 `--iterations` rounds after a warm-up iteration of each; launches go interleaved over `--repeats`
-(noise mode, then rank count). No verifier runs: in `vrl train` rank 0 verifies while sampling goes on,
-so this is the loop's GPU side, as benchmarks/es_engines.py measures it on one host.
+(noise mode, then rank count). The rewards are made up, so this is the loop's GPU side, as
+benchmarks/es_engines.py measures it on one host; but as in `vrl train`, every rank verifies what it
+samples (the other ranks in `vrl.launch.follow`, rank 0 while it samples, in a verification pool of
+the same verifier: countdown's, which refuses these random completions in microseconds).
 
-Reported per (noise, tasks, ranks): median loop seconds (sampling + update), iterations per hour
+Reported per (noise, tasks, ranks): median loop seconds (sampling and verification + update), iterations per hour
 (3600 / loop), and the ratio to the first rank count's iterations per hour in the same run (goal ≥ 1.9
 at 2 ranks; issue 44). Prompts are 64 random letters through the byte tokenizer; a random model never
 stops, so every completion runs to `--new-tokens`. Results: docs/benchmarks.md.
@@ -62,8 +64,9 @@ def rank_main(args: argparse.Namespace) -> None:
         launch.follow(cfg)
         return
     from vrl.optim import make_optimizer
+    from vrl.plugins import registry
     from vrl.runtime.local import LocalRuntime
-    from vrl.types import Result, Task, Verdict
+    from vrl.types import Attempt, Result, Task, Verdict, Verified
 
     distributed.start()
     t0 = time.perf_counter()
@@ -71,6 +74,8 @@ def rank_main(args: argparse.Namespace) -> None:
     host = LocalRuntime().policy(cfg, es.needs())
     es.setup(host)
     sampler = es.sampler(host)
+    runtime = LocalRuntime()
+    pool = runtime.verification(registry().environment(cfg.plugin).verifier(), cfg)
     startup = time.perf_counter() - t0
     rng = random.Random(0)
     tasks = [Task(id=f"p{i}", prompt="".join(rng.choice(string.ascii_letters + " ") for _ in range(64)))
@@ -81,7 +86,13 @@ def rank_main(args: argparse.Namespace) -> None:
     def iteration(n_tasks: int) -> dict:
         variants = es.ask()
         t0 = time.perf_counter()
-        done = [c for batch in sampler.sample(tasks[:n_tasks], variants, seed=7) for c in batch]
+        done, pending = [], []
+        for batch in sampler.sample(tasks[:n_tasks], variants, seed=7):  # rank 0 verifies its own batches
+            done += batch
+            pending += pool.submit([Attempt(task=by_id[c.task_id], completion=c) for c in batch],
+                                   batch if isinstance(batch, Verified) else None)
+        for _, verdicts in pending:
+            verdicts.result()
         sample_s = time.perf_counter() - t0
         rewards = random.Random(len(es.history.iterations))
         results = [Result(task=by_id[c.task_id], completion=c, verdict=Verdict.ok(), reward=rewards.random())
@@ -101,20 +112,25 @@ def rank_main(args: argparse.Namespace) -> None:
     finally:
         es.close()  # releases the other ranks
         sampler.close()
+        pool.close()
     Path(args.result).write_text(json.dumps({"startup_s": startup, "runs": runs}))
+
+
+def command(own: list[str], ranks: int) -> list[str]:
+    """A script's arguments `own` as one process (1 rank), or under torchrun on `ranks` processes of this
+    node, meeting on a free port (two launches on one machine must not meet)."""
+    if ranks == 1:
+        return [sys.executable, *own]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *own]
 
 
 def launch_once(args: argparse.Namespace, noise: str, ranks: int, result: Path) -> subprocess.CompletedProcess:
     """One launch of `rank_main` on `ranks` processes; returns it (rank 0 wrote `result`)."""
-    own = [str(Path(__file__).resolve()), *sys.argv[1:], "--rank-worker", noise, "--result", str(result)]
-    if ranks == 1:
-        cmd = [sys.executable, *own]
-    else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *own]
+    cmd = command([str(Path(__file__).resolve()), *sys.argv[1:], "--rank-worker", noise, "--result", str(result)], ranks)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
     if args.backend == "hf":
         env.setdefault("OMP_NUM_THREADS", "1")

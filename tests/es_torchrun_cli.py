@@ -8,6 +8,9 @@ tests/test_es_torchrun.py (not a test module), alone or under `torchrun`:
   asked for its share of iteration i.
 - VRL_TEST_DRIFT=r:i: rank r applies iteration i's update with its first member's weight nudged (a rank
   whose θ drifts silently, as from a nondeterministic kernel).
+- VRL_TEST_VERIFIER_ERROR=m: the letters verifier raises on every attempt of member m (a bug of the
+  verifier's own, scored as crashed and reported once on rank 0's console), wherever it runs.
+- Every verdict counts the rank whose process judged it: `test/verified_by_rank{r}` in metrics.jsonl.
 
 Everything else is the real `vrl train`.
 """
@@ -19,6 +22,7 @@ import signal
 from pathlib import Path
 
 from vrl.cli import main
+from vrl.envs.letters import LettersVerifier
 from vrl.optim.es import ES
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -51,7 +55,16 @@ def killed_share(self, work):
     share(self, work)
 
 
+def counted_check(self, attempt):
+    if os.environ.get("VRL_TEST_VERIFIER_ERROR") == str(attempt.completion.variant):
+        raise RuntimeError(f"the test's verifier fails on member {attempt.completion.variant}")
+    verdict = check(self, attempt)
+    return verdict.model_copy(update={"metrics": {**verdict.metrics, f"test/verified_by_rank{RANK}": 1.0}})
+
+
+check = LettersVerifier.check
 ES._apply, ES._follow_sample_share = recorded_apply, killed_share
+LettersVerifier.check = counted_check
 
 if __name__ == "__main__":
     main()

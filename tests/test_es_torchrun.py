@@ -2,7 +2,9 @@
 `torchrun`, against one process: the same rewards, samples, history and θ, bit for bit.
 
 Every launch runs tests/es_torchrun_cli.py: the real `vrl train`, which also writes each rank's θ checksum
-after every update (and can kill a rank, or nudge one rank's update). Several nodes are emulated as the
+after every update (and can kill a rank, or nudge one rank's update), counts in each verdict the rank that
+judged it, and has the verifier raise on member 1's attempts (a verifier's own bug, here always on a
+rank > 0 under torchrun, which verifies its own share). Several nodes are emulated as the
 GRPO tests do: torchrun agents of one process each (`--nnodes N --node-rank i`) on this machine, sharing
 its filesystem; only the hosts are absent. The vLLM test needs 2 GPUs (skipped here).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -43,7 +46,7 @@ def launch(args: list[str], checksums: Path, ranks: int = 1, nodes: int = 1, env
     of `ranks // nodes` processes each (as on `nodes` hosts). Returns node 0's agent's output."""
     path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "VRL_TEST_CHECKSUMS": str(checksums),
-           **(env or {})}
+           "VRL_TEST_VERIFIER_ERROR": "1", **(env or {})}
     checksums.mkdir(parents=True, exist_ok=True)
     if ranks == 1:
         cmds = [[sys.executable, CLI, *args]]
@@ -75,8 +78,9 @@ def launch(args: list[str], checksums: Path, ranks: int = 1, nodes: int = 1, env
 
 
 def record(run: Path, checksums: Path) -> dict:
-    """What a run wrote, per iteration (rewards, member rewards, samples, history), and every rank's θ
-    checksums by iteration ({rank: {iteration: checksum}})."""
+    """What a run wrote, per iteration (rewards, member rewards, samples, history), every rank's θ
+    checksums by iteration ({rank: {iteration: checksum}}), and how many verdicts each rank's verifier
+    counted in each iteration ({iteration: {rank: n}}, from the verifier's summed counters)."""
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
     sums: dict[str, dict[int, str]] = {}
@@ -88,16 +92,29 @@ def record(run: Path, checksums: Path) -> dict:
                          m["es/member_reward_max"]) for m in metrics],
             "samples": [(s["iteration"], s["task_id"], s.get("variant"), s["completion"]) for s in samples],
             "history": json.loads((run / "es_history.json").read_text())["iterations"],
-            "checksums": sums}
+            "checksums": sums,
+            "verified": {m["iteration"]: {k.removeprefix("test/verified_by_"): v for k, v in m.items()
+                                          if k.startswith("test/verified_by_")} for m in metrics}}
+
+
+def verifier_error_line(stderr: str) -> str:
+    """Rank 0's console line reporting the verifier's error on member 1's attempts (once per launch)."""
+    lines = [x for x in stderr.splitlines() if "verifier error on" in x]
+    assert len(lines) == 1, stderr[-3000:]
+    return re.sub(r"^\[[0-9:]+\] ", "", lines[0])  # without its timestamp
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The one-process run of 5 iterations, everything later launches are compared with."""
     tmp = tmp_path_factory.mktemp("es_one")
-    launch(job(tmp / "runs", 5), tmp / "sums")
+    done = launch(job(tmp / "runs", 5), tmp / "sums")
     ref = record(tmp / "runs" / "es", tmp / "sums")
     assert len(ref["rewards"]) == 5 and all(r[3] > 0 for r in ref["rewards"])  # members' rewards differ
+    ref["error_line"] = verifier_error_line(done.stderr)
+    assert ref["error_line"].startswith("verifier error on 3 of 15 attempts (scored as crashed; reported once): "
+                                        "RuntimeError: the test's verifier fails on member 1 (")
+    assert ref["verified"] == {i: {"rank0": 12} for i in range(5)}  # members 0, 2, 3, 4 (1's raised)
     return ref
 
 
@@ -110,17 +127,23 @@ def prefix(ref: dict, n: int) -> dict:
 def test_two_ranks_on_two_nodes_then_three_ranks_then_one_process_equal_one_process(reference, tmp_path):
     """2 ranks as two nodes (two torchrun agents) for 3 iterations, resumed on 3 ranks of one node for the
     4th and on one process for the 5th: every iteration's rewards, samples and history equal the
-    one-process run's, every rank's θ equals its θ after every update, and rank 0 alone spoke."""
+    one-process run's, every rank's θ equals its θ after every update, and rank 0 alone spoke. Each rank
+    verified the attempts of its own members (member i on rank i mod K), the verifier's counters are summed
+    over the ranks, and the error of rank 1's verifier reaches rank 0's console as the one-process line."""
     runs, sums = tmp_path / "runs", tmp_path / "sums"
     done = launch(job(runs, 3), sums, ranks=2, nodes=2)
     assert done.stderr.count("vrl train run") == 1, done.stderr[-3000:]  # one console: rank 0's
+    assert verifier_error_line(done.stderr) == reference["error_line"]
     run = runs / "es"
     two = record(run, sums)
     assert {k: two[k] for k in ("rewards", "samples", "history")} == prefix(reference, 3)
+    assert two["verified"] == {i: {"rank0": 9, "rank1": 3} for i in range(3)}  # rank 1: members 1 (raised) and 3
     assert sorted(two["checksums"]) == ["rank0", "rank1"]  # node 1's agent wrote to the same folder
-    launch(job(runs, 4, resume=run), sums, ranks=3)
+    done = launch(job(runs, 4, resume=run), sums, ranks=3)
+    assert verifier_error_line(done.stderr) == reference["error_line"]
     launch(job(runs, 5, resume=run), sums)
     got = record(run, sums)
+    assert got["verified"][3] == {"rank0": 6, "rank1": 3, "rank2": 3} and got["verified"][4] == {"rank0": 12}
     assert {k: got[k] for k in ("rewards", "samples", "history")} == prefix(reference, 5)
     want = reference["checksums"]["rank0"]
     assert set(got["checksums"]) == {"rank0", "rank1", "rank2"}
@@ -152,22 +175,24 @@ def test_a_rank_killed_mid_iteration_ends_the_launch_naming_it_and_the_run_resum
 
 def test_a_rank_whose_weights_drift_stops_the_run_in_one_line_naming_it(tmp_path):
     """Low-rank members (es.noise=lowrank: each rank batches its dealt members in one pass) on 3 ranks: the
-    first iteration equals one process's. Rank 2 then applies the second update with one member's weight
-    nudged by 1e-4: rank 0 compares the ranks' θ checksums after the update and stops the run with one line
-    naming rank 2; the first iteration stays recorded and the second is not (es_history.json holds one)."""
+    first two iterations equal one process's. Rank 2 applies the second update with one member's weight
+    nudged by 1e-4: the fingerprint of its θ comes with its share of the third iteration, and rank 0 stops
+    the run with one line naming rank 2 before that iteration is recorded (es_history.json holds two:
+    rank 0's record of the second is right; only rank 2 applied it wrongly)."""
     lowrank = ("es.noise=lowrank", "es.rank=2")
-    launch(job(tmp_path / "one", 1, extra=lowrank), tmp_path / "sums-one")
+    launch(job(tmp_path / "one", 2, extra=lowrank), tmp_path / "sums-one")
     one = record(tmp_path / "one" / "es", tmp_path / "sums-one")
     runs, sums = tmp_path / "runs", tmp_path / "sums"
-    done = launch(job(runs, 2, extra=lowrank), sums, ranks=3, env={"VRL_TEST_DRIFT": "2:1"}, check=False)
+    done = launch(job(runs, 3, extra=lowrank), sums, ranks=3, env={"VRL_TEST_DRIFT": "2:1"}, check=False)
     assert done.returncode != 0
     line = "rank 2's weights differ from rank 0's after iteration 1"
     assert line in done.stdout + done.stderr, done.stderr[-4000:]
     summary = json.loads((runs / "es" / "summary.json").read_text())
-    assert summary["status"] == "failed" and line in summary["error"] and summary["iterations_completed"] == 1
+    assert summary["status"] == "failed" and line in summary["error"] and summary["iterations_completed"] == 2
     got = record(runs / "es", sums)
-    assert {k: got[k] for k in ("rewards", "samples", "history")} == prefix(one, 1)
+    assert {k: got[k] for k in ("rewards", "samples", "history")} == prefix(one, 2)
     assert got["checksums"]["rank1"][1] == got["checksums"]["rank2"][1] == one["checksums"]["rank0"][1]
+    assert got["checksums"]["rank1"][2] == one["checksums"]["rank0"][2] != got["checksums"]["rank2"][2]
 
 
 @pytest.mark.gpu

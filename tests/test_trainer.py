@@ -428,6 +428,87 @@ def test_most_attempts_raising_stops_the_run_and_fewer_are_reported_once_per_kin
     assert any("KeyError: 'missing'" in r for r in reports)
 
 
+def test_a_share_verified_where_it_was_sampled_keeps_its_verdicts_and_its_verifier_failures_stop_the_run(
+        tmp_path, monkeypatch):
+    """Issue 44: under torchrun a rank > 0 verifies its own share (`grpo_dist.sample_calls` with its own pool
+    of the run's verifier) and rank 0's loop takes the `Verified` verdicts as they are (`share_batches`).
+    Emulated in one process (tests/test_es_torchrun.py launches the real ranks): the host's batches are
+    judged by a second pool, while the loop's own verifier never fails and judges nothing.
+    - That pool's verifier raises on 6 of 8 attempts: the run stops before the update with the very line
+      of a run whose own verifier raises.
+    - It is down (every batch fails, `check_ready` says so) while the loop's is up: the run stops with
+      a `VerifierUnavailable` naming the rank, instead of scoring that rank's members 0."""
+    from vrl.optim.grpo_dist import sample_calls, share_batches
+    from vrl.runtime.base import VerificationPool
+    from vrl.verifier import VerifierUnavailable
+
+    told = counting_tell(monkeypatch)
+
+    class MostlyRaises(LettersVerifier):
+        def __init__(self):
+            self.checks = itertools.count()
+
+        def check(self, attempt):
+            if next(self.checks) % 4 != 0:
+                raise ValueError("cannot parse this one")
+            return super().check(attempt)
+
+    class Down(LettersVerifier):
+        async def verify(self, attempts):
+            raise ConnectionError("server went away")
+
+        async def check_ready(self):
+            raise VerifierUnavailable("the letters server does not answer; start it")
+
+    class Raising(LettersEnvironment):
+        def verifier(self):
+            return MostlyRaises()
+
+    with pytest.raises(PluginError) as here:
+        Trainer(small_config(tmp_path / "one"), environment=Raising()).run()
+
+    judged_by_the_loop = []
+
+    class Counting(LettersVerifier):
+        def check(self, attempt):
+            judged_by_the_loop.append(attempt)
+            return super().check(attempt)
+
+    class Env(LettersEnvironment):
+        def verifier(self):
+            return Counting()
+
+    class Follower(LocalRuntime):
+        """Its host's batches come back as rank 1 sends its share: sampled and verified there."""
+
+        def __init__(self, verifier):
+            super().__init__()
+            self.share_pool = VerificationPool(verifier)
+
+        def policy(self, config, needs=None):
+            host = super().policy(config, needs)
+            own = SimpleNamespace(sample=host.sample)
+
+            def sample(tasks, variants, seed=None):
+                yield from share_batches(1, sample_calls(own, [(tasks, list(variants), seed)], self.share_pool))
+
+            host.sample = sample
+            return host
+
+        def close(self):
+            self.share_pool.close()
+            super().close()
+
+    with pytest.raises(PluginError) as there:
+        Trainer(small_config(tmp_path / "two"), environment=Env(), runtime=Follower(MostlyRaises())).run()
+    assert "raised on 6 of 8 attempts of iteration 0" in str(here.value)
+    assert str(there.value) == str(here.value)
+    with pytest.raises(VerifierUnavailable, match=r"^rank 1's share: 8 of 8 verdicts crashed and the verifier is "
+                                                  r"down: the letters server does not answer; start it$"):
+        Trainer(small_config(tmp_path / "three"), environment=Env(), runtime=Follower(Down())).run()
+    assert judged_by_the_loop == [] and told == []
+
+
 def test_a_shaper_that_raises_stops_the_run_before_the_update(tmp_path, monkeypatch):
     told = counting_tell(monkeypatch)
 

@@ -3,11 +3,12 @@
 `torchrun --nproc-per-node K vrl train ...` starts K copies of `vrl train` (on each of N nodes with
 `--nnodes N`). Rank 0 runs the trainer's loop as a single process would: it samples, verifies,
 shapes, writes the run directory, the metrics and the console. Every other rank *follows*: it
-builds the same model and optimizer and then does what rank 0's optimizer tells it (sample this
-share, train on this batch, apply this update, save, load, stop), so the update itself runs on every
-rank. Only a rule that declares `Optimizer.ranks` trains this way (GRPO: each rank on its shard of the
-model, `vrl.optim.grpo_dist`; ES: each rank samples its dealt members on its own engine and applies
-the same seeded update to its whole θ, `vrl.optim.es`); the others run on one process.
+builds the same model and optimizer and then does what rank 0's optimizer tells it (sample and
+verify this share, train on this batch, apply this update, save, load, stop), so the update itself
+runs on every rank, and so does the verification of what each rank samples. Only a rule that
+declares `Optimizer.ranks` trains this way (GRPO: each rank on its shard of the model,
+`vrl.optim.grpo_dist`; ES: each rank samples its dealt members on its own engine and applies the
+same seeded update to its whole θ, `vrl.optim.es`); the others run on one process.
 
 Which process this is, and hiding the launch from processes a rank starts, sit below the optimizers
 and engines in `vrl.distributed`; this module builds hosts and optimizers, so it sits beside the trainer.
@@ -53,6 +54,7 @@ def follow(config: Any) -> dict[str, Any]:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.getLogger("vrl").setLevel(logging.ERROR)  # rank 0 speaks for the run; errors still show
     optimizer = make_optimizer(config)
+    verification = None
     if optimizer.samples_on_every_rank():  # this rank samples too: an engine of the run's backend on its GPU
         import torch
 
@@ -60,17 +62,29 @@ def follow(config: Any) -> dict[str, Any]:
         [host] = generator_class(config.generator.backend).engines(config, optimizer.needs(), [gpu])
         from vrl import episodes
         from vrl.plugins import registry
+        from vrl.runtime import runtime_class
 
+        environment = registry().environment(config.plugin, **config.env_options)
         # its share of the batch is whole episodes where the environment answers back, as rank 0's
-        episodes.attach(host, registry().environment(config.plugin, **config.env_options))
+        episodes.attach(host, environment)
+        runtime = runtime_class(config.runtime.kind)
+        if runtime.verifies_in_process(config):
+            # It verifies what it samples, with the run's verifier built from the same config, so rank 0
+            # receives verdicts instead of verifying every rank's attempts after its own.
+            attempts = config.tasks_per_iteration * optimizer.samples_per_task()
+            verification = runtime.from_config(config).verification(environment.verifier(), config, attempts)
     else:
         # Only rank 0 samples: here the model is loaded for its weights alone, with the in-process backend
         # whatever rank 0 samples with (a vLLM engine per rank would hold GPU memory for nothing).
         host = generator_class("hf").from_config(config)
     try:
         optimizer.setup(host)
-        optimizer.follow()
+        optimizer.follow(verification)
         optimizer.close()  # this rank's checkpoint writes finish, then the process group goes
     finally:
-        host.close()
+        try:
+            if verification is not None:
+                verification.close()
+        finally:
+            host.close()
     return {"status": "finished", "rank": rank()}

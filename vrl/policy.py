@@ -139,7 +139,8 @@ class PolicyHost(ABC):
         yielded in batches as they finish, so verification starts while sampling goes on.
 
         Sampling seeds depend only on (seed, variant, task position, sample), never on which engine
-        ran the variant: a pool of hosts returns what one host returns.
+        ran the variant: a pool of hosts returns what one host returns. A batch judged where it was
+        sampled (another rank's share) comes as a `vrl.types.Verified`, with its verdicts.
         """
 
     def episodes(self, runner: Any) -> None:

@@ -37,7 +37,7 @@ from vrl.preflight import preflight, verifies_in_process
 from vrl.rundir import RunDir
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.sinks import Sinks
-from vrl.types import Attempt, Result, Status, Task, Verdict
+from vrl.types import Attempt, Result, Status, Task, Verdict, Verified
 from vrl.verifier import VERIFIER_ERROR, VerifierUnavailable, close_unused, ensure_ready, is_verifier_error
 
 if TYPE_CHECKING:
@@ -400,7 +400,8 @@ class Trainer:
                 for batch in stream:
                     stats.generation_s += time.perf_counter() - t0
                     attempts = [Attempt(task=by_id[c.task_id], completion=c) for c in batch]
-                    pending += pool.submit(attempts)
+                    # a batch judged where it was sampled (a follower rank's share) keeps its verdicts
+                    pending += pool.submit(attempts, batch if isinstance(batch, Verified) else None)
                     sampled += len(batch)
                     progress.update(bar, stats=f"{self._last_stats} · sampled {sampled}/{expected} · "
                                                f"verifier queue {pool.queue_depth}")

@@ -6,6 +6,7 @@ process, sandbox and Modal boundaries and land in run directories.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import Enum
 from typing import Any, Union
 
@@ -137,6 +138,19 @@ class Attempt(BaseModel):
 
     task: Task
     completion: Completion
+
+
+class Verified(list):  # list[Completion]
+    """A batch of completions that arrives already judged, by the same verifier where it was sampled (a rank
+    > 0 of a torchrun launch verifies its own share): `verdicts[i]` is the verdict of `self[i]`, and
+    `busy_s` the verifier's busy seconds on them there. The loop takes the verdicts as they are instead of
+    verifying again; whoever reads only the completions sees a plain batch."""
+
+    def __init__(self, completions: Sequence[Completion] = (), verdicts: Sequence[Verdict] = (), busy_s: float = 0.0):
+        super().__init__(completions)
+        if len(verdicts) != len(self):
+            raise ValueError(f"{len(verdicts)} verdicts for {len(self)} completions")
+        self.verdicts, self.busy_s = list(verdicts), busy_s
 
 
 class Result(BaseModel):

@@ -86,9 +86,11 @@ class Optimizer(ABC):
         otherwise a rank loads the model with the in-process backend, for its weights alone)."""
         return False
 
-    def follow(self) -> None:
+    def follow(self, verification: Any = None) -> None:
         """A rank > 0 of a torchrun launch (rules with `ranks`): do what rank 0's rule tells it until the
-        run stops. Called once `setup` ran."""
+        run stops. Called once `setup` ran. `verification`: this rank's pool of the run's verifier (a
+        `vrl.runtime.base.VerificationPool`; None where the runtime verifies elsewhere), for a rule whose
+        ranks sample (`samples_on_every_rank`): each rank verifies its own share (`grpo_dist.sample_calls`)."""
         raise NotImplementedError(f"{self.name} does not train under torchrun (Optimizer.ranks is False)")
 
     @property

@@ -21,9 +21,10 @@ replay.
 
 Under torchrun (`ES.ranks`; docs/es.md "ES on many machines") every rank holds an engine and its own
 θ. Rank 0 runs the loop; the members of an iteration are dealt over the ranks (`grpo_dist.RankHosts`,
-the seeds of one process), the attempts come back to rank 0's verification, and every rank applies
-the same `iteration_update` of rank 0's record; a fingerprint of θ (`PolicyHost.checksum`) compared
-after every update turns ranks that drift apart into a one-line error.
+the seeds of one process), each rank verifies its own attempts and sends rank 0 their verdicts, and
+every rank applies the same `iteration_update` of rank 0's record; a fingerprint of θ
+(`PolicyHost.checksum`), read after every update and sent with the next share, turns ranks that drift
+apart into a one-line error before anything sampled from the drifted θ is recorded.
 """
 
 from __future__ import annotations
@@ -329,6 +330,8 @@ class ES(Optimizer):
         self.history: ESHistory | None = None
         self._variants: list[Variant] | None = None
         self.group = None  # the ranks of a torchrun launch (`vrl.optim.grpo_dist.Group`), None on one process
+        self._verification: Any = None  # a rank > 0: its verification pool (`follow`)
+        self._checksum: str | None = None  # under torchrun: θ's fingerprint since the last update (`_fingerprint`)
 
     @classmethod
     def from_config(cls, config: Any) -> ES:
@@ -360,18 +363,25 @@ class ES(Optimizer):
             return host
         from vrl.optim.grpo_dist import RankHosts
 
-        return RankHosts(host, self.group, granule=self.granule)
+        return RankHosts(host, self.group, granule=self.granule, check=self._compare)
 
-    def follow(self) -> None:
-        """A rank > 0: sample its share, apply rank 0's updates, rebuild θ on resume, until rank 0 stops."""
+    def follow(self, verification: Any = None) -> None:
+        """A rank > 0: sample and verify its share, apply rank 0's updates, rebuild θ on resume, until rank 0 stops."""
         if self.group is None:
             raise RuntimeError("ES.follow runs on ranks > 0 of a torchrun launch")
+        self._verification = verification
         self.group.serve(lambda command, *args: getattr(self, f"_follow_{command}")(*args))
 
     def _follow_sample_share(self, work: list[Any]) -> None:
-        from vrl.optim.grpo_dist import sample_calls
+        """This rank's members, verified here (`grpo_dist.sample_calls`), to rank 0, with the fingerprint of
+        the θ they were sampled from (`_compare`). ES learns from rewards alone: the token ids stay here, so
+        only text, counts and verdicts travel."""
+        from vrl.optim.grpo_dist import sample_calls, send_share
 
-        self.group.gather(sample_calls(self.host, work[self.group.rank]))
+        share = sample_calls(self.host, work[self.group.rank], self._verification)
+        for c in share if isinstance(share, list) else ():
+            c.prompt_token_ids = c.token_ids = c.logprobs = c.token_mask = None
+        send_share(self.group, share, self._fingerprint())
 
     def _follow_apply(self, record: IterationRecord) -> None:
         self._apply(record)
@@ -385,23 +395,42 @@ class ES(Optimizer):
         self._agree("resuming")
 
     def _apply(self, record: IterationRecord) -> None:
-        """θ ← θ + the update of `record` on this rank, then (under torchrun) the ranks compare θ."""
+        """θ ← θ + the update of `record` on this rank; under torchrun, also θ's fingerprint (`_compare`). On
+        a rank > 0 that read of θ runs while rank 0 records the iteration: off the loop's path."""
         host, history = self._require_setup()
         host.update(iteration_update(history, record))
         history.iterations.append(record)
-        if self.group is not None:
-            self._agree(f"iteration {len(history.iterations) - 1}")
+        self._checksum = host.checksum() if self.group is not None else None
+
+    def _fingerprint(self) -> str:
+        """θ's checksum on this rank (`PolicyHost.checksum`), read once per update."""
+        if self._checksum is None:
+            self._checksum = self.host.checksum()
+        return self._checksum
+
+    def _compare(self, sums: list[str]) -> None:
+        """Rank 0, on receiving the other ranks' shares (`RankHosts`' check): each was sampled from a θ whose
+        fingerprint must be rank 0's, else the run stops before anything sampled from it is recorded. The
+        fingerprints ride with the shares, so agreeing costs no round trip after the update; the last
+        update of a run is not compared (nothing is sampled from it)."""
+        n = self.iteration
+        self._differ(self._fingerprint(), sums, f"iteration {n - 1}" if n else "loading the model")
 
     def _agree(self, when: str) -> None:
-        """Every rank's θ fingerprint to rank 0, which stops the run (one line naming the rank) if they differ."""
-        sums = self.group.gather(self.host.checksum())
-        if sums is None:
-            return
-        for rank, s in enumerate(sums[1:], start=1):
-            if s != sums[0]:
+        """Every rank's θ fingerprint to rank 0 now (a round trip: on resuming)."""
+        self._checksum = None
+        sums = self.group.gather(self._fingerprint())
+        if sums is not None:
+            self._differ(sums[0], sums[1:], when)
+
+    @staticmethod
+    def _differ(mine: str, sums: list[str], when: str) -> None:
+        """Stop the run in one line naming the first rank (1, 2, ...) whose θ fingerprint is not `mine`."""
+        for rank, s in enumerate(sums, start=1):
+            if s != mine:
                 raise RuntimeError(f"rank {rank}'s weights differ from rank 0's after {when} (θ checksum {s} != "
-                                   f"{sums[0]}): the ranks drifted apart; the run stops before recording it (resume "
-                                   "rebuilds every rank's θ from the history)")
+                                   f"{mine}): the ranks drifted apart; the run stops before recording anything "
+                                   "sampled from them (resume rebuilds every rank's θ from the history)")
 
     def stop_followers(self) -> None:
         """Rank 0: end the other ranks' `follow` (once; nothing on one process)."""

@@ -136,6 +136,7 @@ class GRPO(Optimizer):
         self.entropy_coef, self._last_entropy = config.entropy_coef, math.inf
         self._entropy_bonus = config.entropy_coef != 0.0 or config.use_adaptive_entropy
         self.group = None  # set by `setup` under torchrun; `close` may come first (a run whose host failed to start)
+        self._verification: Any = None  # a rank > 0 that samples: its verification pool (`follow`)
 
     @classmethod
     def from_config(cls, config: Any) -> GRPO:
@@ -556,16 +557,18 @@ class GRPO(Optimizer):
         return RankHosts(host, self.group, granule=getattr(self._sampling, "batch_size", 1))
 
     def sample_share(self, work: list[Any]) -> None:
-        """A rank > 0: sample this rank's calls of `work` (`RankHosts.sample`) on its host and hand the
-        completions (or why it could not) to rank 0."""
-        from vrl.optim.grpo_dist import sample_calls
+        """A rank > 0: sample this rank's calls of `work` (`RankHosts.sample`) on its host, verify them here
+        (where `follow` was given a verification pool), and hand them (or why it could not) to rank 0."""
+        from vrl.optim.grpo_dist import sample_calls, send_share
 
-        self.group.gather(sample_calls(self.host, work[self.group.rank]))
+        send_share(self.group, sample_calls(self.host, work[self.group.rank], self._verification))
 
-    def follow(self) -> None:
-        """A rank > 0: do what rank 0's GRPO does (tell, save, load, sample its share) until it closes the run."""
+    def follow(self, verification: Any = None) -> None:
+        """A rank > 0: do what rank 0's GRPO does (tell, save, load, sample and verify its share) until it
+        closes the run."""
         if self.group is None:
             raise RuntimeError("GRPO.follow runs on ranks > 0 of a torchrun launch")
+        self._verification = verification
 
         def run(command: str, *args: Any) -> None:
             try:

@@ -2,10 +2,11 @@
 
 Who does what (see `vrl.distributed` for the launch):
 
-- Rank 0 samples (alone, or with every rank sampling its share: `RankHosts`, `grpo.sample_on_every_rank`,
-  the same seeds either way) and verifies the whole batch, and sends the rewarded results to every
-  rank (`broadcast_object_list`), so every rank sees the whole batch: advantages and every loss
-  normaliser (sequences, tokens) are those of the whole batch, as on one process.
+- Rank 0 samples (alone, or with every rank sampling and verifying its share: `RankHosts`,
+  `sample_calls`, `grpo.sample_on_every_rank`, the same seeds either way), has the whole batch's
+  verdicts, and sends the rewarded results to every rank (`broadcast_object_list`), so every rank
+  sees the whole batch: advantages and every loss normaliser (sequences, tokens) are those of the
+  whole batch, as on one process.
 - The batch, sorted by length, is cut into `world × k` micro-batches of near-equal size; rank r
   trains on micro-batches r, r + world, ... Each micro-batch loss is divided by the whole-batch
   normalisers, so the micro-batch losses of all ranks sum to the batch loss; FSDP2 *sums* the
@@ -48,7 +49,8 @@ from torch import nn
 
 from vrl.errors import UsageError
 from vrl.policy import PolicyHost, Trainable, Variant
-from vrl.types import Completion, Task
+from vrl.types import Attempt, Completion, Status, Task, Verified
+from vrl.verifier import VerifierUnavailable
 
 COMMAND_WAIT = datetime.timedelta(days=365)  # how long a rank > 0 waits for rank 0's next command: no real bound
 
@@ -182,15 +184,20 @@ class RankHosts(PolicyHost):
 
     `sample` deals the batch's tasks over the ranks as a `HostPool` deals them over engines (`deal`: the
     same shards and seeds, so the samples are one engine's), sends every rank its calls (the other ranks
-    run `GRPO.sample_share` from their command loop), streams rank 0's own batches as they finish, then
-    gathers the other ranks' completions. Everything else is rank 0's host's: every rank's GRPO pushes
+    run `GRPO.sample_share` or ES's from their command loop), streams rank 0's own batches as they
+    finish, then gathers the other ranks' completions, each rank's share `Verified` where that rank has
+    a verification pool (`sample_calls`). Everything else is rank 0's host's: every rank's GRPO pushes
     the trained weights into its own host (`GRPO._publish`)."""
 
     name = "ranks"
     collective = True  # sends the calls and gathers the shares
 
-    def __init__(self, host: PolicyHost, group: Group, granule: int = 1):
-        self.host, self.group, self.granule = host, group, granule
+    def __init__(self, host: PolicyHost, group: Group, granule: int = 1,
+                 check: Callable[[list[Any]], None] | None = None):
+        """`check(notes)`: run on rank 0 with what every other rank sent beside its share (`send_share`),
+        before any share is used; a rule compares the ranks there without a round trip of its own (ES:
+        the fingerprints of the θ each rank sampled from)."""
+        self.host, self.group, self.granule, self.check = host, group, granule, check
         self.counts: list[int] = []  # completions each rank sampled in the last `sample`
 
     def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
@@ -210,13 +217,13 @@ class RankHosts(PolicyHost):
                 finally:
                     stream.close()
         finally:  # the other ranks sample meanwhile; their results come back even when this rank failed
-            shares = self.group.gather(None) or []
-        self.counts = [own] + [len(share) if isinstance(share, list) else 0 for share in shares[1:]]
-        for rank, share in enumerate(shares[1:], start=1):
-            if isinstance(share, str):
-                raise RuntimeError(f"rank {rank} could not sample its share of the batch: {share}")
-            if share:
-                yield share
+            answers = (self.group.gather(None) or [None])[1:]
+        shares = [share for share, _ in answers]
+        self.counts = [own] + [len(share) if isinstance(share, list) else 0 for share in shares]
+        if self.check is not None:
+            self.check([note for _, note in answers])
+        for rank, share in enumerate(shares, start=1):
+            yield from share_batches(rank, share)
 
     def trainable(self) -> Trainable:
         return self.host.trainable()
@@ -231,17 +238,55 @@ class RankHosts(PolicyHost):
         self.host.close()
 
 
-def sample_calls(host: PolicyHost, calls: list[tuple[Sequence[Task], list[Variant], int | None]]
-                 ) -> list[Completion] | str:
-    """Every completion of `calls` on `host`, or why sampling failed (one line, for rank 0 to raise)."""
+def send_share(group: Group, share: list[Completion] | str | VerifierUnavailable, note: Any = None) -> None:
+    """A rank > 0: its answer to `RankHosts.sample` (`sample_calls`'s), and `note` for the rule's `check`."""
+    group.gather((share, note))
+
+
+def share_batches(rank: int, share: list[Completion] | str | VerifierUnavailable) -> Iterator[list[Completion]]:
+    """What rank `rank`'s answer to `sample_calls` gives rank 0's loop: its share as one batch, or the
+    one-line error of a rank that could not sample it or whose verifier is down."""
+    if isinstance(share, VerifierUnavailable):
+        raise VerifierUnavailable(f"rank {rank}'s share: {share}")
+    if isinstance(share, str):
+        raise RuntimeError(f"rank {rank} could not sample its share of the batch: {share}")
+    if share:
+        yield share
+
+
+def sample_calls(host: PolicyHost, calls: list[tuple[Sequence[Task], list[Variant], int | None]],
+                 verification: Any = None) -> list[Completion] | str | VerifierUnavailable:
+    """Every completion of `calls` on `host`, or why sampling failed (one line, for rank 0 to raise).
+
+    `verification`: this rank's verification pool (a `vrl.runtime.base.VerificationPool` of the run's
+    verifier, built by `vrl.launch.follow`): each batch is queued to it as it finishes, so this rank
+    verifies while it samples, and the share comes back `Verified` (its verdicts and the verifier's busy
+    seconds); rank 0 then only shapes and records it. None: rank 0 verifies the completions. When half
+    the share or more crashed and the verifier says it is down, the share is that `VerifierUnavailable`
+    (rank 0 raises it, naming this rank), not verdicts that would score this rank's members 0."""
     out: list[Completion] = []
+    pending: list[tuple[list[Attempt], Any]] = []
+    busy = verification.busy_s if verification is not None else 0.0
     try:
         for shard, vs, s in calls:
+            by_id = {t.id: t for t in shard}
             for batch in host.sample(shard, vs, s):
                 out.extend(batch)
+                if verification is not None:
+                    pending += verification.submit([Attempt(task=by_id[c.task_id], completion=c) for c in batch])
+        if verification is None:
+            return out
+        verdicts = [v for _, done in pending for v in done.result()]  # a verifier's failure is a verdict
+        crashed = sum(v.status is Status.CRASHED for v in verdicts)
+        if verdicts and crashed * 2 >= len(verdicts):  # as rank 0 checks its own (`Trainer._check_verifier_alive`)
+            try:
+                verification.check_ready()
+            except VerifierUnavailable as exc:  # down here only, say: rank 0 would score the share 0 and go on
+                return VerifierUnavailable(f"{crashed} of {len(verdicts)} verdicts crashed and the verifier is "
+                                           f"down: {exc}")
     except Exception as exc:  # noqa: BLE001 - rank 0 raises it; this rank must still answer the gather
         return f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
-    return out
+    return Verified(out, verdicts, verification.busy_s - busy)
 
 
 def share_rows(order: list[int], world: int, micro_batch_size: int, rank: int) -> list[list[int]]:

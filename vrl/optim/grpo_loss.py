@@ -245,8 +245,9 @@ class GRPOConfig(BaseModel):
     sample_on_every_rank: bool = Field(
         False,
         description="Under torchrun: every rank samples its share of the batch's tasks on its own engine (its GPU), "
-        "seeded as one engine is, and rank 0 verifies them all; every rank's engine then takes the trained weights. "
-        "Off: rank 0 alone samples while the other ranks wait. Synchronous rollouts only (max_staleness=0).",
+        "seeded as one engine is, and verifies it there (rank 0 receives the verdicts); every rank's engine then "
+        "takes the trained weights. Off: rank 0 alone samples while the other ranks wait. Synchronous rollouts only "
+        "(max_staleness=0).",
     )
     profile_dir: str | None = Field(
         None,

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from vrl.config import Section
 from vrl.policy import HostNeeds, PolicyHost
-from vrl.types import Attempt, Verdict
+from vrl.types import Attempt, Verdict, Verified
 from vrl.verifier import Verifier, verify_safely
 
 
@@ -99,8 +99,21 @@ class VerificationPool:
         """Attempts submitted and not yet judged."""
         return self._pending
 
-    def submit(self, attempts: Sequence[Attempt]) -> list[tuple[list[Attempt], concurrent.futures.Future[list[Verdict]]]]:
-        """Queue attempts in chunks of `batch_size`; returns (chunk, future of its verdicts) pairs."""
+    def submit(self, attempts: Sequence[Attempt], verified: Verified | None = None
+               ) -> list[tuple[list[Attempt], concurrent.futures.Future[list[Verdict]]]]:
+        """Queue attempts in chunks of `batch_size`; returns (chunk, future of its verdicts) pairs.
+
+        `verified`: the batch the attempts were made from, when it arrived judged where it was sampled
+        (`vrl.types.Verified`: a rank > 0 of a torchrun launch verifies its own share): its verdicts are
+        taken as they are (one done future) and its verifier's busy time counts into `busy_s`."""
+        if verified is not None:
+            if len(verified.verdicts) != len(attempts):
+                raise ValueError(f"{len(verified.verdicts)} verdicts arrived for {len(attempts)} attempts")
+            done: concurrent.futures.Future[list[Verdict]] = concurrent.futures.Future()
+            done.set_result(list(verified.verdicts))
+            with self._lock:
+                self._busy_s += verified.busy_s
+            return [(list(attempts), done)]
         futures = []
         for start in range(0, len(attempts), self.batch_size):
             chunk = list(attempts[start : start + self.batch_size])
@@ -125,6 +138,11 @@ class VerificationPool:
     async def _judge(self, chunk: list[Attempt]) -> list[Verdict]:
         """One chunk's verdicts: whatever the verifier does wrong becomes verdicts (`verify_safely`)."""
         return await verify_safely(self.verifier, chunk, self.timeout_s)
+
+    def check_ready(self) -> None:
+        """Raise `VerifierUnavailable` if the pool's verifier cannot judge anything now (`Verifier.check_ready`,
+        run on the pool's own event loop, where the verifier's connections live)."""
+        asyncio.run_coroutine_threadsafe(self.verifier.check_ready(), self._loop).result()
 
     def close(self) -> None:
         """Cancel what is pending, close the verifier, stop the loop."""

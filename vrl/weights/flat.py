@@ -134,13 +134,16 @@ def checksum(tensors: Iterable[torch.Tensor]) -> str:
     are exact and independent of summation order, so every device and GPU model gives the same value
     for the same bits; a single changed bit changes both. Cheap (one read of θ, one sync at the end),
     not cryptographic: it catches copies of θ that drifted apart (ES ranks), not an adversary."""
-    plain = weighted = ramp = None
+    flat = [t.detach().reshape(-1).view(torch.int32) for t in tensors]
+    if not flat:
+        return "0" * 32
+    device = flat[0].device
+    # No longer than the largest tensor: a small θ (ES on one layer, every iteration under torchrun) must
+    # not pay for writing a whole chunk's ramp (32 MiB) on each call.
+    ramp = torch.arange(1, min(CHECKSUM_CHUNK, max(b.numel() for b in flat)) + 1, dtype=torch.int64, device=device)
+    plain = weighted = torch.zeros((), dtype=torch.int64, device=device)
     offset = 0
-    for t in tensors:
-        bits = t.detach().reshape(-1).view(torch.int32)
-        if ramp is None:
-            ramp = torch.arange(1, CHECKSUM_CHUNK + 1, dtype=torch.int64, device=bits.device)
-            plain = weighted = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for bits in flat:
         for start in range(0, bits.numel(), CHECKSUM_CHUNK):
             chunk = bits[start : start + CHECKSUM_CHUNK].to(torch.int64)
             total = chunk.sum()
@@ -148,8 +151,6 @@ def checksum(tensors: Iterable[torch.Tensor]) -> str:
             weighted = weighted + (chunk * ramp[: chunk.numel()]).sum() + total * (offset + start)
             plain = plain + total
         offset += bits.numel()
-    if plain is None:
-        return "0" * 32
     mask = (1 << 64) - 1
     return f"{int(plain) & mask:016x}{int(weighted) & mask:016x}"
 
