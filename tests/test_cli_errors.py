@@ -285,10 +285,12 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path):
 
 def sigterm_after_an_iteration(proc: subprocess.Popen, run: Path) -> str:
     """Once `run` has finished an iteration, SIGTERM to `proc` (a `vrl train`, or torchrun running one);
-    its stderr once it has ended (killed if it has not 120 s later)."""
-    metrics = run / "metrics.jsonl"
+    its stderr once it has ended (killed if it has not 120 s later). Finished means recorded in state.json,
+    which the run writes last: its metrics line comes before the checkpoint, and a SIGTERM between the two
+    rightly leaves that iteration unfinished (seen on a loaded machine)."""
+    state = run / "state.json"
     try:
-        _wait_for(lambda: proc.poll() is not None or (metrics.exists() and metrics.read_text().count("\n") >= 1),
+        _wait_for(lambda: proc.poll() is not None or (state.exists() and json.loads(state.read_text())["iteration"] >= 1),
                   300, "the first iteration")
         assert proc.poll() is None, "the run ended before it was stopped"
         proc.send_signal(signal.SIGTERM)
