@@ -158,6 +158,7 @@ def test_devices_this_machine_lacks_are_refused_before_the_run_starts(tmp_path, 
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_lean_missing_data_and_default_dataset_without_network(tmp_path, monkeypatch):
     res = vrl("train", "--plugin", "lean", "--model", "tiny", "-o", "server=http://127.0.0.1:9", "-o", "recheck=off", "-o", "data=/nonexistent",
               cwd=tmp_path)

@@ -93,6 +93,7 @@ def test_plugins_md_shows_letters_defaults_as_the_template():
     assert namespace["LettersEnvironment"].defaults == LettersEnvironment.defaults
 
 
+@pytest.mark.slow
 def test_plugins_md_pyproject_installs_as_written(tmp_path):
     """The page's pyproject.toml, plugin module and environment, written out as the page says and
     pip-installed (into a folder: the test venv stays untouched): vrl finds the plugin and its environment."""

@@ -540,6 +540,7 @@ def test_checkpoint_policy_loads_with_transformers(tmp_path):
         make_grpo(make_generator()).load(tmp_path / "elsewhere", 0)
 
 
+@pytest.mark.slow
 def test_grpo_raises_reward_on_the_toy_environment(tmp_path):
     """The real Trainer, tiny model, 12 iterations × 4 tasks × 8 samples of 16 tokens, dapo, lr 1e-2.
     Measured on CPU: the mean reward goes from 0.063 (random model, ≈ 16/257 of its characters in

@@ -111,6 +111,7 @@ def test_role_images_carry_what_the_case_study_used_plus_vrl_and_plugins(built):
         assert recipe.distributions == ("vrl-core",) and recipe.dists[0].wheel.endswith(".whl")
 
 
+@pytest.mark.slow
 def test_verifier_image_builds_on_the_plugin_image():
     lean = next(p for p in installed_plugins() if p.name == "lean")
     recipe = verifier_recipe(lean, base="projectnumina/kimina-lean-server:2.0.0")
@@ -138,6 +139,7 @@ def test_sandboxes_get_the_configured_limits_and_no_network():
     assert ModalRuntime(open_net, app=build_app(open_net)).sandboxes(open_net).factory().options["block_network"] is False
 
 
+@pytest.mark.slow
 def test_pool_is_sized_from_the_iteration_when_not_fixed():
     cfg = build({"runtime": {"kind": "modal"}, "tasks_per_iteration": 4, "es": {"population_size": 30},
                  "verifier": {"batch_size": 64, "concurrency": 16}})
@@ -145,6 +147,7 @@ def test_pool_is_sized_from_the_iteration_when_not_fixed():
     assert ModalRuntime(cfg, app=build_app(cfg)).sandboxes(cfg, 4 * 30).size == 2  # 120 attempts / 64 per batch
 
 
+@pytest.mark.slow
 def test_verify_in_local_keeps_the_verifier_in_the_orchestrator():
     from vrl.plugins import registry
 

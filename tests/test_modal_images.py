@@ -39,6 +39,7 @@ def _names(wheel: Path) -> set[str]:
         return set(zf.namelist())
 
 
+@pytest.mark.slow
 def test_a_source_tree_becomes_a_wheel_with_metadata_and_package_data_once_per_content(tmp_path, monkeypatch):
     """The wheel holds what `pip wheel` of the tree holds (entry points, package data), not what a stale
     build/ directory still has; the same files give the cached wheel, an edit a new one."""

@@ -120,6 +120,7 @@ def test_an_error_on_one_engine_stops_the_iteration_with_that_error():
         list(HostPool(hosts).sample(LettersEnvironment().tasks()[:2], [Variant(index=i) for i in range(4)]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["es", "grpo"])
 def test_vrl_train_with_two_engines_matches_one_engine(tmp_path: Path, optimizer: str):
     """The whole loop with runtime.local.engines=2 (two hf engines on this CPU) writes the same samples,

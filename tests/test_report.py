@@ -183,6 +183,7 @@ def in_chromium(page: Path, width: int, tmp_path: Path) -> dict:
     return json.loads(html.unescape(found.group(1)))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="needs the Debian package chromium (apt-get install chromium)")
 def test_the_page_in_chromium_keeps_each_kind_of_metric_under_its_heading_and_fits_1300_px(runs, tmp_path):
     """A GRPO run whose verifier logs counters and a rate, with a long run name and a completion of one long

@@ -407,6 +407,7 @@ def lean_run(tmp_path, server_url: str, **options):
     return Trainer(cfg, environment=env, runtime=WritesFixtureProofs())
 
 
+@pytest.mark.slow
 def test_canary_and_recheck_metrics_reach_metrics_jsonl(tmp_path, fake_lean):
     lean = fake_lean(check="agree")
     with ReplayServer(fixture_responder()) as server:
@@ -478,6 +479,7 @@ async def test_the_client_sends_the_shared_key_from_the_environment(host, monkey
     await checker.aclose()
 
 
+@pytest.mark.slow
 async def test_the_self_test_passes_an_honest_host_and_stops_a_run_on_a_broken_one(tmp_path, fake_lean):
     from vrl.verifier import VerifierUnavailable
 
