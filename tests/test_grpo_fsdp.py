@@ -357,7 +357,9 @@ def resumes_on_one_process(done: subprocess.CompletedProcess, run: Path, iterati
     assert done.stderr.count("vrl train") == 1, done.stderr[-3000:]  # one console: rank 0's
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(iterations))
-    assert any(r["grpo/grad_norm"] > 0 for r in rows)  # (a batch whose rewards are all equal has no gradient)
+    # Every step trains (LoRA's job); the sampling test's job (3 tasks, learning rate 0.3) may meet a batch whose
+    # rewards are all equal, which has no gradient: there some step trains.
+    assert (all if lora else any)(r["grpo/grad_norm"] > 0 for r in rows)
     ckpt = run / "grpo" / f"iter-{iterations:06d}"
     state = torch.load(ckpt / "state.pt", weights_only=True)
     assert state["world_size"] == 2 and state["iteration"] == iterations and state["config"]["use_peft"] is lora
