@@ -5,6 +5,7 @@ import itertools
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -238,6 +239,33 @@ def test_sigterm_during_the_update_waits_for_it_only_under_torchrun(tmp_path, mo
     summary = trainer.run()
     assert summary["status"] == "interrupted"
     assert RunDir.open(tmp_path / "run").completed_iterations() == (1 if world == 2 else 0)
+
+
+def test_sigterm_inside_a_finalizer_stops_the_run_at_the_iterations_end_without_a_traceback(tmp_path, monkeypatch):
+    """SIGTERM that lands while a `__del__` runs (seen in a `regex` object's, during a real `vrl train`):
+    raised there, the KeyboardInterrupt was printed as "Exception ignored in ... __del__" with a traceback
+    and dropped. Now the run finishes that iteration and stops before the next: interrupted, the
+    iteration kept, nothing reported as unraisable."""
+    from vrl.optim.es import ES
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    tell = ES.tell
+
+    class SignalsWhenCollected:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)  # the handler runs here, inside __del__
+
+    def tell_collecting(self, results):
+        SignalsWhenCollected()  # collected at once: its __del__ runs inside the update
+        return tell(self, results)
+
+    monkeypatch.setattr(ES, "tell", tell_collecting)
+    summary = Trainer(small_config(tmp_path, iterations=4), environment=LettersEnvironment()).run()
+    assert summary["status"] == "interrupted"
+    assert RunDir.open(tmp_path / "run").completed_iterations() == 1
+    assert unraisable == []
 
 
 def test_exception_marks_run_failed_and_propagates(tmp_path):

@@ -213,7 +213,8 @@ class Trainer:
         signals; the other ranks ignore them and wait for rank 0) so is an iteration that is sampling or
         verifying (`_collective_free`); one that is training, checkpointing or publishing ends first, since
         its collectives must end on every rank before the stop's checkpoint and release begin (torchrun's
-        SIGKILL ends a launch that takes longer than its 30 s). A second signal during
+        SIGKILL ends a launch that takes longer than its 30 s). A signal that lands inside a `__del__` stops
+        the run when the iteration ends instead. A second signal during
         the teardown is ignored (SIGKILL still ends it; vrl.reaper then ends the engines). Only in the main
         thread (where Python runs signal handlers), on signals nobody else handles."""
         own = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
@@ -228,7 +229,11 @@ class Trainer:
             for sig in handled:
                 signal.signal(sig, signal.SIG_IGN)
             self._stop_requested = signal.Signals(signum).name
-            if not deferred or self._interruptible:
+            # Not from inside a finalizer (a library's `__del__` the signal happened to land in): Python would
+            # print the KeyboardInterrupt as "Exception ignored in ... __del__" with a traceback and drop it.
+            # The flag stops the run when the iteration ends (or at the next `_collective_free`).
+            in_finalizer = frame is not None and frame.f_code.co_name == "__del__"
+            if (not deferred or self._interruptible) and not in_finalizer:
                 raise KeyboardInterrupt(self._stop_requested)
 
         for sig in handled:
