@@ -38,7 +38,13 @@ from vrl.rundir import RunDir
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.sinks import Sinks
 from vrl.types import Attempt, Result, Status, Task, Verdict, Verified
-from vrl.verifier import VERIFIER_ERROR, VerifierUnavailable, close_unused, ensure_ready, is_verifier_error
+from vrl.verifier import (
+    VERIFIER_ERROR,
+    close_unused,
+    down_after_crashes,
+    ensure_ready,
+    is_verifier_error,
+)
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -140,12 +146,10 @@ class Trainer:
         contract), so the reward is mostly noise (PluginError). Fewer are kept as `crashed` verdicts, each
         kind of error (exception type and place) reported once on the console, and the run goes on.
         """
-        crashed = sum(r.verdict.status is Status.CRASHED for r in results)
-        if results and crashed * 2 >= len(results) and verifies_in_process(self.config):
-            try:
-                ensure_ready(self.env.verifier())
-            except VerifierUnavailable as exc:
-                raise VerifierUnavailable(f"{crashed} of {len(results)} verdicts crashed and the verifier is down: {exc}") from None
+        if verifies_in_process(self.config):
+            down = down_after_crashes([r.verdict for r in results], lambda: ensure_ready(self.env.verifier()))
+            if down is not None:
+                raise down
         errors = [r.verdict.detail.removeprefix(VERIFIER_ERROR) for r in results if is_verifier_error(r.verdict)]
         if not errors:
             return

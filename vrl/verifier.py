@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from vrl.errors import UsageError, describe
 from vrl.types import Attempt, Status, Verdict
@@ -91,6 +91,20 @@ class SimpleVerifier(Verifier):
 
     async def verify(self, attempts: Sequence[Attempt]) -> list[Verdict]:
         return await asyncio.to_thread(lambda: [self._check_timed(a) for a in attempts])
+
+
+def down_after_crashes(verdicts: Sequence[Verdict], check_ready: Callable[[], None]) -> VerifierUnavailable | None:
+    """Whether the verifier behind `verdicts` is down: at least half of them crashed and `check_ready`
+    raises VerifierUnavailable. The error to raise then (saying how many crashed), or None. One rule for
+    rank 0's own iteration (`Trainer._check_verifier_alive`) and a follower rank's share (`sample_calls`)."""
+    crashed = sum(v.status is Status.CRASHED for v in verdicts)
+    if not verdicts or crashed * 2 < len(verdicts):
+        return None
+    try:
+        check_ready()
+    except VerifierUnavailable as exc:
+        return VerifierUnavailable(f"{crashed} of {len(verdicts)} verdicts crashed and the verifier is down: {exc}")
+    return None
 
 
 def ensure_ready(verifier: Verifier) -> None:

@@ -49,8 +49,8 @@ from torch import nn
 
 from vrl.errors import UsageError
 from vrl.policy import PolicyHost, Trainable, Variant
-from vrl.types import Attempt, Completion, Status, Task, Verified
-from vrl.verifier import VerifierUnavailable
+from vrl.types import Attempt, Completion, Task, Verified
+from vrl.verifier import VerifierUnavailable, down_after_crashes
 
 COMMAND_WAIT = datetime.timedelta(days=365)  # how long a rank > 0 waits for rank 0's next command: no real bound
 
@@ -277,13 +277,9 @@ def sample_calls(host: PolicyHost, calls: list[tuple[Sequence[Task], list[Varian
         if verification is None:
             return out
         verdicts = [v for _, done in pending for v in done.result()]  # a verifier's failure is a verdict
-        crashed = sum(v.status is Status.CRASHED for v in verdicts)
-        if verdicts and crashed * 2 >= len(verdicts):  # as rank 0 checks its own (`Trainer._check_verifier_alive`)
-            try:
-                verification.check_ready()
-            except VerifierUnavailable as exc:  # down here only, say: rank 0 would score the share 0 and go on
-                return VerifierUnavailable(f"{crashed} of {len(verdicts)} verdicts crashed and the verifier is "
-                                           f"down: {exc}")
+        down = down_after_crashes(verdicts, verification.check_ready)  # down here only, say: rank 0 would score it 0
+        if down is not None:
+            return down
     except Exception as exc:  # noqa: BLE001 - rank 0 raises it; this rank must still answer the gather
         return f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"
     return Verified(out, verdicts, verification.busy_s - busy)
