@@ -171,7 +171,9 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                  "gpus": torch.cuda.device_count(), "backend": args.backend, "members": args.members,
                  "new_tokens": args.new_tokens, "small": args.small, "shape": "2-layer" if args.small else "Qwen2.5-0.5B",
-                 "tasks": args.tasks, "ranks": args.ranks, "launches": [], "runs": []}
+                 "tasks": args.tasks, "ranks": args.ranks, "launches": [], "runs": [],
+                 # vLLM's LoRA kernel configs (benchmarks/lowrank_profile.py --configs-out), when set
+                 "vllm_tuned_config_folder": os.environ.get("VLLM_TUNED_CONFIG_FOLDER")}
 
     def save() -> None:
         Path(args.out).write_text(json.dumps(res, indent=1))

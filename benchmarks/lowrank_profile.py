@@ -52,9 +52,15 @@ from pathlib import Path
 from typing import Any
 
 KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the order of a decoder layer's linear layers
-# Qwen2.5-1.5B: input size and output slices of each LoRA layer (q, k, v and gate, up are slices).
-SHAPES = {"qkv_proj": (1536, (1536, 256, 256)), "o_proj": (1536, (1536,)),
-          "gate_up_proj": (1536, (8960, 8960)), "down_proj": (8960, (1536,))}
+# Input size and output slices of each LoRA layer (q, k, v and gate, up are slices): Qwen2.5-1.5B (the
+# profiled engines' model) and Qwen2.5-0.5B (benchmarks/es_torchrun.py's), for `--shape`.
+SHAPES_BY_MODEL = {
+    "1.5b": {"qkv_proj": (1536, (1536, 256, 256)), "o_proj": (1536, (1536,)),
+             "gate_up_proj": (1536, (8960, 8960)), "down_proj": (8960, (1536,))},
+    "0.5b": {"qkv_proj": (896, (896, 128, 128)), "o_proj": (896, (896,)),
+             "gate_up_proj": (896, (4864, 4864)), "down_proj": (4864, (896,))},
+}
+SHAPES = SHAPES_BY_MODEL["1.5b"]
 
 
 # -- classifying a profile (pure Python: tested on the CPU, tests/test_lowrank_profile.py) -------------
@@ -167,7 +173,8 @@ def step_stats(steps: list[tuple[float, float, int, str]], tokens: int) -> dict[
 
 
 def tuned_configs(best: dict[str, dict[str, dict[str, Any]]], defaults: dict[str, dict[str, dict[str, Any]]],
-                  max_loras: int, tokens: int, rank: int) -> dict[str, dict]:
+                  max_loras: int, tokens: int, rank: int, shapes: dict[str, Any] | None = None,
+                  large: bool = True) -> dict[str, dict]:
     """vLLM's tuned LoRA kernel config files ({file name suffix: content}): for each layer kind, its best
     config at `tokens` tokens where the sweep found one, else vLLM's default (`defaults[kind]`: 'shrink',
     'expand', and 'shrink_large' / 'expand_large' for prefill-sized batches).
@@ -175,16 +182,34 @@ def tuned_configs(best: dict[str, dict[str, dict[str, Any]]], defaults: dict[str
     vLLM reads config[max_loras + 1][num_slices][m][k][n] ((hidden, rank) for shrink, (rank, largest
     slice) for expand), taking the nearest key at each level but num_slices, which must be present: so
     every kind is written, batches up to 4.5·`tokens` get the `tokens` entry and larger ones (prefill
-    chunks) the defaults keyed 8·`tokens`."""
+    chunks) the defaults keyed 8·`tokens` (`large=False`: not those; `merge_configs` joins the files of
+    sweeps at several batch sizes, the largest one's with them)."""
     files: dict[str, dict] = {"SHRINK.json": {}, "EXPAND_TRUE.json": {}}
     big = str(8 * tokens)
-    for kind, (k_in, slices) in SHAPES.items():
+    for kind, (k_in, slices) in (shapes or SHAPES).items():
         for part, fname in (("shrink", "SHRINK.json"), ("expand", "EXPAND_TRUE.json")):
             k, n = (str(k_in), str(rank)) if part == "shrink" else (str(rank), str(max(slices)))
             level = files[fname].setdefault(str(max_loras + 1), {}).setdefault(str(len(slices)), {})
             level.setdefault(str(tokens), {}).setdefault(k, {})[n] = best.get(kind, {}).get(part, defaults[kind][part])
-            level.setdefault(big, {}).setdefault(k, {})[n] = defaults[kind][part + "_large"]
+            if large:
+                level.setdefault(big, {}).setdefault(k, {})[n] = defaults[kind][part + "_large"]
     return files
+
+
+def merge_configs(parts: list[dict[str, dict]]) -> dict[str, dict]:
+    """One set of config files from several sweeps' (`tuned_configs` at several batch sizes): nested
+    dicts joined key by key; where two give the same leaf, the later one's."""
+    def join(a: dict, b: dict) -> dict:
+        out = dict(a)
+        for key, value in b.items():
+            out[key] = join(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+                and not {"block_m", "num_warps"} & set(value) else value
+        return out
+
+    merged: dict[str, dict] = {}
+    for part in parts:
+        merged = join(merged, part)
+    return merged
 
 
 def write_configs(files: dict[str, dict], folder: str | Path) -> Path:
@@ -436,14 +461,16 @@ class Engine:
         return self.llm.collective_rpc(_collect)[0]
 
 
-def lora_sweep(bench: Bench, tokens: int) -> dict[str, Any]:
-    """vLLM's LoRA kernels alone per layer kind, each timed inside a CUDA graph of 20 calls."""
+def lora_sweep(bench: Bench, tokens: int, large: bool = True) -> dict[str, Any]:
+    """vLLM's LoRA kernels alone per layer kind, each timed inside a CUDA graph of 20 calls (the
+    layer shapes of `--shape`; `large`: see `tuned_configs`)."""
     import torch
     import torch.nn.functional as F
     from vllm.lora.ops.triton_ops import LoRAKernelMeta, lora_expand, lora_expand_op, lora_shrink, lora_shrink_op, utils
 
     args = bench.args
     members, rank, dev = args.members, args.rank, torch.device("cuda")
+    shapes = SHAPES_BY_MODEL[args.shape]
     torch.manual_seed(0)
 
     def timed(fn: Any, reps: int = 20, replays: int = 5) -> float:
@@ -480,7 +507,7 @@ def lora_sweep(bench: Bench, tokens: int) -> dict[str, Any]:
     defaults = {kind: {"shrink": default("shrink", tokens, k_in, slices), "expand": default("expand", tokens, k_in, slices),
                        "shrink_large": default("shrink", 8 * tokens, k_in, slices),
                        "expand_large": default("expand", 8 * tokens, k_in, slices)}
-                for kind, (k_in, slices) in SHAPES.items()}
+                for kind, (k_in, slices) in shapes.items()}
     # vLLM's grids launch cdiv(B, block_m) row blocks for every adapter although each adapter has only
     # B / members rows (8 at 240): most blocks exit at once. Candidates with one or two row blocks, and
     # smaller ones.
@@ -558,8 +585,8 @@ def lora_sweep(bench: Bench, tokens: int) -> dict[str, Any]:
 
     lora_shrink_op.get_lora_op_configs = lora_expand_op.get_lora_op_configs = patched
     try:
-        for kind, (k_in, slices) in SHAPES.items():
-            if bench.left() < 220:  # leave the graph engines their time
+        for kind, (k_in, slices) in shapes.items():
+            if bench.left() < (30 if args.configs_out else 220):  # leave the graph engines their time
                 out["cut_short"] = f"stopped before {kind}: {bench.left():.0f} s left"
                 break
             out["kinds"][kind], faster = measure(k_in, slices)
@@ -570,7 +597,7 @@ def lora_sweep(bench: Bench, tokens: int) -> dict[str, Any]:
         lora_shrink_op.get_lora_op_configs, lora_expand_op.get_lora_op_configs = original
     out["best"] = best
     name = torch.cuda.get_device_name().replace(" ", "_").replace("-", "_")
-    files = tuned_configs(best, defaults, members, tokens, rank)
+    files = tuned_configs(best, defaults, members, tokens, rank, shapes, large)
     out["tuned_files"] = {f"{name}_{suffix}": content for suffix, content in files.items()}
     return out
 
@@ -594,6 +621,11 @@ def main() -> None:
                     help="only the kernel sweep: write vLLM's config files to this folder (for VLLM_TUNED_CONFIG_FOLDER)")
     ap.add_argument("--engines", nargs="+", default=["graph", "tuned"], choices=["graph", "tuned"],
                     help="which graph engines to start: vrl's default, and (with --tuned-engine) the tuned one")
+    ap.add_argument("--shape", choices=sorted(SHAPES_BY_MODEL), default="1.5b",
+                    help="the layer shapes the sweep times (the profiled engines are Qwen2.5-1.5B's)")
+    ap.add_argument("--sweep-tokens", type=int, nargs="+", default=None,
+                    help="with --configs-out: sweep at each of these batch sizes (tokens per decode step), "
+                    "one set of files for all (default: tasks × members)")
     ap.add_argument("--path", default="/tmp/vrl-bench-model")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -640,12 +672,20 @@ def main() -> None:
     # 2. the LoRA kernels alone under other launch configs (before the graph engines: its best configs
     # go to a second graph engine, timed beside the default one)
     tuned_dir = None
-    if args.sweep or args.configs_out:
-        sweep = bench.section("kernel sweep", 0 if args.configs_out else 260, lora_sweep, bench, batch)
+    if args.configs_out:
+        points = sorted(args.sweep_tokens or [batch])
+        sweeps = [bench.section(f"kernel sweep at {m}", 0, lora_sweep, bench, m, m == points[-1]) for m in points]
+        res["sweeps"] = sweeps
+        bench.save()
+        done = [s for s in sweeps if s]
+        if done:
+            files = merge_configs([s["tuned_files"] for s in done])
+            print(f"vLLM LoRA kernel configs for {[s['tokens'] for s in done]} tokens written to "
+                  f"{write_configs(files, args.configs_out)}")
+        return
+    if args.sweep:
+        sweep = bench.section("kernel sweep", 260, lora_sweep, bench, batch)
         res["sweep"] = sweep
-        if sweep and args.configs_out:
-            print(f"vLLM LoRA kernel configs written to {write_configs(sweep['tuned_files'], args.configs_out)}")
-            return
         if sweep and sweep.get("best") and args.tuned_engine:
             tuned_dir = str(write_configs(sweep["tuned_files"], "/tmp/vrl-lora-tuned"))
         bench.save()

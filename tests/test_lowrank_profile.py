@@ -128,6 +128,29 @@ def test_tuned_configs_fill_every_slice_count_vllm_indexes() -> None:
     assert expand["2"]["1920"]["8"]["8960"] == cfg("E-gate_up_proj")
 
 
+def test_configs_of_several_batch_sizes_merge_without_losing_a_tuned_entry() -> None:
+    """Sweeps at 240 and 1920 tokens (one engine of 8 and of 64 tasks): one set of files where each batch
+    size keeps its own tuned config, and the prefill-sized defaults sit above the largest only (8 · 240 =
+    1920 would otherwise overwrite the tuned 1920 entry)."""
+    def cfg(tag: str) -> dict:
+        return {"block_m": tag, "num_warps": 4}
+
+    def defaults(m: int) -> dict:
+        return {kind: {"shrink": cfg(f"s{m}"), "expand": cfg(f"e{m}"), "shrink_large": cfg(f"S{m}"),
+                       "expand_large": cfg(f"E{m}")} for kind in lp.KINDS}
+
+    shapes = lp.SHAPES_BY_MODEL["0.5b"]
+    small = lp.tuned_configs({"gate_up_proj": {"expand": cfg("best240")}}, defaults(240), 30, 240, 8, shapes, large=False)
+    big = lp.tuned_configs({"gate_up_proj": {"expand": cfg("best1920")}}, defaults(1920), 30, 1920, 8, shapes)
+    expand = lp.merge_configs([small, big])["EXPAND_TRUE.json"]["31"]["2"]
+    assert expand["240"]["8"]["4864"] == cfg("best240")
+    assert expand["1920"]["8"]["4864"] == cfg("best1920")
+    assert expand["15360"]["8"]["4864"] == cfg("E1920")
+    assert set(expand) == {"240", "1920", "15360"}
+    shrink = lp.merge_configs([small, big])["SHRINK.json"]["31"]["1"]
+    assert shrink["240"] == {"896": {"8": cfg("s240")}, "4864": {"8": cfg("s240")}}
+
+
 def test_write_configs_leaves_exactly_the_sweeps_files(tmp_path: Path) -> None:
     folder = tmp_path / "configs"
     folder.mkdir()
