@@ -252,11 +252,27 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def _iteration(run: Path) -> int:
+    """How many iterations `run` has finished (state.json, which a run writes last; 0 before it exists)."""
+    state = run / "state.json"
+    return json.loads(state.read_text())["iteration"] if state.exists() else 0
+
+
 @pytest.mark.slow
-def test_a_second_writer_is_refused_naming_the_first(tmp_path):
-    """A live `vrl train` holds its run directory: `--resume` of it and a new run of the same name are refused.
-    The first writer is stopped (SIGSTOP) while the others try: it still holds its flock, and burns no CPU
-    meanwhile (it would train on, 1000 iterations, beside them); continued, it goes on training."""
+def test_a_live_writer_holds_its_run_and_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
+    """Two facts about live `vrl train` processes, on one run (each writer's start-up, torch and the tiny
+    model, is paid once instead of once per fact):
+
+    1. A live `vrl train` holds its run directory: `--resume` of it and a new run of the same name are
+       refused. The first writer is stopped (SIGSTOP) while the others try: it still holds its flock, and
+       burns no CPU meanwhile (it would train on, 1000 iterations, beside them); continued, it goes on
+       training. Killed (SIGKILL), it dies holding the lock: the kernel drops it, and a resume takes the
+       stale lock over.
+    2. SIGTERM (a job scheduler's stop, torchrun ending its launch, `kill`) ends that resumed `vrl train`
+       as Ctrl-C does: exit 130, the summary says interrupted, the finished iterations are kept and the run
+       resumes. Before, the process ended at once: its summary still said running, and vLLM's engine
+       processes, which had no shutdown, kept their GPU memory (vrl.reaper now ends those even on SIGKILL).
+       The last resume only reads and extends the run directory: it runs in-process."""
     env = {**os.environ, "HF_ENDPOINT": NO_HUB}
     first = subprocess.Popen([sys.executable, "-m", "vrl.cli", "train", "--plugin", "letters", "--name", "live",
                               "--iterations", "1000", *SMALL], cwd=tmp_path, env=env,
@@ -279,20 +295,29 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path):
         first.wait(60)
     iterations = [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert iterations == list(range(len(iterations)))  # one writer: no interleaved iterations
-    # The dead writer's lock is stale: a resume takes it over and gets as far as its own checks.
-    res = vrl("train", "--resume", str(run), "--iterations", "1", cwd=tmp_path)
-    one_line_error(res, "already finished")
+
+    # The dead writer's lock is stale: a resume takes it over and trains; SIGTERM stops it as Ctrl-C does.
+    before = _iteration(run)
+    second = subprocess.Popen([sys.executable, "-m", "vrl.cli", "train", "--resume", str(run), "--iterations", "1000"],
+                              cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = sigterm_after_an_iteration(second, run, after=before)
+    assert second.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err, err
+    summary = json.loads((run / "summary.json").read_text())
+    done = summary["iterations_completed"]
+    assert summary["status"] == "interrupted" and done > before, (summary, before)
+    res = CliRunner().invoke(main, ["train", "--resume", str(run), "--iterations", str(done + 1)])
+    assert res.exit_code == 0, res.output
+    assert json.loads((run / "summary.json").read_text())["iterations_completed"] == done + 1
 
 
-def sigterm_after_an_iteration(proc: subprocess.Popen, run: Path) -> str:
-    """Once `run` has finished an iteration, SIGTERM to `proc` (a `vrl train`, or torchrun running one);
-    its stderr once it has ended (killed if it has not 120 s later). Finished means recorded in state.json,
-    which the run writes last: its metrics line comes before the checkpoint, and a SIGTERM between the two
-    rightly leaves that iteration unfinished (seen on a loaded machine)."""
-    state = run / "state.json"
+def sigterm_after_an_iteration(proc: subprocess.Popen, run: Path, after: int = 0) -> str:
+    """Once `run` has finished an iteration (more than `after` in all), SIGTERM to `proc` (a `vrl train`,
+    or torchrun running one); its stderr once it has ended (killed if it has not 120 s later). Finished
+    means recorded in state.json, which the run writes last: its metrics line comes before the checkpoint,
+    and a SIGTERM between the two rightly leaves that iteration unfinished (seen on a loaded machine)."""
     try:
-        _wait_for(lambda: proc.poll() is not None or (state.exists() and json.loads(state.read_text())["iteration"] >= 1),
-                  300, "the first iteration")
+        _wait_for(lambda: proc.poll() is not None or _iteration(run) > after, 300, "the first iteration")
         assert proc.poll() is None, "the run ended before it was stopped"
         proc.send_signal(signal.SIGTERM)
         return proc.communicate(timeout=120)[1]
@@ -300,28 +325,6 @@ def sigterm_after_an_iteration(proc: subprocess.Popen, run: Path) -> str:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-
-
-@pytest.mark.slow
-def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
-    """SIGTERM (a job scheduler's stop, torchrun ending its launch, `kill`) ends `vrl train` as Ctrl-C does:
-    exit 130, the summary says interrupted, the finished iterations are kept and the run resumes. Before,
-    the process ended at once: its summary still said running, and vLLM's engine processes, which had
-    no shutdown, kept their GPU memory (vrl.reaper now ends those even on SIGKILL)."""
-    env = {**os.environ, "HF_ENDPOINT": NO_HUB}
-    first = subprocess.Popen([sys.executable, "-m", "vrl.cli", "train", "--plugin", "letters", "--name", "t",
-                              "--iterations", "1000", *SMALL], cwd=tmp_path, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    run = tmp_path / "runs" / "t"
-    err = sigterm_after_an_iteration(first, run)
-    assert first.returncode == 130, err
-    assert "interrupted" in err and "Traceback" not in err, err
-    summary = json.loads((run / "summary.json").read_text())
-    done = summary["iterations_completed"]
-    assert summary["status"] == "interrupted" and done >= 1, summary
-    res = vrl("train", "--resume", str(run), "--iterations", str(done + 1), cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
-    assert json.loads((run / "summary.json").read_text())["iterations_completed"] == done + 1
 
 
 def test_unexpected_errors_exit_1_with_one_line_and_a_traceback_under_verbose(tmp_path, monkeypatch):
@@ -352,24 +355,31 @@ def train_failure(stderr: str, *fragments: str) -> str:
     return errors[0]
 
 
-@pytest.mark.slow
-def test_a_verifier_whose_check_always_raises_fails_vrl_train_with_one_line(tmp_path):
-    """`vrl train` of a plugin whose `SimpleVerifier.check` has a typo: exit 2 at iteration 0, no update, nothing kept."""
-    (tmp_path / "typo_plugin.py").write_text(
+def test_a_verifier_whose_check_always_raises_fails_vrl_train_with_one_line(tmp_path, monkeypatch):
+    """`vrl train` of a plugin whose `SimpleVerifier.check` has a typo: exit 2 at iteration 0, no update, nothing
+    kept. In-process, as the raising shaper below: the verdicts, the exit status and the one line do not depend
+    on a process of its own; the typo lives in a file of its own, so the line can name where it raised."""
+    import importlib.util
+
+    from vrl.envs.letters import LettersVerifier
+
+    source = tmp_path / "typo_plugin.py"
+    source.write_text(
         "import vrl.envs.letters as letters\n"
         "\n"
         "def check(self, attempt):\n"
-        "    return len(attempt.completion.txt)  # the typo: .text\n"
-        "\n"
-        "letters.LettersVerifier.check = check\n")
-    res = subprocess.run([sys.executable, "-c", "import typo_plugin, vrl.cli; vrl.cli.main()", "train", "--plugin",
-                          "letters", "--name", "typo", "--iterations", "3", *SMALL], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300, stdin=subprocess.DEVNULL,
-                         env={**os.environ, "HF_ENDPOINT": NO_HUB, "PYTHONPATH": str(tmp_path), "COLUMNS": "200"})
-    assert res.returncode == 2, res.stdout + res.stderr
+        "    return len(attempt.completion.txt)  # the typo: .text\n")
+    spec = importlib.util.spec_from_file_location("typo_plugin", source)
+    typo_plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(typo_plugin)
+    monkeypatch.setattr(LettersVerifier, "check", typo_plugin.check)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, ["train", "--plugin", "letters", "--name", "typo", "--iterations", "3", *SMALL],
+                             catch_exceptions=False)
+    assert res.exit_code == 2, res.output
     train_failure(res.stderr, "error: environment 'letters': its verifier raised on all 4 attempts of iteration 0",
                   "AttributeError: 'Completion' object has no attribute 'txt'",
-                  f"({tmp_path / 'typo_plugin.py'}:4 in check)", "stopped before this iteration's update",
+                  f"({source}:4 in check)", "stopped before this iteration's update",
                   "nothing was kept")
     assert not (tmp_path / "runs" / "typo").exists()
 
