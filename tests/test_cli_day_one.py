@@ -39,6 +39,7 @@ def test_a_runs_dir_blocked_by_a_file_is_named_in_one_line(tmp_path):
         vrl.Trainer(vrl.TrainConfig(plugin="letters", logging={"runs_dir": str(tmp_path / "afile")}))
 
 
+@pytest.mark.slow
 def test_a_runs_dir_the_system_refuses_is_named_with_exit_2(tmp_path, monkeypatch):
     """A directory the kernel refuses to create even for root (sysfs); a read-only file system (EROFS) used to
     exit 1 with raw errno text from the same place. In-process (click's runner, as the file-in-the-way case

@@ -355,6 +355,7 @@ def train_failure(stderr: str, *fragments: str) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 def test_a_verifier_whose_check_always_raises_fails_vrl_train_with_one_line(tmp_path, monkeypatch):
     """`vrl train` of a plugin whose `SimpleVerifier.check` has a typo: exit 2 at iteration 0, no update, nothing
     kept. In-process, as the raising shaper below: the verdicts, the exit status and the one line do not depend

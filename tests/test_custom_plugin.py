@@ -35,6 +35,7 @@ def test_example_plugin_is_listed(installed):
     assert plugins["reverse"]["error"] is None
 
 
+@pytest.mark.slow
 def test_train_one_iteration_on_the_example_plugin(installed, tmp_path):
     """`vrl train` in-process (click's runner, the plugins loaded afresh from `sys.path`, as a new process loads
     them): what it checks is the run directory, which does not depend on a process of its own; the other

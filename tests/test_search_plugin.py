@@ -53,6 +53,7 @@ def rewards(run: Path) -> list[float]:
     return [json.loads(line)["reward_mean"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_the_plugin_registers_an_optimizer_and_a_backend(installed):
     """Through the real `vrl` process (the install as a user's shell sees it), then in-process."""
     out = subprocess.run([sys.executable, "-m", "vrl.cli", "plugins", "--json"], env=installed, capture_output=True,
@@ -95,6 +96,7 @@ def test_each_trains_with_vrls_own_kinds(installed, tmp_path):
     assert len(rewards(tmp_path / "es")) == 2
 
 
+@pytest.mark.slow
 def test_vrl_plugins_selects_the_plugins_a_run_may_use(installed, tmp_path):
     """Hermetic runs: VRL_PLUGINS= (empty) loads vrl's built-ins alone, so the plugin's names are unknown."""
     out = vrl("train", "--optimizer", "random_search", "--set", f"logging.runs_dir={tmp_path}", env={"VRL_PLUGINS": ""})

@@ -31,6 +31,7 @@ def test_vrl_verify_judges_a_file(tmp_path):
     assert "unknown task_id 'pt-999'" in rows[3]["detail"]
 
 
+@pytest.mark.slow
 def test_vrl_train_one_iteration(tmp_path):
     """`vrl train` in-process (click's runner), as `vrl verify` above: what it checks is the run directory
     (metrics, the resolved configuration), which does not depend on a process of its own; the candidates
