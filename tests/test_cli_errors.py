@@ -260,23 +260,26 @@ def _iteration(run: Path) -> int:
 
 @pytest.mark.slow
 def test_a_live_writer_holds_its_run_and_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
-    """Two facts about live `vrl train` processes, on one run (each writer's start-up, torch and the tiny
-    model, is paid once instead of once per fact):
+    """Two facts about a live `vrl train` process, on one run (its start-up, torch and the tiny model, is
+    paid once instead of once per fact):
 
     1. A live `vrl train` holds its run directory: `--resume` of it and a new run of the same name are
-       refused. The first writer is stopped (SIGSTOP) while the others try: it still holds its flock, and
-       burns no CPU meanwhile (it would train on, 1000 iterations, beside them); continued, it goes on
-       training. Killed (SIGKILL), it dies holding the lock: the kernel drops it, and a resume takes the
-       stale lock over.
-    2. SIGTERM (a job scheduler's stop, torchrun ending its launch, `kill`) ends that resumed `vrl train`
-       as Ctrl-C does: exit 130, the summary says interrupted, the finished iterations are kept and the run
-       resumes. Before, the process ended at once: its summary still said running, and vLLM's engine
-       processes, which had no shutdown, kept their GPU memory (vrl.reaper now ends those even on SIGKILL).
-       The last resume only reads and extends the run directory: it runs in-process."""
+       refused. The writer is stopped (SIGSTOP) while the others try: it still holds its flock, and burns
+       no CPU meanwhile (it would train on, 1000 iterations, beside them); continued, it goes on training.
+    2. SIGTERM (a job scheduler's stop, torchrun ending its launch, `kill`) then ends it as Ctrl-C does:
+       exit 130, the summary says interrupted, the finished iterations are kept and the run resumes.
+       Before, the process ended at once: its summary still said running, and vLLM's engine processes,
+       which had no shutdown, kept their GPU memory (vrl.reaper now ends those even on SIGKILL).
+
+    Then a writer that dies holding the lock (SIGKILL: no clean-up runs; the kernel drops its flock) leaves
+    a stale lock that a resume takes over. That writer is a small real process that takes the lock as
+    `vrl train` does (`RunDir.acquire`) and is killed: what the kernel does with a killed process's flock
+    does not depend on what else the process was doing. The resumes only read and extend the run
+    directory: they run in-process."""
     env = {**os.environ, "HF_ENDPOINT": NO_HUB}
     first = subprocess.Popen([sys.executable, "-m", "vrl.cli", "train", "--plugin", "letters", "--name", "live",
                               "--iterations", "1000", *SMALL], cwd=tmp_path, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     run = tmp_path / "runs" / "live"
     try:
         _wait_for(lambda: (run / "state.json").exists(), 300, "the first iteration")  # it is training now
@@ -291,21 +294,27 @@ def test_a_live_writer_holds_its_run_and_sigterm_stops_a_run_as_ctrl_c_does(tmp_
         _wait_for(lambda: (run / "metrics.jsonl").read_text().count("\n") > done, 300, "another iteration")
         assert first.poll() is None  # the first writer goes on, undisturbed
     finally:
-        first.send_signal(signal.SIGKILL)  # dies holding the lock: the kernel drops it
-        first.wait(60)
-    iterations = [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert iterations == list(range(len(iterations)))  # one writer: no interleaved iterations
-
-    # The dead writer's lock is stale: a resume takes it over and trains; SIGTERM stops it as Ctrl-C does.
-    before = _iteration(run)
-    second = subprocess.Popen([sys.executable, "-m", "vrl.cli", "train", "--resume", str(run), "--iterations", "1000"],
-                              cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    err = sigterm_after_an_iteration(second, run, after=before)
-    assert second.returncode == 130, err
+        if first.poll() is None:
+            first.send_signal(signal.SIGCONT)  # a stopped process would not act on SIGTERM
+    err = sigterm_after_an_iteration(first, run)
+    assert first.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err, err
     summary = json.loads((run / "summary.json").read_text())
     done = summary["iterations_completed"]
-    assert summary["status"] == "interrupted" and done > before, (summary, before)
+    assert summary["status"] == "interrupted" and done >= 1, summary
+    iterations = [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert iterations == list(range(len(iterations)))  # one writer: no interleaved iterations
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom vrl.rundir import RunDir\n"
+                               "run = RunDir(sys.argv[1])\nrun.acquire()\nprint('locked', flush=True)\ntime.sleep(600)", str(run)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        assert f"being written by process {holder.pid}" in cli("train", "--resume", str(run), "-n", str(done + 1))
+    finally:
+        holder.send_signal(signal.SIGKILL)  # dies holding the lock: the kernel drops it
+        holder.wait(60)
+    assert (run / "lock").read_text().strip() == str(holder.pid)  # the stale pid is still written there
     res = CliRunner().invoke(main, ["train", "--resume", str(run), "--iterations", str(done + 1)])
     assert res.exit_code == 0, res.output
     assert json.loads((run / "summary.json").read_text())["iterations_completed"] == done + 1
