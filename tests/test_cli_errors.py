@@ -252,12 +252,6 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def _iteration(run: Path) -> int:
-    """How many iterations `run` has finished (state.json, which a run writes last; 0 before it exists)."""
-    state = run / "state.json"
-    return json.loads(state.read_text())["iteration"] if state.exists() else 0
-
-
 @pytest.mark.slow
 def test_a_live_writer_holds_its_run_and_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
     """Two facts about a live `vrl train` process, on one run (its start-up, torch and the tiny model, is
@@ -320,13 +314,15 @@ def test_a_live_writer_holds_its_run_and_sigterm_stops_a_run_as_ctrl_c_does(tmp_
     assert json.loads((run / "summary.json").read_text())["iterations_completed"] == done + 1
 
 
-def sigterm_after_an_iteration(proc: subprocess.Popen, run: Path, after: int = 0) -> str:
-    """Once `run` has finished an iteration (more than `after` in all), SIGTERM to `proc` (a `vrl train`,
-    or torchrun running one); its stderr once it has ended (killed if it has not 120 s later). Finished
-    means recorded in state.json, which the run writes last: its metrics line comes before the checkpoint,
-    and a SIGTERM between the two rightly leaves that iteration unfinished (seen on a loaded machine)."""
+def sigterm_after_an_iteration(proc: subprocess.Popen, run: Path) -> str:
+    """Once `run` has finished an iteration, SIGTERM to `proc` (a `vrl train`, or torchrun running one);
+    its stderr once it has ended (killed if it has not 120 s later). Finished means recorded in state.json,
+    which the run writes last: its metrics line comes before the checkpoint, and a SIGTERM between the two
+    rightly leaves that iteration unfinished (seen on a loaded machine)."""
+    state = run / "state.json"
     try:
-        _wait_for(lambda: proc.poll() is not None or _iteration(run) > after, 300, "the first iteration")
+        _wait_for(lambda: proc.poll() is not None or (state.exists() and json.loads(state.read_text())["iteration"] >= 1),
+                  300, "the first iteration")
         assert proc.poll() is None, "the run ended before it was stopped"
         proc.send_signal(signal.SIGTERM)
         return proc.communicate(timeout=120)[1]
