@@ -253,14 +253,27 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_second_writer_is_refused_naming_the_first(tmp_path):
-    """A live `vrl train` holds its run directory: `--resume` of it and a new run of the same name are refused.
-    The first writer is stopped (SIGSTOP) while the others try: it still holds its flock, and burns no CPU
-    meanwhile (it would train on, 1000 iterations, beside them); continued, it goes on training."""
+def test_a_live_writer_holds_its_run_and_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
+    """Two facts about a live `vrl train` process, on one run (its start-up, torch and the tiny model, is
+    paid once instead of once per fact):
+
+    1. A live `vrl train` holds its run directory: `--resume` of it and a new run of the same name are
+       refused. The writer is stopped (SIGSTOP) while the others try: it still holds its flock, and burns
+       no CPU meanwhile (it would train on, 1000 iterations, beside them); continued, it goes on training.
+    2. SIGTERM (a job scheduler's stop, torchrun ending its launch, `kill`) then ends it as Ctrl-C does:
+       exit 130, the summary says interrupted, the finished iterations are kept and the run resumes.
+       Before, the process ended at once: its summary still said running, and vLLM's engine processes,
+       which had no shutdown, kept their GPU memory (vrl.reaper now ends those even on SIGKILL).
+
+    Then a writer that dies holding the lock (SIGKILL: no clean-up runs; the kernel drops its flock) leaves
+    a stale lock that a resume takes over. That writer is a small real process that takes the lock as
+    `vrl train` does (`RunDir.acquire`) and is killed: what the kernel does with a killed process's flock
+    does not depend on what else the process was doing. The resumes only read and extend the run
+    directory: they run in-process."""
     env = {**os.environ, "HF_ENDPOINT": NO_HUB}
     first = subprocess.Popen([sys.executable, "-m", "vrl.cli", "train", "--plugin", "letters", "--name", "live",
                               "--iterations", "1000", *SMALL], cwd=tmp_path, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     run = tmp_path / "runs" / "live"
     try:
         _wait_for(lambda: (run / "state.json").exists(), 300, "the first iteration")  # it is training now
@@ -275,13 +288,30 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path):
         _wait_for(lambda: (run / "metrics.jsonl").read_text().count("\n") > done, 300, "another iteration")
         assert first.poll() is None  # the first writer goes on, undisturbed
     finally:
-        first.send_signal(signal.SIGKILL)  # dies holding the lock: the kernel drops it
-        first.wait(60)
+        if first.poll() is None:
+            first.send_signal(signal.SIGCONT)  # a stopped process would not act on SIGTERM
+    err = sigterm_after_an_iteration(first, run)
+    assert first.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err, err
+    summary = json.loads((run / "summary.json").read_text())
+    done = summary["iterations_completed"]
+    assert summary["status"] == "interrupted" and done >= 1, summary
     iterations = [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert iterations == list(range(len(iterations)))  # one writer: no interleaved iterations
-    # The dead writer's lock is stale: a resume takes it over and gets as far as its own checks.
-    res = vrl("train", "--resume", str(run), "--iterations", "1", cwd=tmp_path)
-    one_line_error(res, "already finished")
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom vrl.rundir import RunDir\n"
+                               "run = RunDir(sys.argv[1])\nrun.acquire()\nprint('locked', flush=True)\ntime.sleep(600)", str(run)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        assert f"being written by process {holder.pid}" in cli("train", "--resume", str(run), "-n", str(done + 1))
+    finally:
+        holder.send_signal(signal.SIGKILL)  # dies holding the lock: the kernel drops it
+        holder.wait(60)
+    assert (run / "lock").read_text().strip() == str(holder.pid)  # the stale pid is still written there
+    res = CliRunner().invoke(main, ["train", "--resume", str(run), "--iterations", str(done + 1)])
+    assert res.exit_code == 0, res.output
+    assert json.loads((run / "summary.json").read_text())["iterations_completed"] == done + 1
 
 
 def sigterm_after_an_iteration(proc: subprocess.Popen, run: Path) -> str:
@@ -300,28 +330,6 @@ def sigterm_after_an_iteration(proc: subprocess.Popen, run: Path) -> str:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-
-
-@pytest.mark.slow
-def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
-    """SIGTERM (a job scheduler's stop, torchrun ending its launch, `kill`) ends `vrl train` as Ctrl-C does:
-    exit 130, the summary says interrupted, the finished iterations are kept and the run resumes. Before,
-    the process ended at once: its summary still said running, and vLLM's engine processes, which had
-    no shutdown, kept their GPU memory (vrl.reaper now ends those even on SIGKILL)."""
-    env = {**os.environ, "HF_ENDPOINT": NO_HUB}
-    first = subprocess.Popen([sys.executable, "-m", "vrl.cli", "train", "--plugin", "letters", "--name", "t",
-                              "--iterations", "1000", *SMALL], cwd=tmp_path, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    run = tmp_path / "runs" / "t"
-    err = sigterm_after_an_iteration(first, run)
-    assert first.returncode == 130, err
-    assert "interrupted" in err and "Traceback" not in err, err
-    summary = json.loads((run / "summary.json").read_text())
-    done = summary["iterations_completed"]
-    assert summary["status"] == "interrupted" and done >= 1, summary
-    res = vrl("train", "--resume", str(run), "--iterations", str(done + 1), cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
-    assert json.loads((run / "summary.json").read_text())["iterations_completed"] == done + 1
 
 
 def test_unexpected_errors_exit_1_with_one_line_and_a_traceback_under_verbose(tmp_path, monkeypatch):
@@ -353,23 +361,31 @@ def train_failure(stderr: str, *fragments: str) -> str:
 
 
 @pytest.mark.slow
-def test_a_verifier_whose_check_always_raises_fails_vrl_train_with_one_line(tmp_path):
-    """`vrl train` of a plugin whose `SimpleVerifier.check` has a typo: exit 2 at iteration 0, no update, nothing kept."""
-    (tmp_path / "typo_plugin.py").write_text(
+def test_a_verifier_whose_check_always_raises_fails_vrl_train_with_one_line(tmp_path, monkeypatch):
+    """`vrl train` of a plugin whose `SimpleVerifier.check` has a typo: exit 2 at iteration 0, no update, nothing
+    kept. In-process, as the raising shaper below: the verdicts, the exit status and the one line do not depend
+    on a process of its own; the typo lives in a file of its own, so the line can name where it raised."""
+    import importlib.util
+
+    from vrl.envs.letters import LettersVerifier
+
+    source = tmp_path / "typo_plugin.py"
+    source.write_text(
         "import vrl.envs.letters as letters\n"
         "\n"
         "def check(self, attempt):\n"
-        "    return len(attempt.completion.txt)  # the typo: .text\n"
-        "\n"
-        "letters.LettersVerifier.check = check\n")
-    res = subprocess.run([sys.executable, "-c", "import typo_plugin, vrl.cli; vrl.cli.main()", "train", "--plugin",
-                          "letters", "--name", "typo", "--iterations", "3", *SMALL], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300, stdin=subprocess.DEVNULL,
-                         env={**os.environ, "HF_ENDPOINT": NO_HUB, "PYTHONPATH": str(tmp_path), "COLUMNS": "200"})
-    assert res.returncode == 2, res.stdout + res.stderr
+        "    return len(attempt.completion.txt)  # the typo: .text\n")
+    spec = importlib.util.spec_from_file_location("typo_plugin", source)
+    typo_plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(typo_plugin)
+    monkeypatch.setattr(LettersVerifier, "check", typo_plugin.check)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, ["train", "--plugin", "letters", "--name", "typo", "--iterations", "3", *SMALL],
+                             catch_exceptions=False)
+    assert res.exit_code == 2, res.output
     train_failure(res.stderr, "error: environment 'letters': its verifier raised on all 4 attempts of iteration 0",
                   "AttributeError: 'Completion' object has no attribute 'txt'",
-                  f"({tmp_path / 'typo_plugin.py'}:4 in check)", "stopped before this iteration's update",
+                  f"({source}:4 in check)", "stopped before this iteration's update",
                   "nothing was kept")
     assert not (tmp_path / "runs" / "typo").exists()
 

@@ -21,7 +21,6 @@ from click.testing import CliRunner
 from vrl.cli import main
 from vrl.envs.dataset import DatasetEnvironment, MalformedDataset
 from vrl.errors import DatasetUnavailable, OptionsError, UnknownSplitError, UsageError
-from vrl.report import render
 from vrl.reward_functions import RewardFunctionError, RewardFunctions, load_reward_function
 from vrl.types import Attempt, Completion, Status
 from vrl.verifier import is_verifier_error
@@ -82,6 +81,8 @@ def test_vrl_train_on_a_jsonl_with_two_weighted_reward_functions(tmp_path, optim
         assert s["reward"] == pytest.approx(values["reward/share_wanted"] + 0.5 * values.get("reward/short", 0.0))
         digits = s["prompt"] == "Write digits."
         assert ("reward/short" in values) is not digits
+    from vrl.report import render  # here, not at the top: it imports matplotlib, which collection need not pay
+
     html = render([run], tmp_path / "report").read_text()
     assert "<h2>Reward functions</h2>" in html and "share_wanted" in html and "short" in html
     assert (tmp_path / "report" / "reward_functions.png").stat().st_size > 0

@@ -68,18 +68,18 @@ def test_loss_and_gradient_with_environment_masks_equal_trl(loss: str) -> None:
         theirs_lp = base.clone().requires_grad_(True)
         import tests.test_grpo_trl_equality as eq
 
-        original = eq.GRPOTrainer._compute_loss
+        original = eq.grpo_trainer()._compute_loss
 
         def with_tool_mask(self, model, inputs, tool=tool, mask=mask, original=original):
             # TRL's inputs carry the tool mask; its token count is of both masks
             inputs = {**inputs, "tool_mask": tool, "num_items_in_batch": (mask * tool).sum()}
             return original(self, model, inputs)
 
-        eq.GRPOTrainer._compute_loss = with_tool_mask
+        eq.grpo_trainer()._compute_loss = with_tool_mask
         try:
             theirs = trl_loss(theirs_lp, old, ref, adv, mask, entropies, None, o)
         finally:
-            eq.GRPOTrainer._compute_loss = original
+            eq.grpo_trainer()._compute_loss = original
         theirs.backward()
         narrowed = mask * tool  # what GRPO._micro_batch hands the loss
         ours_lp = base.clone().requires_grad_(True)

@@ -10,6 +10,7 @@ log-probs and entropies given instead of a model forward, so the numbers compare
 
 from __future__ import annotations
 
+import functools
 import itertools
 import types
 from collections import defaultdict
@@ -23,7 +24,15 @@ trl = pytest.importorskip("trl", reason="the TRL comparison needs trl==1.16.0 (p
 if trl.__version__ != "1.16.0":
     pytest.skip(f"compares with TRL 1.16.0's private loss code; trl {trl.__version__} is installed",
                 allow_module_level=True)
-from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
+
+
+@functools.cache
+def grpo_trainer() -> type:
+    """TRL's GRPOTrainer, imported when a test first needs it: the module pulls in TRL's trainer stack (datasets,
+    peft, mlflow, wandb: about 2 CPU-seconds), which every pytest-xdist worker would otherwise pay at collection."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    return GRPOTrainer
 
 
 class _OneProcess:
@@ -55,14 +64,14 @@ def trl_trainer_stand_in(o, use_vllm=False):
         _entropy_window_stats=None,
         model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
         max_completion_length=o["L"], aux_loss_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
-        get_gamma_weights=GRPOTrainer.get_gamma_weights, get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
+        get_gamma_weights=grpo_trainer().get_gamma_weights, get_off_policy_mask=grpo_trainer().get_off_policy_mask,
         args=types.SimpleNamespace(use_bias_correction_kl=o["bc"], delta=o["delta"], sapo_temperature_pos=1.0,
                                    sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
                                    vespo_k_neg=3.0, vespo_lambda_neg=2.0, steps_per_generation=1,
                                    entropy_target=o.get("target", 0.2), entropy_coef_delta=o.get("delta_coef", 0.005),
                                    entropy_coef_min=0.0, entropy_coef_max=1.0),
     )
-    t.get_high_entropy_mask = types.MethodType(GRPOTrainer.get_high_entropy_mask, t)
+    t.get_high_entropy_mask = types.MethodType(grpo_trainer().get_high_entropy_mask, t)
     return t
 
 
@@ -79,7 +88,7 @@ def trl_loss(logps, old, ref, adv, mask, entropies, is_ratio, o, t=None, samplin
         inputs["importance_sampling_ratio"] = is_ratio
     if sampling is not None:
         inputs["sampling_per_token_logps"] = sampling
-    return GRPOTrainer._compute_loss(t, None, inputs)
+    return grpo_trainer()._compute_loss(t, None, inputs)
 
 
 CASES = [
@@ -217,9 +226,9 @@ def trl_trainer(tmp_path_factory):
     args = TRLConfig(output_dir=str(tmp_path_factory.mktemp("trl")), per_device_train_batch_size=12, num_generations=4,
                      max_completion_length=3, report_to=[], use_cpu=True, save_strategy="no", reward_weights=WEIGHTS,
                      bf16=False)
-    trainer = GRPOTrainer(model=tiny.build_model(), reward_funcs=[f, f, f], args=args,
-                          train_dataset=Dataset.from_list([{"prompt": f"p{i}"} for i in range(3)]),
-                          processing_class=tiny.build_tokenizer())
+    trainer = grpo_trainer()(model=tiny.build_model(), reward_funcs=[f, f, f], args=args,
+                             train_dataset=Dataset.from_list([{"prompt": f"p{i}"} for i in range(3)]),
+                             processing_class=tiny.build_tokenizer())
     trainer._calculate_rewards = lambda *a, **k: torch.tensor(TABLE)
     return trainer
 

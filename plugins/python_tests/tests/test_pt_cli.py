@@ -1,11 +1,8 @@
-"""The plugin through the real `vrl` command line: verify a JSONL file, train one iteration."""
+"""The plugin through `vrl`'s command line (click's runner, in-process): verify a JSONL file, train one iteration."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from click.testing import CliRunner
@@ -36,13 +33,15 @@ def test_vrl_verify_judges_a_file(tmp_path):
 
 @pytest.mark.slow
 def test_vrl_train_one_iteration(tmp_path):
+    """`vrl train` in-process (click's runner), as `vrl verify` above: what it checks is the run directory
+    (metrics, the resolved configuration), which does not depend on a process of its own; the candidates
+    still run in the plugin's real sandbox. In-process it skips a torch + transformers start-up."""
     runs = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "vrl.cli", "train", "--plugin", "python-tests", "--iterations", "1",
-           "--set", "tasks_per_iteration=2", "--set", "es.population_size=2", "--set", "sampling.max_new_tokens=16",
-           "--set", f"logging.runs_dir={runs}", "--name", "e2e", "-o", "workers=1", "-o", "reward=partial"]
-    env = {**os.environ, "COLUMNS": "120"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = CliRunner().invoke(main, [
+        "train", "--plugin", "python-tests", "--iterations", "1", "--set", "tasks_per_iteration=2",
+        "--set", "es.population_size=2", "--set", "sampling.max_new_tokens=16", "--set", f"logging.runs_dir={runs}",
+        "--name", "e2e", "-o", "workers=1", "-o", "reward=partial"])
+    assert result.exit_code == 0, result.output[-3000:]
     metrics = [json.loads(line) for line in (runs / "e2e" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 1 and metrics[0]["iteration"] == 0
     assert metrics[0]["completions"] == 4  # 2 tasks x 2 population members
