@@ -435,6 +435,28 @@ def test_a_member_call_carries_only_the_newest_update():
     assert max(sizes[1:]) - min(sizes[1:]) <= 1  # from the second update on: a digit of the count, nothing more
 
 
+def test_a_resumed_orchestrator_rebuilds_its_es_state_without_torch(reference, tmp_path, monkeypatch):
+    """A detached orchestrator that resumes (restarted, continued, `vrl modal resume`) rebuilds the ES state
+    of a `ModalPolicy`, which keeps no weights: the history's updates, logged for the workers. It needs no
+    torch for that (1-2 CPU-s of the container's start): with torch unimportable the log is the local run's.
+    The orchestrator's own side only (no Modal function runs): tested in this process."""
+    import sys
+
+    from vrl.runtime.modal.runtime import ModalPolicy
+
+    cfg = modal_cfg(tmp_path, "resumed-here")
+    policy = ModalPolicy(None, None, cfg, SimpleNamespace(run="resumed-here"))
+    es = ES(cfg.es, seed=cfg.seed, base={"model": "tiny", "revision": None})
+    es.setup(policy)
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    es.load(reference.dir, 2)
+    monkeypatch.undo()
+    expected = workers.UpdateLog("runs/resumed-here/es", lambda files: None)
+    for update in reference.updates:
+        expected.append(update.to_wire())
+    assert policy.log.head() == expected.head() and es.history.iterations == reference.history.iterations
+
+
 def test_prepare_finds_the_model_in_the_volumes_cache_and_downloads_nothing(module_emu, tmp_path):
     """`vrl modal prepare` (the `prepare_model` function, in its container) on a Volume that already holds
     the model's HF cache: it loads by model id with the Hub off and downloads nothing. The environment

@@ -280,21 +280,38 @@ def replay(history: ESHistory, target: PolicyHost | FlatParams | LowRankParams, 
            stop: int | None = None) -> None:
     """Apply the updates of iterations [start, stop) of `history` to `target` (θ_start → θ_stop):
     a host (every copy of its weights), one `FlatParams` (full-rank) or one `LowRankParams` (low-rank)."""
-    import torch
-
-    from vrl.weights.flat import FlatParams
-    from vrl.weights.lowrank import LowRankParams
-
-    if isinstance(target, FlatParams) and history.perturbation != "full":
+    flat = _instance(target, "vrl.weights.flat", "FlatParams")
+    lowrank = _instance(target, "vrl.weights.lowrank", "LowRankParams")
+    if flat and history.perturbation != "full":
         raise ValueError("this history used low-rank noise; replay it onto LowRankParams or a host set up for es.noise=lowrank")
-    if isinstance(target, LowRankParams) and history.perturbation != "lowrank":
+    if lowrank and history.perturbation != "lowrank":
         raise ValueError("this history used full-rank noise ('full'); replay it onto FlatParams or a host set up "
                          "for es.noise=full")
-    if isinstance(target, LowRankParams) and history.rank != target.rank:
+    if lowrank and history.rank != target.rank:
         raise ValueError(f"this history used rank {history.rank}; these parameters are low-rank with rank {target.rank}")
-    with torch.no_grad():
+    with _no_grad():
         for record in history.iterations[start:stop]:
             target.update(iteration_update(history, record))
+
+
+def _instance(target: Any, module: str, name: str) -> bool:
+    """isinstance(target, module.name), without importing `module` (the weights layer imports torch): an
+    object of a class whose module was never imported cannot be one."""
+    import sys
+
+    loaded = sys.modules.get(module)
+    return loaded is not None and isinstance(target, getattr(loaded, name))
+
+
+def _no_grad() -> Any:
+    """`torch.no_grad()` where torch is loaded. A process that never imported torch holds no tensors (the
+    detached Modal orchestrator's ES policy keeps no weights: its updates go to the workers), so there is
+    nothing to guard there, and a resumed orchestrator does not import torch for it."""
+    import contextlib
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch.no_grad() if torch is not None else contextlib.nullcontext()
 
 
 # -- the optimizer ------------------------------------------------------------------------------------
@@ -663,11 +680,14 @@ class ES(Optimizer):
 
     def _load_snapshot(self, target: PolicyHost | FlatParams | LowRankParams, run_dir: Path, history: ESHistory,
                        completed: int) -> int:
+        snapshots = sorted((run_dir / SNAPSHOT_DIR).glob("iter-*.safetensors"), reverse=True)
+        if not snapshots:  # (torch is imported only to read one: a detached orchestrator keeps none)
+            return 0
         import torch
         from safetensors import safe_open
         from safetensors.torch import load_file
 
-        for path in sorted((run_dir / SNAPSHOT_DIR).glob("iter-*.safetensors"), reverse=True):
+        for path in snapshots:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
             t = int(meta.get("iteration", -1))
