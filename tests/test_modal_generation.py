@@ -79,6 +79,20 @@ def shared(module_emu, tmp_path_factory):
     runtime.close()
 
 
+class KeptOpen:
+    """`shared` as a Trainer's runtime: the run ends without stopping the module's app (a Trainer closes its
+    runtime), so the warm worker serves the next test. Every call but `close` is the ModalRuntime's own."""
+
+    def __init__(self, runtime):
+        self._runtime = runtime
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+    def close(self) -> None:
+        pass
+
+
 def _samples(path):
     rows = [json.loads(line) for line in (path / "samples.jsonl").read_text().splitlines()]
     for r in rows:
@@ -140,11 +154,13 @@ def cold(emu):
 # -- whole runs ----------------------------------------------------------------------------------------
 
 
-def test_es_run_on_emulated_modal_matches_the_local_runtime(module_emu, reference, tmp_path):
-    """The same ES run with `--runtime modal`: members sampled in the worker containers, in any order."""
+def test_es_run_on_emulated_modal_matches_the_local_runtime(module_emu, shared, reference, tmp_path):
+    """The same ES run with `--runtime modal`: members sampled in the worker container, in any order. (On
+    the module's running app: its worker, cold or holding another run's θ, starts this run from the base
+    model, as a new app's would; a new app's run is the resume test's.)"""
     cfg = modal_cfg(tmp_path, "modal")
     before = len(module_emu.log)
-    Trainer(cfg, runtime=make_runtime(cfg)).run()
+    Trainer(cfg, runtime=KeptOpen(shared)).run()
     inputs = [row for row in module_emu.log[before:] if row["function"] == "sample"]
     assert len({row["call"] for row in inputs}) == 8 and len(inputs) >= 8  # a call per member, 4 per iteration
     local, remote = reference.dir, tmp_path / "modal"
@@ -160,13 +176,13 @@ def test_es_run_on_emulated_modal_matches_the_local_runtime(module_emu, referenc
             assert a[key] == b[key], key
 
 
-def test_remote_es_resume_continues_the_history_exactly(module_emu, reference, tmp_path):
-    """A run stopped after one iteration and resumed (another app: cold workers that catch up from the
-    updates on the Volume) has the uninterrupted local run's history."""
+def test_remote_es_resume_continues_the_history_exactly(module_emu, shared, reference, tmp_path):
+    """A run stopped after one iteration (on the module's running app) and resumed (another app: a cold
+    worker that catches up from the updates on the Volume) has the uninterrupted local run's history."""
     from vrl.rundir import RunDir
 
     cfg1 = modal_cfg(tmp_path, "resumed", {"iterations": 1})
-    Trainer(cfg1, runtime=make_runtime(cfg1)).run()
+    Trainer(cfg1, runtime=KeptOpen(shared)).run()
     cfg2 = modal_cfg(tmp_path, "resumed")
     Trainer(cfg2, run_dir=RunDir.open(tmp_path / "resumed"), runtime=make_runtime(cfg2)).run()
     assert ESHistory.read(tmp_path / "resumed" / "es_history.json").iterations == reference.history.iterations
