@@ -11,7 +11,7 @@ from typing import Any
 
 from vrl.config import build
 
-#: A tiny ES run on the countdown built-in: two containers of the tiny model, seconds per iteration.
+#: A tiny ES run on the countdown built-in: one container of the tiny model, seconds per iteration.
 BASE = {
     "plugin": "countdown",
     "iterations": 2,
@@ -21,8 +21,10 @@ BASE = {
     "sampling": {"max_new_tokens": 8, "batch_size": 2},
 }
 #: The Modal settings every emulated run starts from (verification in the orchestrator unless a test
-#: is about sandboxes).
-MODAL = {"verify_in": "local", "max_containers": 2, "sandbox_start_timeout_s": 120.0}
+#: is about sandboxes). One GPU container: each one that generates imports torch and transformers (4-6
+#: CPU-seconds of the test run), and the members of an iteration run one after another in it; a test
+#: about several containers at once asks for more.
+MODAL = {"verify_in": "local", "max_containers": 1, "sandbox_start_timeout_s": 120.0}
 
 
 def modal_config(tmp_path: Path, name: str = "run", runtime: dict[str, Any] | None = None, **layers: Any):

@@ -262,6 +262,20 @@ def test_normalizations() -> None:
         normalize(r, "softmax")
 
 
+def test_normalization_needs_no_torch(monkeypatch) -> None:
+    """The detached Modal orchestrator normalises member rewards and holds no weights: `normalize` must not
+    import torch (1-2 CPU-seconds of each orchestrator container's start). A task whose members all scored
+    the same carries no signal (exactly zero, not a z-score of rounding noise)."""
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # `import torch` now raises ImportError
+    assert normalize([1.0, 3.0, 2.0, 2.0], "rank") == [-0.5, 0.5, 0.0, 0.0]
+    assert normalize([0.1, 0.1, 0.1], "zscore") == [0.0, 0.0, 0.0]
+    z = normalize([0.1, 0.2, 0.7], "zscore")
+    assert abs(sum(z)) < 1e-12 and abs(sum(v * v for v in z) / 3 - 1) < 1e-12
+    assert normalize([0.5, 0.5], "group", [[1.0, 0.3], [0.0, 0.3]]) == [0.5, -0.5]  # task 2: no signal
+    with pytest.raises(ValueError, match="same tasks for every member"):
+        normalize([0.5, 0.5], "group", [[1.0, 0.3], [0.0]])
+
+
 @pytest.mark.parametrize("method", ["rank", "group"])
 def test_tell_uses_the_configured_normalization(method: str) -> None:
     es = _es(population_size=3, normalization=method)

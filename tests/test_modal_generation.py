@@ -10,9 +10,10 @@ and samples (resumed, detached, or in one go), and GRPO generation shards before
 sync through the Volume.
 
 One emulated service serves the whole module (`module_emu`), and one running app (`shared`) the tests
-that call the worker directly or through a `ModalPolicy`: its two GPU containers stay warm from test
-to test, as through a run (a test that needs a cold one kills them, as a lost host would). Each test
-writes the Volume under its own run name.
+that call the worker directly or through a `ModalPolicy`: its GPU container stays warm from test to
+test, as through a run (a test that needs a cold one kills it, as a lost host would). Each test writes
+the Volume under its own run name. Every app has one GPU container (`max_containers=1`: members run
+one after another in it); what is checked does not need two at once.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ BASE = {
     "generator": {"dtype": "float32", "device": "cpu"},
     "sampling": {"max_new_tokens": 12, "batch_size": 2},
 }
-MODAL = {"verify_in": "local", "max_containers": 2}
+MODAL = {"verify_in": "local", "max_containers": 1}  # one GPU container: each costs 4-6 CPU-s of imports
 
 
 def modal_cfg(runs_dir, name, *layers, **modal):
@@ -76,6 +77,20 @@ def shared(module_emu, tmp_path_factory):
     runtime.policy(cfg)
     yield runtime
     runtime.close()
+
+
+class KeptOpen:
+    """`shared` as a Trainer's runtime: the run ends without stopping the module's app (a Trainer closes its
+    runtime), so the warm worker serves the next test. Every call but `close` is the ModalRuntime's own."""
+
+    def __init__(self, runtime):
+        self._runtime = runtime
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+    def close(self) -> None:
+        pass
 
 
 def _samples(path):
@@ -139,11 +154,13 @@ def cold(emu):
 # -- whole runs ----------------------------------------------------------------------------------------
 
 
-def test_es_run_on_emulated_modal_matches_the_local_runtime(module_emu, reference, tmp_path):
-    """The same ES run with `--runtime modal`: members sampled in the worker containers, in any order."""
+def test_es_run_on_emulated_modal_matches_the_local_runtime(module_emu, shared, reference, tmp_path):
+    """The same ES run with `--runtime modal`: members sampled in the worker container, in any order. (On
+    the module's running app: its worker, cold or holding another run's θ, starts this run from the base
+    model, as a new app's would; a new app's run is the resume test's.)"""
     cfg = modal_cfg(tmp_path, "modal")
     before = len(module_emu.log)
-    Trainer(cfg, runtime=make_runtime(cfg)).run()
+    Trainer(cfg, runtime=KeptOpen(shared)).run()
     inputs = [row for row in module_emu.log[before:] if row["function"] == "sample"]
     assert len({row["call"] for row in inputs}) == 8 and len(inputs) >= 8  # a call per member, 4 per iteration
     local, remote = reference.dir, tmp_path / "modal"
@@ -159,13 +176,13 @@ def test_es_run_on_emulated_modal_matches_the_local_runtime(module_emu, referenc
             assert a[key] == b[key], key
 
 
-def test_remote_es_resume_continues_the_history_exactly(module_emu, reference, tmp_path):
-    """A run stopped after one iteration and resumed (another app: cold workers that catch up from the
-    updates on the Volume) has the uninterrupted local run's history."""
+def test_remote_es_resume_continues_the_history_exactly(module_emu, shared, reference, tmp_path):
+    """A run stopped after one iteration (on the module's running app) and resumed (another app: a cold
+    worker that catches up from the updates on the Volume) has the uninterrupted local run's history."""
     from vrl.rundir import RunDir
 
     cfg1 = modal_cfg(tmp_path, "resumed", {"iterations": 1})
-    Trainer(cfg1, runtime=make_runtime(cfg1)).run()
+    Trainer(cfg1, runtime=KeptOpen(shared)).run()
     cfg2 = modal_cfg(tmp_path, "resumed")
     Trainer(cfg2, run_dir=RunDir.open(tmp_path / "resumed"), runtime=make_runtime(cfg2)).run()
     assert ESHistory.read(tmp_path / "resumed" / "es_history.json").iterations == reference.history.iterations
@@ -204,9 +221,9 @@ def test_a_detached_run_resumes_from_the_volume_and_continues_the_history_exactl
 
 
 def test_worker_sample_equals_the_local_host_for_each_member(module_emu, shared, reference):
-    """the `sample` function, in its containers (a `.map()` of three members: random containers, pickled
-    arguments, the updates from the Volume), gives each member's completions exactly as the local host
-    does after `ES.load`."""
+    """the `sample` function, in its container (a `.map()` of three members: inputs in random order,
+    pickled arguments, the updates from the Volume), gives each member's completions exactly as the
+    local host does after `ES.load`."""
     cfg = build(BASE)
     host = HFGenerator.from_config(cfg)
     es = ES(cfg.es, seed=cfg.seed, base={"model": "tiny", "revision": None})
@@ -229,11 +246,11 @@ def test_worker_sample_equals_the_local_host_for_each_member(module_emu, shared,
 
 def test_warm_worker_replays_only_the_new_update(module_emu, shared, reference):
     """A second call with one more update runs on the warm container and applies just that update, and
-    samples what the local host does after both."""
+    samples what the local host does after both. (The first call replays the one update from the base
+    model, whether its container is cold or holds another run's θ: no cold start is needed for it.)"""
     tasks = LettersEnvironment().tasks("train")[:1]
     member = Variant(index=0, seed=7)
     log = update_log(shared, "runs/warm/es", reference.updates[:1])
-    cold(module_emu)
     _, first, container = call_worker(module_emu, shared, member, tasks, 1, log)
     assert first["replayed"] == 1
     log.append(reference.updates[1].to_wire())
@@ -265,10 +282,10 @@ def test_a_cold_worker_starts_from_the_theta_snapshot_and_matches_a_full_replay(
 def test_a_history_that_does_not_extend_the_warm_one_starts_over(module_emu, shared, reference):
     """A rewound run (same store, another last update) is caught by the digests: the warm worker rebuilds
     from the base model and replays the Volume's new history (reloaded: the upload came after it mounted
-    the Volume), never applying the new update on top of the old."""
+    the Volume), never applying the new update on top of the old. (The first call's container may be cold
+    or hold another run's θ: either way it starts from the base model.)"""
     tasks = LettersEnvironment().tasks("train")[:1]
     member = Variant(index=0, seed=9)
-    cold(module_emu)
     _, _, container = call_worker(module_emu, shared, member, tasks, 1, update_log(shared, "runs/x/es", reference.updates))
     rewound = [reference.updates[1], reference.updates[0]]  # same count, another history
     got, out, again = call_worker(module_emu, shared, member, tasks, 1, update_log(shared, "runs/x/es", rewound))
@@ -319,11 +336,13 @@ def test_es_members_are_one_call_each_and_stream_as_they_finish(module_emu, shar
 
 def test_low_rank_members_share_a_worker_call_and_sample_what_one_per_call_does(module_emu, shared, tmp_path):
     """Issue 25 item 4: with es.noise=lowrank a worker call samples several members (one engine pass on
-    vllm), as many as share runtime.modal.max_containers; the completions are those of one member per call."""
+    vllm), as many as share runtime.modal.max_containers; the completions are those of one member per call.
+    (The run's setting says two containers; the shared app runs the calls in its one.)"""
     tasks = LettersEnvironment().tasks("train")[:2]
     got = {}
     for per_call in (0, 1):
-        cfg = modal_cfg(tmp_path, f"lr{per_call}", {"es": {"noise": "lowrank", "rank": 2}}, members_per_call=per_call)
+        cfg = modal_cfg(tmp_path, f"lr{per_call}", {"es": {"noise": "lowrank", "rank": 2}}, members_per_call=per_call,
+                        max_containers=2)
         policy = shared.policy(cfg, HostNeeds("perturbations"))
         es = ES(cfg.es, seed=cfg.seed, base={"model": "tiny", "revision": None})
         es.setup(policy)
@@ -430,6 +449,28 @@ def test_a_member_call_carries_only_the_newest_update():
         sizes.append(len(json.dumps(log.head())))
     assert len(log.head()["recent"]) == 1 and log.head()["count"] == 50
     assert max(sizes[1:]) - min(sizes[1:]) <= 1  # from the second update on: a digit of the count, nothing more
+
+
+def test_a_resumed_orchestrator_rebuilds_its_es_state_without_torch(reference, tmp_path, monkeypatch):
+    """A detached orchestrator that resumes (restarted, continued, `vrl modal resume`) rebuilds the ES state
+    of a `ModalPolicy`, which keeps no weights: the history's updates, logged for the workers. It needs no
+    torch for that (1-2 CPU-s of the container's start): with torch unimportable the log is the local run's.
+    The orchestrator's own side only (no Modal function runs): tested in this process."""
+    import sys
+
+    from vrl.runtime.modal.runtime import ModalPolicy
+
+    cfg = modal_cfg(tmp_path, "resumed-here")
+    policy = ModalPolicy(None, None, cfg, SimpleNamespace(run="resumed-here"))
+    es = ES(cfg.es, seed=cfg.seed, base={"model": "tiny", "revision": None})
+    es.setup(policy)
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    es.load(reference.dir, 2)
+    monkeypatch.undo()
+    expected = workers.UpdateLog("runs/resumed-here/es", lambda files: None)
+    for update in reference.updates:
+        expected.append(update.to_wire())
+    assert policy.log.head() == expected.head() and es.history.iterations == reference.history.iterations
 
 
 def test_prepare_finds_the_model_in_the_volumes_cache_and_downloads_nothing(module_emu, tmp_path):

@@ -219,36 +219,47 @@ def update_terms(record: IterationRecord, antithetic: bool, alpha: float) -> Ful
 
 
 def normalize(rewards: Sequence[float], method: str, per_task: Sequence[Sequence[float]] | None = None) -> list[float]:
-    """Member weights zᵢ from member rewards; all zero when the rewards carry no ranking signal."""
-    import torch
+    """Member weights zᵢ from member rewards; all zero when the rewards carry no ranking signal.
 
-    r = torch.tensor(rewards, dtype=torch.float64)
+    Plain float64 arithmetic (`math.fsum`, correctly rounded), no torch: the detached orchestrator calls
+    this and keeps no weights, so its container does not import torch for it (1-2 CPU-seconds of every
+    orchestrator's cold start, on Modal as in the emulator)."""
+    values = [float(x) for x in rewards]
     if method == "zscore":
-        std = r.std(unbiased=False)
-        return ((r - r.mean()) / std).tolist() if std > 0 else [0.0] * len(r)
+        return _zscore(values)
     if method == "rank":
-        if len(r) < 2 or bool((r == r[0]).all()):
-            return [0.0] * len(r)
+        if len(values) < 2 or all(v == values[0] for v in values):
+            return [0.0] * len(values)
         # Average ranks for ties, centred to [−0.5, 0.5] (OpenAI-ES "centered ranks").
-        ranks = torch.empty_like(r)
-        order = sorted(range(len(r)), key=lambda i: rewards[i])
+        ranks = [0.0] * len(values)
+        order = sorted(range(len(values)), key=lambda i: values[i])
         i = 0
         while i < len(order):
             j = i
-            while j + 1 < len(order) and rewards[order[j + 1]] == rewards[order[i]]:
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
                 j += 1
             for k in range(i, j + 1):
                 ranks[order[k]] = (i + j) / 2
             i = j + 1
-        return (ranks / (len(r) - 1) - 0.5).tolist()
+        return [rank / (len(values) - 1) - 0.5 for rank in ranks]
     if method == "group":
         if per_task is None:
             raise ValueError("group normalisation needs per-task member rewards")
-        columns = torch.tensor(per_task, dtype=torch.float64)  # members × tasks
-        std = columns.std(dim=0, unbiased=False)
-        z = torch.where(std > 0, (columns - columns.mean(dim=0)) / std.clamp(min=1e-300), torch.zeros_like(columns))
-        return z.mean(dim=1).tolist()
+        rows = [[float(x) for x in row] for row in per_task]  # members × tasks
+        if len({len(row) for row in rows}) > 1:
+            raise ValueError("group normalisation needs the same tasks for every member")
+        by_task = [_zscore(list(column)) for column in zip(*rows)]  # each task's column, normalised
+        return [math.fsum(z[m] for z in by_task) / len(by_task) if by_task else 0.0 for m in range(len(rows))]
     raise ValueError(f"unknown ES normalization {method!r}; choose zscore, rank or group")
+
+
+def _zscore(values: list[float]) -> list[float]:
+    """(x − mean) / std (population std); all zero when the values are equal or not all finite."""
+    if not values or not all(math.isfinite(v) for v in values) or all(v == values[0] for v in values):
+        return [0.0] * len(values)
+    mean = math.fsum(values) / len(values)
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+    return [(v - mean) / std for v in values] if std > 0 else [0.0] * len(values)
 
 
 def iteration_update(history: ESHistory, record: IterationRecord) -> Update:
@@ -269,21 +280,38 @@ def replay(history: ESHistory, target: PolicyHost | FlatParams | LowRankParams, 
            stop: int | None = None) -> None:
     """Apply the updates of iterations [start, stop) of `history` to `target` (θ_start → θ_stop):
     a host (every copy of its weights), one `FlatParams` (full-rank) or one `LowRankParams` (low-rank)."""
-    import torch
-
-    from vrl.weights.flat import FlatParams
-    from vrl.weights.lowrank import LowRankParams
-
-    if isinstance(target, FlatParams) and history.perturbation != "full":
+    flat = _instance(target, "vrl.weights.flat", "FlatParams")
+    lowrank = _instance(target, "vrl.weights.lowrank", "LowRankParams")
+    if flat and history.perturbation != "full":
         raise ValueError("this history used low-rank noise; replay it onto LowRankParams or a host set up for es.noise=lowrank")
-    if isinstance(target, LowRankParams) and history.perturbation != "lowrank":
+    if lowrank and history.perturbation != "lowrank":
         raise ValueError("this history used full-rank noise ('full'); replay it onto FlatParams or a host set up "
                          "for es.noise=full")
-    if isinstance(target, LowRankParams) and history.rank != target.rank:
+    if lowrank and history.rank != target.rank:
         raise ValueError(f"this history used rank {history.rank}; these parameters are low-rank with rank {target.rank}")
-    with torch.no_grad():
+    with _no_grad():
         for record in history.iterations[start:stop]:
             target.update(iteration_update(history, record))
+
+
+def _instance(target: Any, module: str, name: str) -> bool:
+    """isinstance(target, module.name), without importing `module` (the weights layer imports torch): an
+    object of a class whose module was never imported cannot be one."""
+    import sys
+
+    loaded = sys.modules.get(module)
+    return loaded is not None and isinstance(target, getattr(loaded, name))
+
+
+def _no_grad() -> Any:
+    """`torch.no_grad()` where torch is loaded. A process that never imported torch holds no tensors (the
+    detached Modal orchestrator's ES policy keeps no weights: its updates go to the workers), so there is
+    nothing to guard there, and a resumed orchestrator does not import torch for it."""
+    import contextlib
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch.no_grad() if torch is not None else contextlib.nullcontext()
 
 
 # -- the optimizer ------------------------------------------------------------------------------------
@@ -652,11 +680,14 @@ class ES(Optimizer):
 
     def _load_snapshot(self, target: PolicyHost | FlatParams | LowRankParams, run_dir: Path, history: ESHistory,
                        completed: int) -> int:
+        snapshots = sorted((run_dir / SNAPSHOT_DIR).glob("iter-*.safetensors"), reverse=True)
+        if not snapshots:  # (torch is imported only to read one: a detached orchestrator keeps none)
+            return 0
         import torch
         from safetensors import safe_open
         from safetensors.torch import load_file
 
-        for path in sorted((run_dir / SNAPSHOT_DIR).glob("iter-*.safetensors"), reverse=True):
+        for path in snapshots:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
             t = int(meta.get("iteration", -1))
