@@ -321,6 +321,7 @@ class Trainer:
                     self._last_stats = show.short(metrics)
                     progress.update(bar, advance=1, stats=self._last_stats)
                     self._log(show.line(metrics))
+            optimizer.finish()
             summary["status"] = "finished"
         except KeyboardInterrupt:
             summary["status"] = "interrupted"

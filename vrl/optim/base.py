@@ -120,6 +120,11 @@ class Optimizer(ABC):
     def load(self, run_dir: Path, completed: int) -> None:
         """Restore the state saved by `save` for a run that finished `completed` iterations (resume)."""
 
+    def finish(self) -> None:
+        """The run trained all its iterations, every rank still serving (called once, before `close`, only
+        then): a last check of what no later iteration would check. Raises to record the run as failed.
+        Nothing by default; ES under torchrun compares the ranks' θ after the run's last update."""
+
     def close(self) -> None:
         """Finish what the rule does in the background (GRPO: the checkpoint being written) and release
         what it holds; called once at the end of every run, after the engines closed. Raises if that

@@ -414,6 +414,9 @@ class ES(Optimizer):
     def _follow_apply(self, record: IterationRecord) -> None:
         self._apply(record)
 
+    def _follow_agree(self, when: str) -> None:
+        self._agree(when, fresh=False)
+
     def _follow_resume(self, history: str) -> None:
         """θ rebuilt from rank 0's history (replayed from θ₀: rank 0's snapshots may be on another node)."""
         saved = ESHistory.model_validate_json(history)
@@ -440,13 +443,24 @@ class ES(Optimizer):
         """Rank 0, on receiving the other ranks' shares (`RankHosts`' check): each was sampled from a θ whose
         fingerprint must be rank 0's, else the run stops before anything sampled from it is recorded. The
         fingerprints ride with the shares, so agreeing costs no round trip after the update; the last
-        update of a run is not compared (nothing is sampled from it)."""
+        update of a run, which no share follows, is compared by `finish`."""
         n = self.iteration
         self._differ(self._fingerprint(), sums, f"iteration {n - 1}" if n else "loading the model")
 
-    def _agree(self, when: str) -> None:
-        """Every rank's θ fingerprint to rank 0 now (a round trip: on resuming)."""
-        self._checksum = None
+    def finish(self) -> None:
+        """Rank 0, the run's iterations all trained: every rank's fingerprint of θ after the last update
+        (no share follows it) compared in one round trip, so a rank that applied it wrongly fails the run
+        in one line instead of ending it silently apart (its θ is what the run would export)."""
+        if self.group is not None and self.iteration:
+            when = f"iteration {self.iteration - 1}, the run's last"
+            self.group.send("agree", when)
+            self._agree(when, fresh=False)
+
+    def _agree(self, when: str, fresh: bool = True) -> None:
+        """Every rank's θ fingerprint to rank 0 now (a round trip: on resuming, where `fresh` reads θ anew,
+        and at the run's end, where each rank's read after the last update stands)."""
+        if fresh:
+            self._checksum = None
         sums = self.group.gather(self._fingerprint())
         if sums is not None:
             self._differ(sums[0], sums[1:], when)
