@@ -20,12 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from rich.console import Console
 from safetensors.torch import load_file
 
 from tests.test_cli_errors import sigterm_after_an_iteration
 from tests.test_grpo import capture_grads, make_generator, sample_results
+from tests.torchrun_jobs import split
 from vrl import reaper
+from vrl.cli import main as cli_main
 from vrl.envs.letters import LettersEnvironment
 from vrl.optim.grpo import GRPO, GRPOConfig
 from vrl.optim.grpo_dist import share_rows
@@ -246,62 +249,82 @@ def test_a_rank_that_fails_to_sample_is_reported_by_rank_0_in_one_line_and_the_r
     assert dist["metrics"]["grpo/grad_norm"] > 0 and (run / "grpo" / "iter-000001").is_dir()
 
 
+def jobs_launch(tmp: Path, jobs: dict[str, list[str]], nodes: int = 1) -> dict[str, str]:
+    """`jobs` (name: `vrl` arguments) one after another in one 2-rank launch (tests/torchrun_jobs.py), each
+    as `torchrun … -m vrl.cli …` runs it alone; every job must succeed. Per name: rank 0's output."""
+    spec = tmp / "jobs.json"
+    spec.write_text(json.dumps({"jobs": [{"args": args} for args in jobs.values()]}))
+    done = torchrun(str(HERE / "torchrun_jobs.py"), str(spec), nodes=nodes)
+    parts = [out + err for out, err in zip(split(done.stdout), split(done.stderr))]
+    assert len(parts) == len(jobs), done.stderr[-3000:]
+    return dict(zip(jobs, parts))
+
+
+def _rows(run: Path, *keys: str, before: int | None = None) -> tuple[list, list]:
+    """A run's samples (iteration, task, sample, completion) and its metrics' `keys`, per iteration (those
+    before iteration `before`, if given)."""
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    keep = (lambda r: r["iteration"] < before) if before is not None else (lambda r: True)
+    return ([(r["iteration"], r["task_id"], r.get("sample"), r["completion"]) for r in samples if keep(r)],
+            [tuple(m[k] for k in keys) for m in metrics if keep(m)])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The module's `torchrun … vrl train` jobs, in one launch on two nodes of one process each (`jobs_launch`):
+    the 3-iteration sampling jobs ("one", rank 0 sampling; "every", `grpo.sample_on_every_rank`; "pool",
+    two engines on rank 0), the asynchronous job ("async", 3 iterations) and its resume to a 4th
+    ("async_resumed"), and the LoRA adapter's job ("lora"). Per name: (rank 0's output, the run folder)."""
+    tmp = tmp_path_factory.mktemp("fsdp_cli")
+    # sampling.batch_size=1: the 3 tasks are dealt 2 + 1 (shards start at multiples of the batch size)
+    sampling = ["iterations=3", "grpo.learning_rate=0.3", "sampling.batch_size=1"]
+    sets = {"one": sampling, "every": [*sampling, "grpo.sample_on_every_rank=true"],
+            "pool": [*sampling, "runtime.local.engines=2"],
+            "async": ["iterations=3", "grpo.learning_rate=0.3", "grpo.max_staleness=1"],
+            "lora": ["grpo.use_peft=true", "grpo.lora_r=4", 'grpo.lora_target_modules=["q_proj"]']}
+    jobs = {name: [*_letters_job(tmp / name), *(a for x in extra for a in ("--set", x))] for name, extra in sets.items()}
+    jobs["async_resumed"] = ["train", "--resume", str(tmp / "async" / "fsdp"), "--iterations", "4"]
+    outputs = jobs_launch(tmp, {k: jobs[k] for k in ("one", "every", "pool", "async", "async_resumed", "lora")}, nodes=2)
+    return {name: (out, tmp / name.removesuffix("_resumed") / "fsdp") for name, out in outputs.items()}
+
+
 @pytest.mark.slow
-def test_vrl_train_sampling_on_every_rank_or_on_two_engines_writes_what_one_engine_writes(tmp_path):
+def test_vrl_train_sampling_on_every_rank_or_on_two_engines_writes_what_one_engine_writes(trained):
     """`torchrun … vrl train` with `grpo.sample_on_every_rank=true`, and with two engines on rank 0
     (`runtime.local.engines=2`, each taking the streamed push bucket by bucket), against the default
     launch: the same samples (text and tokens) and the same rewards in every iteration, so every engine
-    sampled its share with the seeds one engine uses and with the weights trained so far. The default
-    launch runs on two nodes of one process each and resumes on one process (`resumes_on_one_process`)."""
-    rows = {}
-    for name, extra in {"one": [], "every": ["grpo.sample_on_every_rank=true"],
-                        "pool": ["runtime.local.engines=2"]}.items():
-        runs = tmp_path / name
-        # sampling.batch_size=1: the 3 tasks are dealt 2 + 1 (shards start at multiples of the batch size)
-        sets = [a for x in ["iterations=3", "grpo.learning_rate=0.3", "sampling.batch_size=1", *extra] for a in ("--set", x)]
-        done = torchrun(*VRL, *_letters_job(runs), *sets, nodes=2 if name == "one" else 1)
-        run = runs / "fsdp"
-        samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
-        metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        rows[name] = ([(r["iteration"], r["task_id"], r.get("sample"), r["completion"]) for r in samples],
-                      [m["reward_mean"] for m in metrics])
-        if name == "one":
-            resumes_on_one_process(done, run, iterations=3, lora=False)
+    sampled its share with the seeds one engine uses and with the weights trained so far. The launch runs
+    on two nodes of one process each; the default job resumes on one process (`resumes_on_one_process`)."""
+    rows = {name: _rows(trained[name][1], "reward_mean") for name in ("one", "every", "pool")}
     assert len(rows["one"][1]) == 3
     assert rows["every"] == rows["one"]
     assert rows["pool"] == rows["one"]
+    resumes_on_one_process(trained["one"][0], trained["one"][1], iterations=3, lora=False)
 
 
 @pytest.mark.slow
-def test_asynchronous_rollouts_under_torchrun_sample_and_train_as_one_process(tmp_path):
+def test_asynchronous_rollouts_under_torchrun_sample_and_train_as_one_process(trained, tmp_path):
     """`grpo.max_staleness=1` under torchrun: rank 0 samples the next iteration in its producer thread
     while every rank trains its FSDP2 shard, and rank 0's sampler takes the streamed weights between
     passes. Against the same job on one process: the same samples and rewards in every iteration
     (iteration 2's come from the weights after update 0, which both trained to ~1e-7), the same
     staleness, and losses within 1e-5. The 2-rank run then resumes under torchrun: its sampler takes the
-    checkpoint's weights before the pipeline restarts, whose first batch is fresh again."""
-    rows = {}
-    for ranks in (1, 2):
-        runs = tmp_path / str(ranks)
-        job = [*VRL, *_letters_job(runs), "--set", "iterations=3", "--set", "grpo.learning_rate=0.3",
-               "--set", "grpo.max_staleness=1"]
-        if ranks == 2:
-            torchrun(*job)
-        else:
-            done = subprocess.run([sys.executable, *job], capture_output=True, text=True, timeout=600, cwd=HERE.parent,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
-            assert done.returncode == 0, done.stderr[-3000:]
-        run = runs / "fsdp"
-        samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
-        metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        rows[ranks] = ([(r["iteration"], r["task_id"], r.get("sample"), r["completion"]) for r in samples],
-                       [(m["reward_mean"], m["grpo/staleness/max"]) for m in metrics], [m["grpo/loss"] for m in metrics])
-    assert [stale for _, stale in rows[2][1]] == [0, 1, 1]
-    assert rows[2][:2] == rows[1][:2]
-    assert rows[2][2] == pytest.approx(rows[1][2], abs=1e-5)
-    run = tmp_path / "2" / "fsdp"
-    torchrun(*VRL, "train", "--resume", str(run), "--iterations", "4")
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    checkpoint's weights before the pipeline restarts, whose first batch is fresh again.
+
+    The one-process job runs in this process through `vrl.cli.main` (click's runner): it asks nothing of
+    the process but the run it writes, and its torch threads are 1, as in the ranks (tests/conftest.py)."""
+    runs = tmp_path / "runs"
+    job = [*_letters_job(runs), "--set", "iterations=3", "--set", "grpo.learning_rate=0.3", "--set", "grpo.max_staleness=1"]
+    done = CliRunner().invoke(cli_main, job, catch_exceptions=False)
+    assert done.exit_code == 0, done.output[-3000:]
+    keys = ("reward_mean", "grpo/staleness/max", "grpo/loss")
+    one, two = _rows(runs / "fsdp", *keys), _rows(trained["async"][1], *keys, before=3)
+    assert [stale for _, stale, _ in two[1]] == [0, 1, 1]
+    assert two[0] == one[0]
+    assert [m[:2] for m in two[1]] == [m[:2] for m in one[1]]
+    assert [m[2] for m in two[1]] == pytest.approx([m[2] for m in one[1]], abs=1e-5)
+    metrics = [json.loads(x) for x in (trained["async"][1] / "metrics.jsonl").read_text().splitlines()]
     assert [(m["iteration"], m["grpo/staleness/max"]) for m in metrics] == [(0, 0), (1, 1), (2, 1), (3, 0)]
 
 
@@ -350,11 +373,11 @@ def _letters_job(runs: Path) -> list[str]:
             "--set", "grpo.learning_rate=1e-2"]
 
 
-def resumes_on_one_process(done: subprocess.CompletedProcess, run: Path, iterations: int, lora: bool) -> None:
-    """A finished `torchrun … vrl train` of `iterations` (node 0's output `done`, the run `run`): rank 0 alone
+def resumes_on_one_process(output: str, run: Path, iterations: int, lora: bool) -> None:
+    """A finished `torchrun … vrl train` of `iterations` (node 0's output of it, the run `run`): rank 0 alone
     wrote the run (one metrics line per iteration, one console: its own), both ranks trained, the last
     checkpoint records 2 ranks; then `vrl train --resume` on one process continues it by one iteration."""
-    assert done.stderr.count("vrl train") == 1, done.stderr[-3000:]  # one console: rank 0's
+    assert output.count("vrl train") == 1, output[-3000:]  # one console: rank 0's
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(iterations))
     # Every step trains (LoRA's job); the sampling test's job (3 tasks, learning rate 0.3) may meet a batch whose
@@ -372,14 +395,12 @@ def resumes_on_one_process(done: subprocess.CompletedProcess, run: Path, iterati
 
 
 @pytest.mark.slow
-def test_vrl_train_of_a_lora_adapter_under_torchrun_then_resume_on_one_process(tmp_path):
+def test_vrl_train_of_a_lora_adapter_under_torchrun_then_resume_on_one_process(trained):
     """`torchrun … vrl train` on the toy environment training a LoRA adapter (`grpo.use_peft`, data-parallel)
-    on one node of two processes, then resumed on one process (`resumes_on_one_process`). Full fine-tuning
-    on two nodes: test_vrl_train_sampling_on_every_rank_or_on_two_engines_writes_what_one_engine_writes."""
-    runs = tmp_path / "runs"
-    adapter = ["--set", "grpo.use_peft=true", "--set", "grpo.lora_r=4", "--set", "grpo.lora_target_modules=[\"q_proj\"]"]
-    done = torchrun(*VRL, *_letters_job(runs), *adapter)
-    resumes_on_one_process(done, runs / "fsdp", iterations=2, lora=True)
+    on two nodes of one process each (the module's launch), then resumed on one process
+    (`resumes_on_one_process`)."""
+    output, run = trained["lora"]
+    resumes_on_one_process(output, run, iterations=2, lora=True)
 
 
 @pytest.mark.slow
