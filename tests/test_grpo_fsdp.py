@@ -2,8 +2,14 @@
 
 Nothing is emulated: `torch.distributed.fsdp.fully_shard` shards the tiny Qwen2 model over a CPU
 device mesh, gradients are reduce-scattered over gloo, AdamW steps on DTensor shards, and
-checkpoints are written with `torch.distributed.checkpoint`. Only the GPUs are absent (NCCL is the
-same code path with another backend).
+checkpoints are written with `torch.distributed.checkpoint`; a LoRA adapter (`grpo.use_peft`) trains
+data-parallel, its gradients all-reduced; `grpo.compile` runs the real inductor on every rank. Only the
+GPUs are absent (NCCL is the same code path with another backend).
+
+A launch costs every rank its interpreter, torch and transformers, more than a step: the optimizer-level
+scenarios run in one launch (`steps`, tests/grpo_fsdp_worker.py), and the `vrl train` jobs that end well
+in another (`trained`, tests/torchrun_jobs.py). A test about the launch itself (stopped by SIGTERM, a
+rank that fails) has a launch of its own.
 """
 
 from __future__ import annotations
@@ -82,14 +88,21 @@ def launch(*args: str, nodes: int = 1) -> tuple[list[list[str]], dict[str, str]]
 
 
 BUCKET_LIMIT = 40_000  # "separate": the published weights gathered in buckets of 40 kB (the tiny model takes several)
-# The worker's scenarios, all run in one launch (`steps`): the default step, then each variation a test checks.
+# No LoRA dropout: its masks are drawn per micro-batch in order, and the ranks draw theirs apart.
+LORA = {**FIELDS, "use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+        "lora_target_modules": ["q_proj", "v_proj"]}
+# The worker's scenarios, all run in one launch (`steps`): the default step, then each variation a test checks
+# (and "lora_resumed", added by `steps`: the step after a one-process LoRA checkpoint). "compiled" comes last:
+# what dynamo compiled stays in the ranks' processes.
 SCENARIOS = {"default": FIELDS,
              "separate": {**FIELDS, "_separate": BUCKET_LIMIT},
              "every_rank": {**FIELDS, "sample_on_every_rank": True},
              "broken_rank": {**FIELDS, "sample_on_every_rank": True, "_break_rank_1": True},
              "paused": {**FIELDS, "ddp_timeout": 3, "_pause": 8},
              "kept_gathered": {**FIELDS, "fsdp_reshard_after_forward": False},
-             "bf16": {**FIELDS, "_dtype": "bfloat16"}}
+             "bf16": {**FIELDS, "_dtype": "bfloat16"},
+             "lora": LORA,
+             "compiled": {**FIELDS, "compile": True}}
 
 
 def run_worker(tmp: Path, scenarios: dict[str, dict]) -> dict[str, tuple[dict, Path]]:
@@ -101,8 +114,20 @@ def run_worker(tmp: Path, scenarios: dict[str, dict]) -> dict[str, tuple[dict, P
 
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
-    """Every scenario of `SCENARIOS`, one GRPO step each on 2 ranks, in one launch."""
-    return run_worker(tmp_path_factory.mktemp("fsdp"), SCENARIOS)
+    """Every scenario of `SCENARIOS`, one GRPO step each on 2 ranks, in one launch; before "compiled",
+    "lora_resumed": the LoRA step after a one-process LoRA run's checkpoint of iteration 1 (made here
+    first, under "lora_one"; batch seed 7)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    gen = make_generator()
+    first = GRPO(GRPOConfig(**LORA), seed=0, total_iterations=10)
+    first.setup(gen)
+    first.tell(sample_results(gen))
+    first.save(tmp / "lora_one", final=True)
+    first.close()
+    scenarios = dict(SCENARIOS)
+    compiled = scenarios.pop("compiled")
+    scenarios.update(lora_resumed={**LORA, "_load": str(tmp / "lora_one"), "_seed": 7}, compiled=compiled)
+    return run_worker(tmp, scenarios)
 
 
 @pytest.fixture
@@ -490,7 +515,7 @@ def _toy_config_from(run: Path, iterations: int):
 
 def test_a_torchrun_launch_refuses_what_it_cannot_train_before_writing_anything(tmp_path, monkeypatch):
     """WORLD_SIZE > 1 (what torchrun sets): ES with several engines per rank (tests/test_es_torchrun.py runs
-    ES under torchrun), and sampling on every rank with asynchronous rollouts, are refused in one line before a run directory exists (GRPO with LoRA is not: tests/test_grpo_fsdp_lora.py);
+    ES under torchrun), and sampling on every rank with asynchronous rollouts, are refused in one line before a run directory exists (GRPO with LoRA is not: the LoRA tests below);
     a rank > 0 never creates one (rank 0 owns it) and refuses the same in the same line."""
     from vrl.config import build
     from vrl.errors import UsageError
@@ -543,3 +568,114 @@ def test_two_ranks_in_bf16_train_through_fp32_shards(steps, monkeypatch):
     resumed.load(run, 1)
     assert all(torch.equal(gen2.model.state_dict()[k], v) for k, v in dist["weights"].items())
     assert all(m.dtype == torch.float32 for m in resumed.master)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_a_lora_adapter_as_one_process(steps, monkeypatch):
+    """Loss, adapter gradients and updated adapter of a 2-rank LoRA step (`grpo.use_peft`: data-parallel, every
+    rank holds the whole frozen base and adapter, the adapter's gradients all-reduced) equal the one-process
+    step's; the frozen base does not move, both ranks hold the same adapter bits after the step, and rank
+    0's sampling host got the trained adapter.
+
+    Tolerances (as for full fine-tuning above): the loss and the gradient norm to 1e-6 relative, every
+    gradient element to 1e-6 of its tensor's largest (the ranks sum their micro-batches in another order);
+    each updated weight to the bound AdamW's first step puts on that gradient difference,
+    lr · min(2, ε/(|g| + ε)² · |Δg|), plus 4 fp32 ulps."""
+    dist, _ = steps["lora"]
+    assert dist["world"] == 2
+    grads = capture_grads(monkeypatch)
+    gen = make_generator()
+    opt = GRPO(GRPOConfig(**LORA), seed=0, total_iterations=10)
+    opt.setup(gen)
+    metrics = opt.tell(sample_results(gen))
+    weights = gen.model.state_dict()
+    assert_same_step(dist, metrics, grads)
+    assert [g.shape for g in dist["grads"][0]] == [p.shape for p in opt.params]  # the adapter only, whole
+    assert set(dist["weights"]) == set(weights)
+    base = make_generator().model.state_dict()
+    for k, v in dist["weights"].items():
+        if "lora_" not in k:  # the frozen base, as loaded
+            assert torch.equal(v, base[k.replace(".base_layer", "")]), k
+    eps, lr = 1e-8, LORA["learning_rate"]
+    clip = [min(1.0, 1.0 / (m["grpo/grad_norm"] + 1e-6)) for m in (metrics, dist["metrics"])]
+    for name, p, g1, g2 in zip(opt.param_names, opt.params, grads[0], dist["grads"][0]):
+        key = name.removeprefix("base_model.model.")
+        assert torch.equal(p.detach(), weights[key])
+        g1, g2 = g1 * clip[0], g2 * clip[1]
+        diff = (g1 - g2).abs()
+        slope = eps / ((g1.abs() - diff).clamp(min=0) + eps) ** 2
+        ulps = 4 * torch.finfo(torch.float32).eps * (weights[key].abs() + lr)
+        bound = lr * torch.clamp(slope * diff, max=2.0) + ulps
+        assert bool(((dist["weights"][key] - weights[key]).abs() <= bound).all()), name
+    one, two = dist["replicas"]
+    assert all(torch.equal(a, b) for a, b in zip(one, two))  # the ranks never drift apart
+    assert dist["syncs"] == 1  # rank 0's host was handed the trained model after the step
+    trained = {k: v for k, v in dist["weights"].items() if ".lora_B." in k}
+    assert trained and max(float(v.abs().max()) for v in trained.values()) > 0.5 * lr  # B starts at 0: it moved
+
+
+@pytest.mark.slow
+def test_two_rank_lora_checkpoint_resumes_on_one_process_exactly(steps):
+    """The 2-rank LoRA checkpoint loads on one process to the same bits: adapter, AdamW moments, step
+    counts, learning rate; its policy folder is the adapter (peft's files), holding the same weights."""
+    dist, run = steps["lora"]
+    ckpt = run / "grpo" / "iter-000001"
+    assert (ckpt / "train" / ".metadata").is_file()
+    gen, opt = load_on_one_process(run, LORA, dist)
+    from peft import get_peft_model_state_dict
+
+    adapter = load_file(str(ckpt / "policy" / "adapter_model.safetensors"))
+    mine = get_peft_model_state_dict(opt.peft_model)
+    assert set(adapter) == set(mine) and all(torch.equal(adapter[k], mine[k]) for k in adapter)
+    opt.tell(sample_results(gen, seed=7))  # and it trains on from there
+    assert opt.step == 2
+
+
+@pytest.mark.slow
+def test_a_one_process_lora_checkpoint_resumes_on_two_ranks(steps, monkeypatch):
+    """The other way round: a one-process LoRA run's checkpoint loads on 2 ranks (each takes the whole
+    adapter and its AdamW state from `train/`), and the next step there equals the next step of the
+    checkpoint resumed on one process: loss and gradient norm to 1e-6 relative, every adapter gradient
+    element to 1e-6 of its tensor's largest (the ranks sum in another order), both ranks' adapters
+    identical after it. (A resume that missed the adapter would train from B = 0: gradients far apart.)"""
+    dist, run = steps["lora_resumed"]
+    grads = capture_grads(monkeypatch)
+    gen = make_generator()
+    again = GRPO(GRPOConfig(**LORA), seed=0, total_iterations=10)
+    again.setup(gen)
+    again.load(run.parent / "lora_one", 1)
+    metrics = again.tell(sample_results(gen, seed=7))
+    assert dist["metrics"]["grpo/loss"] == pytest.approx(metrics["grpo/loss"], rel=1e-6)
+    assert dist["metrics"]["grpo/grad_norm"] == pytest.approx(metrics["grpo/grad_norm"], rel=1e-6)
+    assert len(dist["grads"]) == len(grads) == 1
+    for a, b in zip(dist["grads"][0], grads[0]):
+        assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max())
+    assert all(float(g.abs().max()) > 0 for g in grads[0])  # A's gradients too, now that B ≠ 0
+    one, two = dist["replicas"]
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert (run / "grpo" / "iter-000002").is_dir()
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_train_compiled_layers_as_one_eager_process(steps, monkeypatch):
+    """`grpo.compile` under `torchrun` with 2 CPU ranks (gloo, the real FSDP2, the real inductor): layers
+    compiled before `fully_shard` wraps the training copy; every rank compiles, and the step equals one
+    eager process's step within tests/test_grpo_compile.py's tolerances (the ranks also sum their
+    micro-batches in another order)."""
+    from tests.test_grpo_compile import GRAD_RTOL, LR, assert_adamw_step_close
+
+    dist, _ = steps["compiled"]
+    assert len(dist["graphs"]) == 2 and all(n >= 1 for n in dist["graphs"]), dist["graphs"]
+    grads = capture_grads(monkeypatch)
+    gen = make_generator()
+    opt = GRPO(GRPOConfig(**FIELDS), seed=0, total_iterations=10)
+    opt.setup(gen)
+    metrics = opt.tell(sample_results(gen))
+    assert dist["world"] == 2
+    assert dist["metrics"]["grpo/loss"] == pytest.approx(metrics["grpo/loss"], rel=1e-6, abs=1e-9)
+    assert dist["metrics"]["grpo/grad_norm"] == pytest.approx(metrics["grpo/grad_norm"], rel=1e-5)
+    for a, b in zip(grads[0], dist["grads"][0]):
+        assert float((a - b).abs().max()) <= GRAD_RTOL * float(a.abs().max()) + 1e-12
+    assert FIELDS["learning_rate"] == LR
+    assert_adamw_step_close(opt.param_names, grads[0], dist["grads"][0], metrics, dist["metrics"],
+                            gen.model.state_dict(), dist["weights"])
