@@ -31,6 +31,18 @@ GRAD_RTOL = 5e-6
 LATER_GRAD_RTOL = 3e-5
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _compile_in_process():
+    """Inductor compiles in this process (`compile_threads=1`) instead of starting a pool of compile
+    workers: on the 2-core machine each worker costs its own torch import and buys no parallelism. The
+    generated kernels are the same."""
+    from torch._inductor import config
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(config, "compile_threads", 1)
+        yield
+
+
 def varied_results(seed: int, n: int = 6, group: int = 3) -> list[Result]:
     """`n` rewarded samples of random prompts (2–12 tokens) and completions (1–10): padded rows of
     different lengths, so micro-batches of 2 have different widths."""

@@ -73,7 +73,9 @@ def torchrun(*args: str, timeout: int = 600, nodes: int = 1) -> subprocess.Compl
 def launch(*args: str, nodes: int = 1) -> tuple[list[list[str]], dict[str, str]]:
     """`torchrun`'s command per node (see `torchrun`) on a free port, and their environment."""
     path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    # TORCHINDUCTOR_COMPILE_THREADS=1: a rank that compiles (grpo.compile) does so in its own process, without a
+    # pool of compile workers that would each import torch (tests/test_grpo_compile.py says why)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONPATH": path}
     with socket.socket() as s:  # a free port: two test sessions on one machine must not meet
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
