@@ -95,7 +95,9 @@ LORA = {**FIELDS, "use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout"
         "lora_target_modules": ["q_proj", "v_proj"]}
 # The worker's scenarios, all run in one launch (`steps`): the default step, then each variation a test checks
 # (and "lora_resumed", added by `steps`: the step after a one-process LoRA checkpoint). "compiled" comes last:
-# what dynamo compiled stays in the ranks' processes.
+# what dynamo compiled stays in the ranks' processes. Its micro-batches of 6 give each rank one: one width, so
+# each rank compiles its graphs once, cold (a second width recompiles them with dynamic shapes, tens of
+# CPU-seconds more per rank; tests/test_grpo_compile.py covers new widths in one process).
 SCENARIOS = {"default": FIELDS,
              "separate": {**FIELDS, "_separate": BUCKET_LIMIT},
              "every_rank": {**FIELDS, "sample_on_every_rank": True},
@@ -104,7 +106,7 @@ SCENARIOS = {"default": FIELDS,
              "kept_gathered": {**FIELDS, "fsdp_reshard_after_forward": False},
              "bf16": {**FIELDS, "_dtype": "bfloat16"},
              "lora": LORA,
-             "compiled": {**FIELDS, "compile": True}}
+             "compiled": {**FIELDS, "compile": True, "micro_batch_size": 6}}
 
 
 def run_worker(tmp: Path, scenarios: dict[str, dict]) -> dict[str, tuple[dict, Path]]:
@@ -670,7 +672,8 @@ def test_two_fsdp2_ranks_train_compiled_layers_as_one_eager_process(steps, monke
     assert len(dist["graphs"]) == 2 and all(n >= 1 for n in dist["graphs"]), dist["graphs"]
     grads = capture_grads(monkeypatch)
     gen = make_generator()
-    opt = GRPO(GRPOConfig(**FIELDS), seed=0, total_iterations=10)
+    eager = {k: v for k, v in SCENARIOS["compiled"].items() if k != "compile"}
+    opt = GRPO(GRPOConfig(**eager), seed=0, total_iterations=10)
     opt.setup(gen)
     metrics = opt.tell(sample_results(gen))
     assert dist["world"] == 2
