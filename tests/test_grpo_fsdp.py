@@ -278,14 +278,44 @@ def test_a_rank_that_fails_to_sample_is_reported_by_rank_0_in_one_line_and_the_r
     assert dist["metrics"]["grpo/grad_norm"] > 0 and (run / "grpo" / "iter-000001").is_dir()
 
 
-def jobs_launch(tmp: Path, jobs: dict[str, list[str]], nodes: int = 1) -> dict[str, str]:
-    """`jobs` (name: `vrl` arguments) one after another in one 2-rank launch (tests/torchrun_jobs.py), each
-    as `torchrun … -m vrl.cli …` runs it alone; every job must succeed. Per name: rank 0's output."""
+LAUNCH_TIMEOUT_S = 600  # a jobs launch takes 1-3 minutes on the loaded 2-core machine
+
+
+def jobs_launch(tmp: Path, jobs: dict[str, list[str] | dict], nodes: int = 1, fails: str | None = None) -> dict[str, str]:
+    """`jobs` (name: `vrl` arguments, or tests/torchrun_jobs.py's job with its "patch") one after another in one
+    2-rank launch, each as `torchrun … -m vrl.cli …` runs it alone. Every job must succeed, but `fails`: the
+    last job, which must end the launch with an error (node 0's agent exits non-zero; the jobs before it
+    succeeded, or it would not have started). Per name: rank 0's output. A launch still running after
+    LAUNCH_TIMEOUT_S fails the test, its ranks killed."""
     spec = tmp / "jobs.json"
-    spec.write_text(json.dumps({"jobs": [{"args": args} for args in jobs.values()]}))
-    done = torchrun(str(HERE / "torchrun_jobs.py"), str(spec), nodes=nodes)
-    parts = [out + err for out, err in zip(split(done.stdout), split(done.stderr))]
-    assert len(parts) == len(jobs), done.stderr[-3000:]
+    spec.write_text(json.dumps({"jobs": [job if isinstance(job, dict) else {"args": job} for job in jobs.values()]}))
+    cmds, env = launch(str(HERE / "torchrun_jobs.py"), str(spec), nodes=nodes)
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
+             for c in cmds]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=LAUNCH_TIMEOUT_S))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            ranks = reaper.tree(reaper.children(p.pid))  # torchrun starts each rank in a session of its own
+            p.kill()
+            for pid, _ in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the launch still ran after {LAUNCH_TIMEOUT_S} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:  # the other agent failed first
+                p.kill()
+                p.communicate()
+    parts = [out + err for out, err in zip(split(outs[0][0]), split(outs[0][1]))]
+    assert len(parts) == len(jobs), outs[0][1][-6000:]
+    if fails is None:
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, out[-3000:] + err[-6000:]
+    else:
+        assert list(jobs)[-1] == fails and procs[0].returncode != 0, outs[0][1][-6000:]
     return dict(zip(jobs, parts))
 
 
@@ -304,7 +334,9 @@ def trained(tmp_path_factory):
     """The module's `torchrun … vrl train` jobs, in one launch on two nodes of one process each (`jobs_launch`):
     the 3-iteration sampling jobs ("one", rank 0 sampling; "every", `grpo.sample_on_every_rank`; "pool",
     two engines on rank 0), the asynchronous job ("async", 3 iterations) and its resume to a 4th
-    ("async_resumed"), and the LoRA adapter's job ("lora"). Per name: (rank 0's output, the run folder)."""
+    ("async_resumed"), the LoRA adapter's job ("lora"), and last the job whose rank 0 fails to take the trained
+    weights ("failing_push", tests/failing_push_patches.py), which ends the launch. Per name: (rank 0's output,
+    the run folder)."""
     tmp = tmp_path_factory.mktemp("fsdp_cli")
     # sampling.batch_size=1: the 3 tasks are dealt 2 + 1 (shards start at multiples of the batch size)
     sampling = ["iterations=3", "grpo.learning_rate=0.3", "sampling.batch_size=1"]
@@ -314,7 +346,11 @@ def trained(tmp_path_factory):
             "lora": ["grpo.use_peft=true", "grpo.lora_r=4", 'grpo.lora_target_modules=["q_proj"]']}
     jobs = {name: [*_letters_job(tmp / name), *(a for x in extra for a in ("--set", x))] for name, extra in sets.items()}
     jobs["async_resumed"] = ["train", "--resume", str(tmp / "async" / "fsdp"), "--iterations", "4"]
-    outputs = jobs_launch(tmp, {k: jobs[k] for k in ("one", "every", "pool", "async", "async_resumed", "lora")}, nodes=2)
+    failing = _letters_job(tmp / "failing_push")
+    failing[failing.index("--iterations") + 1] = "4"
+    jobs["failing_push"] = {"args": failing, "patch": "tests.failing_push_patches"}
+    order = ("one", "every", "pool", "async", "async_resumed", "lora", "failing_push")
+    outputs = jobs_launch(tmp, {k: jobs[k] for k in order}, nodes=2, fails="failing_push")
     return {name: (out, tmp / name.removesuffix("_resumed") / "fsdp") for name, out in outputs.items()}
 
 
@@ -458,34 +494,15 @@ def test_sigterm_to_torchrun_stops_the_run_with_the_last_iteration_checkpointed(
     assert trainer.run()["status"] == "finished"
 
 
-FAILED_PUSH_TIMEOUT_S = 300  # the run itself takes about 20 s
-
-
 @pytest.mark.slow
-def test_a_push_that_fails_on_rank_0_ends_the_launch_with_its_error_not_a_hang(tmp_path):
+def test_a_push_that_fails_on_rank_0_ends_the_launch_with_its_error_not_a_hang(trained):
     """Rank 0's host fails in the middle of taking the trained weights (an engine that loses its GPU):
-    the launch ends within seconds with that error, and the iteration before it is kept. Before, rank 0
-    left the step's remaining collectives to go and release the other ranks, while rank 1 waited in the
-    step's next all-reduce: both hung until the collective timeout (30 minutes by default)."""
-    runs = tmp_path / "runs"
-    job = [*_letters_job(runs)]
-    job[job.index("--iterations") + 1] = "4"
-    cmds, env = launch(str(HERE / "failing_push_cli.py"), *job)
-    agent = subprocess.Popen(cmds[0], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             cwd=HERE.parent)
-    try:
-        out, err = agent.communicate(timeout=FAILED_PUSH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        ranks = reaper.tree(reaper.children(agent.pid))  # torchrun starts each rank in a session of its own
-        agent.kill()
-        for pid, _ in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        agent.communicate()
-        pytest.fail(f"the launch still ran {FAILED_PUSH_TIMEOUT_S} s after rank 0's push failed")
-    assert agent.returncode != 0
-    assert "the engine lost its GPU in the middle of the push" in out + err
-    run = runs / "fsdp"
+    the launch ends within seconds with that error (the module's launch, whose last job it is, within
+    LAUNCH_TIMEOUT_S), and the iteration before it is kept. Before, rank 0 left the step's remaining
+    collectives to go and release the other ranks, while rank 1 waited in the step's next all-reduce:
+    both hung until the collective timeout (30 minutes by default)."""
+    output, run = trained["failing_push"]  # `trained` checked that the launch ended with an error
+    assert "the engine lost its GPU in the middle of the push" in output
     assert json.loads((run / "summary.json").read_text())["status"] == "failed"
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1  # the first iteration, whose push went through
 

@@ -7,9 +7,10 @@ status and all), as `torchrun … -m vrl.cli …` would run each alone:
 
     torchrun --nproc-per-node 2 tests/torchrun_jobs.py JOBS.json
 
-JOBS.json: `{"patch": MODULE or null, "jobs": [{"args": [...], "env": {...}}, ...]}`. `patch` names a
-module whose `patched()` context is held around every job (a test's instrumentation, e.g.
-tests/es_torchrun_patches.py); each job's `env` is set for that job only. Before each job rank 0 writes
+JOBS.json: `{"patch": MODULE or null, "jobs": [{"args": [...], "env": {...}, "patch": MODULE}, ...]}`.
+`patch` names a module whose `patched()` context is held around every job (a test's instrumentation, e.g.
+tests/es_torchrun_patches.py), or, given in a job, around that job; each job's `env` is set for that job
+only. Before each job rank 0 writes
 a line `=== job N ===` to stdout and stderr (`split` cuts its agent's output at them). A job that exits with a
 non-zero status ends the launch with that status and the jobs after it do not run, so a job meant
 to fail comes last.
@@ -94,7 +95,8 @@ def run(spec: dict) -> int:
         for i, job in enumerate(spec["jobs"]):
             for stream in (sys.stdout, sys.stderr) if os.environ.get("RANK", "0") == "0" else ():
                 print(MARK.format(i), file=stream, flush=True)
-            with environment(job.get("env", {})), (fresh_group(i) if i else contextlib.nullcontext()):
+            patch = importlib.import_module(job["patch"]).patched() if job.get("patch") else contextlib.nullcontext()
+            with environment(job.get("env", {})), (fresh_group(i) if i else contextlib.nullcontext()), patch:
                 try:
                     main.main(job["args"], prog_name="vrl")  # standalone: exits as `vrl` does
                 except SystemExit as exc:
