@@ -7,9 +7,9 @@ data-parallel, its gradients all-reduced; `grpo.compile` runs the real inductor 
 GPUs are absent (NCCL is the same code path with another backend).
 
 A launch costs every rank its interpreter, torch and transformers, more than a step: the optimizer-level
-scenarios run in one launch (`steps`, tests/grpo_fsdp_worker.py), and the `vrl train` jobs that end well
-in another (`trained`, tests/torchrun_jobs.py). A test about the launch itself (stopped by SIGTERM, a
-rank that fails) has a launch of its own.
+scenarios run in one launch (`steps`, tests/grpo_fsdp_worker.py), and the `vrl train` jobs in another
+(`trained`, tests/torchrun_jobs.py), ended by the one job that fails (a failing push). Stopping a launch
+with SIGTERM is a fact about the launch itself: that test has a launch of its own.
 """
 
 from __future__ import annotations
