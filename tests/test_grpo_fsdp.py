@@ -48,11 +48,12 @@ FIELDS = {"loss_type": "grpo", "micro_batch_size": 5, "learning_rate": 1e-3, "be
           "lr_scheduler_type": "constant"}
 
 
-def torchrun(*args: str, timeout: int = 600, nodes: int = 1) -> subprocess.CompletedProcess:
+def torchrun(*args: str, timeout: int = 600, nodes: int = 1, check: bool = True) -> subprocess.CompletedProcess:
     """Two ranks on this machine, as a user starts them: one node of 2 processes (`torchrun --nnodes 1
     --nproc-per-node 2`), or `nodes=2`: two torchrun agents of one process each (`--nnodes 2 --node-rank
     i`, as on two hosts, here sharing this machine's filesystem), so rank 1 has LOCAL_RANK 0 and an
-    agent of its own. Returns node 0's agent's output."""
+    agent of its own. Returns node 0's agent's output; with `check`, every agent must exit with 0. A
+    launch still running after `timeout` seconds fails the test, its ranks killed."""
     cmds, env = launch(*args, nodes=nodes)
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
              for c in cmds]
@@ -60,13 +61,22 @@ def torchrun(*args: str, timeout: int = 600, nodes: int = 1) -> subprocess.Compl
     try:
         for p in procs:
             outs.append(p.communicate(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            ranks = reaper.tree(reaper.children(p.pid))  # torchrun starts each rank in a session of its own
+            p.kill()
+            for pid, _ in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the launch still ran after {timeout} s")
     finally:
         for p in procs:
-            if p.poll() is None:  # a timeout, or the other agent failed first
+            if p.poll() is None:  # the other agent failed first
                 p.kill()
                 p.communicate()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:] + err[-6000:]
+    if check:
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, out[-3000:] + err[-6000:]
     return subprocess.CompletedProcess(cmds[0], procs[0].returncode, *outs[0])
 
 
@@ -283,39 +293,16 @@ LAUNCH_TIMEOUT_S = 600  # a jobs launch takes 1-3 minutes on the loaded 2-core m
 
 def jobs_launch(tmp: Path, jobs: dict[str, list[str] | dict], nodes: int = 1, fails: str | None = None) -> dict[str, str]:
     """`jobs` (name: `vrl` arguments, or tests/torchrun_jobs.py's job with its "patch") one after another in one
-    2-rank launch, each as `torchrun … -m vrl.cli …` runs it alone. Every job must succeed, but `fails`: the
-    last job, which must end the launch with an error (node 0's agent exits non-zero; the jobs before it
-    succeeded, or it would not have started). Per name: rank 0's output. A launch still running after
-    LAUNCH_TIMEOUT_S fails the test, its ranks killed."""
+    2-rank launch (`torchrun`), each as `torchrun … -m vrl.cli …` runs it alone. Every job must succeed, but
+    `fails`: the last job, which must end the launch with an error (node 0's agent exits non-zero; the
+    jobs before it succeeded, or it would not have started). Per name: rank 0's output."""
     spec = tmp / "jobs.json"
     spec.write_text(json.dumps({"jobs": [job if isinstance(job, dict) else {"args": job} for job in jobs.values()]}))
-    cmds, env = launch(str(HERE / "torchrun_jobs.py"), str(spec), nodes=nodes)
-    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
-             for c in cmds]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=LAUNCH_TIMEOUT_S))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            ranks = reaper.tree(reaper.children(p.pid))  # torchrun starts each rank in a session of its own
-            p.kill()
-            for pid, _ in ranks:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        pytest.fail(f"the launch still ran after {LAUNCH_TIMEOUT_S} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:  # the other agent failed first
-                p.kill()
-                p.communicate()
-    parts = [out + err for out, err in zip(split(outs[0][0]), split(outs[0][1]))]
-    assert len(parts) == len(jobs), outs[0][1][-6000:]
-    if fails is None:
-        for p, (out, err) in zip(procs, outs):
-            assert p.returncode == 0, out[-3000:] + err[-6000:]
-    else:
-        assert list(jobs)[-1] == fails and procs[0].returncode != 0, outs[0][1][-6000:]
+    done = torchrun(str(HERE / "torchrun_jobs.py"), str(spec), timeout=LAUNCH_TIMEOUT_S, nodes=nodes, check=fails is None)
+    parts = [out + err for out, err in zip(split(done.stdout), split(done.stderr))]
+    assert len(parts) == len(jobs), done.stderr[-6000:]
+    if fails is not None:
+        assert list(jobs)[-1] == fails and done.returncode != 0, done.stderr[-6000:]
     return dict(zip(jobs, parts))
 
 
