@@ -21,7 +21,8 @@ ranks wait for its command meanwhile). OUT always holds how many all-gathers FSD
 and gathers the published weights in buckets of BYTES; OUT then holds whether rank 0's trained copy
 is the sharded model itself, `trainable_sharded`, and the names of each published bucket, `buckets`.
 With `"compile": true` (`grpo.compile`), OUT holds how many graphs dynamo compiled on each rank in the
-scenario, `graphs`: the proof that the sharded copy's layers ran compiled.)
+scenario, `graphs`, and how many layers of each rank's sharded training copy run compiled,
+`compiled_layers`: the proof that the sharded copy's layers ran compiled.)
 """
 
 from __future__ import annotations
@@ -132,12 +133,14 @@ def scenario(out: str, run_dir: str, fields: dict) -> None:
     # Every rank gathers the trained masters, rounded to the sampling copy's dtype.
     dtype = next(gen.model.parameters()).dtype
     masters = {name: full(m.detach()).to(dtype) for name, m in zip(opt.param_names, opt.master)}
-    replicas = samplers = graphs = None
-    if opt.config.compile:  # every rank's count of compiled graphs, to rank 0
+    replicas = samplers = graphs = compiled_layers = None
+    if opt.config.compile:  # every rank's count of compiled graphs and of its trained copy's compiling layers, to rank 0
         import torch.distributed as dist
 
-        graphs = [None] * opt.group.world
+        graphs, compiled_layers = [None] * opt.group.world, [None] * opt.group.world
         dist.all_gather_object(graphs, counters["stats"]["unique_graphs"] - compiled_before, group=opt.group.objects)
+        mine = sum(getattr(type(m), "_vrl_eager_class", None) is not None for m in opt.model.modules())
+        dist.all_gather_object(compiled_layers, mine, group=opt.group.objects)
     if opt.config.sample_on_every_rank:  # every rank's sampling model, to rank 0
         import torch.distributed as dist
 
@@ -155,7 +158,7 @@ def scenario(out: str, run_dir: str, fields: dict) -> None:
                     "trainable_sharded": gen.trainable().model is opt.model and isinstance(
                         next(opt.model.parameters()), DTensor), "buckets": buckets, "masters": masters,
                     "pooled": pooled, "alone": alone, "samplers": samplers, "pooled_counts": pooled_counts,
-                    "gathers": gathers[0], "graphs": graphs,
+                    "gathers": gathers[0], "graphs": graphs, "compiled_layers": compiled_layers,
                     "weights": {k: v.clone() for k, v in gen.model.state_dict().items()}}, out)
     opt.close()  # every rank: checkpoint writes finished, process group released
 

@@ -674,6 +674,8 @@ def test_two_fsdp2_ranks_train_compiled_layers_as_one_eager_process(steps, monke
 
     dist, _ = steps["compiled"]
     assert len(dist["graphs"]) == 2 and all(n >= 1 for n in dist["graphs"]), dist["graphs"]
+    # the graphs include the head's chunks: every layer of each rank's sharded copy runs compiled too
+    assert dist["compiled_layers"] == [len(make_generator().model.model.layers)] * 2, dist["compiled_layers"]
     grads = capture_grads(monkeypatch)
     gen = make_generator()
     eager = {k: v for k, v in SCENARIOS["compiled"].items() if k != "compile"}
