@@ -19,11 +19,15 @@ the step, `samplers`. `"_pause": S` makes rank 0 wait S seconds before it sends 
 ranks wait for its command meanwhile). OUT always holds how many all-gathers FSDP2 ran on rank 0, `gathers`.
 `"_separate": BYTES` samples from a copy apart from the trained one (a decoupled host, as an engine is)
 and gathers the published weights in buckets of BYTES; OUT then holds whether rank 0's trained copy
-is the sharded model itself, `trainable_sharded`, and the names of each published bucket, `buckets`.)
+is the sharded model itself, `trainable_sharded`, and the names of each published bucket, `buckets`.
+With `"compile": true` (`grpo.compile`), OUT holds how many graphs dynamo compiled on each rank in the
+scenario, `graphs`, and how many layers of each rank's sharded training copy run compiled,
+`compiled_layers`: the proof that the sharded copy's layers ran compiled.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -32,6 +36,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tests.test_grpo import make_generator, sample_results
+from tests.torchrun_jobs import fresh_group
 from vrl.optim.grpo import GRPO, GRPOConfig
 from vrl.optim.grpo_dist import full
 
@@ -50,6 +55,9 @@ def main(out: str, run_dir: str, fields: dict) -> None:
 
 
 def scenario(out: str, run_dir: str, fields: dict) -> None:
+    from torch._dynamo.utils import counters
+
+    compiled_before = counters["stats"]["unique_graphs"]
     grads: list[list[torch.Tensor]] = []
     step = GRPO._apply_step
 
@@ -125,7 +133,14 @@ def scenario(out: str, run_dir: str, fields: dict) -> None:
     # Every rank gathers the trained masters, rounded to the sampling copy's dtype.
     dtype = next(gen.model.parameters()).dtype
     masters = {name: full(m.detach()).to(dtype) for name, m in zip(opt.param_names, opt.master)}
-    replicas = samplers = None
+    replicas = samplers = graphs = compiled_layers = None
+    if opt.config.compile:  # every rank's count of compiled graphs and of its trained copy's compiling layers, to rank 0
+        import torch.distributed as dist
+
+        graphs, compiled_layers = [None] * opt.group.world, [None] * opt.group.world
+        dist.all_gather_object(graphs, counters["stats"]["unique_graphs"] - compiled_before, group=opt.group.objects)
+        mine = sum(getattr(type(m), "_vrl_eager_class", None) is not None for m in opt.model.modules())
+        dist.all_gather_object(compiled_layers, mine, group=opt.group.objects)
     if opt.config.sample_on_every_rank:  # every rank's sampling model, to rank 0
         import torch.distributed as dist
 
@@ -143,32 +158,13 @@ def scenario(out: str, run_dir: str, fields: dict) -> None:
                     "trainable_sharded": gen.trainable().model is opt.model and isinstance(
                         next(opt.model.parameters()), DTensor), "buckets": buckets, "masters": masters,
                     "pooled": pooled, "alone": alone, "samplers": samplers, "pooled_counts": pooled_counts,
-                    "gathers": gathers[0],
+                    "gathers": gathers[0], "graphs": graphs, "compiled_layers": compiled_layers,
                     "weights": {k: v.clone() for k, v in gen.model.state_dict().items()}}, out)
     opt.close()  # every rank: checkpoint writes finished, process group released
-
-
-def fresh_world(index: int, fields: dict) -> None:
-    """Before scenario `index` > 0: the default process group, under a key prefix of its own in the
-    launcher's store. GRPO's own `init_process_group` (scenario 0's) would read the previous group's
-    addresses, still in the store under the same keys, and a rank that started early would connect to a
-    port already closed. GRPO then finds the group started (`Group` starts one only when none is)."""
-    import datetime
-    import os
-
-    import torch.distributed as dist
-
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=300))
-    timeout = datetime.timedelta(seconds=GRPOConfig(**{k: v for k, v in fields.items() if not k.startswith("_")}).ddp_timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"scenario-{index}", store), rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     for i in range(0, len(args), 3):
-        fields = json.loads(args[i + 2])
-        if i:
-            fresh_world(i // 3, fields)
-        main(args[i], args[i + 1], fields)
+        with fresh_group(i // 3) if i else contextlib.nullcontext():  # a process group of its own per scenario
+            main(args[i], args[i + 1], json.loads(args[i + 2]))

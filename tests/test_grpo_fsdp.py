@@ -2,8 +2,14 @@
 
 Nothing is emulated: `torch.distributed.fsdp.fully_shard` shards the tiny Qwen2 model over a CPU
 device mesh, gradients are reduce-scattered over gloo, AdamW steps on DTensor shards, and
-checkpoints are written with `torch.distributed.checkpoint`. Only the GPUs are absent (NCCL is the
-same code path with another backend).
+checkpoints are written with `torch.distributed.checkpoint`; a LoRA adapter (`grpo.use_peft`) trains
+data-parallel, its gradients all-reduced; `grpo.compile` runs the real inductor on every rank. Only the
+GPUs are absent (NCCL is the same code path with another backend).
+
+A launch costs every rank its interpreter, torch and transformers, more than a step: the optimizer-level
+scenarios run in one launch (`steps`, tests/grpo_fsdp_worker.py), and the `vrl train` jobs in another
+(`trained`, tests/torchrun_jobs.py), ended by the one job that fails (a failing push). Stopping a launch
+with SIGTERM is a fact about the launch itself: that test has a launch of its own.
 """
 
 from __future__ import annotations
@@ -20,12 +26,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from rich.console import Console
 from safetensors.torch import load_file
 
 from tests.test_cli_errors import sigterm_after_an_iteration
 from tests.test_grpo import capture_grads, make_generator, sample_results
+from tests.torchrun_jobs import split
 from vrl import reaper
+from vrl.cli import main as cli_main
 from vrl.envs.letters import LettersEnvironment
 from vrl.optim.grpo import GRPO, GRPOConfig
 from vrl.optim.grpo_dist import share_rows
@@ -39,11 +48,12 @@ FIELDS = {"loss_type": "grpo", "micro_batch_size": 5, "learning_rate": 1e-3, "be
           "lr_scheduler_type": "constant"}
 
 
-def torchrun(*args: str, timeout: int = 600, nodes: int = 1) -> subprocess.CompletedProcess:
+def torchrun(*args: str, timeout: int = 600, nodes: int = 1, check: bool = True) -> subprocess.CompletedProcess:
     """Two ranks on this machine, as a user starts them: one node of 2 processes (`torchrun --nnodes 1
     --nproc-per-node 2`), or `nodes=2`: two torchrun agents of one process each (`--nnodes 2 --node-rank
     i`, as on two hosts, here sharing this machine's filesystem), so rank 1 has LOCAL_RANK 0 and an
-    agent of its own. Returns node 0's agent's output."""
+    agent of its own. Returns node 0's agent's output; with `check`, every agent must exit with 0. A
+    launch still running after `timeout` seconds fails the test, its ranks killed."""
     cmds, env = launch(*args, nodes=nodes)
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
              for c in cmds]
@@ -51,20 +61,31 @@ def torchrun(*args: str, timeout: int = 600, nodes: int = 1) -> subprocess.Compl
     try:
         for p in procs:
             outs.append(p.communicate(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            ranks = reaper.tree(reaper.children(p.pid))  # torchrun starts each rank in a session of its own
+            p.kill()
+            for pid, _ in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the launch still ran after {timeout} s")
     finally:
         for p in procs:
-            if p.poll() is None:  # a timeout, or the other agent failed first
+            if p.poll() is None:  # the other agent failed first
                 p.kill()
                 p.communicate()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:] + err[-6000:]
+    if check:
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, out[-3000:] + err[-6000:]
     return subprocess.CompletedProcess(cmds[0], procs[0].returncode, *outs[0])
 
 
 def launch(*args: str, nodes: int = 1) -> tuple[list[list[str]], dict[str, str]]:
     """`torchrun`'s command per node (see `torchrun`) on a free port, and their environment."""
     path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    # TORCHINDUCTOR_COMPILE_THREADS=1: a rank that compiles (grpo.compile) does so in its own process, without a
+    # pool of compile workers that would each import torch (tests/test_grpo_compile.py says why)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONPATH": path}
     with socket.socket() as s:  # a free port: two test sessions on one machine must not meet
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -79,14 +100,23 @@ def launch(*args: str, nodes: int = 1) -> tuple[list[list[str]], dict[str, str]]
 
 
 BUCKET_LIMIT = 40_000  # "separate": the published weights gathered in buckets of 40 kB (the tiny model takes several)
-# The worker's scenarios, all run in one launch (`steps`): the default step, then each variation a test checks.
+# No LoRA dropout: its masks are drawn per micro-batch in order, and the ranks draw theirs apart.
+LORA = {**FIELDS, "use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+        "lora_target_modules": ["q_proj", "v_proj"]}
+# The worker's scenarios, all run in one launch (`steps`): the default step, then each variation a test checks
+# (and "lora_resumed", added by `steps`: the step after a one-process LoRA checkpoint). "compiled" comes last:
+# what dynamo compiled stays in the ranks' processes. Its micro-batches of 6 give each rank one: one width, so
+# each rank compiles its graphs once, cold (a second width recompiles them with dynamic shapes, tens of
+# CPU-seconds more per rank; tests/test_grpo_compile.py covers new widths in one process).
 SCENARIOS = {"default": FIELDS,
              "separate": {**FIELDS, "_separate": BUCKET_LIMIT},
              "every_rank": {**FIELDS, "sample_on_every_rank": True},
              "broken_rank": {**FIELDS, "sample_on_every_rank": True, "_break_rank_1": True},
              "paused": {**FIELDS, "ddp_timeout": 3, "_pause": 8},
              "kept_gathered": {**FIELDS, "fsdp_reshard_after_forward": False},
-             "bf16": {**FIELDS, "_dtype": "bfloat16"}}
+             "bf16": {**FIELDS, "_dtype": "bfloat16"},
+             "lora": LORA,
+             "compiled": {**FIELDS, "compile": True, "micro_batch_size": 6}}
 
 
 def run_worker(tmp: Path, scenarios: dict[str, dict]) -> dict[str, tuple[dict, Path]]:
@@ -98,8 +128,20 @@ def run_worker(tmp: Path, scenarios: dict[str, dict]) -> dict[str, tuple[dict, P
 
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
-    """Every scenario of `SCENARIOS`, one GRPO step each on 2 ranks, in one launch."""
-    return run_worker(tmp_path_factory.mktemp("fsdp"), SCENARIOS)
+    """Every scenario of `SCENARIOS`, one GRPO step each on 2 ranks, in one launch; before "compiled",
+    "lora_resumed": the LoRA step after a one-process LoRA run's checkpoint of iteration 1 (made here
+    first, under "lora_one"; batch seed 7)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    gen = make_generator()
+    first = GRPO(GRPOConfig(**LORA), seed=0, total_iterations=10)
+    first.setup(gen)
+    first.tell(sample_results(gen))
+    first.save(tmp / "lora_one", final=True)
+    first.close()
+    scenarios = dict(SCENARIOS)
+    compiled = scenarios.pop("compiled")
+    scenarios.update(lora_resumed={**LORA, "_load": str(tmp / "lora_one"), "_seed": 7}, compiled=compiled)
+    return run_worker(tmp, scenarios)
 
 
 @pytest.fixture
@@ -246,62 +288,95 @@ def test_a_rank_that_fails_to_sample_is_reported_by_rank_0_in_one_line_and_the_r
     assert dist["metrics"]["grpo/grad_norm"] > 0 and (run / "grpo" / "iter-000001").is_dir()
 
 
+LAUNCH_TIMEOUT_S = 600  # a jobs launch takes 1-3 minutes on the loaded 2-core machine
+
+
+def jobs_launch(tmp: Path, jobs: dict[str, list[str] | dict], nodes: int = 1, fails: str | None = None) -> dict[str, str]:
+    """`jobs` (name: `vrl` arguments, or tests/torchrun_jobs.py's job with its "patch") one after another in one
+    2-rank launch (`torchrun`), each as `torchrun … -m vrl.cli …` runs it alone. Every job must succeed, but
+    `fails`: the last job, which must end the launch with an error (node 0's agent exits non-zero; the
+    jobs before it succeeded, or it would not have started). Per name: rank 0's output."""
+    spec = tmp / "jobs.json"
+    spec.write_text(json.dumps({"jobs": [job if isinstance(job, dict) else {"args": job} for job in jobs.values()]}))
+    done = torchrun(str(HERE / "torchrun_jobs.py"), str(spec), timeout=LAUNCH_TIMEOUT_S, nodes=nodes, check=fails is None)
+    parts = [out + err for out, err in zip(split(done.stdout), split(done.stderr))]
+    assert len(parts) == len(jobs), done.stderr[-6000:]
+    if fails is not None:
+        assert list(jobs)[-1] == fails and done.returncode != 0, done.stderr[-6000:]
+    return dict(zip(jobs, parts))
+
+
+def _rows(run: Path, *keys: str, before: int | None = None) -> tuple[list, list]:
+    """A run's samples (iteration, task, sample, completion) and its metrics' `keys`, per iteration (those
+    before iteration `before`, if given)."""
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    keep = (lambda r: r["iteration"] < before) if before is not None else (lambda r: True)
+    return ([(r["iteration"], r["task_id"], r.get("sample"), r["completion"]) for r in samples if keep(r)],
+            [tuple(m[k] for k in keys) for m in metrics if keep(m)])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The module's `torchrun … vrl train` jobs, in one launch on two nodes of one process each (`jobs_launch`):
+    the 3-iteration sampling jobs ("one", rank 0 sampling; "every", `grpo.sample_on_every_rank`; "pool",
+    two engines on rank 0), the asynchronous job ("async", 3 iterations) and its resume to a 4th
+    ("async_resumed"), the LoRA adapter's job ("lora"), and last the job whose rank 0 fails to take the trained
+    weights ("failing_push", tests/failing_push_patches.py), which ends the launch. Per name: (rank 0's output,
+    the run folder)."""
+    tmp = tmp_path_factory.mktemp("fsdp_cli")
+    # sampling.batch_size=1: the 3 tasks are dealt 2 + 1 (shards start at multiples of the batch size)
+    sampling = ["iterations=3", "grpo.learning_rate=0.3", "sampling.batch_size=1"]
+    sets = {"one": sampling, "every": [*sampling, "grpo.sample_on_every_rank=true"],
+            "pool": [*sampling, "runtime.local.engines=2"],
+            "async": ["iterations=3", "grpo.learning_rate=0.3", "grpo.max_staleness=1"],
+            "lora": ["grpo.use_peft=true", "grpo.lora_r=4", 'grpo.lora_target_modules=["q_proj"]']}
+    jobs = {name: [*_letters_job(tmp / name), *(a for x in extra for a in ("--set", x))] for name, extra in sets.items()}
+    jobs["async_resumed"] = ["train", "--resume", str(tmp / "async" / "fsdp"), "--iterations", "4"]
+    failing = _letters_job(tmp / "failing_push")
+    failing[failing.index("--iterations") + 1] = "4"
+    jobs["failing_push"] = {"args": failing, "patch": "tests.failing_push_patches"}
+    order = ("one", "every", "pool", "async", "async_resumed", "lora", "failing_push")
+    outputs = jobs_launch(tmp, {k: jobs[k] for k in order}, nodes=2, fails="failing_push")
+    return {name: (out, tmp / name.removesuffix("_resumed") / "fsdp") for name, out in outputs.items()}
+
+
 @pytest.mark.slow
-def test_vrl_train_sampling_on_every_rank_or_on_two_engines_writes_what_one_engine_writes(tmp_path):
+def test_vrl_train_sampling_on_every_rank_or_on_two_engines_writes_what_one_engine_writes(trained):
     """`torchrun … vrl train` with `grpo.sample_on_every_rank=true`, and with two engines on rank 0
     (`runtime.local.engines=2`, each taking the streamed push bucket by bucket), against the default
     launch: the same samples (text and tokens) and the same rewards in every iteration, so every engine
-    sampled its share with the seeds one engine uses and with the weights trained so far. The default
-    launch runs on two nodes of one process each and resumes on one process (`resumes_on_one_process`)."""
-    rows = {}
-    for name, extra in {"one": [], "every": ["grpo.sample_on_every_rank=true"],
-                        "pool": ["runtime.local.engines=2"]}.items():
-        runs = tmp_path / name
-        # sampling.batch_size=1: the 3 tasks are dealt 2 + 1 (shards start at multiples of the batch size)
-        sets = [a for x in ["iterations=3", "grpo.learning_rate=0.3", "sampling.batch_size=1", *extra] for a in ("--set", x)]
-        done = torchrun(*VRL, *_letters_job(runs), *sets, nodes=2 if name == "one" else 1)
-        run = runs / "fsdp"
-        samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
-        metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        rows[name] = ([(r["iteration"], r["task_id"], r.get("sample"), r["completion"]) for r in samples],
-                      [m["reward_mean"] for m in metrics])
-        if name == "one":
-            resumes_on_one_process(done, run, iterations=3, lora=False)
+    sampled its share with the seeds one engine uses and with the weights trained so far. The launch runs
+    on two nodes of one process each; the default job resumes on one process (`resumes_on_one_process`)."""
+    rows = {name: _rows(trained[name][1], "reward_mean") for name in ("one", "every", "pool")}
     assert len(rows["one"][1]) == 3
     assert rows["every"] == rows["one"]
     assert rows["pool"] == rows["one"]
+    resumes_on_one_process(trained["one"][0], trained["one"][1], iterations=3, lora=False)
 
 
 @pytest.mark.slow
-def test_asynchronous_rollouts_under_torchrun_sample_and_train_as_one_process(tmp_path):
+def test_asynchronous_rollouts_under_torchrun_sample_and_train_as_one_process(trained, tmp_path):
     """`grpo.max_staleness=1` under torchrun: rank 0 samples the next iteration in its producer thread
     while every rank trains its FSDP2 shard, and rank 0's sampler takes the streamed weights between
     passes. Against the same job on one process: the same samples and rewards in every iteration
     (iteration 2's come from the weights after update 0, which both trained to ~1e-7), the same
     staleness, and losses within 1e-5. The 2-rank run then resumes under torchrun: its sampler takes the
-    checkpoint's weights before the pipeline restarts, whose first batch is fresh again."""
-    rows = {}
-    for ranks in (1, 2):
-        runs = tmp_path / str(ranks)
-        job = [*VRL, *_letters_job(runs), "--set", "iterations=3", "--set", "grpo.learning_rate=0.3",
-               "--set", "grpo.max_staleness=1"]
-        if ranks == 2:
-            torchrun(*job)
-        else:
-            done = subprocess.run([sys.executable, *job], capture_output=True, text=True, timeout=600, cwd=HERE.parent,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
-            assert done.returncode == 0, done.stderr[-3000:]
-        run = runs / "fsdp"
-        samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
-        metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        rows[ranks] = ([(r["iteration"], r["task_id"], r.get("sample"), r["completion"]) for r in samples],
-                       [(m["reward_mean"], m["grpo/staleness/max"]) for m in metrics], [m["grpo/loss"] for m in metrics])
-    assert [stale for _, stale in rows[2][1]] == [0, 1, 1]
-    assert rows[2][:2] == rows[1][:2]
-    assert rows[2][2] == pytest.approx(rows[1][2], abs=1e-5)
-    run = tmp_path / "2" / "fsdp"
-    torchrun(*VRL, "train", "--resume", str(run), "--iterations", "4")
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    checkpoint's weights before the pipeline restarts, whose first batch is fresh again.
+
+    The one-process job runs in this process through `vrl.cli.main` (click's runner): it asks nothing of
+    the process but the run it writes, and its torch threads are 1, as in the ranks (tests/conftest.py)."""
+    runs = tmp_path / "runs"
+    job = [*_letters_job(runs), "--set", "iterations=3", "--set", "grpo.learning_rate=0.3", "--set", "grpo.max_staleness=1"]
+    done = CliRunner().invoke(cli_main, job, catch_exceptions=False)
+    assert done.exit_code == 0, done.output[-3000:]
+    keys = ("reward_mean", "grpo/staleness/max", "grpo/loss")
+    one, two = _rows(runs / "fsdp", *keys), _rows(trained["async"][1], *keys, before=3)
+    assert [stale for _, stale, _ in two[1]] == [0, 1, 1]
+    assert two[0] == one[0]
+    assert [m[:2] for m in two[1]] == [m[:2] for m in one[1]]
+    assert [m[2] for m in two[1]] == pytest.approx([m[2] for m in one[1]], abs=1e-5)
+    metrics = [json.loads(x) for x in (trained["async"][1] / "metrics.jsonl").read_text().splitlines()]
     assert [(m["iteration"], m["grpo/staleness/max"]) for m in metrics] == [(0, 0), (1, 1), (2, 1), (3, 0)]
 
 
@@ -350,11 +425,11 @@ def _letters_job(runs: Path) -> list[str]:
             "--set", "grpo.learning_rate=1e-2"]
 
 
-def resumes_on_one_process(done: subprocess.CompletedProcess, run: Path, iterations: int, lora: bool) -> None:
-    """A finished `torchrun … vrl train` of `iterations` (node 0's output `done`, the run `run`): rank 0 alone
+def resumes_on_one_process(output: str, run: Path, iterations: int, lora: bool) -> None:
+    """A finished `torchrun … vrl train` of `iterations` (node 0's output of it, the run `run`): rank 0 alone
     wrote the run (one metrics line per iteration, one console: its own), both ranks trained, the last
     checkpoint records 2 ranks; then `vrl train --resume` on one process continues it by one iteration."""
-    assert done.stderr.count("vrl train") == 1, done.stderr[-3000:]  # one console: rank 0's
+    assert output.count("vrl train") == 1, output[-3000:]  # one console: rank 0's
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(iterations))
     # Every step trains (LoRA's job); the sampling test's job (3 tasks, learning rate 0.3) may meet a batch whose
@@ -372,14 +447,12 @@ def resumes_on_one_process(done: subprocess.CompletedProcess, run: Path, iterati
 
 
 @pytest.mark.slow
-def test_vrl_train_of_a_lora_adapter_under_torchrun_then_resume_on_one_process(tmp_path):
+def test_vrl_train_of_a_lora_adapter_under_torchrun_then_resume_on_one_process(trained):
     """`torchrun … vrl train` on the toy environment training a LoRA adapter (`grpo.use_peft`, data-parallel)
-    on one node of two processes, then resumed on one process (`resumes_on_one_process`). Full fine-tuning
-    on two nodes: test_vrl_train_sampling_on_every_rank_or_on_two_engines_writes_what_one_engine_writes."""
-    runs = tmp_path / "runs"
-    adapter = ["--set", "grpo.use_peft=true", "--set", "grpo.lora_r=4", "--set", "grpo.lora_target_modules=[\"q_proj\"]"]
-    done = torchrun(*VRL, *_letters_job(runs), *adapter)
-    resumes_on_one_process(done, runs / "fsdp", iterations=2, lora=True)
+    on two nodes of one process each (the module's launch), then resumed on one process
+    (`resumes_on_one_process`)."""
+    output, run = trained["lora"]
+    resumes_on_one_process(output, run, iterations=2, lora=True)
 
 
 @pytest.mark.slow
@@ -408,34 +481,15 @@ def test_sigterm_to_torchrun_stops_the_run_with_the_last_iteration_checkpointed(
     assert trainer.run()["status"] == "finished"
 
 
-FAILED_PUSH_TIMEOUT_S = 300  # the run itself takes about 20 s
-
-
 @pytest.mark.slow
-def test_a_push_that_fails_on_rank_0_ends_the_launch_with_its_error_not_a_hang(tmp_path):
+def test_a_push_that_fails_on_rank_0_ends_the_launch_with_its_error_not_a_hang(trained):
     """Rank 0's host fails in the middle of taking the trained weights (an engine that loses its GPU):
-    the launch ends within seconds with that error, and the iteration before it is kept. Before, rank 0
-    left the step's remaining collectives to go and release the other ranks, while rank 1 waited in the
-    step's next all-reduce: both hung until the collective timeout (30 minutes by default)."""
-    runs = tmp_path / "runs"
-    job = [*_letters_job(runs)]
-    job[job.index("--iterations") + 1] = "4"
-    cmds, env = launch(str(HERE / "failing_push_cli.py"), *job)
-    agent = subprocess.Popen(cmds[0], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             cwd=HERE.parent)
-    try:
-        out, err = agent.communicate(timeout=FAILED_PUSH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        ranks = reaper.tree(reaper.children(agent.pid))  # torchrun starts each rank in a session of its own
-        agent.kill()
-        for pid, _ in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        agent.communicate()
-        pytest.fail(f"the launch still ran {FAILED_PUSH_TIMEOUT_S} s after rank 0's push failed")
-    assert agent.returncode != 0
-    assert "the engine lost its GPU in the middle of the push" in out + err
-    run = runs / "fsdp"
+    the launch ends within seconds with that error (the module's launch, whose last job it is, within
+    LAUNCH_TIMEOUT_S), and the iteration before it is kept. Before, rank 0 left the step's remaining
+    collectives to go and release the other ranks, while rank 1 waited in the step's next all-reduce:
+    both hung until the collective timeout (30 minutes by default)."""
+    output, run = trained["failing_push"]  # `trained` checked that the launch ended with an error
+    assert "the engine lost its GPU in the middle of the push" in output
     assert json.loads((run / "summary.json").read_text())["status"] == "failed"
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1  # the first iteration, whose push went through
 
@@ -469,7 +523,7 @@ def _toy_config_from(run: Path, iterations: int):
 
 def test_a_torchrun_launch_refuses_what_it_cannot_train_before_writing_anything(tmp_path, monkeypatch):
     """WORLD_SIZE > 1 (what torchrun sets): ES with several engines per rank (tests/test_es_torchrun.py runs
-    ES under torchrun), and sampling on every rank with asynchronous rollouts, are refused in one line before a run directory exists (GRPO with LoRA is not: tests/test_grpo_fsdp_lora.py);
+    ES under torchrun), and sampling on every rank with asynchronous rollouts, are refused in one line before a run directory exists (GRPO with LoRA is not: the LoRA tests below);
     a rank > 0 never creates one (rank 0 owns it) and refuses the same in the same line."""
     from vrl.config import build
     from vrl.errors import UsageError
@@ -522,3 +576,117 @@ def test_two_ranks_in_bf16_train_through_fp32_shards(steps, monkeypatch):
     resumed.load(run, 1)
     assert all(torch.equal(gen2.model.state_dict()[k], v) for k, v in dist["weights"].items())
     assert all(m.dtype == torch.float32 for m in resumed.master)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_a_lora_adapter_as_one_process(steps, monkeypatch):
+    """Loss, adapter gradients and updated adapter of a 2-rank LoRA step (`grpo.use_peft`: data-parallel, every
+    rank holds the whole frozen base and adapter, the adapter's gradients all-reduced) equal the one-process
+    step's; the frozen base does not move, both ranks hold the same adapter bits after the step, and rank
+    0's sampling host got the trained adapter.
+
+    Tolerances (as for full fine-tuning above): the loss and the gradient norm to 1e-6 relative, every
+    gradient element to 1e-6 of its tensor's largest (the ranks sum their micro-batches in another order);
+    each updated weight to the bound AdamW's first step puts on that gradient difference,
+    lr · min(2, ε/(|g| + ε)² · |Δg|), plus 4 fp32 ulps."""
+    dist, _ = steps["lora"]
+    assert dist["world"] == 2
+    grads = capture_grads(monkeypatch)
+    gen = make_generator()
+    opt = GRPO(GRPOConfig(**LORA), seed=0, total_iterations=10)
+    opt.setup(gen)
+    metrics = opt.tell(sample_results(gen))
+    weights = gen.model.state_dict()
+    assert_same_step(dist, metrics, grads)
+    assert [g.shape for g in dist["grads"][0]] == [p.shape for p in opt.params]  # the adapter only, whole
+    assert set(dist["weights"]) == set(weights)
+    base = make_generator().model.state_dict()
+    for k, v in dist["weights"].items():
+        if "lora_" not in k:  # the frozen base, as loaded
+            assert torch.equal(v, base[k.replace(".base_layer", "")]), k
+    eps, lr = 1e-8, LORA["learning_rate"]
+    clip = [min(1.0, 1.0 / (m["grpo/grad_norm"] + 1e-6)) for m in (metrics, dist["metrics"])]
+    for name, p, g1, g2 in zip(opt.param_names, opt.params, grads[0], dist["grads"][0]):
+        key = name.removeprefix("base_model.model.")
+        assert torch.equal(p.detach(), weights[key])
+        g1, g2 = g1 * clip[0], g2 * clip[1]
+        diff = (g1 - g2).abs()
+        slope = eps / ((g1.abs() - diff).clamp(min=0) + eps) ** 2
+        ulps = 4 * torch.finfo(torch.float32).eps * (weights[key].abs() + lr)
+        bound = lr * torch.clamp(slope * diff, max=2.0) + ulps
+        assert bool(((dist["weights"][key] - weights[key]).abs() <= bound).all()), name
+    one, two = dist["replicas"]
+    assert all(torch.equal(a, b) for a, b in zip(one, two))  # the ranks never drift apart
+    assert dist["syncs"] == 1  # rank 0's host was handed the trained model after the step
+    trained = {k: v for k, v in dist["weights"].items() if ".lora_B." in k}
+    assert trained and max(float(v.abs().max()) for v in trained.values()) > 0.5 * lr  # B starts at 0: it moved
+
+
+@pytest.mark.slow
+def test_two_rank_lora_checkpoint_resumes_on_one_process_exactly(steps):
+    """The 2-rank LoRA checkpoint loads on one process to the same bits: adapter, AdamW moments, step
+    counts, learning rate; its policy folder is the adapter (peft's files), holding the same weights."""
+    dist, run = steps["lora"]
+    ckpt = run / "grpo" / "iter-000001"
+    assert (ckpt / "train" / ".metadata").is_file()
+    gen, opt = load_on_one_process(run, LORA, dist)
+    from peft import get_peft_model_state_dict
+
+    adapter = load_file(str(ckpt / "policy" / "adapter_model.safetensors"))
+    mine = get_peft_model_state_dict(opt.peft_model)
+    assert set(adapter) == set(mine) and all(torch.equal(adapter[k], mine[k]) for k in adapter)
+    opt.tell(sample_results(gen, seed=7))  # and it trains on from there
+    assert opt.step == 2
+
+
+@pytest.mark.slow
+def test_a_one_process_lora_checkpoint_resumes_on_two_ranks(steps, monkeypatch):
+    """The other way round: a one-process LoRA run's checkpoint loads on 2 ranks (each takes the whole
+    adapter and its AdamW state from `train/`), and the next step there equals the next step of the
+    checkpoint resumed on one process: loss and gradient norm to 1e-6 relative, every adapter gradient
+    element to 1e-6 of its tensor's largest (the ranks sum in another order), both ranks' adapters
+    identical after it. (A resume that missed the adapter would train from B = 0: gradients far apart.)"""
+    dist, run = steps["lora_resumed"]
+    grads = capture_grads(monkeypatch)
+    gen = make_generator()
+    again = GRPO(GRPOConfig(**LORA), seed=0, total_iterations=10)
+    again.setup(gen)
+    again.load(run.parent / "lora_one", 1)
+    metrics = again.tell(sample_results(gen, seed=7))
+    assert dist["metrics"]["grpo/loss"] == pytest.approx(metrics["grpo/loss"], rel=1e-6)
+    assert dist["metrics"]["grpo/grad_norm"] == pytest.approx(metrics["grpo/grad_norm"], rel=1e-6)
+    assert len(dist["grads"]) == len(grads) == 1
+    for a, b in zip(dist["grads"][0], grads[0]):
+        assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max())
+    assert all(float(g.abs().max()) > 0 for g in grads[0])  # A's gradients too, now that B ≠ 0
+    one, two = dist["replicas"]
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert (run / "grpo" / "iter-000002").is_dir()
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_train_compiled_layers_as_one_eager_process(steps, monkeypatch):
+    """`grpo.compile` under `torchrun` with 2 CPU ranks (gloo, the real FSDP2, the real inductor): layers
+    compiled before `fully_shard` wraps the training copy; every rank compiles, and the step equals one
+    eager process's step within tests/test_grpo_compile.py's tolerances (the ranks also sum their
+    micro-batches in another order)."""
+    from tests.test_grpo_compile import GRAD_RTOL, LR, assert_adamw_step_close
+
+    dist, _ = steps["compiled"]
+    assert len(dist["graphs"]) == 2 and all(n >= 1 for n in dist["graphs"]), dist["graphs"]
+    # the graphs include the head's chunks: every layer of each rank's sharded copy runs compiled too
+    assert dist["compiled_layers"] == [len(make_generator().model.model.layers)] * 2, dist["compiled_layers"]
+    grads = capture_grads(monkeypatch)
+    gen = make_generator()
+    eager = {k: v for k, v in SCENARIOS["compiled"].items() if k != "compile"}
+    opt = GRPO(GRPOConfig(**eager), seed=0, total_iterations=10)
+    opt.setup(gen)
+    metrics = opt.tell(sample_results(gen))
+    assert dist["world"] == 2
+    assert dist["metrics"]["grpo/loss"] == pytest.approx(metrics["grpo/loss"], rel=1e-6, abs=1e-9)
+    assert dist["metrics"]["grpo/grad_norm"] == pytest.approx(metrics["grpo/grad_norm"], rel=1e-5)
+    for a, b in zip(grads[0], dist["grads"][0]):
+        assert float((a - b).abs().max()) <= GRAD_RTOL * float(a.abs().max()) + 1e-12
+    assert FIELDS["learning_rate"] == LR
+    assert_adamw_step_close(opt.param_names, grads[0], dist["grads"][0], metrics, dist["metrics"],
+                            gen.model.state_dict(), dist["weights"])

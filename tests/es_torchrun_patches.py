@@ -1,7 +1,7 @@
-"""`vrl train` that records every rank's θ checksum after each ES update, and can break one rank, started by
-tests/test_es_torchrun.py (not a test module), alone or under `torchrun`:
-
-    torchrun --nproc-per-node 2 tests/es_torchrun_cli.py train …
+"""What tests/test_es_torchrun.py adds to the real `vrl train` (not a test module): every rank's θ checksum
+after each ES update, a rank to break, and the rank that judged each verdict. Held around a run with
+`patched()`: in the test's own process for one-process runs, and in every rank of a torchrun launch
+(tests/torchrun_jobs.py with `"patch": "tests.es_torchrun_patches"`).
 
 - VRL_TEST_CHECKSUMS=DIR: after each update, rank r appends "iteration checksum" to DIR/rank{r}.txt.
 - VRL_TEST_KILL=r:i: rank r kills itself (SIGKILL, as the OOM killer or a lost node does) when it is
@@ -12,20 +12,25 @@ tests/test_es_torchrun.py (not a test module), alone or under `torchrun`:
   verifier's own, scored as crashed and reported once on rank 0's console), wherever it runs.
 - Every verdict counts the rank whose process judged it: `test/verified_by_rank{r}` in metrics.jsonl.
 
-Everything else is the real `vrl train`.
+The variables are read when they are used, so each job of a launch may set its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
-from vrl.cli import main
 from vrl.envs.letters import LettersVerifier
 from vrl.optim.es import ES
 
-RANK = int(os.environ.get("RANK", "0"))
+apply, share, check = ES._apply, ES._follow_sample_share, LettersVerifier.check
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def _at(variable: str) -> int | None:
@@ -34,10 +39,7 @@ def _at(variable: str) -> int | None:
     if not value:
         return None
     rank, iteration = map(int, value.split(":"))
-    return iteration if rank == RANK else None
-
-
-apply, share = ES._apply, ES._follow_sample_share
+    return iteration if rank == _rank() else None
 
 
 def recorded_apply(self, record):
@@ -45,7 +47,7 @@ def recorded_apply(self, record):
         record = record.model_copy(update={"z": [record.z[0] + 1e-4, *record.z[1:]]})
     apply(self, record)
     if folder := os.environ.get("VRL_TEST_CHECKSUMS"):
-        with open(Path(folder) / f"rank{RANK}.txt", "a") as f:
+        with open(Path(folder) / f"rank{_rank()}.txt", "a") as f:
             f.write(f"{len(self.history.iterations)} {self.host.checksum()}\n")
 
 
@@ -59,12 +61,14 @@ def counted_check(self, attempt):
     if os.environ.get("VRL_TEST_VERIFIER_ERROR") == str(attempt.completion.variant):
         raise RuntimeError(f"the test's verifier fails on member {attempt.completion.variant}")
     verdict = check(self, attempt)
-    return verdict.model_copy(update={"metrics": {**verdict.metrics, f"test/verified_by_rank{RANK}": 1.0}})
+    return verdict.model_copy(update={"metrics": {**verdict.metrics, f"test/verified_by_rank{_rank()}": 1.0}})
 
 
-check = LettersVerifier.check
-ES._apply, ES._follow_sample_share = recorded_apply, killed_share
-LettersVerifier.check = counted_check
-
-if __name__ == "__main__":
-    main()
+@contextlib.contextmanager
+def patched() -> Iterator[None]:
+    """ES and the letters verifier instrumented as above inside the block; the originals back after."""
+    ES._apply, ES._follow_sample_share, LettersVerifier.check = recorded_apply, killed_share, counted_check
+    try:
+        yield
+    finally:
+        ES._apply, ES._follow_sample_share, LettersVerifier.check = apply, share, check

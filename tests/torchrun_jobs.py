@@ -1,0 +1,111 @@
+"""Several `vrl` commands one after another in one `torchrun` launch (a test helper, not a test module).
+
+A launch costs its agent a start and every rank its interpreter, torch and transformers: several
+CPU-seconds each, more than a small job itself. Tests that need several jobs on the same world size
+therefore run them in one launch, in order, each through the real entry point (`vrl.cli.main`, exit
+status and all), as `torchrun … -m vrl.cli …` would run each alone:
+
+    torchrun --nproc-per-node 2 tests/torchrun_jobs.py JOBS.json
+
+JOBS.json: `{"patch": MODULE or null, "jobs": [{"args": [...], "env": {...}, "patch": MODULE}, ...]}`.
+`patch` names a module whose `patched()` context is held around every job (a test's instrumentation, e.g.
+tests/es_torchrun_patches.py), or, given in a job, around that job; each job's `env` is set for that job
+only. Before each job rank 0 writes
+a line `=== job N ===` to stdout and stderr (`split` cuts its agent's output at them). A job that exits with a
+non-zero status ends the launch with that status and the jobs after it do not run, so a job meant
+to fail comes last.
+
+The first job sets up its process group through torch's own rendezvous, as a launch of one job does.
+Each later job's group is set up under a key prefix of its own in the launcher's store
+(`fresh_group`): re-initialising under the same keys would read the previous group's addresses, and a
+rank that started early would connect to a port already closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+
+MARK = "=== job {} ==="
+
+
+@contextlib.contextmanager
+def fresh_group(index: int) -> Iterator[None]:
+    """Inside the block, `torch.distributed.init_process_group` called as vrl calls it (backend and
+    timeout, no store) starts the default group under the prefix `job-{index}` of the launcher's store."""
+    import torch.distributed as dist
+
+    init = dist.init_process_group
+
+    def prefixed(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None, **kwargs):
+        if store is None and init_method is None:
+            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                   timeout=datetime.timedelta(seconds=300))
+            store = dist.PrefixStore(f"job-{index}", client)
+            world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        return init(backend, init_method=init_method, timeout=timeout, world_size=world_size, rank=rank, store=store,
+                    **kwargs)
+
+    dist.init_process_group = prefixed
+    try:
+        yield
+    finally:
+        dist.init_process_group = init
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """`env` set in this process's environment inside the block, and the previous values back after."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def split(output: str) -> list[str]:
+    """An output of a launch of this script, cut into each job's part (in job order)."""
+    parts = output.split("\n")
+    jobs: list[list[str]] = []
+    for line in parts:
+        if line.startswith("=== job ") and line.endswith(" ==="):
+            jobs.append([])
+        elif jobs:
+            jobs[-1].append(line)
+    return ["\n".join(lines) for lines in jobs]
+
+
+def run(spec: dict) -> int:
+    """Every job of `spec` in order; the first non-zero exit status, or 0."""
+    from vrl.cli import main
+
+    with contextlib.ExitStack() as stack:
+        if spec.get("patch"):
+            stack.enter_context(importlib.import_module(spec["patch"]).patched())
+        for i, job in enumerate(spec["jobs"]):
+            for stream in (sys.stdout, sys.stderr) if os.environ.get("RANK", "0") == "0" else ():
+                print(MARK.format(i), file=stream, flush=True)
+            patch = importlib.import_module(job["patch"]).patched() if job.get("patch") else contextlib.nullcontext()
+            with environment(job.get("env", {})), (fresh_group(i) if i else contextlib.nullcontext()), patch:
+                try:
+                    main.main(job["args"], prog_name="vrl")  # standalone: exits as `vrl` does
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                    if code:
+                        return code
+    return 0
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        sys.exit(run(json.load(f)))
