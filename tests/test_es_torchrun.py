@@ -65,14 +65,16 @@ def one_process(args: list[str], checksums: Path, env: dict[str, str] | None = N
 
 
 def launch(jobs: list[tuple[list[str], Path, dict[str, str]]], ranks: int, nodes: int = 1,
-           check: bool = True) -> tuple[int, list[str]]:
-    """`jobs` (arguments, checksum folder, the job's own variables) one after another in one process
+           check: bool = True, then: dict[int, str] | None = None) -> tuple[int, list[str]]:
+    """`jobs` (arguments, checksum folder, the job's own variables; `then`: {job index: "continue"} for a
+    job that fails on rank 0 alone, tests/torchrun_jobs.py) one after another in one process
     (`ranks=1`) or one torchrun launch: `ranks` processes on one node, or `nodes` agents of `ranks // nodes` processes each (as on `nodes`
     hosts). Returns node 0's agent's exit status and rank 0's output (stdout and stderr) of each job run."""
     path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "VRL_TEST_VERIFIER_ERROR": "1"}
     spec = {"patch": "tests.es_torchrun_patches",
-            "jobs": [{"args": args, "env": {"VRL_TEST_CHECKSUMS": str(sums), **extra}} for args, sums, extra in jobs]}
+            "jobs": [{"args": args, "env": {"VRL_TEST_CHECKSUMS": str(sums), **extra}, "then": (then or {}).get(i)}
+                     for i, (args, sums, extra) in enumerate(jobs)]}
     for _, sums, _ in jobs:
         sums.mkdir(parents=True, exist_ok=True)
     spec_file = jobs[0][1].parent / f"jobs-{len(list(jobs[0][1].parent.glob('jobs-*.json')))}.json"
@@ -153,20 +155,24 @@ def launches(tmp_path_factory):
     """The module's two launches, their jobs' folders and outputs. On two nodes of one process each: the
     first 3 iterations of the resumed run ("resumed"), then the run whose rank 1 is killed in its second
     iteration ("killed"; the launch ends there). On 3 ranks of one node: "resumed" continued to its 4th
-    iteration, then the low-rank run whose rank 2 drifts ("drift"; the run ends there)."""
+    iteration, the low-rank run of 2 iterations whose rank 2 misapplies the last update ("drift_last"; it
+    fails on rank 0, the ranks go on), then the low-rank run whose rank 2 drifts ("drift"; the run ends there)."""
     tmp = tmp_path_factory.mktemp("es_launches")
-    dirs = {name: (tmp / name / "runs", tmp / name / "sums") for name in ("resumed", "killed", "drift")}
+    dirs = {name: (tmp / name / "runs", tmp / name / "sums") for name in ("resumed", "killed", "drift", "drift_last")}
     (runs, sums), (killed_runs, killed_sums) = dirs["resumed"], dirs["killed"]
     code, (resumed, killed) = launch([(job(runs, 3), sums, {}),
                                       (job(killed_runs, 3), killed_sums, {"VRL_TEST_KILL": "1:1"})],
                                      ranks=2, nodes=2, check=False)
     out = {"resumed": [resumed], "killed": (code, killed)}
-    drift_runs, drift_sums = dirs["drift"]
-    code, (resumed, drift) = launch([(job(runs, 4, resume=runs / "es"), sums, {}),
-                                     (job(drift_runs, 3, extra=LOWRANK), drift_sums, {"VRL_TEST_DRIFT": "2:1"})],
-                                    ranks=3, check=False)
+    (drift_runs, drift_sums), (last_runs, last_sums) = dirs["drift"], dirs["drift_last"]
+    code, (resumed, drift_last, drift) = launch(
+        [(job(runs, 4, resume=runs / "es"), sums, {}),
+         (job(last_runs, 2, extra=LOWRANK), last_sums, {"VRL_TEST_DRIFT": "2:1"}),
+         (job(drift_runs, 3, extra=LOWRANK), drift_sums, {"VRL_TEST_DRIFT": "2:1"})],
+        ranks=3, check=False, then={1: "continue"})
     out["resumed"].append(resumed)
     out["drift"] = (code, drift)
+    out["drift_last"] = drift_last
     return dirs, out
 
 
@@ -245,6 +251,17 @@ def test_a_rank_whose_weights_drift_stops_the_run_in_one_line_naming_it(launches
     got = record(runs / "es", sums)
     assert {k: got[k] for k in ("rewards", "samples", "history")} == prefix(one, 2)
     assert got["checksums"]["rank1"][1] == got["checksums"]["rank2"][1] == one["checksums"]["rank0"][1]
+    assert got["checksums"]["rank1"][2] == one["checksums"]["rank0"][2] != got["checksums"]["rank2"][2]
+    # The same nudge on a run of 2 iterations: its last update, which no share follows, is compared once the
+    # run has trained them all (`Optimizer.finish`), and the run is recorded as failed with the same line.
+    runs, sums = dirs["drift_last"]
+    last = out["drift_last"]
+    line = "rank 2's weights differ from rank 0's after iteration 1, the run's last"
+    assert line in last, last[-4000:]
+    summary = json.loads((runs / "es" / "summary.json").read_text())
+    assert summary["status"] == "failed" and line in summary["error"] and summary["iterations_completed"] == 2
+    got = record(runs / "es", sums)
+    assert {k: got[k] for k in ("rewards", "samples", "history")} == prefix(one, 2)
     assert got["checksums"]["rank1"][2] == one["checksums"]["rank0"][2] != got["checksums"]["rank2"][2]
 
 

@@ -13,7 +13,9 @@ tests/es_torchrun_patches.py), or, given in a job, around that job; each job's `
 only. Before each job rank 0 writes
 a line `=== job N ===` to stdout and stderr (`split` cuts its agent's output at them). A job that exits with a
 non-zero status ends the launch with that status and the jobs after it do not run, so a job meant
-to fail comes last.
+to fail comes last; one that fails on rank 0 alone and releases the other ranks as a run does (an error
+raised in rank 0's loop, not a dead rank) may go earlier with `"then": "continue"`: the jobs after it
+run, and the launch exits with the first non-zero status.
 
 The first job sets up its process group through torch's own rendezvous, as a launch of one job does.
 Each later job's group is set up under a key prefix of its own in the launcher's store
@@ -89,6 +91,8 @@ def run(spec: dict) -> int:
     """Every job of `spec` in order; the first non-zero exit status, or 0."""
     from vrl.cli import main
 
+    first = 0
+
     with contextlib.ExitStack() as stack:
         if spec.get("patch"):
             stack.enter_context(importlib.import_module(spec["patch"]).patched())
@@ -101,9 +105,10 @@ def run(spec: dict) -> int:
                     main.main(job["args"], prog_name="vrl")  # standalone: exits as `vrl` does
                 except SystemExit as exc:
                     code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-                    if code:
+                    if code and job.get("then") != "continue":
                         return code
-    return 0
+                    first = first or code
+    return first
 
 
 if __name__ == "__main__":
