@@ -15,19 +15,21 @@ from vrl.plugins import registry
 torch.set_num_threads(1)
 
 
-# The longest test files, in seconds of test time (the sum of `--durations` per file, 4 workers on the
-# 2-core machine, loaded; docs/testing.md). scripts/test hands files to pytest-xdist's workers longest
+# The longest test files, in seconds of test time (each file's tests' times summed from a junit report of
+# `./.ci/run` on a fresh clone: 4 workers on the idle 2-core machine, session 19; docs/testing.md). scripts/test hands files to pytest-xdist's workers longest
 # first (`--dist loadfile --no-loadscope-reorder`): a long file that starts last keeps one worker busy
 # after the others have finished. Only the order depends on these figures; a file not named here runs
 # after them, in collection order. Refresh them when a file's cost changes by much.
-LONGEST = {"tests/test_grpo_compile.py": 450, "tests/test_grpo_fsdp.py": 250, "tests/test_driver_process.py": 210,
-           "tests/test_modal_emulated_lease.py": 190, "tests/test_guess.py": 170, "tests/test_modal_generation.py": 150,
-           "tests/test_modal_emulated_detached.py": 150, "tests/test_modal_emulated_scale.py": 130,
-           "tests/test_es_torchrun.py": 120, "tests/test_sinks.py": 120, "tests/test_modal_emulated_volumes.py": 100,
-           "tests/test_modal_emulated_sandboxes.py": 100, "tests/test_modal_app.py": 100, "tests/test_cli_errors.py": 90,
-           "tests/test_modal_emulated_containers.py": 80, "tests/test_python_api.py": 80, "tests/test_cli_day_one.py": 70,
-           "tests/test_modal_emulator.py": 70, "tests/test_episodes_torchrun.py": 60,
-           "plugins/lean/tests/test_lean_health.py": 60, "tests/test_search_plugin.py": 50}
+LONGEST = {"tests/test_grpo_compile.py": 200, "tests/test_grpo_fsdp.py": 150, "tests/test_driver_process.py": 120,
+           "tests/test_modal_emulated_lease.py": 100, "tests/test_modal_emulated_scale.py": 90,
+           "tests/test_modal_generation.py": 90, "tests/test_cli_errors.py": 70,
+           "tests/test_modal_emulated_detached.py": 70, "tests/test_sinks.py": 60, "tests/test_guess.py": 60,
+           "tests/test_modal_emulated_sandboxes.py": 60, "tests/test_modal_emulator.py": 50,
+           "tests/test_python_api.py": 40, "tests/test_modal_emulated_containers.py": 40,
+           "tests/test_es_torchrun.py": 30, "plugins/lean/tests/test_lean_recheck.py": 30,
+           "tests/test_modal_app.py": 30, "plugins/lean/tests/test_lean_health.py": 30,
+           "tests/test_modal_emulated_volumes.py": 30, "tests/test_cli_day_one.py": 20, "tests/test_grpo.py": 20,
+           "plugins/lean/tests/test_lean_env.py": 20, "tests/test_es_trainer.py": 20, "tests/test_report.py": 20}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
