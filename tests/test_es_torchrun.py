@@ -241,28 +241,28 @@ def test_a_rank_whose_weights_drift_stops_the_run_in_one_line_naming_it(launches
     dirs, out = launches
     one_process(job(tmp_path / "one", 2, extra=LOWRANK), tmp_path / "sums-one")
     one = record(tmp_path / "one" / "es", tmp_path / "sums-one")
-    runs, sums = dirs["drift"]
     code, output = out["drift"]
     assert code != 0
-    line = "rank 2's weights differ from rank 0's after iteration 1"
+    got = drifted(dirs["drift"], output, "rank 2's weights differ from rank 0's after iteration 1", one)
+    assert got["checksums"]["rank1"][1] == got["checksums"]["rank2"][1] == one["checksums"]["rank0"][1]
+    # The same nudge on a run of 2 iterations: its last update, which no share follows, is compared once the
+    # run has trained them all (`Optimizer.finish`), and the run is recorded as failed with the same line.
+    drifted(dirs["drift_last"], out["drift_last"], "rank 2's weights differ from rank 0's after iteration 1, the run's last",
+            one)
+
+
+def drifted(folders: tuple[Path, Path], output: str, line: str, one: dict) -> dict:
+    """A run whose rank 2 misapplied its second update (of the launch's `folders`: runs, checksums): `line`
+    on rank 0's console and in its failed summary, its two iterations equal `one`'s, and after the second
+    update rank 1's θ is one's while rank 2's is not. Returns the run's record."""
+    runs, sums = folders
     assert line in output, output[-4000:]
     summary = json.loads((runs / "es" / "summary.json").read_text())
     assert summary["status"] == "failed" and line in summary["error"] and summary["iterations_completed"] == 2
     got = record(runs / "es", sums)
     assert {k: got[k] for k in ("rewards", "samples", "history")} == prefix(one, 2)
-    assert got["checksums"]["rank1"][1] == got["checksums"]["rank2"][1] == one["checksums"]["rank0"][1]
     assert got["checksums"]["rank1"][2] == one["checksums"]["rank0"][2] != got["checksums"]["rank2"][2]
-    # The same nudge on a run of 2 iterations: its last update, which no share follows, is compared once the
-    # run has trained them all (`Optimizer.finish`), and the run is recorded as failed with the same line.
-    runs, sums = dirs["drift_last"]
-    last = out["drift_last"]
-    line = "rank 2's weights differ from rank 0's after iteration 1, the run's last"
-    assert line in last, last[-4000:]
-    summary = json.loads((runs / "es" / "summary.json").read_text())
-    assert summary["status"] == "failed" and line in summary["error"] and summary["iterations_completed"] == 2
-    got = record(runs / "es", sums)
-    assert {k: got[k] for k in ("rewards", "samples", "history")} == prefix(one, 2)
-    assert got["checksums"]["rank1"][2] == one["checksums"]["rank0"][2] != got["checksums"]["rank2"][2]
+    return got
 
 
 @pytest.mark.gpu
