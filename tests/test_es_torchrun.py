@@ -18,11 +18,8 @@ torch threads are 1, as in the ranks (tests/conftest.py), so the arithmetic is t
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,7 +27,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from tests import es_torchrun_patches
+from tests import es_torchrun_patches, torchrun_jobs
 from tests.torchrun_jobs import split
 from vrl.cli import main
 
@@ -70,8 +67,6 @@ def launch(jobs: list[tuple[list[str], Path, dict[str, str]]], ranks: int, nodes
     job that fails on rank 0 alone, tests/torchrun_jobs.py) one after another in one process
     (`ranks=1`) or one torchrun launch: `ranks` processes on one node, or `nodes` agents of `ranks // nodes` processes each (as on `nodes`
     hosts). Returns node 0's agent's exit status and rank 0's output (stdout and stderr) of each job run."""
-    path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "VRL_TEST_VERIFIER_ERROR": "1"}
     spec = {"patch": "tests.es_torchrun_patches",
             "jobs": [{"args": args, "env": {"VRL_TEST_CHECKSUMS": str(sums), **extra}, "then": (then or {}).get(i)}
                      for i, (args, sums, extra) in enumerate(jobs)]}
@@ -79,34 +74,15 @@ def launch(jobs: list[tuple[list[str], Path, dict[str, str]]], ranks: int, nodes
         sums.mkdir(parents=True, exist_ok=True)
     spec_file = jobs[0][1].parent / f"jobs-{len(list(jobs[0][1].parent.glob('jobs-*.json')))}.json"
     spec_file.write_text(json.dumps(spec))
-    with socket.socket() as s:  # a free port: two test sessions on one machine must not meet
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks // nodes)]
+    cmds, env = torchrun_jobs.commands(JOBS, str(spec_file), ranks=ranks, nodes=nodes,
+                                       env={"VRL_TEST_VERIFIER_ERROR": "1"})
     if ranks == 1:  # one process of its own, without torchrun (an engine that must not share this one's GPU)
         cmds = [[sys.executable, JOBS, str(spec_file)]]
-    elif nodes == 1:
-        cmds = [[*run, "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", JOBS,
-                 str(spec_file)]]
-    else:
-        cmds = [[*run, "--nnodes", str(nodes), "--node-rank", str(i), "--master-addr", "127.0.0.1",
-                 "--master-port", str(port), JOBS, str(spec_file)] for i in range(nodes)]
-    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
-             for c in cmds]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=300 * len(jobs)))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    done = torchrun_jobs.agents(cmds, env, timeout=300 * len(jobs))
     if check:
-        for p, (out, err) in zip(procs, outs):
-            assert p.returncode == 0, out[-3000:] + err[-6000:]
-    out, err = outs[0]
-    return procs[0].returncode, [o + e for o, e in zip(split(out), split(err))]
+        for p in done:
+            assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    return done[0].returncode, [o + e for o, e in zip(split(done[0].stdout), split(done[0].stderr))]
 
 
 def record(run: Path, checksums: Path) -> dict:

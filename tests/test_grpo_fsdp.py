@@ -14,14 +14,9 @@ with SIGTERM is a fact about the launch itself: that test has a launch of its ow
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,10 +25,10 @@ from click.testing import CliRunner
 from rich.console import Console
 from safetensors.torch import load_file
 
+from tests import torchrun_jobs
 from tests.test_cli_errors import sigterm_after_an_iteration
 from tests.test_grpo import capture_grads, make_generator, sample_results
 from tests.torchrun_jobs import split
-from vrl import reaper
 from vrl.cli import main as cli_main
 from vrl.envs.letters import LettersEnvironment
 from vrl.optim.grpo import GRPO, GRPOConfig
@@ -55,48 +50,21 @@ def torchrun(*args: str, timeout: int = 600, nodes: int = 1, check: bool = True)
     agent of its own. Returns node 0's agent's output; with `check`, every agent must exit with 0. A
     launch still running after `timeout` seconds fails the test, its ranks killed."""
     cmds, env = launch(*args, nodes=nodes)
-    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
-             for c in cmds]
-    outs = []
     try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            ranks = reaper.tree(reaper.children(p.pid))  # torchrun starts each rank in a session of its own
-            p.kill()
-            for pid, _ in ranks:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        pytest.fail(f"the launch still ran after {timeout} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:  # the other agent failed first
-                p.kill()
-                p.communicate()
+        done = torchrun_jobs.agents(cmds, env, timeout)
+    except TimeoutError as exc:
+        pytest.fail(str(exc))
     if check:
-        for p, (out, err) in zip(procs, outs):
-            assert p.returncode == 0, out[-3000:] + err[-6000:]
-    return subprocess.CompletedProcess(cmds[0], procs[0].returncode, *outs[0])
+        for p in done:
+            assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    return done[0]
 
 
 def launch(*args: str, nodes: int = 1) -> tuple[list[list[str]], dict[str, str]]:
-    """`torchrun`'s command per node (see `torchrun`) on a free port, and their environment."""
-    path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
-    # TORCHINDUCTOR_COMPILE_THREADS=1: a rank that compiles (grpo.compile) does so in its own process, without a
-    # pool of compile workers that would each import torch (tests/test_grpo_compile.py says why)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONPATH": path}
-    with socket.socket() as s:  # a free port: two test sessions on one machine must not meet
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    run = [sys.executable, "-m", "torch.distributed.run"]
-    if nodes == 1:
-        cmds = [[*run, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                 "--rdzv-endpoint", f"127.0.0.1:{port}", *args]]
-    else:
-        cmds = [[*run, "--nnodes", str(nodes), "--nproc-per-node", "1", "--node-rank", str(i),
-                 "--master-addr", "127.0.0.1", "--master-port", str(port), *args] for i in range(nodes)]
-    return cmds, env
+    """`torchrun`'s command per node (see `torchrun`) on a free port, and their environment.
+    TORCHINDUCTOR_COMPILE_THREADS=1: a rank that compiles (grpo.compile) does so in its own process, without a
+    pool of compile workers that would each import torch (tests/test_grpo_compile.py says why)."""
+    return torchrun_jobs.commands(*args, ranks=2, nodes=nodes, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
 
 
 BUCKET_LIMIT = 40_000  # "separate": the published weights gathered in buckets of 40 kB (the tiny model takes several)

@@ -30,10 +30,62 @@ import datetime
 import importlib
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 MARK = "=== job {} ==="
+ROOT = Path(__file__).parent.parent  # the repository: the launches' working folder, on their PYTHONPATH
+
+
+def commands(*args: str, ranks: int = 2, nodes: int = 1,
+             env: dict[str, str] | None = None) -> tuple[list[list[str]], dict[str, str]]:
+    """`torchrun`'s command per node on a free port, as a user starts `ranks` ranks: one node of `ranks`
+    processes (`--nnodes 1`, c10d rendezvous), or `nodes` agents of `ranks // nodes` processes each
+    (`--nnodes N --node-rank i`, as on N hosts, here sharing this machine's filesystem); and their
+    environment: this process's, one OMP thread, the repository on PYTHONPATH, then `env`."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
+    with socket.socket() as s:  # a free port: two test sessions on one machine must not meet
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks // nodes)]
+    if nodes == 1:
+        return [[*run, "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                 *args]], environment
+    return [[*run, "--nnodes", str(nodes), "--node-rank", str(i), "--master-addr", "127.0.0.1",
+             "--master-port", str(port), *args] for i in range(nodes)], environment
+
+
+def agents(cmds: list[list[str]], env: dict[str, str], timeout: float) -> list[subprocess.CompletedProcess]:
+    """Start every command of `cmds` (a launch's agents, or one plain process) and wait for all. One still
+    running after `timeout` seconds is killed with its ranks (torchrun starts each rank in a session of its
+    own, so they would outlive it) and TimeoutError raised; an agent left when another failed is killed."""
+    from vrl import reaper
+
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for c in cmds]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            ranks = reaper.tree(reaper.children(p.pid))
+            p.kill()
+            for pid, _ in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        raise TimeoutError(f"the launch still ran after {timeout} s") from None
+    finally:
+        for p in procs:
+            if p.poll() is None:  # the other agent failed first
+                p.kill()
+                p.communicate()
+    return [subprocess.CompletedProcess(c, p.returncode, *out) for c, p, out in zip(cmds, procs, outs)]
 
 
 @contextlib.contextmanager
