@@ -148,9 +148,13 @@ def test_trained_weights_reach_the_driven_engines_in_shared_memory(pool):
     assert str(err.value) == "published weights do not match the model: unknown ['nope']" and drawn == ["nope"]
 
 
-def test_settings_a_driver_process_cannot_serve_are_refused_before_an_engine_starts():
-    LocalRuntime.check(build(BASE, {"optimizer": "grpo"}))  # hf engines sample weights trained here
+def test_settings_a_driver_process_cannot_serve_are_refused_before_an_engine_starts(monkeypatch):
+    LocalRuntime.check(build(BASE, {"optimizer": "grpo"}))  # hf and vllm engines sample weights trained here
     cfg = build(BASE, {"optimizer": "grpo", "generator": {"backend": "vllm"}})
+    LocalRuntime.check(cfg)
+    from vrl.generate.vllm import VLLMGenerator
+
+    monkeypatch.setattr(VLLMGenerator, "trains_elsewhere", False)  # as a backend that cannot
     for refuse in (lambda: LocalRuntime.check(cfg), lambda: LocalRuntime().policy(cfg, HostNeeds("trained"))):
         with pytest.raises(UsageError, match=r"optimizer=grpo trains weights that generator backend 'vllm' can take "
                                              r"only in the training process .*driver_processes=false$"):
@@ -283,3 +287,62 @@ def test_vllm_engines_in_driver_processes_sample_what_the_in_process_pool_sample
         finally:
             host.close()
     assert seen[True][0] == seen[False][0] and seen[True][1].iterations == seen[False][1].iterations
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'vrl-core[vllm]')")
+def test_a_vllm_engine_in_a_driver_process_samples_the_weights_grpo_trains_here(small_qwen2_dir):
+    """GRPO on vLLM through a driver process: the model trains in this process (GPU 0); `publish` sends
+    its weights to the child as CUDA IPC handles, and the child pushes them on with the transport an
+    engine beside the trainer would use: on GPU 0 by vLLM's CUDA IPC from a copy (torch will not hand on
+    a received CUDA tensor), on GPU 1 (with 2 GPUs) by vLLM's NCCL broadcast straight from the received
+    tensors. After a push of the module and one of a `WeightStream` in buckets, the child's engine
+    samples what the same engine driven in this process samples given the same weights (same seed),
+    with the sampler's log-probs, and both differ from the unpushed weights' samples."""
+    from vrl.optim.grpo import GRPO
+    from vrl.types import Task
+    from vrl.weights.export import weights_for_engine
+
+    tasks = [Task(id=f"t{i}", prompt=p) for i, p in enumerate(["Hello there", "2 + 2 =", "def f(x):", "Q:"])]
+    v = [Variant(index=0, samples_per_task=2)]
+
+    def nudge(model, seed: int) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed * 1000 + i))
+                p.add_(0.02 * noise.to(p.device, p.dtype))
+
+    def buckets(model):
+        weights = weights_for_engine(model)
+        for i in range(0, len(weights), 3):
+            yield weights[i:i + 3]
+
+    for gpu in [0, 1][:torch.cuda.device_count()]:
+        seen = {}
+        for drivers in (True, False):
+            cfg = build({"model": small_qwen2_dir, "optimizer": "grpo", "seed": 3,
+                         "sampling": {"temperature": 1.0, "max_new_tokens": 16, "batch_size": 4},
+                         "generator": {"backend": "vllm", "dtype": "bfloat16", "vllm": {
+                             "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_model_len": 256}},
+                         "runtime": {"local": {"engines": 1, "gpus": [gpu], "driver_processes": drivers}}})
+            LocalRuntime.check(cfg)
+            host = LocalRuntime().policy(cfg, GRPO.from_config(cfg).needs())
+            try:
+                assert (type(host) is DriverHost) == drivers
+                model = host.trainable().model
+                assert next(model.parameters()).device == torch.device("cuda", 0)
+                unpushed = _key(host.sample(tasks, v, seed=1))
+                nudge(model, 1)
+                host.publish(model)
+                first = [c for b in host.sample(tasks, v, seed=1) for c in b]
+                nudge(model, 2)
+                host.publish(WeightStream(buckets(model)))
+                second = _key(host.sample(tasks, v, seed=2))
+                assert host.counters()["sync_s"] > 0
+                assert all(c.logprobs is not None and len(c.logprobs) == len(c.token_ids) for c in first)
+                seen[drivers] = (_key([first]), second)
+                assert seen[drivers][0] != unpushed
+            finally:
+                host.close()
+        assert seen[True] == seen[False], f"GPU {gpu}"

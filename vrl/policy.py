@@ -71,6 +71,9 @@ class HostNeeds:
     spec: PerturbationSpec | None = None  # the perturbations it will declare (seeded perturbations)
     variants: int = 1  # the most variants one `sample` call may carry
     adapter_rank: int = 0  # trained weights: the rank of the LoRA adapter it trains (0: it trains every weight)
+    #: trained weights in another process (a driver process's parent, `vrl.runtime.driver`): the torch
+    #: device they are trained on there, e.g. 'cuda:0' (None: this process's `generator.device`)
+    train_device: str | None = None
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,11 @@ class Generator(PolicyHost):
         only what `publish` sends it (a separate copy). Backends with `trains_elsewhere` implement it."""
         raise Unsupported(f"generator backend {cls.name!r} cannot sample weights trained in another process")
 
+    def trained_elsewhere(self) -> None:
+        """Called in the engine's process once the model GRPO trains has been built in another process
+        (`trainable_elsewhere`, by a driver process's parent): from now on `publish` receives its weights
+        from there. Nothing by default; vLLM starts returning sampling log-probs, as `trainable` does."""
+
     @classmethod
     def engines(cls, config: Any, needs: HostNeeds | None, gpus: Sequence[str | None]) -> list[Generator]:
         """One engine per entry of `gpus` (a GPU index, repeated where engines share a GPU; None: the

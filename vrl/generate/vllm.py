@@ -199,14 +199,18 @@ def lora_targets(model: str, revision: str | None, spec: PerturbationSpec) -> li
     return None if kinds <= chosen else sorted(chosen)
 
 
+def engine_dtype(config: Any) -> str:
+    """The engine's dtype: as the hf backend on a GPU, 'auto' means bfloat16, not the checkpoint's dtype."""
+    return "bfloat16" if config.generator.dtype == "auto" else config.generator.dtype
+
+
 def engine_kwargs(config: Any, model_path: str, needs: HostNeeds | None = None) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for a run's config (one place where every vllm field is read)."""
     g, v = config.generator, config.generator.vllm
     return {**lora_settings(needs, config.model, None if config.model == TINY else g.revision),
         "model": model_path,
         "revision": None if config.model == TINY else g.revision,
-        # As the hf backend on a GPU: 'auto' means bfloat16, not the checkpoint's dtype.
-        "dtype": "bfloat16" if g.dtype == "auto" else g.dtype,
+        "dtype": engine_dtype(config),
         "gpu_memory_utilization": v.gpu_memory_utilization,
         "max_model_len": v.max_model_len,
         "enforce_eager": v.enforce_eager,
@@ -275,6 +279,9 @@ class VLLMGenerator(Generator):
     name = "vllm"
     Config = VLLMConfig
     runs_episodes = True
+    # A driver process's engine takes the trained weights its parent sends as CUDA IPC handles; its
+    # transport pushes them on from there (`PushedWeights`).
+    trains_elsewhere = True
 
     def __init__(
         self,
@@ -371,7 +378,9 @@ class VLLMGenerator(Generator):
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         # A forked engine process cannot use CUDA once this process has touched it (an HF copy, a test).
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        device = "cuda" if g.device == "auto" else g.device
+        # Where the trained copy lives: this process's generator.device, or a driver process's parent's.
+        device = (needs.train_device if needs is not None and needs.train_device else
+                  "cuda" if g.device == "auto" else g.device)
         adapter_rank = needs.adapter_rank if needs is not None and needs.moves == "trained" else 0
         mode = mode_for(needs)
         transfer = _weight_transfer(v.weight_transfer, mode, gpu, device, v.tensor_parallel_size, adapter_rank)
@@ -450,6 +459,29 @@ class VLLMGenerator(Generator):
             raise Unsupported(f"this engine was started in mode {self.mode!r}; a trained copy needs one started with "
                               "the GRPO run's needs (mode 'trained': make_generator(config, optimizer.needs()))")
         return self.mover.trainable()
+
+    @classmethod
+    def trainable_elsewhere(cls, config: Any) -> Trainable:
+        """The HF copy GRPO trains for an engine in a driver process: loaded as `trainable` loads it
+        beside an engine in this process (the run's checkpoint, on generator.device, in the engine's dtype)."""
+        from vrl.generate.hf import load_model_and_tokenizer
+
+        device = "cuda" if config.generator.device == "auto" else config.generator.device
+        model, tokenizer = load_model_and_tokenizer(config.model, device, engine_dtype(config), config.generator.revision)
+        return Trainable(model, tokenizer, config.sampling, separate=True)
+
+    def trained_elsewhere(self) -> None:
+        """The trained copy lives in the parent of this driver process: samples carry the sampler's
+        log-probs (as after `trainable`), and pushes take tensors received by CUDA IPC handle."""
+        if not hasattr(self.mover, "trainable"):
+            raise Unsupported(f"this engine was started in mode {self.mode!r}; a trained copy needs one started with "
+                              "the GRPO run's needs (mode 'trained')")
+        if self.weight_transfer == "adapter":
+            raise Unsupported("generator.vllm.weight_transfer=adapter writes the trained module's LoRA factors from "
+                              "the training process; an engine in a driver process takes whole weights by name: use "
+                              "generator.vllm.weight_transfer=auto, or runtime.local.driver_processes=false")
+        self.logprobs = self.sampling_logprobs
+        self.mover.received = True
 
     def _perturbable(self, spec: PerturbationSpec) -> Any:
         problem = _perturbation_problem(self.sleep, self.tensor_parallel_size)

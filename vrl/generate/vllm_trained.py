@@ -52,6 +52,9 @@ class PushedWeights(Mover):
         self._since_push = 0
         self._native: NativeTransfer | None = None  # vLLM's weight-transfer engine, set up on the first push
         self._adapter: AdapterTransfer | None = None  # the served LoRA adapter ('adapter'), set up likewise
+        # The trained copy lives in another process (a driver process's parent): pushed tensors were
+        # received by CUDA IPC handle, which torch will not share again (`_push_whole` copies them first).
+        self.received = False
 
     def trainable(self) -> Trainable:
         """An HF copy of the model on `generator.device` (loaded once): GRPO trains it, `publish` pushes it.
@@ -107,6 +110,8 @@ class PushedWeights(Mover):
         """Every weight, bucket by bucket, by vLLM's native transfer ('ipc', 'nccl': one update session) or
         vrl's loader ('extension': one load per bucket); a bucket may be freed once the next is drawn."""
         engine = self.engine
+        if self.received and engine.weight_transfer != "nccl":  # (NCCL broadcasts them as they are)
+            buckets = (_own(bucket) for bucket in buckets)
         if engine.weight_transfer in ("ipc", "nccl"):
             if self._native is None:
                 self._native = NativeTransfer(engine.llm, engine.weight_transfer, engine.train_device,
@@ -381,6 +386,12 @@ class NativeTransfer:
         received = _in_thread(self.llm.update_weights, {"update_info": update})
         NCCLWeightTransferEngine.trainer_send_weights(iter(weights), {"group": self._group, "packed": True})
         received()
+
+
+def _own(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """`bucket` with each CUDA tensor copied on its GPU: torch refuses to hand on a CUDA tensor this process
+    received from another by IPC handle ("Attempted to send CUDA tensor received from another process")."""
+    return [(name, t.clone() if t.is_cuda else t) for name, t in bucket]
 
 
 def _release_shared() -> None:

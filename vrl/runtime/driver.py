@@ -13,12 +13,15 @@ What crosses the boundary (pickled through a pipe; tensors through shared memory
 sampling seed; completion batches as the child's engine yields them; the `PerturbationSpec`; seeded
 updates as their `to_wire` data (seeds and coefficients); θ for `state`/`load_state` (snapshots,
 resume); counters. GRPO trains a model in this process (`Generator.trainable_elsewhere`, for a backend
-that `trains_elsewhere`: hf) and `publish` sends its weights bucket by bucket, each bucket's tensors in
+that `trains_elsewhere`: hf, vllm) and `publish` sends its weights bucket by bucket, each bucket's tensors in
 shared memory (CPU) or as CUDA IPC handles, so no bucket is copied through the pipe and the next is
-drawn only once the child has loaded this one. vLLM engines push trained weights from the trainer's
-own process (their transports), and multi-turn episodes run their environment beside the engine: such
-runs keep their engines in this process (one line refuses the setting: GRPO on vLLM in
-`LocalRuntime.check`, episodes when the loop attaches them).
+drawn only once the child has loaded this one. The child learns where the trained copy lives
+(`HostNeeds.train_device`) and is told when it exists (`Generator.trained_elsewhere`): a vLLM engine
+then pushes what it received with the transport it would use beside the trainer (an NCCL broadcast to
+an engine on another GPU straight from the received tensors; CUDA IPC or vrl's loader, on the
+trainer's GPU, from a copy made in the child, as torch will not hand on a received CUDA tensor).
+Multi-turn episodes run their environment beside the engine: such runs keep their engines in this
+process (one line refuses the setting when the loop attaches them).
 
 Errors: an exception in the child is raised here as the same exception (type and one-line message;
 its traceback is attached as a note). A child that dies (killed, out of memory, a crash in native
@@ -30,6 +33,7 @@ however it ends (Ctrl-C, SIGKILL), along with the engine processes the child sta
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -87,6 +91,9 @@ class DriverHost(PolicyHost):
 
     def __init__(self, config: Any, needs: HostNeeds | None, gpu: str | None, label: str):
         from vrl.config import dump
+
+        if needs is not None and needs.moves == "trained" and needs.train_device is None:
+            needs = dataclasses.replace(needs, train_device=trainer_device(config))
 
         self.name = f"driver process of {label}"
         self.label = label
@@ -227,7 +234,9 @@ class DriverHost(PolicyHost):
         if self._trainable is None:
             from vrl.generate import generator_class
 
-            self._trainable = generator_class(self.config.generator.backend).trainable_elsewhere(self.config)
+            trainable = generator_class(self.config.generator.backend).trainable_elsewhere(self.config)
+            self._call("trained_elsewhere")
+            self._trainable = trainable
         return self._trainable
 
     def publish(self, model: Any) -> None:
@@ -245,6 +254,7 @@ class DriverHost(PolicyHost):
             kind, value = self._recv("publish")
             remaining = iter(buckets)
             while kind == "next":  # the next bucket is drawn only when the engine asks for it
+                _release_shared()
                 bucket = next(remaining, _END)
                 self._send(("end", ()) if bucket is _END else ("bucket", bucket), "publish")
                 kind, value = self._recv("publish")
@@ -288,6 +298,29 @@ class DriverHost(PolicyHost):
         self._proc.join(1)
         reaper.release(self._started)
         self._conn.close()
+
+
+def trainer_device(config: Any) -> str:
+    """The device GRPO's copy is trained on in this process (`trainable_elsewhere` loads it on
+    generator.device), a GPU named by its index here: the child sees the same GPUs, numbered alike."""
+    from vrl.generate.hf import resolve_device
+
+    device = resolve_device(config.generator.device)
+    if device.type == "cuda" and device.index is None:
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+def _release_shared() -> None:
+    """Free the CUDA blocks this process shared that the child has let go of (torch keeps them until
+    `ipc_collect`): the buckets of a push are held about one at a time."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
 
 
 def _raised(data: tuple[Any, str], label: str) -> BaseException:
