@@ -39,9 +39,8 @@ class LocalConfig(Section):
         False,
         description="Drive each engine from a process of its own (commands, completions, seeded updates and trained "
         "weights in shared memory cross), so the engines' Python-side work does not compete for one interpreter "
-        "with each other and the loop. GRPO on the hf backend only (vllm pushes trained weights from the training "
-        "process); no multi-turn episodes; one engine per GPU. Off by default until GPU measurements favour it "
-        "(docs/vllm.md).",
+        "with each other and the loop. No multi-turn episodes; one engine per GPU. Off by default: it pays for GRPO "
+        "under FSDP2 with an asynchronous loop and the engine on a GPU of its own (docs/vllm.md).",
     )
 
 
