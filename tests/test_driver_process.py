@@ -11,11 +11,13 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -146,6 +148,59 @@ def test_trained_weights_reach_the_driven_engines_in_shared_memory(pool):
     with pytest.raises(ValueError) as err:
         pool.hosts[1].publish(WeightStream(buckets([("nope", torch.zeros(1)), *halved])))
     assert str(err.value) == "published weights do not match the model: unknown ['nope']" and drawn == ["nope"]
+
+
+class _Engine:
+    """A host whose stream yields `batches` batches of one large completion each (more than the pipe
+    holds), recording how far its engine got and whether its stream was closed."""
+
+    def __init__(self, batches: int):
+        self.batches, self.made, self.closed, self.done = batches, 0, False, threading.Event()
+
+    def sample(self, tasks, variants, seed=None):
+        try:
+            for i in range(self.batches):
+                self.made += 1
+                yield [{"batch": i, "text": "x" * 4_000_000}]
+            self.done.set()
+        finally:
+            self.closed = True
+
+
+def _child_stream(engine: _Engine):
+    """`driver._stream` as the child runs it, over a real pipe, in a thread; returns (the parent's end,
+    the thread, what `_stream` returned)."""
+    from vrl.runtime import driver
+
+    parent, child = multiprocessing.Pipe()
+    returned = []
+    thread = threading.Thread(target=lambda: returned.append(driver._stream(child, engine, [], [], None)), daemon=True)
+    thread.start()
+    return parent, thread, returned
+
+
+def test_a_child_keeps_its_engine_going_while_the_parent_is_slow_to_read_and_stops_it_when_asked():
+    """The child draws its engine's stream into a queue in a thread of its own: every batch is made
+    while the parent has read none (each batch is larger than the pipe holds, so a child that sent as
+    it drew would wait on the first); the parent then gets them all, in order, and the end. Asked to
+    stop after the first batch, the child closes the engine's stream and ends with ("end",)."""
+    engine = _Engine(3)
+    parent, thread, returned = _child_stream(engine)
+    assert engine.done.wait(30), f"the engine made {engine.made} of 3 batches while the parent did not read"
+    got = [parent.recv() for _ in range(4)]
+    thread.join(30)
+    assert [(k, v[0]["batch"] if k == "batch" else v) for k, v in got] == [
+        ("batch", 0), ("batch", 1), ("batch", 2), ("end", None)]
+    assert returned == [False] and engine.closed
+
+    engine = _Engine(1000)
+    parent, thread, returned = _child_stream(engine)
+    assert parent.recv()[0] == "batch"
+    parent.send(("abort", ()))
+    while (message := parent.recv())[0] == "batch":  # as DriverHost.sample drains after an abort
+        pass
+    thread.join(30)
+    assert message == ("end", None) and returned == [False] and engine.closed and engine.made < 1000
 
 
 def test_settings_a_driver_process_cannot_serve_are_refused_before_an_engine_starts(monkeypatch):

@@ -38,6 +38,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import threading
 import time
@@ -404,20 +405,45 @@ def _buckets(conn: Connection) -> Iterator[list[tuple[str, Any]]]:
 
 def _stream(conn: Connection, host: PolicyHost, tasks: list[Task], variants: list[Variant], seed: int | None
             ) -> bool:
-    """One `sample` call: every batch, then ("end",) or ("err", ...). Between batches, a message from
-    the parent stops it (abort, or close). Returns whether the parent asked to close."""
-    stream = host.sample(tasks, variants, seed)
+    """One `sample` call: every batch, then ("end",) or ("err", ...). The engine's stream is drawn in a
+    thread of its own into a queue, so the engine keeps going while the parent is slow to read (a batch
+    is larger than the pipe holds, and the parent reads beside its trainer); this thread only sends.
+    After each batch sent, a message from the parent stops it (abort, or close): the stream stops after
+    the batch it is on and what it queued is dropped. Returns whether the parent asked to close."""
+    batches: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def produce() -> None:
+        end: tuple[str, Any] = ("end", None)
+        try:
+            stream = host.sample(tasks, variants, seed)
+            try:
+                for batch in stream:
+                    batches.put(("batch", batch))
+                    if stop.is_set():
+                        break
+            finally:
+                stream.close()
+        except Exception as exc:  # noqa: BLE001 - the parent raises it
+            end = ("err", exc)
+        batches.put(end)
+
+    producer = threading.Thread(target=produce, name="vrl-driver-stream", daemon=True)
+    producer.start()
     closing = False
     try:
-        for batch in stream:
-            conn.send(("batch", batch))
-            if conn.poll():
-                closing = conn.recv()[0] == "close"
-                break
-    except Exception as exc:  # noqa: BLE001 - the parent raises it
-        stream.close()
-        conn.send(("err", _wire_error(exc)))
-        return False
-    stream.close()
-    conn.send(("end", None))
-    return closing
+        while True:
+            kind, value = batches.get()
+            if kind == "batch":
+                if stop.is_set():
+                    continue  # the parent stopped reading batches
+                conn.send(("batch", value))
+                if conn.poll():
+                    closing = conn.recv()[0] == "close"
+                    stop.set()
+                continue
+            conn.send(("err", _wire_error(value)) if kind == "err" and not stop.is_set() else ("end", None))
+            return closing
+    finally:  # also when the parent is gone: the engine is not left mid-stream in another thread
+        stop.set()
+        producer.join()
