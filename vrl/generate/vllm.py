@@ -473,7 +473,7 @@ class VLLMGenerator(Generator):
     def trained_elsewhere(self) -> None:
         """The trained copy lives in the parent of this driver process: samples carry the sampler's
         log-probs (as after `trainable`), and pushes take tensors received by CUDA IPC handle."""
-        if not hasattr(self.mover, "trainable"):
+        if self.mode != "trained":
             raise Unsupported(f"this engine was started in mode {self.mode!r}; a trained copy needs one started with "
                               "the GRPO run's needs (mode 'trained')")
         if self.weight_transfer == "adapter":
