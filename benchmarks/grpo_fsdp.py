@@ -17,8 +17,8 @@ last (the policy alone at these sizes; deleted after each run). Runs go interlea
 From each run's metrics.jsonl, the first iteration left out as warm-up: `update_s` (rank 0's `tell`:
 the batch's broadcast, forward, backward, AdamW, the weights' publish to the sampler), the sequences'
 tokens (prompt + completion; prompts from samples.jsonl, tokenized as the generator does) and the loss
-tokens (`grpo/trained_tokens`). Reported per N: median update seconds, tokens/s, their ratio to N=1's
-(goal ≥ 1.8 at N=2), MFU = 6 · params · tokens / update_s / (N · 989.4e12) (benchmarks/grpo_step.py's
+tokens (`grpo/trained_tokens`), and with `grpo.max_staleness` > 0 the waits `vrl.rollouts` logs
+(`ASYNC_WAITS`). Reported per N: median update seconds, tokens/s, their ratio to N=1's (goal ≥ 1.8 at N=2), MFU = 6 · params · tokens / update_s / (N · 989.4e12) (benchmarks/grpo_step.py's
 convention; GPU only), and the peak memory in use per GPU as nvidia-smi saw it every 0.5 s (vrl's
 metrics carry no GPU memory; it includes vLLM's slept engine on GPU 0), with each GPU's memory and use
 every 10 s (`gpu_every_10s`: a hung run shows which rank let go of its GPU). A failed run (an OOM) keeps
@@ -44,6 +44,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_FLOPS = 989.4e12  # H100 SXM dense bf16
+#: With asynchronous rollouts, the waits `vrl.rollouts` logs (docs/grpo.md): the trainer for its batch, the
+#: sampler for its weights, and the update (inside `update_s`) for the pass in flight before its push.
+ASYNC_WAITS = ("time/wait_for_rollouts_s", "time/wait_for_trainer_s", "time/publish_wait_s")
 
 
 def model_facts(model: str) -> tuple[int, object]:
@@ -156,7 +159,9 @@ def one_run(n: int, name: str, common: list[str], runs: Path, args, tok, n_param
         seq = prompt_tokens + r["tokens"]
         iters.append({"update_s": r["update_s"], "loop_s": r["loop_s"], "generation_s": r["generation_s"],
                       "sequence_tokens": seq, "loss_tokens": r["grpo/trained_tokens"],
-                      "tokens_per_s": seq / r["update_s"]})
+                      "tokens_per_s": seq / r["update_s"],
+                      # asynchronous rollouts (grpo.max_staleness > 0): what the loop waited on
+                      **{k: r[k] for k in ASYNC_WAITS if k in r}})
     timed = iters[1:] or iters  # the first iteration is warm-up
     update = statistics.median(i["update_s"] for i in timed)
     tps = statistics.median(i["tokens_per_s"] for i in timed)
