@@ -154,12 +154,14 @@ class _Engine:
     """A host whose stream yields `batches` batches of one large completion each (more than the pipe
     holds), recording how far its engine got and whether its stream was closed."""
 
-    def __init__(self, batches: int):
-        self.batches, self.made, self.closed, self.done = batches, 0, False, threading.Event()
+    def __init__(self, batches: int, fail_at: int | None = None):
+        self.batches, self.fail_at, self.made, self.closed, self.done = batches, fail_at, 0, False, threading.Event()
 
     def sample(self, tasks, variants, seed=None):
         try:
             for i in range(self.batches):
+                if i == self.fail_at:
+                    raise ValueError(f"engine failed at batch {i}")
                 self.made += 1
                 yield [{"batch": i, "text": "x" * 4_000_000}]
             self.done.set()
@@ -183,7 +185,8 @@ def test_a_child_keeps_its_engine_going_while_the_parent_is_slow_to_read_and_sto
     """The child draws its engine's stream into a queue in a thread of its own: every batch is made
     while the parent has read none (each batch is larger than the pipe holds, so a child that sent as
     it drew would wait on the first); the parent then gets them all, in order, and the end. Asked to
-    stop after the first batch, the child closes the engine's stream and ends with ("end",)."""
+    stop after the first batch, the child closes the engine's stream and ends with ("end",); an engine
+    that fails mid-stream ends it with its error."""
     engine = _Engine(3)
     parent, thread, returned = _child_stream(engine)
     assert engine.done.wait(30), f"the engine made {engine.made} of 3 batches while the parent did not read"
@@ -201,6 +204,15 @@ def test_a_child_keeps_its_engine_going_while_the_parent_is_slow_to_read_and_sto
         pass
     thread.join(30)
     assert message == ("end", None) and returned == [False] and engine.closed and engine.made < 1000
+
+    engine = _Engine(3, fail_at=1)  # the engine's error, after what it made, is the stream's last message
+    parent, thread, returned = _child_stream(engine)
+    got = [parent.recv() for _ in range(2)]
+    thread.join(30)
+    assert got[0][0] == "batch" and got[1][0] == "err" and returned == [False] and engine.closed
+    from vrl.runtime.driver import _raised
+
+    assert str(_raised(got[1][1], "engine 0")) == "engine failed at batch 1"
 
 
 def test_settings_a_driver_process_cannot_serve_are_refused_before_an_engine_starts(monkeypatch):

@@ -424,7 +424,7 @@ def _stream(conn: Connection, host: PolicyHost, tasks: list[Task], variants: lis
                         break
             finally:
                 stream.close()
-        except Exception as exc:  # noqa: BLE001 - the parent raises it
+        except BaseException as exc:  # noqa: BLE001 - the parent raises it (and the sender must not wait forever)
             end = ("err", exc)
         batches.put(end)
 
