@@ -220,6 +220,14 @@ def test_settings_a_driver_process_cannot_serve_are_refused_before_an_engine_sta
     cfg = build(BASE, {"optimizer": "grpo", "generator": {"backend": "vllm"}})
     LocalRuntime.check(cfg)
     from vrl.generate.vllm import VLLMGenerator
+    from vrl.optim.grpo import GRPO
+
+    # The LoRA adapter alone is written from the trained module, which a driver process does not have.
+    lora = build(cfg.model_dump(), {"grpo": {"use_peft": True}, "generator": {"vllm": {"weight_transfer": "adapter"}}})
+    with pytest.raises(UsageError, match=r"weight_transfer=adapter .* driver process .*driver_processes=false$"):
+        VLLMGenerator.check_fits(lora, GRPO.from_config(lora).needs(), None)
+    VLLMGenerator.check_fits(build(lora.model_dump(), {"runtime": {"local": {"driver_processes": False}}}),
+                             GRPO.from_config(lora).needs(), None)
 
     monkeypatch.setattr(VLLMGenerator, "trains_elsewhere", False)  # as a backend that cannot
     for refuse in (lambda: LocalRuntime.check(cfg), lambda: LocalRuntime().policy(cfg, HostNeeds("trained"))):

@@ -199,6 +199,11 @@ def lora_targets(model: str, revision: str | None, spec: PerturbationSpec) -> li
     return None if kinds <= chosen else sorted(chosen)
 
 
+ADAPTER_ELSEWHERE = ("generator.vllm.weight_transfer=adapter writes the trained module's LoRA factors from the training "
+                     "process; an engine in a driver process takes whole weights by name: use "
+                     "generator.vllm.weight_transfer=auto, or runtime.local.driver_processes=false")
+
+
 def engine_dtype(config: Any) -> str:
     """The engine's dtype: as the hf backend on a GPU, 'auto' means bfloat16, not the checkpoint's dtype."""
     return "bfloat16" if config.generator.dtype == "auto" else config.generator.dtype
@@ -335,6 +340,9 @@ class VLLMGenerator(Generator):
             cls.check(config, needs)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
+        if (needs is not None and needs.moves == "trained" and config.generator.vllm.weight_transfer == "adapter"
+                and config.runtime.kind == "local" and config.runtime.local.driver_processes):
+            raise UsageError(ADAPTER_ELSEWHERE)
         spec = needs.spec if needs is not None else None
         if model is None or spec is None or spec.noise != "lowrank":
             return
@@ -477,9 +485,7 @@ class VLLMGenerator(Generator):
             raise Unsupported(f"this engine was started in mode {self.mode!r}; a trained copy needs one started with "
                               "the GRPO run's needs (mode 'trained')")
         if self.weight_transfer == "adapter":
-            raise Unsupported("generator.vllm.weight_transfer=adapter writes the trained module's LoRA factors from "
-                              "the training process; an engine in a driver process takes whole weights by name: use "
-                              "generator.vllm.weight_transfer=auto, or runtime.local.driver_processes=false")
+            raise Unsupported(ADAPTER_ELSEWHERE)
         self.logprobs = self.sampling_logprobs
         self.mover.received = True
 
