@@ -7,7 +7,8 @@
         --new-tokens 8 --iterations 2 --out /tmp/r.json
 
 For each noise mode (`--noise`) and rank count (`--ranks`), one launch: 1 rank is this script as one
-process, K ranks is `torchrun --standalone --nproc-per-node K` of it. Rank 0 builds its engine as `vrl
+process (`--torchrun-one`: torchrun with one process, so that both counts run in the launcher's
+environment, OMP_NUM_THREADS=1 included), K ranks is `torchrun --standalone --nproc-per-node K` of it. Rank 0 builds its engine as `vrl
 train` does (the local runtime) and the other ranks run `vrl.launch.follow`, the real follower of a
 `vrl train` launch; rank 0 then drives ES itself: per iteration `ask`, the members dealt over the ranks
 and sampled (`ES.sampler`: `RankHosts`), made-up rewards, `tell` (every rank applies the update and the
@@ -113,13 +114,15 @@ def rank_main(args: argparse.Namespace) -> None:
         es.close()  # releases the other ranks
         sampler.close()
         pool.close()
-    Path(args.result).write_text(json.dumps({"startup_s": startup, "runs": runs}))
+    # torchrun sets OMP_NUM_THREADS=1 for its ranks (their engines inherit it); one plain process does not.
+    Path(args.result).write_text(json.dumps({"startup_s": startup, "runs": runs,
+                                             "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}))
 
 
-def command(own: list[str], ranks: int) -> list[str]:
-    """A script's arguments `own` as one process (1 rank), or under torchrun on `ranks` processes of this
-    node, meeting on a free port (two launches on one machine must not meet)."""
-    if ranks == 1:
+def command(own: list[str], ranks: int, torchrun_one: bool = False) -> list[str]:
+    """A script's arguments `own` as one process (1 rank, unless `torchrun_one`), or under torchrun on
+    `ranks` processes of this node, meeting on a free port (two launches on one machine must not meet)."""
+    if ranks == 1 and not torchrun_one:
         return [sys.executable, *own]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -130,7 +133,8 @@ def command(own: list[str], ranks: int) -> list[str]:
 
 def launch_once(args: argparse.Namespace, noise: str, ranks: int, result: Path) -> subprocess.CompletedProcess:
     """One launch of `rank_main` on `ranks` processes; returns it (rank 0 wrote `result`)."""
-    cmd = command([str(Path(__file__).resolve()), *sys.argv[1:], "--rank-worker", noise, "--result", str(result)], ranks)
+    cmd = command([str(Path(__file__).resolve()), *sys.argv[1:], "--rank-worker", noise, "--result", str(result)], ranks,
+                  args.torchrun_one)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
     if args.backend == "hf":
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -155,6 +159,9 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="a 2-layer model, for a quick check")
     ap.add_argument("--path", default="/tmp/vrl-bench-model-0.5b")
     ap.add_argument("--timeout", type=int, default=900, help="seconds one launch may take")
+    ap.add_argument("--torchrun-one", action="store_true",
+                    help="launch 1 rank under torchrun too (--nproc-per-node 1), so every rank count runs in the "
+                    "launcher's environment (torchrun sets OMP_NUM_THREADS=1, which the engines inherit)")
     ap.add_argument("--rank-worker", help=argparse.SUPPRESS)  # the noise mode of the launch this rank is part of
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -171,7 +178,7 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                  "gpus": torch.cuda.device_count(), "backend": args.backend, "members": args.members,
                  "new_tokens": args.new_tokens, "small": args.small, "shape": "2-layer" if args.small else "Qwen2.5-0.5B",
-                 "tasks": args.tasks, "ranks": args.ranks, "launches": [], "runs": [],
+                 "tasks": args.tasks, "ranks": args.ranks, "torchrun_one": args.torchrun_one, "launches": [], "runs": [],
                  # vLLM's LoRA kernel configs (benchmarks/lowrank_profile.py --configs-out), when set
                  "vllm_tuned_config_folder": os.environ.get("VLLM_TUNED_CONFIG_FOLDER")}
 
@@ -192,6 +199,7 @@ def main() -> None:
                     else:
                         measured = json.loads(result.read_text())
                         launch["startup_s"] = measured["startup_s"]
+                        launch["omp_num_threads"] = measured.get("omp_num_threads")
                         res["runs"] += [{"repeat": rep, "noise": noise, "ranks": ranks, **r} for r in measured["runs"]]
                     res["launches"].append(launch)
                     print(json.dumps({k: v for k, v in launch.items() if k != "stderr_tail"}), flush=True)
