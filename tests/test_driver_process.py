@@ -181,17 +181,22 @@ def _child_stream(engine: _Engine):
     return parent, thread, returned
 
 
-def test_a_child_keeps_its_engine_going_while_the_parent_is_slow_to_read_and_stops_it_when_asked():
+def test_a_child_keeps_its_engine_going_while_the_parent_is_slow_to_read_and_stops_it_when_asked(caplog):
     """The child draws its engine's stream into a queue in a thread of its own: every batch is made
     while the parent has read none (each batch is larger than the pipe holds, so a child that sent as
     it drew would wait on the first); the parent then gets them all, in order, and the end. Asked to
     stop after the first batch, the child closes the engine's stream and ends with ("end",); an engine
     that fails mid-stream ends it with its error."""
     engine = _Engine(3)
+    caplog.set_level("DEBUG", logger="vrl.runtime.driver")
     parent, thread, returned = _child_stream(engine)
     assert engine.done.wait(30), f"the engine made {engine.made} of 3 batches while the parent did not read"
+    time.sleep(0.2)  # the parent reads late: the child's record says so
     got = [parent.recv() for _ in range(4)]
     thread.join(30)
+    [record] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sample: ")]
+    late = float(record.rsplit("last ", 1)[1].split(" s", 1)[0])
+    assert record.startswith("sample: 3 batches;") and late >= 0.2, record
     assert [(k, v[0]["batch"] if k == "batch" else v) for k, v in got] == [
         ("batch", 0), ("batch", 1), ("batch", 2), ("end", None)]
     assert returned == [False] and engine.closed

@@ -409,9 +409,15 @@ def _stream(conn: Connection, host: PolicyHost, tasks: list[Task], variants: lis
     thread of its own into a queue, so the engine keeps going while the parent is slow to read (a batch
     is larger than the pipe holds, and the parent reads beside its trainer); this thread only sends.
     After each batch sent, a message from the parent stops it (abort, or close): the stream stops after
-    the batch it is on and what it queued is dropped. Returns whether the parent asked to close."""
+    the batch it is on and what it queued is dropped. Returns whether the parent asked to close.
+
+    At debug level (`vrl -v`) each call logs where its time went: the engine's stream, the sends (how
+    long the parent took to take the batches), and how long after the engine's last batch the parent
+    had them all."""
     batches: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
     stop = threading.Event()
+    t0 = time.perf_counter()
+    engine_done = [t0]  # when the engine's stream ended
 
     def produce() -> None:
         end: tuple[str, Any] = ("end", None)
@@ -426,23 +432,30 @@ def _stream(conn: Connection, host: PolicyHost, tasks: list[Task], variants: lis
                 stream.close()
         except BaseException as exc:  # noqa: BLE001 - the parent raises it (and the sender must not wait forever)
             end = ("err", exc)
+        engine_done[0] = time.perf_counter()
         batches.put(end)
 
     producer = threading.Thread(target=produce, name="vrl-driver-stream", daemon=True)
     producer.start()
     closing = False
+    sent, sending = 0, 0.0
     try:
         while True:
             kind, value = batches.get()
             if kind == "batch":
                 if stop.is_set():
                     continue  # the parent stopped reading batches
+                t = time.perf_counter()
                 conn.send(("batch", value))
+                sent, sending = sent + 1, sending + time.perf_counter() - t
                 if conn.poll():
                     closing = conn.recv()[0] == "close"
                     stop.set()
                 continue
             conn.send(("err", _wire_error(value)) if kind == "err" and not stop.is_set() else ("end", None))
+            end = time.perf_counter()
+            log.debug("sample: %d batches; the engine's stream took %.3f s, sending them %.3f s; the parent had the "
+                      "last %.3f s after the engine's end", sent, engine_done[0] - t0, sending, end - engine_done[0])
             return closing
     finally:  # also when the parent is gone: the engine is not left mid-stream in another thread
         stop.set()
