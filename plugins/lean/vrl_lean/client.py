@@ -29,9 +29,15 @@ class LeanServerError(RuntimeError):
     """The server refused the request in a way no retry can fix (bad key, wrong URL, bad request)."""
 
 
-async def probe_health(http: httpx.AsyncClient, timeout_s: float = 10.0) -> str | None:
-    """None if `GET /health` at `http`'s base URL answers `{"status": "ok"}` within `timeout_s`; else what
-    went wrong, in one line. No retries. kimina-lean-server and `recheck_host` answer it alike."""
+HEALTH_TIMEOUT_S = 10.0
+"""Seconds a `/health` probe waits for its answer (the preflight's, before a run starts)."""
+
+
+async def probe_health(http: httpx.AsyncClient, timeout_s: float | None = None) -> str | None:
+    """None if `GET /health` at `http`'s base URL answers `{"status": "ok"}` within `timeout_s` (default
+    `HEALTH_TIMEOUT_S`); else what went wrong, in one line. No retries. kimina-lean-server and
+    `recheck_host` answer it alike."""
+    timeout_s = HEALTH_TIMEOUT_S if timeout_s is None else timeout_s
     try:
         resp = await http.get("/health", timeout=timeout_s)
     except httpx.TimeoutException:
@@ -100,8 +106,9 @@ class KiminaClient:
         """True if `GET /health` answers `{"status": "ok"}`."""
         return await self.probe() is None
 
-    async def probe(self, timeout_s: float = 10.0) -> str | None:
-        """None if `GET /health` answers `{"status": "ok"}` within `timeout_s`; else what went wrong. No retries."""
+    async def probe(self, timeout_s: float | None = None) -> str | None:
+        """None if `GET /health` answers `{"status": "ok"}` within `timeout_s` (default `HEALTH_TIMEOUT_S`);
+        else what went wrong. No retries."""
         return await probe_health(self._client(), timeout_s)
 
     async def check(self, snippets: Sequence[tuple[str, str]]) -> dict[str, Result]:
