@@ -36,6 +36,7 @@ import torch
 from vrl.generate.vllm_mover import Mover
 from vrl.generate.vllm_worker import WorkerBase, _timed, pack_tensor, rebuild_weights
 from vrl.policy import Trainable, Unsupported, WeightStream
+from vrl.weights.export import release_shared
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class PushedWeights(Mover):
             if self._adapter is None:
                 self._adapter = AdapterTransfer(engine)
             self._adapter.send(model)
-            _release_shared()
+            release_shared()
         elif isinstance(model, WeightStream):
             self._push_whole(model)  # (releases what it shared after each bucket)
         else:
@@ -120,7 +121,7 @@ class PushedWeights(Mover):
         else:
             for bucket in buckets:
                 engine.rpc("vrl_load_weights", _share(bucket, engine.device_order))
-                _release_shared()
+                release_shared()
 
     def lora_request(self) -> Any:
         """The served adapter's request (after the first push with weight_transfer=adapter), else None."""
@@ -362,7 +363,7 @@ class NativeTransfer:
                 for bucket in buckets:
                     if self.backend == "ipc":
                         self._send_ipc(bucket)
-                        _release_shared()
+                        release_shared()
                     else:
                         self._send_nccl(bucket)
         finally:
@@ -392,14 +393,6 @@ def _own(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor
     """`bucket` with each CUDA tensor copied on its GPU: torch refuses to hand on a CUDA tensor this process
     received from another by IPC handle ("Attempted to send CUDA tensor received from another process")."""
     return [(name, t.clone() if t.is_cuda else t) for name, t in bucket]
-
-
-def _release_shared() -> None:
-    """Free what the engine has let go of among the tensors this process shared by CUDA IPC handle (torch
-    keeps a freed block that was shared in limbo until `ipc_collect`, or until an allocation runs
-    short): between buckets, so a streamed push holds about one bucket rather than all of them."""
-    if torch.cuda.is_available():
-        torch.cuda.ipc_collect()
 
 
 def _in_thread(fn: Any, *args: Any) -> Any:

@@ -246,7 +246,7 @@ class DriverHost(PolicyHost):
         stream's contract holds and at most one bucket is shared at once. Tensors cross in shared memory
         (CPU: the storage moves there once and is shared from then on) or as CUDA IPC handles; none is
         copied through the pipe. The child may stop asking (its host skipped the push, or failed)."""
-        from vrl.weights.export import published_buckets
+        from vrl.weights.export import published_buckets, release_shared
 
         buckets = published_buckets(model)  # checkpoint names, LoRA merged
         self.ready()
@@ -255,7 +255,7 @@ class DriverHost(PolicyHost):
             kind, value = self._recv("publish")
             remaining = iter(buckets)
             while kind == "next":  # the next bucket is drawn only when the engine asks for it
-                _release_shared()
+                release_shared()
                 bucket = next(remaining, _END)
                 self._send(("end", ()) if bucket is _END else ("bucket", bucket), "publish")
                 kind, value = self._recv("publish")
@@ -312,16 +312,6 @@ def trainer_device(config: Any) -> str:
 
         device = torch.device("cuda", torch.cuda.current_device())
     return str(device)
-
-
-def _release_shared() -> None:
-    """Free the CUDA blocks this process shared that the child has let go of (torch keeps them until
-    `ipc_collect`): the buckets of a push are held about one at a time."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.ipc_collect()
 
 
 def _raised(data: tuple[Any, str], label: str) -> BaseException:

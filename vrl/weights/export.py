@@ -19,6 +19,14 @@ ModelLoader = Callable[[str, str, str | None], tuple[Any, Any]]
 """`load(name, dtype, revision) -> (model, tokenizer)`: a base model in this process, on the export's device."""
 
 
+def release_shared() -> None:
+    """Free what the receiver has let go of among the CUDA tensors this process shared by IPC handle (torch
+    keeps a freed block that was shared in limbo until `ipc_collect`, or until an allocation runs short):
+    called between the buckets of a push, so a streamed push holds about one bucket rather than all."""
+    if torch.cuda.is_initialized():  # (nothing was shared by CUDA IPC handle otherwise)
+        torch.cuda.ipc_collect()
+
+
 def published_buckets(model: Any) -> Iterable[list[tuple[str, torch.Tensor]]]:
     """What `PolicyHost.publish` was given, as buckets of (checkpoint name, tensor): a `WeightStream` as
     it comes, tensors by name as one bucket, a module's weights (`weights_for_engine`) as one."""
