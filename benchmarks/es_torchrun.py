@@ -8,8 +8,8 @@
 
 For each noise mode (`--noise`) and rank count (`--ranks`), one launch: 1 rank is this script as one
 process (`--torchrun-one`: torchrun with one process, so that both counts run in the launcher's
-environment, OMP_NUM_THREADS=1 included), K ranks is `torchrun --standalone --nproc-per-node K` of it. Rank 0 builds its engine as `vrl
-train` does (the local runtime) and the other ranks run `vrl.launch.follow`, the real follower of a
+environment, OMP_NUM_THREADS=1 included), K ranks is `torchrun --standalone --nproc-per-node K` of it.
+Rank 0 builds its engine as `vrl train` does (the local runtime) and the other ranks run `vrl.launch.follow`, the real follower of a
 `vrl train` launch; rank 0 then drives ES itself: per iteration `ask`, the members dealt over the ranks
 and sampled (`ES.sampler`: `RankHosts`), made-up rewards, `tell` (every rank applies the update and the
 ranks compare θ checksums). Inside one launch the task counts (`--tasks`) take turns for

@@ -18,8 +18,8 @@ From each run's metrics.jsonl, the first iteration left out as warm-up: `update_
 the batch's broadcast, forward, backward, AdamW, the weights' publish to the sampler), the sequences'
 tokens (prompt + completion; prompts from samples.jsonl, tokenized as the generator does) and the loss
 tokens (`grpo/trained_tokens`), and with `grpo.max_staleness` > 0 the waits `vrl.rollouts` logs
-(`ASYNC_WAITS`). Reported per N: median update seconds, tokens/s, their ratio to N=1's (goal ≥ 1.8 at N=2), MFU = 6 · params · tokens / update_s / (N · 989.4e12) (benchmarks/grpo_step.py's
-convention; GPU only), and the peak memory in use per GPU as nvidia-smi saw it every 0.5 s (vrl's
+(`ASYNC_WAITS`). Reported per N: median update seconds, tokens/s, their ratio to N=1's (goal ≥ 1.8 at
+N=2), MFU = 6 · params · tokens / update_s / (N · 989.4e12) (benchmarks/grpo_step.py's convention; GPU only), and the peak memory in use per GPU as nvidia-smi saw it every 0.5 s (vrl's
 metrics carry no GPU memory; it includes vLLM's slept engine on GPU 0), with each GPU's memory and use
 every 10 s (`gpu_every_10s`: a hung run shows which rank let go of its GPU). A failed run (an OOM) keeps
 its stderr tail, and with `--verbose` (`vrl -v`) the failing rank's traceback too; every run's whole
