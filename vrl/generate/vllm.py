@@ -204,6 +204,11 @@ ADAPTER_ELSEWHERE = ("generator.vllm.weight_transfer=adapter writes the trained 
                      "generator.vllm.weight_transfer=auto, or runtime.local.driver_processes=false")
 
 
+def trained_on(config: Any) -> str:
+    """The device GRPO's trained copy lives on, beside an engine (generator.device; 'auto': the current GPU)."""
+    return "cuda" if config.generator.device == "auto" else config.generator.device
+
+
 def engine_dtype(config: Any) -> str:
     """The engine's dtype: as the hf backend on a GPU, 'auto' means bfloat16, not the checkpoint's dtype."""
     return "bfloat16" if config.generator.dtype == "auto" else config.generator.dtype
@@ -367,7 +372,7 @@ class VLLMGenerator(Generator):
         several engines can share one GPU; `model_path`: a directory already holding the model
         (a pool writes the tiny model once for all its engines).
         """
-        g, v = config.generator, config.generator.vllm
+        v = config.generator.vllm
         cls.check(config, needs)
         vllm = import_vllm()
         cleanup = None
@@ -387,8 +392,7 @@ class VLLMGenerator(Generator):
         # A forked engine process cannot use CUDA once this process has touched it (an HF copy, a test).
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         # Where the trained copy lives: this process's generator.device, or a driver process's parent's.
-        device = (needs.train_device if needs is not None and needs.train_device else
-                  "cuda" if g.device == "auto" else g.device)
+        device = needs.train_device if needs is not None and needs.train_device else trained_on(config)
         adapter_rank = needs.adapter_rank if needs is not None and needs.moves == "trained" else 0
         mode = mode_for(needs)
         transfer = _weight_transfer(v.weight_transfer, mode, gpu, device, v.tensor_parallel_size, adapter_rank)
@@ -474,8 +478,8 @@ class VLLMGenerator(Generator):
         beside an engine in this process (the run's checkpoint, on generator.device, in the engine's dtype)."""
         from vrl.generate.hf import load_model_and_tokenizer
 
-        device = "cuda" if config.generator.device == "auto" else config.generator.device
-        model, tokenizer = load_model_and_tokenizer(config.model, device, engine_dtype(config), config.generator.revision)
+        model, tokenizer = load_model_and_tokenizer(config.model, trained_on(config), engine_dtype(config),
+                                                    config.generator.revision)
         return Trainable(model, tokenizer, config.sampling, separate=True)
 
     def trained_elsewhere(self) -> None:
