@@ -232,3 +232,36 @@ def test_a_model_without_a_layer_list_is_refused():
         opt.setup(gen)
     message = str(err.value)
     assert "\n" not in message and "Qwen2ForCausalLM" in message and "grpo.compile=false" in message
+
+
+def test_compile_backend_names_the_backend_that_gets_the_graphs():
+    """`grpo.compile_backend` reaches torch.compile: a backend registered under a name of its own receives
+    the layers' graph and the head chunks' (and runs them as dynamo captured them, so the step is the
+    eager step); a name torch does not know is refused when the config is built, in one line. (Dynamo
+    traces here, no code is generated: a few seconds.)"""
+    from pydantic import ValidationError
+    from torch._dynamo import register_backend
+
+    graphs = []
+
+    @register_backend(name="vrl_test_recording")
+    def recording(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    torch._dynamo.reset()
+    results = varied_results(0)
+    metrics = {}
+    for backend in (None, "vrl_test_recording"):
+        gen = make_generator()
+        fields = {"compile": True, "compile_backend": backend} if backend else {}
+        opt = GRPO(GRPOConfig(lr_scheduler_type="constant", micro_batch_size=2, **fields), seed=0, total_iterations=10)
+        opt.setup(gen)
+        metrics[backend] = opt.tell(results)
+    assert len(graphs) >= 2  # the layer's, the head chunks'
+    assert any("silu" in " ".join(g) for g in graphs) and any("logsumexp" in " ".join(g) for g in graphs)
+    assert metrics["vrl_test_recording"]["grpo/loss"] == pytest.approx(metrics[None]["grpo/loss"], rel=1e-6)
+    with pytest.raises(ValidationError) as err:
+        GRPOConfig(compile=True, compile_backend="inductr")
+    assert "grpo.compile_backend='inductr' is not a torch.compile backend" in str(err.value)
+    GRPOConfig(compile=False, compile_backend="inductr")  # checked only when it is used

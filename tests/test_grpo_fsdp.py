@@ -3,7 +3,7 @@
 Nothing is emulated: `torch.distributed.fsdp.fully_shard` shards the tiny Qwen2 model over a CPU
 device mesh, gradients are reduce-scattered over gloo, AdamW steps on DTensor shards, and
 checkpoints are written with `torch.distributed.checkpoint`; a LoRA adapter (`grpo.use_peft`) trains
-data-parallel, its gradients all-reduced; `grpo.compile` runs the real inductor on every rank. Only the
+data-parallel, its gradients all-reduced; `grpo.compile` runs dynamo and AOTAutograd on every rank. Only the
 GPUs are absent (NCCL is the same code path with another backend).
 
 A launch costs every rank its interpreter, torch and transformers, more than a step: the optimizer-level
@@ -74,8 +74,12 @@ LORA = {**FIELDS, "use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout"
 # The worker's scenarios, all run in one launch (`steps`): the default step, then each variation a test checks
 # (and "lora_resumed", added by `steps`: the step after a one-process LoRA checkpoint). "compiled" comes last:
 # what dynamo compiled stays in the ranks' processes. Its micro-batches of 6 give each rank one: one width, so
-# each rank compiles its graphs once, cold (a second width recompiles them with dynamic shapes, tens of
-# CPU-seconds more per rank; tests/test_grpo_compile.py covers new widths in one process).
+# each rank compiles its graphs once (a second width recompiles them with dynamic shapes; tests/test_grpo_compile.py
+# covers new widths in one process). Its backend is aot_eager (`grpo.compile_backend`): dynamo captures the
+# layers' graphs and AOTAutograd splits them into forward and backward on every rank, as with inductor, and
+# the graphs then run unfused. Inductor's code generation (C++ on CPU, Triton on a GPU) is what
+# tests/test_grpo_compile.py runs in one process; on the 2 ranks it cost about 85 CPU-seconds of the suite's
+# (cold, measured in session 21) for no code a GPU rank would run.
 SCENARIOS = {"default": FIELDS,
              "separate": {**FIELDS, "_separate": BUCKET_LIMIT},
              "every_rank": {**FIELDS, "sample_on_every_rank": True},
@@ -84,7 +88,7 @@ SCENARIOS = {"default": FIELDS,
              "kept_gathered": {**FIELDS, "fsdp_reshard_after_forward": False},
              "bf16": {**FIELDS, "_dtype": "bfloat16"},
              "lora": LORA,
-             "compiled": {**FIELDS, "compile": True, "micro_batch_size": 6}}
+             "compiled": {**FIELDS, "compile": True, "compile_backend": "aot_eager", "micro_batch_size": 6}}
 
 
 def run_worker(tmp: Path, scenarios: dict[str, dict]) -> dict[str, tuple[dict, Path]]:
@@ -634,10 +638,10 @@ def test_a_one_process_lora_checkpoint_resumes_on_two_ranks(steps, monkeypatch):
 
 @pytest.mark.slow
 def test_two_fsdp2_ranks_train_compiled_layers_as_one_eager_process(steps, monkeypatch):
-    """`grpo.compile` under `torchrun` with 2 CPU ranks (gloo, the real FSDP2, the real inductor): layers
-    compiled before `fully_shard` wraps the training copy; every rank compiles, and the step equals one
-    eager process's step within tests/test_grpo_compile.py's tolerances (the ranks also sum their
-    micro-batches in another order)."""
+    """`grpo.compile` under `torchrun` with 2 CPU ranks (gloo, the real FSDP2, dynamo and AOTAutograd; the
+    backend aot_eager, see SCENARIOS): layers compiled before `fully_shard` wraps the training copy; every
+    rank compiles, and the step equals one eager process's step within tests/test_grpo_compile.py's
+    tolerances (the ranks also sum their micro-batches in another order)."""
     from tests.test_grpo_compile import GRAD_RTOL, LR, assert_adamw_step_close
 
     dist, _ = steps["compiled"]
@@ -646,7 +650,7 @@ def test_two_fsdp2_ranks_train_compiled_layers_as_one_eager_process(steps, monke
     assert dist["compiled_layers"] == [len(make_generator().model.model.layers)] * 2, dist["compiled_layers"]
     grads = capture_grads(monkeypatch)
     gen = make_generator()
-    eager = {k: v for k, v in SCENARIOS["compiled"].items() if k != "compile"}
+    eager = {k: v for k, v in SCENARIOS["compiled"].items() if k not in ("compile", "compile_backend")}
     opt = GRPO(GRPOConfig(**eager), seed=0, total_iterations=10)
     opt.setup(gen)
     metrics = opt.tell(sample_results(gen))

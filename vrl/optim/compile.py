@@ -13,6 +13,9 @@ it) whose forward runs the compiled forward in training mode and the eager one i
 forward and backward run in training mode; sampling (with its KV cache) and the no-gradient scoring of
 reference and old log-probs run in eval mode, so the host's generation never goes through the compiler.
 
+The backend is inductor unless `grpo.compile_backend` names another of torch's (`aot_eager` captures the
+same graphs and runs them unfused: a problem that goes away there is inductor's).
+
 Shapes are dynamic (`torch.compile(dynamic=True)`): batch size and sequence length are symbols from the
 first compile, so micro-batches of new lengths reuse the graph. Sizes 0 and 1 are still specialised: a
 micro-batch of one row, or a padding-free row (`[1, N]`), compiles once more; so does a change of
@@ -28,7 +31,7 @@ from torch import nn
 # GPT-2, Falcon, BLOOM (`h`), and `blocks` for others.
 LAYER_LISTS = ("layers", "h", "blocks")
 
-_CLASSES: dict[type, type] = {}  # eager layer class -> its compiling subclass (one compiled function each)
+_CLASSES: dict[tuple[type, str], type] = {}  # (eager layer class, backend) -> its compiling subclass
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
@@ -42,18 +45,31 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     return None
 
 
-def compile_layers(model: nn.Module) -> int:
-    """Make every decoder layer of `model` run compiled in training mode; returns how many layers.
+def check_backend(backend: str) -> None:
+    """Raise ValueError (one line) unless `backend` is one of torch.compile's backends."""
+    from torch._dynamo import list_backends
+
+    known = list_backends(exclude_tags=())
+    if backend not in known:
+        raise ValueError(f"grpo.compile_backend={backend!r} is not a torch.compile backend: use inductor (the "
+                         f"default), aot_eager or eager, or one of the {len(known)} that "
+                         "torch._dynamo.list_backends(exclude_tags=()) names")
+
+
+def compile_layers(model: nn.Module, backend: str = "inductor") -> int:
+    """Make every decoder layer of `model` run compiled (by `backend`) in training mode; returns how many
+    layers.
 
     Idempotent: a layer already compiled is left as it is. Raises ValueError (one line) when the model
-    has no list of decoder layers."""
+    has no list of decoder layers, or when `backend` is not a torch.compile backend."""
+    check_backend(backend)
     layers = decoder_layers(model)
     if layers is None:
         raise ValueError(f"grpo.compile=true compiles each decoder layer, but {type(model).__name__} has no list of "
                          f"them (its decoder has no {' / '.join(LAYER_LISTS)} ModuleList); set grpo.compile=false")
     for layer in layers:
         if getattr(type(layer), "_vrl_eager_class", None) is None:
-            layer.__class__ = _compiling_class(type(layer))
+            layer.__class__ = _compiling_class(type(layer), backend)
     return len(layers)
 
 
@@ -68,18 +84,18 @@ def restore_layers(model: nn.Module) -> int:
     return restored
 
 
-def _compiling_class(base: type) -> type:
-    if base not in _CLASSES:
+def _compiling_class(base: type, backend: str) -> type:
+    if (base, backend) not in _CLASSES:
         eager = base.forward
-        compiled = torch.compile(eager, dynamic=True)
+        compiled = torch.compile(eager, dynamic=True, backend=backend)
 
         def forward(self, *args, **kwargs):
             return (compiled if self.training else eager)(self, *args, **kwargs)
 
         # transformers' GradientCheckpointingLayer wraps the forward of every subclass (this one too) and
         # checkpoints in the outermost wrapper only: the checkpoint stays around the compiled call.
-        _CLASSES[base] = type(base.__name__, (base,), {
+        _CLASSES[base, backend] = type(base.__name__, (base,), {
             "forward": forward, "__module__": base.__module__, "__qualname__": base.__qualname__,
             "__doc__": base.__doc__, "_vrl_eager_class": base,
         })
-    return _CLASSES[base]
+    return _CLASSES[base, backend]

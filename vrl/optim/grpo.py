@@ -234,7 +234,7 @@ class GRPO(Optimizer):
         if cfg.compile:  # each decoder layer, in place, before FSDP2 shards (a copy of) them
             from vrl.optim.compile import compile_layers
 
-            compile_layers(model)
+            compile_layers(model, cfg.compile_backend)
         if self.group is not None and self.peft_model is not None:
             # LoRA trains data-parallel: every rank trains the whole (small) adapter on its whole frozen
             # base, from rank 0's bits; the adapter's gradients are summed over the ranks (vrl.optim.grpo_dist).
@@ -688,14 +688,14 @@ class GRPO(Optimizer):
                     if cfg.top_entropy_quantile < 1.0 or self._entropy_bonus:
                         logps, entropies = completion_logprobs(self.model, b.packed, self.temperature,
                                                                cfg.logprob_chunk_size, entropy=True,
-                                                               compiled=cfg.compile,
+                                                               compiled=cfg.compile and cfg.compile_backend,
                                                                repetition_penalty=self.repetition_penalty,
                                                                entropy_grad=self._entropy_bonus, router_loss=router)
                         if cfg.top_entropy_quantile < 1.0:
                             entropy_mask = high_entropy_mask(entropies, b.mask, cfg.top_entropy_quantile)
                     else:
                         logps = completion_logprobs(self.model, b.packed, self.temperature, cfg.logprob_chunk_size,
-                                                    compiled=cfg.compile, repetition_penalty=self.repetition_penalty,
+                                                    compiled=cfg.compile and cfg.compile_backend, repetition_penalty=self.repetition_penalty,
                                                     router_loss=router)
                     old = logps.detach() if b.old_logps is None else b.old_logps
                     if b.from_sampler and b.sampling_gap is None:

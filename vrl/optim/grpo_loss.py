@@ -265,6 +265,14 @@ class GRPOConfig(BaseModel):
         "the compile time (tens of seconds); shapes are dynamic (batch size and sequence length symbolic), so "
         "new lengths do not recompile, only a first one-row micro-batch or padding-free row does.",
     )
+    compile_backend: str = Field(
+        "inductor",
+        min_length=1,
+        description="The torch.compile backend of compile: inductor (fused kernels: Triton on a GPU, C++ on CPU); "
+        "aot_eager captures the same graphs (dynamo, AOTAutograd's forward/backward split) and runs them "
+        "unfused, which tells a problem of inductor's from one of graph capture; or any name that torch._dynamo."
+        "list_backends(exclude_tags=()) gives.",
+    )
     use_peft: bool = Field(False, description="Train LoRA adapters (needs `pip install 'vrl-core[lora]'`) instead of all weights.")
     lora_r: int = Field(16, ge=1, description="LoRA rank (with use_peft).")
     lora_alpha: int = Field(32, ge=1, description="LoRA scaling α; the update is scaled by α / r (with use_peft).")
@@ -301,6 +309,10 @@ class GRPOConfig(BaseModel):
         if self.entropy_coef_min > self.entropy_coef_max:
             raise ValueError(f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max "
                              f"({self.entropy_coef_max})")
+        if self.compile:  # a typo'd backend is refused before anything loads (torch is imported only here)
+            from vrl.optim.compile import check_backend
+
+            check_backend(self.compile_backend)
         return self
 
     @model_validator(mode="after")

@@ -24,8 +24,9 @@ padded layout's (tests/test_grpo_packing.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -142,24 +143,25 @@ def _chunk_logprobs(
     return logps, h
 
 
-_compiled_chunk = None
+_compiled_chunks: dict[str, Callable[..., Any]] = {}  # backend -> `_chunk_logprobs` through torch.compile
 
 
-def _chunk_function(compiled: bool):
+def _chunk_function(compiled: bool | str):
     """`_chunk_logprobs`, or (`compiled`, `grpo.compile`) the same through `torch.compile`: inductor
     fuses the fp32 cast, the temperature, the log-sum-exp and the gather around the head's matrix
-    multiply, so a chunk's [rows, vocab] logits are not written and read in fp32 several times over."""
-    global _compiled_chunk
+    multiply, so a chunk's [rows, vocab] logits are not written and read in fp32 several times over
+    (`compiled`: True for inductor, or the name of a torch.compile backend, `grpo.compile_backend`)."""
     if not compiled:
         return _chunk_logprobs
-    if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(_chunk_logprobs, dynamic=True)
-    return _compiled_chunk
+    backend = "inductor" if compiled is True else compiled
+    if backend not in _compiled_chunks:
+        _compiled_chunks[backend] = torch.compile(_chunk_logprobs, dynamic=True, backend=backend)
+    return _compiled_chunks[backend]
 
 
 def completion_logprobs(
     model: torch.nn.Module, batch: Packed, temperature: float = 1.0, chunk_size: int = 2048, entropy: bool = False,
-    compiled: bool = False, repetition_penalty: float = 1.0, entropy_grad: bool = False,
+    compiled: bool | str = False, repetition_penalty: float = 1.0, entropy_grad: bool = False,
     router_loss: list[torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log π(token | prefix) for every completion token, as float32 [B, C] (0 at padding).
@@ -171,7 +173,8 @@ def completion_logprobs(
     are not modelled, as in TRL). With `entropy`, also the entropy of that distribution at each
     completion position, [B, C] (0 at padding), computed in the same chunks (GRPO's
     `top_entropy_quantile` and entropy bonus), detached unless `entropy_grad`. `compiled`: each
-    chunk's head and log-probs through `torch.compile` (`grpo.compile`). `router_loss`: a list to which the
+    chunk's head and log-probs through `torch.compile` (`grpo.compile`; a string names the backend,
+    `grpo.compile_backend`, True is inductor). `router_loss`: a list to which the
     same forward appends a Mixture-of-Experts model's load-balancing loss over the real tokens (with its
     gradient; the model's own `load_balancing_loss_func`, as its forward computes `aux_loss`).
     """
