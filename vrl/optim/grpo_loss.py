@@ -33,6 +33,7 @@ class GRPOConfig(BaseModel):
     other_names: ClassVar[dict[str, str]] = {
         "save_total_limit": "grpo.keep_checkpoints", "save_steps": "grpo.save_every",
         "per_device_train_batch_size": "grpo.micro_batch_size", "torch_compile": "grpo.compile",
+        "torch_compile_backend": "grpo.compile_backend",
         "max_completion_length": "sampling.max_new_tokens", "temperature": "sampling.temperature",
         "vllm_importance_sampling_cap": "grpo.vllm_importance_sampling_clip_max",
         "top_p": "sampling.top_p", "top_k": "sampling.top_k", "min_p": "sampling.min_p",
