@@ -84,6 +84,7 @@ import queue
 import random
 import secrets as _secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -244,7 +245,7 @@ class Service:
             timer.cancel()
         for proc in procs:
             if proc.poll() is None:
-                proc.kill()
+                _kill(proc)
         for proc in procs:
             proc.wait()
             for stream in (proc.stdin, proc.stdout, proc.stderr):
@@ -584,7 +585,7 @@ class Service:
         c.stopping = c.interrupted = True
         c.control.append("interrupt")
         self.cond.notify_all()
-        self._later(GRACE_S, lambda: c.proc.poll() is None and c.proc.kill())
+        self._later(GRACE_S, lambda: c.proc.poll() is None and _kill(c.proc))
 
     def preempt(self, cid: str) -> None:
         """Preempt a container: SIGINT, exit (with its exit commit), its input restarted elsewhere."""
@@ -597,7 +598,7 @@ class Service:
 
     def kill(self, cid: str) -> None:
         """Crash a container (out of memory, lost host): no exit commit; its input runs again elsewhere."""
-        self.containers[cid].proc.kill()
+        _kill(self.containers[cid].proc)
 
     def running(self, function: str) -> list[str]:
         """Containers of `function` (its name, or the last part of its qualified name) alive now."""
@@ -614,7 +615,7 @@ class Service:
                     if c.current is not None and not c.gone and not c.timed_out \
                             and now - c.started > c.pool.fn["timeout"]:
                         c.timed_out = c.stopping = True
-                        c.proc.kill()
+                        _kill(c.proc)
                 self.cond.notify_all()  # idle containers re-check their scale-down window
 
     def _timed_out(self, inp: Input) -> None:
@@ -793,7 +794,7 @@ class Service:
             threading.Thread(target=self._pump, args=(sb, fd, stream), daemon=True).start()
         threading.Thread(target=self._reap_sandbox, args=(sb,), daemon=True).start()
         if spec["timeout"]:
-            self._later(spec["timeout"], lambda: proc.poll() is None and proc.kill())
+            self._later(spec["timeout"], lambda: proc.poll() is None and _kill(proc))
         if spec.get("idle_timeout"):
             threading.Thread(target=self._idle_watch, args=(sb, spec["idle_timeout"]), daemon=True).start()
         return sid
@@ -822,7 +823,7 @@ class Service:
         while sb.proc.poll() is None and not self._closed:
             left = sb.active_at + idle_s - time.monotonic()
             if left <= 0:
-                sb.proc.kill()
+                _kill(sb.proc)
                 return
             time.sleep(min(left, 0.5))
 
@@ -859,7 +860,7 @@ class Service:
     def op_sandbox_terminate(self, sid: str) -> None:
         proc = self.sandboxes[sid].proc
         if proc.poll() is None:
-            proc.kill()
+            _kill(proc)
         proc.wait()
 
     def kill_sandbox(self, sid: str) -> None:
@@ -871,6 +872,39 @@ class Service:
         for name, inline in specs:
             env.update(inline if name is None else self.secrets[name])
         return env
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL a container's or sandbox's process and every process below it. bwrap's process inside the
+    namespace (its PID 1) dies with the outer one (`--die-with-parent`), unless the outer one is killed in
+    the instant after it forked and before the child asked for that signal: about one container a suite
+    run outlived its test that way here (a sleeping bwrap, PID 1 of its namespace, reparented to init).
+    The processes below are killed first, found through /proc; killing a namespace's PID 1 ends the
+    whole namespace."""
+    if proc.poll() is not None:  # reaped: its pid may be another process's by now
+        return
+    for pid in _descendants(proc.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc/PID/task/*/children (empty when `pid` is gone)."""
+    found, todo = [], [pid]
+    while todo:
+        try:
+            tasks = os.listdir(f"/proc/{todo[-1]}/task")
+        except OSError:  # gone meanwhile
+            tasks = []
+        parent = todo.pop()
+        for task in tasks:
+            with contextlib.suppress(OSError):
+                children = [int(c) for c in Path(f"/proc/{parent}/task/{task}/children").read_text().split()]
+                found += children
+                todo += children
+    return found
 
 
 def _scan(root: Path) -> dict[str, tuple]:
