@@ -754,19 +754,22 @@ def test_a_killed_container_leaves_no_process_below_it():
     PID 1 inside the namespace outlived a container about once a suite run when the outer bwrap was
     killed just after it forked. Here a shell whose background child ignores its parent's death (no
     namespace, no death signal) stands for that PID 1: killing the shell alone leaves the child."""
-    import os
     import subprocess
 
     from tests.modal_emulator.service import _kill
+
+    def ended(pid: int) -> bool:  # gone, or killed and a zombie until init reaps it
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(") ", 1)[1].startswith("Z")
+        except FileNotFoundError:
+            return True
 
     proc = subprocess.Popen(["bash", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
     child = int(proc.stdout.readline())
     _kill(proc)
     proc.wait()
     deadline = time.monotonic() + 5
-    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
-        with open(f"/proc/{child}/stat") as f:
-            if f.read().split(") ")[1].startswith("Z"):  # killed, a zombie until init reaps it
-                break
+    while not ended(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split(") ")[1].startswith("Z")
+    assert ended(child)

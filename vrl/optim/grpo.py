@@ -676,6 +676,7 @@ class GRPO(Optimizer):
         if cfg.use_adaptive_entropy and self._last_entropy > cfg.entropy_target:
             entropy_coef = 0.0
         num_micro_batches = len(batches) * (self.group.world if self.group else 1)
+        compiled = cfg.compile and cfg.compile_backend  # the head's chunks through torch.compile, or not
         self.model.train()
         cuda = [self.device] if self.device.type == "cuda" else []
         try:
@@ -688,14 +689,14 @@ class GRPO(Optimizer):
                     if cfg.top_entropy_quantile < 1.0 or self._entropy_bonus:
                         logps, entropies = completion_logprobs(self.model, b.packed, self.temperature,
                                                                cfg.logprob_chunk_size, entropy=True,
-                                                               compiled=cfg.compile and cfg.compile_backend,
+                                                               compiled=compiled,
                                                                repetition_penalty=self.repetition_penalty,
                                                                entropy_grad=self._entropy_bonus, router_loss=router)
                         if cfg.top_entropy_quantile < 1.0:
                             entropy_mask = high_entropy_mask(entropies, b.mask, cfg.top_entropy_quantile)
                     else:
                         logps = completion_logprobs(self.model, b.packed, self.temperature, cfg.logprob_chunk_size,
-                                                    compiled=cfg.compile and cfg.compile_backend, repetition_penalty=self.repetition_penalty,
+                                                    compiled=compiled, repetition_penalty=self.repetition_penalty,
                                                     router_loss=router)
                     old = logps.detach() if b.old_logps is None else b.old_logps
                     if b.from_sampler and b.sampling_gap is None:
