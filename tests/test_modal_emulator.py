@@ -757,19 +757,14 @@ def test_a_killed_container_leaves_no_process_below_it():
     import subprocess
 
     from tests.modal_emulator.service import _kill
-
-    def ended(pid: int) -> bool:  # gone, or killed and a zombie until init reaps it
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(") ", 1)[1].startswith("Z")
-        except FileNotFoundError:
-            return True
+    from vrl import reaper
 
     proc = subprocess.Popen(["bash", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
     child = int(proc.stdout.readline())
+    [identity] = [i for i in reaper.children(proc.pid) if i[0] == child]
     _kill(proc)
     proc.wait()
     deadline = time.monotonic() + 5
-    while not ended(child) and time.monotonic() < deadline:
+    while reaper.alive(identity) and time.monotonic() < deadline:  # a killed zombie counts as ended
         time.sleep(0.05)
-    assert ended(child)
+    assert not reaper.alive(identity)

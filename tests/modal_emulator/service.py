@@ -879,32 +879,18 @@ def _kill(proc: subprocess.Popen) -> None:
     namespace (its PID 1) dies with the outer one (`--die-with-parent`), unless the outer one is killed in
     the instant after it forked and before the child asked for that signal: about one container a suite
     run outlived its test that way here (a sleeping bwrap, PID 1 of its namespace, reparented to init).
-    The processes below are killed first, found through /proc; killing a namespace's PID 1 ends the
-    whole namespace."""
+    The processes below are killed first, found as `vrl.reaper` finds a run's (through /proc); killing a
+    namespace's PID 1 ends the whole namespace."""
+    from vrl import reaper
+
     if proc.poll() is not None:  # reaped: its pid may be another process's by now
         return
-    for pid in _descendants(proc.pid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+    for identity in reaper.tree(reaper.children(proc.pid)):
+        if reaper.alive(identity):  # checked just before: a pid given to another process is left alone
+            with contextlib.suppress(OSError):
+                os.kill(identity[0], signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
         proc.kill()
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc/PID/task/*/children (empty when `pid` is gone)."""
-    found, todo = [], [pid]
-    while todo:
-        try:
-            tasks = os.listdir(f"/proc/{todo[-1]}/task")
-        except OSError:  # gone meanwhile
-            tasks = []
-        parent = todo.pop()
-        for task in tasks:
-            with contextlib.suppress(OSError):
-                children = [int(c) for c in Path(f"/proc/{parent}/task/{task}/children").read_text().split()]
-                found += children
-                todo += children
-    return found
 
 
 def _scan(root: Path) -> dict[str, tuple]:
