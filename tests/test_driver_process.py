@@ -270,7 +270,7 @@ def test_a_killed_child_ends_the_iteration_naming_its_engine_and_close_leaves_no
     # Decoupled (asynchronous GRPO), it reports sampling log-probs as an in-process engine does.
     alone = HFGenerator.from_config(build(BASE))
     for host in (pool.hosts[0], alone):
-        host.publish(pool.trainable().model)
+        host.publish(pool.hosts[0].trainable().model)  # engine 1 is gone: ask engine 0 alone
         host.decouple()
     v = [Variant(index=0, samples_per_task=2)]
     got = [c for b in pool.hosts[0].sample(tasks[:3], v, seed=4) for c in b]
@@ -426,3 +426,42 @@ def test_a_vllm_engine_in_a_driver_process_samples_the_weights_grpo_trains_here(
             finally:
                 host.close()
         assert seen[True] == seen[False], f"GPU {gpu}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'vrl-core[vllm]')")
+def test_both_driven_engines_of_a_grpo_pool_report_sampling_logprobs(small_qwen2_dir):
+    """GRPO with two vLLM engines in driver processes (GPUs 0 and 1): the pool's first host hands out the
+    trained copy and the other is told it samples that copy's weights, so the completions of both engines
+    carry sampling log-probs, before and after a push. Before, only the first engine's did, and GRPO
+    dropped the sampling correction on every batch (session 22's 4-GPU benchmark warned of it each iteration)."""
+    from vrl.optim.grpo import GRPO
+    from vrl.policy import deal
+    from vrl.types import Task
+
+    tasks = [Task(id=f"t{i}", prompt=p) for i, p in enumerate(["Hello there", "2 + 2 =", "def f(x):", "Q:"])]
+    v = [Variant(index=0, samples_per_task=2)]
+    assert all(deal(tasks, v, 1, 2, granule=2))  # each engine samples a share
+    cfg = build({"model": small_qwen2_dir, "optimizer": "grpo", "seed": 3,
+                 "sampling": {"temperature": 1.0, "max_new_tokens": 16, "batch_size": 2},
+                 "generator": {"backend": "vllm", "dtype": "bfloat16", "vllm": {
+                     "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_model_len": 256}},
+                 "runtime": {"local": {"engines": 2, "gpus": [0, 1], "driver_processes": True}}})
+    LocalRuntime.check(cfg)
+    pool = LocalRuntime().policy(cfg, GRPO.from_config(cfg).needs())
+    try:
+        assert isinstance(pool, HostPool) and all(type(h) is DriverHost for h in pool.hosts)
+        model = pool.trainable().model
+        before = [c for b in pool.sample(tasks, v, seed=1) for c in b]
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)).to(p.device, p.dtype))
+        pool.publish(model)
+        after = [c for b in pool.sample(tasks, v, seed=1) for c in b]
+        for got in (before, after):
+            assert len(got) == 8
+            assert all(c.logprobs is not None and len(c.logprobs) == len(c.token_ids) for c in got)
+        assert _key([before]) != _key([after])  # the push took effect
+    finally:
+        pool.close()

@@ -278,6 +278,32 @@ def _poisoning_stream(weights, size, drawn):
     return WeightStream(gen())
 
 
+def test_a_pools_trainable_is_its_first_hosts_and_every_other_host_follows_it():
+    """GRPO trains the copy the pool's first host hands out and publishes it to every host; each other host
+    is told so (`follow_trained`), and loads no copy of its own. Without that, a pool of vLLM engines
+    returned sampling log-probs from its first engine only, and GRPO dropped its sampling correction on
+    every batch (tests/test_vllm_gpu.py and tests/test_driver_process.py check the engines' log-probs on a GPU)."""
+
+    class Recording(PolicyHost):
+        def __init__(self):
+            self.calls = []
+
+        def sample(self, tasks, variants, seed=None):
+            yield []
+
+        def trainable(self):
+            self.calls.append("trainable")
+            return f"copy of host {id(self)}"
+
+        def follow_trained(self):
+            self.calls.append("follow_trained")
+
+    hosts = [Recording() for _ in range(3)]
+    pool = HostPool(hosts)
+    assert pool.trainable() == f"copy of host {id(hosts[0])}"
+    assert [h.calls for h in hosts] == [["trainable"], ["follow_trained"], ["follow_trained"]]
+
+
 def test_a_streamed_push_reaches_every_engine_of_the_pool_bucket_by_bucket():
     """Several engines on rank 0 take FSDP2's streamed push a bucket at a time, side by side, with no
     whole copy: every engine ends with the trained weights although each bucket is poisoned as soon as

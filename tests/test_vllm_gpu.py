@@ -512,7 +512,8 @@ def _by_member(batches):
 def test_two_engines_on_one_gpu_sample_what_one_engine_samples(model_dir, es_gen):
     """runtime.local.engines=2 on one GPU (memory split): ES members dealt over both engines, each
     perturbed in its own engine, give the completions one engine gives for the same seeds (greedy and
-    seeded sampling); an update reaches both engines; GRPO shards the tasks and publishes to both."""
+    seeded sampling); an update reaches both engines; GRPO shards the tasks, both engines' completions
+    carry sampling log-probs, and it publishes to both."""
     from vrl.generate import make_generator
     from vrl.policy import PerturbationSpec, Variant
     from vrl.runtime.local import LocalRuntime
@@ -558,6 +559,8 @@ def test_two_engines_on_one_gpu_sample_what_one_engine_samples(model_dir, es_gen
         by_id = {t.id: t for t in tasks()}
         sampled = [c for b in grpo_pool.sample(tasks(4), [Variant(index=0, samples_per_task=4)], seed=1) for c in b]
         assert len(sampled) == 16
+        # every engine reports its sampling log-probs (the second one did not, and GRPO then dropped them all)
+        assert all(c.logprobs is not None and len(c.logprobs) == len(c.token_ids) for c in sampled)
         opt.tell([Result(task=by_id[c.task_id], completion=c, verdict=Verdict.ok(),
                          reward=sum(ch.islower() for ch in c.text) / max(1, len(c.text))) for c in sampled])
         model = grpo_pool.hosts[0].trainable().model

@@ -183,6 +183,11 @@ class PolicyHost(ABC):
         """The in-process model to train; built on first call (a vLLM host loads an HF copy then)."""
         raise Unsupported(f"{self.name} has no trainable in-process model")
 
+    def follow_trained(self) -> None:
+        """This host samples the weights of a copy another host handed out (a pool trains its first host's
+        `trainable()` and publishes to all): from now on it samples as its own `trainable()` would have made
+        it sample (a vLLM engine reports sampling log-probs), without loading a copy. Nothing by default."""
+
     def publish(self, model: Any) -> None:
         """Make sampling use `model`'s weights from the next `sample` on (after each update): the trained
         module, a mapping of tensors by checkpoint name, or a `WeightStream` (draw it at most once)."""

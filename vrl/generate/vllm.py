@@ -485,13 +485,18 @@ class VLLMGenerator(Generator):
     def trained_elsewhere(self) -> None:
         """The trained copy lives in the parent of this driver process: samples carry the sampler's
         log-probs (as after `trainable`), and pushes take tensors received by CUDA IPC handle."""
+        self.follow_trained()
+        if self.weight_transfer == "adapter":
+            raise Unsupported(ADAPTER_ELSEWHERE)
+        self.mover.received = True
+
+    def follow_trained(self) -> None:
+        """Another engine of the pool handed out the trained copy (in this process): this engine samples
+        what `publish` pushes from it, and reports sampling log-probs as that engine does."""
         if self.mode != "trained":
             raise Unsupported(f"this engine was started in mode {self.mode!r}; a trained copy needs one started with "
                               "the GRPO run's needs (mode 'trained')")
-        if self.weight_transfer == "adapter":
-            raise Unsupported(ADAPTER_ELSEWHERE)
         self.logprobs = self.sampling_logprobs
-        self.mover.received = True
 
     def _perturbable(self, spec: PerturbationSpec) -> Any:
         problem = _perturbation_problem(self.sleep, self.tensor_parallel_size)

@@ -240,6 +240,11 @@ class DriverHost(PolicyHost):
             self._trainable = trainable
         return self._trainable
 
+    def follow_trained(self) -> None:
+        """The copy this engine samples is trained in this process (another host of the pool handed it out):
+        the child is told as `trainable` tells it, and loads nothing here."""
+        self._call("trained_elsewhere")
+
     def publish(self, model: Any) -> None:
         """Send `model`'s weights (the module, tensors by checkpoint name, or a `WeightStream`) to the engine,
         one bucket at a time: the child asks for each (`next`) once it has loaded the one before, so the

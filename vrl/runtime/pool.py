@@ -151,7 +151,12 @@ class HostPool(PolicyHost):
         self._each(lambda h: h.load_state(state))
 
     def trainable(self) -> Trainable:
-        return self.hosts[0].trainable()
+        """The first host's copy; every other host is told it samples that copy's weights (`follow_trained`),
+        so each engine's completions carry what the first one's do (vLLM: sampling log-probs)."""
+        trainable = self.hosts[0].trainable()
+        for host in self.hosts[1:]:
+            host.follow_trained()
+        return trainable
 
     def publish(self, model: Any) -> None:
         if isinstance(model, WeightStream) and len(self.hosts) > 1:
