@@ -7,8 +7,8 @@
         --new-tokens 8 --iterations 2 --out /tmp/r.json
 
 For each noise mode (`--noise`) and rank count (`--ranks`), one launch: 1 rank is this script as one
-process (`--torchrun-one`: torchrun with one process, so that both counts run in the launcher's
-environment, OMP_NUM_THREADS=1 included), K ranks is `torchrun --standalone --nproc-per-node K` of it.
+process (`--torchrun-one`: torchrun with one process and OMP_NUM_THREADS=1, which torchrun sets for
+K > 1 ranks only, so that both counts run in the same environment), K ranks is `torchrun --standalone --nproc-per-node K` of it.
 Rank 0 builds its engine as `vrl train` does (the local runtime) and the other ranks run `vrl.launch.follow`, the real follower of a
 `vrl train` launch; rank 0 then drives ES itself: per iteration `ask`, the members dealt over the ranks
 and sampled (`ES.sampler`: `RankHosts`), made-up rewards, `tell` (every rank applies the update and the
@@ -152,7 +152,7 @@ def launch_once(args: argparse.Namespace, noise: str, ranks: int, result: Path) 
     cmd = command([str(Path(__file__).resolve()), *sys.argv[1:], "--rank-worker", noise, "--result", str(result)], ranks,
                   args.torchrun_one)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
-    if args.backend == "hf":
+    if args.backend == "hf" or args.torchrun_one:  # torchrun sets it for K > 1 ranks only, not for one
         env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
 
@@ -176,8 +176,9 @@ def main() -> None:
     ap.add_argument("--path", default="/tmp/vrl-bench-model-0.5b")
     ap.add_argument("--timeout", type=int, default=900, help="seconds one launch may take")
     ap.add_argument("--torchrun-one", action="store_true",
-                    help="launch 1 rank under torchrun too (--nproc-per-node 1), so every rank count runs in the "
-                    "launcher's environment (torchrun sets OMP_NUM_THREADS=1, which the engines inherit)")
+                    help="launch 1 rank under torchrun too (--nproc-per-node 1) with OMP_NUM_THREADS=1, so every rank "
+                    "count runs in the environment torchrun gives K > 1 ranks (their engines inherit it; torchrun "
+                    "itself sets it only for K > 1)")
     ap.add_argument("--rank-worker", help=argparse.SUPPRESS)  # the noise mode of the launch this rank is part of
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
