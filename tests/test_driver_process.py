@@ -339,6 +339,15 @@ def test_vrl_train_in_driver_processes_and_a_killed_parent_leaves_no_child(tmp_p
         parent.kill()
 
 
+def _vllm_config(model_dir: str, optimizer: str, local: dict, batch_size: int = 4, **sections):
+    """A GPU test's run: `model_dir` on eager bf16 vLLM engines placed by `local` (runtime.local)."""
+    return build({"model": model_dir, "optimizer": optimizer, "seed": 3, **sections,
+                  "sampling": {"temperature": 1.0, "max_new_tokens": 16, "batch_size": batch_size},
+                  "generator": {"backend": "vllm", "dtype": "bfloat16", "vllm": {
+                      "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_model_len": 256}},
+                  "runtime": {"local": local}})
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'vrl-core[vllm]')")
@@ -354,11 +363,7 @@ def test_vllm_engines_in_driver_processes_sample_what_the_in_process_pool_sample
     tasks = [Task(id=f"t{i}", prompt=p) for i, p in enumerate(["Hello there", "2 + 2 =", "def f(x):", "abc", "Q:"])]
     seen = {}
     for drivers in (False, True):
-        cfg = build({"model": small_qwen2_dir, "optimizer": "es", "seed": 3, "es": es,
-                     "sampling": {"temperature": 1.0, "max_new_tokens": 16, "batch_size": 4},
-                     "generator": {"backend": "vllm", "dtype": "bfloat16", "vllm": {
-                         "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_model_len": 256}},
-                     "runtime": {"local": {"engines": 2, "gpus": [0, 1], "driver_processes": drivers}}})
+        cfg = _vllm_config(small_qwen2_dir, "es", {"engines": 2, "gpus": [0, 1], "driver_processes": drivers}, es=es)
         LocalRuntime.check(cfg)
         host = LocalRuntime().policy(cfg, ES.from_config(cfg).needs())
         try:
@@ -401,11 +406,7 @@ def test_a_vllm_engine_in_a_driver_process_samples_the_weights_grpo_trains_here(
     for gpu in [0, 1][:torch.cuda.device_count()]:
         seen = {}
         for drivers in (True, False):
-            cfg = build({"model": small_qwen2_dir, "optimizer": "grpo", "seed": 3,
-                         "sampling": {"temperature": 1.0, "max_new_tokens": 16, "batch_size": 4},
-                         "generator": {"backend": "vllm", "dtype": "bfloat16", "vllm": {
-                             "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_model_len": 256}},
-                         "runtime": {"local": {"engines": 1, "gpus": [gpu], "driver_processes": drivers}}})
+            cfg = _vllm_config(small_qwen2_dir, "grpo", {"engines": 1, "gpus": [gpu], "driver_processes": drivers})
             LocalRuntime.check(cfg)
             host = LocalRuntime().policy(cfg, GRPO.from_config(cfg).needs())
             try:
@@ -443,11 +444,7 @@ def test_both_driven_engines_of_a_grpo_pool_report_sampling_logprobs(small_qwen2
     tasks = [Task(id=f"t{i}", prompt=p) for i, p in enumerate(["Hello there", "2 + 2 =", "def f(x):", "Q:"])]
     v = [Variant(index=0, samples_per_task=2)]
     assert all(deal(tasks, v, 1, 2, granule=2))  # each engine samples a share
-    cfg = build({"model": small_qwen2_dir, "optimizer": "grpo", "seed": 3,
-                 "sampling": {"temperature": 1.0, "max_new_tokens": 16, "batch_size": 2},
-                 "generator": {"backend": "vllm", "dtype": "bfloat16", "vllm": {
-                     "enforce_eager": True, "gpu_memory_utilization": 0.2, "max_model_len": 256}},
-                 "runtime": {"local": {"engines": 2, "gpus": [0, 1], "driver_processes": True}}})
+    cfg = _vllm_config(small_qwen2_dir, "grpo", {"engines": 2, "gpus": [0, 1], "driver_processes": True}, batch_size=2)
     LocalRuntime.check(cfg)
     pool = LocalRuntime().policy(cfg, GRPO.from_config(cfg).needs())
     try:
