@@ -270,7 +270,7 @@ def test_a_killed_child_ends_the_iteration_naming_its_engine_and_close_leaves_no
     # Decoupled (asynchronous GRPO), it reports sampling log-probs as an in-process engine does.
     alone = HFGenerator.from_config(build(BASE))
     for host in (pool.hosts[0], alone):
-        host.publish(pool.hosts[0].trainable().model)  # engine 1 is gone: ask engine 0 alone
+        host.publish(pool.trainable().model)
         host.decouple()
     v = [Variant(index=0, samples_per_task=2)]
     got = [c for b in pool.hosts[0].sample(tasks[:3], v, seed=4) for c in b]

@@ -302,6 +302,8 @@ def test_a_pools_trainable_is_its_first_hosts_and_every_other_host_follows_it():
     pool = HostPool(hosts)
     assert pool.trainable() == f"copy of host {id(hosts[0])}"
     assert [h.calls for h in hosts] == [["trainable"], ["follow_trained"], ["follow_trained"]]
+    pool.trainable()  # told once: a later call asks the first host alone
+    assert [h.calls for h in hosts] == [["trainable"] * 2, ["follow_trained"], ["follow_trained"]]
 
 
 def test_a_streamed_push_reaches_every_engine_of_the_pool_bucket_by_bucket():

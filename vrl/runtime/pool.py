@@ -47,6 +47,7 @@ class HostPool(PolicyHost):
             raise ValueError("a host pool needs at least one host")
         self.hosts = list(hosts)
         self.granule = max(1, granule)  # task shards start at multiples of this (the hosts' batch size)
+        self._followed = False  # the other hosts were told they sample the first host's trained copy
 
     # -- sampling ------------------------------------------------------------------------------------
     def plan(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None
@@ -151,11 +152,13 @@ class HostPool(PolicyHost):
         self._each(lambda h: h.load_state(state))
 
     def trainable(self) -> Trainable:
-        """The first host's copy; every other host is told it samples that copy's weights (`follow_trained`),
-        so each engine's completions carry what the first one's do (vLLM: sampling log-probs)."""
+        """The first host's copy; on the first call every other host is told it samples that copy's weights
+        (`follow_trained`), so each engine's completions carry what the first one's do (vLLM: sampling log-probs)."""
         trainable = self.hosts[0].trainable()
-        for host in self.hosts[1:]:
-            host.follow_trained()
+        if not self._followed:
+            for host in self.hosts[1:]:
+                host.follow_trained()
+            self._followed = True
         return trainable
 
     def publish(self, model: Any) -> None:
