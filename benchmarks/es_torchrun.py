@@ -62,6 +62,11 @@ def rank_main(args: argparse.Namespace) -> None:
     from vrl.config import build
 
     cfg = build(config(args, args.noise))
+    if args.specialize:  # vLLM's specialize_active_lora: LoRA kernel grids sized by the active adapters
+        import vrl.generate.vllm as vg
+
+        plain_kwargs = vg.engine_kwargs
+        vg.engine_kwargs = lambda *a, **k: {**plain_kwargs(*a, **k), "specialize_active_lora": True}
     if distributed.rank() > 0:
         launch.follow(cfg)
         return
@@ -131,7 +136,7 @@ def rank_main(args: argparse.Namespace) -> None:
         sampler.close()
         pool.close()
     # torchrun sets OMP_NUM_THREADS=1 for its ranks (their engines inherit it); one plain process does not.
-    Path(args.result).write_text(json.dumps({"startup_s": startup, "runs": runs,
+    Path(args.result).write_text(json.dumps({"startup_s": startup, "runs": runs, "lora_slots": es.needs().variants,
                                              "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}))
 
 
@@ -179,6 +184,9 @@ def main() -> None:
                     help="launch 1 rank under torchrun too (--nproc-per-node 1) with OMP_NUM_THREADS=1, so every rank "
                     "count runs in the environment torchrun gives K > 1 ranks (their engines inherit it; torchrun "
                     "itself sets it only for K > 1)")
+    ap.add_argument("--specialize", action="store_true",
+                    help="start the engines with vLLM's specialize_active_lora (CUDA graphs per count of active "
+                    "adapters, so the LoRA kernels launch blocks for the active ones alone)")
     ap.add_argument("--rank-worker", help=argparse.SUPPRESS)  # the noise mode of the launch this rank is part of
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -195,7 +203,8 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                  "gpus": torch.cuda.device_count(), "backend": args.backend, "members": args.members,
                  "new_tokens": args.new_tokens, "small": args.small, "shape": "2-layer" if args.small else "Qwen2.5-0.5B",
-                 "tasks": args.tasks, "ranks": args.ranks, "torchrun_one": args.torchrun_one, "launches": [], "runs": [],
+                 "tasks": args.tasks, "ranks": args.ranks, "torchrun_one": args.torchrun_one, "specialize": args.specialize,
+                 "launches": [], "runs": [],
                  # vLLM's LoRA kernel configs (benchmarks/lowrank_profile.py --configs-out), when set
                  "vllm_tuned_config_folder": os.environ.get("VLLM_TUNED_CONFIG_FOLDER")}
 
@@ -217,6 +226,7 @@ def main() -> None:
                         measured = json.loads(result.read_text())
                         launch["startup_s"] = measured["startup_s"]
                         launch["omp_num_threads"] = measured.get("omp_num_threads")
+                        launch["lora_slots"] = measured.get("lora_slots")  # per engine (low-rank); full-rank: unused
                         res["runs"] += [{"repeat": rep, "noise": noise, "ranks": ranks, **r} for r in measured["runs"]]
                     res["launches"].append(launch)
                     print(json.dumps({k: v for k, v in launch.items() if k != "stderr_tail"}), flush=True)

@@ -185,6 +185,32 @@ def test_es_asks_for_one_lora_slot_per_member_at_a_rank_vllm_accepts() -> None:
     assert "enable_lora" not in engine_kwargs(cfg, "/m")  # eval: sampling only
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 5])
+def test_each_rank_of_a_torchrun_launch_gets_lora_slots_for_its_share_of_the_members(
+        monkeypatch: pytest.MonkeyPatch, ranks: int) -> None:
+    """Under torchrun the members are dealt over the ranks, so each rank's engine needs a slot per member
+    of its share, not of the population: vLLM's LoRA kernels launch blocks for every slot, used or not
+    (the 2-rank engines of session 22 had 30 slots for 15 members). No rank is ever dealt more."""
+    from vrl.config import build
+    from vrl.generate.vllm import engine_kwargs
+    from vrl.optim import make_optimizer
+    from vrl.policy import Variant, deal
+    from vrl.types import Task
+
+    monkeypatch.setenv("WORLD_SIZE", str(ranks))
+    for population in (2, 4, 12, 13, 30):
+        cfg = build({"optimizer": "es", "es": {"noise": "lowrank", "rank": 4, "population_size": population},
+                     "generator": {"backend": "vllm"}})
+        slots = make_optimizer(cfg).needs().variants
+        assert slots == -(-population // ranks)
+        assert engine_kwargs(cfg, "/m", make_optimizer(cfg).needs())["max_loras"] == slots
+        variants = [Variant(index=i, seed=i) for i in range(population)]
+        for tasks in (1, 8):
+            work = deal([Task(id=f"t{i}", prompt="p") for i in range(tasks)], variants, 0, ranks)
+            assert max(len(v) for calls in work for _, v, _ in calls) <= slots
+            assert {v.index for calls in work for _, vs, _ in calls for v in vs} == set(range(population))
+
+
 @pytest.mark.parametrize(("include", "exclude", "targets"), [
     (["*"], [], None),  # every kind of linear layer: vLLM's default (lm_head is never a LoRA target)
     (["*"], ["lm_head*"], None),

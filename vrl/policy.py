@@ -26,6 +26,7 @@ A new update rule uses one of these (or both) and needs no change here; a new ru
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -214,6 +215,15 @@ class PolicyHost(ABC):
 def shard_seed(seed: int | None, start: int, n: int) -> int | None:
     """The seed that makes `stream(tasks[start:], n, seed=...)` sample what `stream(tasks, n, seed)` does."""
     return None if seed is None else seed + start * n
+
+
+def share_needs(needs: HostNeeds | None, k: int) -> HostNeeds | None:
+    """What each of `k` samplers sharing an iteration's work is asked (`deal` gives a sampler at most
+    ⌈variants / k⌉ variants per call), so an engine sized per variant (a vLLM LoRA slot per low-rank ES
+    member) is sized for its share: the engines of a pool, and the ranks of a torchrun launch."""
+    if needs is None or k <= 1:
+        return needs
+    return dataclasses.replace(needs, variants=-(-needs.variants // k))
 
 
 def deal(tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None, k: int, granule: int = 1

@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from vrl import distributed
 from vrl.fileio import atomic_path, write_text
 from vrl.optim.base import Optimizer
-from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Variant
+from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Variant, share_needs
 from vrl.types import Result
 from vrl.weights import noise as nz
 from vrl.weights.exact import MAX_RANK
@@ -496,7 +496,11 @@ class ES(Optimizer):
         return PerturbationSpec(tuple(c.include), tuple(c.exclude), c.sigma, noise=c.noise, rank=rank)
 
     def needs(self) -> HostNeeds:
-        return HostNeeds(self.moves, self.spec(), variants=self.config.population_size)
+        """What this process's host is asked. Under torchrun each rank samples its share of the members
+        (`deal` over the ranks), so its engine is sized for that share: a vLLM engine's LoRA kernels launch
+        work for every slot it has, used or not."""
+        return share_needs(HostNeeds(self.moves, self.spec(), variants=self.config.population_size),
+                           distributed.world_size())
 
     def setup(self, host: PolicyHost) -> None:
         """Have the host select the parameters and keep θ₀ (an fp32 master) of them; start the history."""

@@ -15,10 +15,10 @@ from pydantic import Field
 from vrl.config import Section
 from vrl.errors import DeviceUnavailable, UsageError
 from vrl.generate import generator_class, make_generator
-from vrl.policy import HostNeeds, PolicyHost
+from vrl.policy import HostNeeds, PolicyHost, share_needs
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.runtime.driver import DriverHost
-from vrl.runtime.pool import HostPool, host_needs
+from vrl.runtime.pool import HostPool
 from vrl.verifier import Verifier
 
 
@@ -112,9 +112,9 @@ class LocalRuntime(Runtime):
             return make_generator(config, needs)
         placed = placement(local)
         if local.driver_processes:
-            hosts: list[PolicyHost] = list(DriverHost.start(config, host_needs(needs, len(placed)), placed))
+            hosts: list[PolicyHost] = list(DriverHost.start(config, share_needs(needs, len(placed)), placed))
         else:
-            hosts = list(generator_class(config.generator.backend).engines(config, host_needs(needs, len(placed)), placed))
+            hosts = list(generator_class(config.generator.backend).engines(config, share_needs(needs, len(placed)), placed))
         if len(hosts) == 1:  # one engine placed on a GPU is that engine: a pool would draw a streamed push whole
             return hosts[0]
         return HostPool(hosts, granule=config.sampling.batch_size)

@@ -16,25 +16,16 @@ pool returns what a single host returns.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import queue
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Trainable, Variant, WeightsInfo, WeightStream, deal
+from vrl.policy import PerturbationSpec, PolicyHost, Trainable, Variant, WeightsInfo, WeightStream, deal
 from vrl.types import Completion, Task
 from vrl.weights.update import Update
 
 _DONE = object()
-
-
-def host_needs(needs: HostNeeds | None, k: int) -> HostNeeds | None:
-    """What each of `k` pooled hosts is asked: `deal` gives a host at most ⌈variants / k⌉ variants per
-    call, so an engine sized per variant (a vLLM LoRA slot per low-rank ES member) needs no more."""
-    if needs is None or k <= 1:
-        return needs
-    return dataclasses.replace(needs, variants=-(-needs.variants // k))
 
 
 class HostPool(PolicyHost):
