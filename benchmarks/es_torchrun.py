@@ -62,11 +62,11 @@ def rank_main(args: argparse.Namespace) -> None:
     from vrl.config import build
 
     cfg = build(config(args, args.noise))
-    if args.specialize:  # vLLM's specialize_active_lora: LoRA kernel grids sized by the active adapters
+    if args.no_specialize:  # vLLM's default LoRA kernel grids: blocks for every slot, active or not
         import vrl.generate.vllm as vg
 
         plain_kwargs = vg.engine_kwargs
-        vg.engine_kwargs = lambda *a, **k: {**plain_kwargs(*a, **k), "specialize_active_lora": True}
+        vg.engine_kwargs = lambda *a, **k: {**plain_kwargs(*a, **k), "specialize_active_lora": False}
     if distributed.rank() > 0:
         launch.follow(cfg)
         return
@@ -184,9 +184,9 @@ def main() -> None:
                     help="launch 1 rank under torchrun too (--nproc-per-node 1) with OMP_NUM_THREADS=1, so every rank "
                     "count runs in the environment torchrun gives K > 1 ranks (their engines inherit it; torchrun "
                     "itself sets it only for K > 1)")
-    ap.add_argument("--specialize", action="store_true",
-                    help="start the engines with vLLM's specialize_active_lora (CUDA graphs per count of active "
-                    "adapters, so the LoRA kernels launch blocks for the active ones alone)")
+    ap.add_argument("--no-specialize", action="store_true",
+                    help="start low-rank engines without vLLM's specialize_active_lora (vrl turns it on: CUDA graphs "
+                    "per count of active adapters, so the LoRA kernels launch blocks for the active ones alone)")
     ap.add_argument("--rank-worker", help=argparse.SUPPRESS)  # the noise mode of the launch this rank is part of
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -203,7 +203,7 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                  "gpus": torch.cuda.device_count(), "backend": args.backend, "members": args.members,
                  "new_tokens": args.new_tokens, "small": args.small, "shape": "2-layer" if args.small else "Qwen2.5-0.5B",
-                 "tasks": args.tasks, "ranks": args.ranks, "torchrun_one": args.torchrun_one, "specialize": args.specialize,
+                 "tasks": args.tasks, "ranks": args.ranks, "torchrun_one": args.torchrun_one, "specialize": not args.no_specialize,
                  "launches": [], "runs": [],
                  # vLLM's LoRA kernel configs (benchmarks/lowrank_profile.py --configs-out), when set
                  "vllm_tuned_config_folder": os.environ.get("VLLM_TUNED_CONFIG_FOLDER")}

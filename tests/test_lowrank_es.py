@@ -176,6 +176,7 @@ def test_es_asks_for_one_lora_slot_per_member_at_a_rank_vllm_accepts() -> None:
     assert (needs.moves, needs.variants, needs.spec.noise, needs.spec.rank) == ("perturbations", 12, "lowrank", 4)
     kw = engine_kwargs(cfg, "/m", needs)
     assert (kw["enable_lora"], kw["max_loras"], kw["max_cpu_loras"], kw["max_lora_rank"]) == (True, 12, 12, 8)
+    assert kw["specialize_active_lora"] is True  # LoRA kernel grids sized by the step's active members
     assert engine_kwargs(build(cfg.model_dump(), {"es": {"rank": 16}}), "/m", make_optimizer(
         build(cfg.model_dump(), {"es": {"rank": 16}})).needs())["max_lora_rank"] == 16
     full = build({"optimizer": "es", "generator": {"backend": "vllm"}})

@@ -174,7 +174,11 @@ def lora_settings(needs: HostNeeds | None, model: str, revision: str | None) -> 
     from vrl.generate.vllm_trained import lora_rank_for
 
     rank = lora_rank_for(spec.rank)
-    out = {"enable_lora": True, "max_loras": needs.variants, "max_cpu_loras": needs.variants, "max_lora_rank": rank}
+    out = {"enable_lora": True, "max_loras": needs.variants, "max_cpu_loras": needs.variants, "max_lora_rank": rank,
+           # A pass sends each member's requests together, so a decode step mostly holds a few members (8 of 30
+           # at 64 tasks and 512 sequences): CUDA graphs per count of active adapters let the LoRA kernels
+           # launch blocks for those alone, not for every slot (docs/benchmarks.md, session 23).
+           "specialize_active_lora": True}
     targets = lora_targets(model, revision, spec)
     if targets is not None:
         out["lora_target_modules"] = targets
@@ -382,10 +386,13 @@ class VLLMGenerator(Generator):
         kwargs = engine_kwargs(config, path, needs)
         if memory_fraction is not None:
             kwargs["gpu_memory_utilization"] = memory_fraction
-        if "lora_target_modules" in kwargs and "lora_target_modules" not in {f.name for f in dataclasses.fields(vllm.EngineArgs)}:
+        known = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+        if "lora_target_modules" in kwargs and "lora_target_modules" not in known:
             log.warning("vLLM %s cannot restrict its LoRA layers to the modules ES selects (lora_target_modules "
                         "came in a later version): every supported module runs LoRA kernels", vllm.__version__)
             del kwargs["lora_target_modules"]
+        if "specialize_active_lora" in kwargs and "specialize_active_lora" not in known:
+            del kwargs["specialize_active_lora"]  # a speed setting of later vLLM versions; older ones run without it
         # The driver sends CUDA IPC handles and ES terms through collective_rpc, which vLLM only
         # pickles when allowed; the engine is private to this process (no server is exposed).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
