@@ -246,7 +246,11 @@ def test_asynchronous_grpo_trains_on_episodes_and_unsupported_places_are_refused
 
     env = GuessEnvironment()
     from vrl.generate.vllm import VLLMGenerator
+    from vrl.runtime.modal.runtime import ModalRuntime
 
+    modal = resolve_config({"plugin": "guess", "model": "tiny", "runtime": {"kind": "modal"}})
+    check_episodes(modal, env, ModalRuntime)  # Modal's workers run them (tests/test_modal_generation.py)
+    monkeypatch.setattr(ModalRuntime, "runs_episodes", False)  # a runtime that cannot
     monkeypatch.setattr(VLLMGenerator, "runs_episodes", False)  # a backend that cannot (vllm can)
     for settings, fix in [({"runtime": {"kind": "modal"}}, "--set runtime.kind=local"),
                           ({"generator": {"backend": "vllm"}}, "--set generator.backend=hf")]:

@@ -217,6 +217,34 @@ def test_a_detached_run_resumes_from_the_volume_and_continues_the_history_exactl
     assert len({row["call"] for row in module_emu.log[before:] if row["function"] == "orchestrate"}) == 2
 
 
+GAME = {"plugin": "guess", "optimizer": "grpo", "iterations": 2, "tasks_per_iteration": 3, "env_options": {"turns": 3},
+        "grpo": {"num_generations": 4, "learning_rate": 0.05}, "sampling": {"max_new_tokens": 3, "batch_size": 2},
+        "logging": {"samples_per_iteration": 4}}
+
+
+def test_a_multi_turn_grpo_run_on_emulated_modal_plays_the_local_runs_episodes(module_emu, shared, tmp_path):
+    """An environment that answers back (the built-in guess game) with `--runtime modal`: the worker builds
+    the run's environment from its plugin and options and samples whole episodes, and their token masks
+    cross back with them, so GRPO's losses, the rewards and every recorded episode equal the local
+    runtime's; the second iteration samples the weights published through the Volume."""
+    local = tmp_path / "local"
+    Trainer(build(BASE, GAME, {"logging": {"runs_dir": str(local), "name": "guess"}}), runtime=LocalRuntime()).run()
+    Trainer(modal_cfg(tmp_path, "guess", GAME), runtime=KeptOpen(shared)).run()
+    rows, want = _samples(tmp_path / "guess"), _samples(local / "guess")
+    for r in rows + want:  # the environment's step times (wall clock)
+        r["episode"]["metrics"].pop("env_step_s")
+        for turn in r["episode"]["turns"]:
+            turn.pop("seconds")
+    assert rows == want
+    assert any(len(r["episode"]["turns"]) > 2 for r in rows)  # the environment answered, the model again
+    m_local = [json.loads(x) for x in (local / "guess" / "metrics.jsonl").read_text().splitlines()]
+    m_remote = [json.loads(x) for x in (tmp_path / "guess" / "metrics.jsonl").read_text().splitlines()]
+    assert len(m_remote) == 2 and m_local[0]["grpo/grad_norm"] > 0  # a real step: its loss reads the token masks
+    for a, b in zip(m_local, m_remote, strict=True):
+        for key in ("reward_mean", "grpo/loss", "grpo/grad_norm", "episodes/turns_mean"):
+            assert a[key] == b[key], key
+
+
 # -- the worker, called directly -------------------------------------------------------------------------
 
 
@@ -449,6 +477,28 @@ def test_a_member_call_carries_only_the_newest_update():
         sizes.append(len(json.dumps(log.head())))
     assert len(log.head()["recent"]) == 1 and log.head()["count"] == 50
     assert max(sizes[1:]) - min(sizes[1:]) <= 1  # from the second update on: a digit of the count, nothing more
+
+
+def test_an_environment_made_in_code_is_refused_for_modal_episodes(tmp_path):
+    """The workers build the run's environment from its plugin and options: one that is not the plugin's
+    (made in code and handed to the Trainer) is refused in one line before any call; the plugin's own is
+    sent as its plugin and options."""
+    from vrl.envs.guess import GuessEnvironment
+    from vrl.episodes import Episodes
+    from vrl.runtime.modal.runtime import ModalPolicy
+
+    cfg = modal_cfg(tmp_path, "game", GAME)
+    policy = ModalPolicy(None, None, cfg, SimpleNamespace(run="game"))
+
+    class MyGame(LettersEnvironment):
+        multi_turn = True
+
+    with pytest.raises(Unsupported, match=r"build their environment from the run's config \(plugin 'guess'\), but this "
+                                          r"run's is a MyGame made in code"):
+        policy.episodes(Episodes(MyGame()))
+    assert policy.environment is None
+    policy.episodes(Episodes(GuessEnvironment(turns=3)))
+    assert policy.environment == {"plugin": "guess", "env_options": {"turns": 3}}
 
 
 def test_a_resumed_orchestrator_rebuilds_its_es_state_without_torch(reference, tmp_path, monkeypatch):

@@ -89,7 +89,7 @@ def build_app(config: Any) -> ModalApp:
                   name="sample", **opts["gpu"])
     def sample(variant: dict | list, start: int, stop: int, write_snapshot: bool = False, *, config: dict,
                tasks: list, seed: int | None, spec: dict | None = None, es: dict | None = None,
-               weights: str | None = None, probe: bool = False) -> dict:
+               weights: str | None = None, environment: dict | None = None, probe: bool = False) -> dict:
         """Generation on one GPU; warm across calls (base weights, replayed ES state, loaded shards)."""
         if probe:  # `vrl modal doctor`: what this image holds, and whether CUDA sees the GPU
             return workers.environment_report(gpu=True)
@@ -98,7 +98,7 @@ def build_app(config: Any) -> ModalApp:
             _reload(root)
         # ES: a worker that is behind reloads to see the newest updates; a θ snapshot it writes is committed.
         return workers.sample_call(variant, start, stop, write_snapshot, config=config, tasks=tasks, seed=seed,
-                                   spec=spec, es=es, weights=weights, root=root,
+                                   spec=spec, es=es, weights=weights, root=root, environment=environment,
                                    reload=lambda: _reload(root), commit=lambda: _commit(root))
 
     volume_name = rt.volume

@@ -137,6 +137,19 @@ class ModalPolicy(PolicyHost):
         self.replayed: list[int] = []  # updates each call applied (catching up included)
         self._last_sample: float | None = None
         self._warned_cold = False
+        self.environment: dict[str, Any] | None = None  # the run's environment, where it answers back
+
+    def episodes(self, runner: Any) -> None:
+        """Each worker samples whole episodes with its own instance of the run's environment, built from the
+        run's plugin and options (the environment object does not travel), so one passed in code is refused."""
+        from vrl.plugins import registry
+
+        factory = registry().factory("environments", self.config.plugin)
+        if isinstance(factory, type) and not isinstance(runner.environment, factory):
+            raise Unsupported(f"the Modal workers build their environment from the run's config (plugin "
+                              f"{self.config.plugin!r}), but this run's is a {type(runner.environment).__name__} "
+                              "made in code: register it in a plugin (docs/plugins.md), or run with --set runtime.kind=local")
+        self.environment = workers.environment_to_wire(self.config)
 
     # -- sampling ------------------------------------------------------------------------------------
     def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
@@ -158,6 +171,7 @@ class ModalPolicy(PolicyHost):
             "spec": workers.spec_to_wire(self.spec),
             "es": self.log.head() if seeded else None,  # only what is new: the newest update and digests
             "weights": self.weights,
+            **({"environment": self.environment} if self.environment is not None else {}),
         }
         size = self.config.sampling.batch_size
         argsets: list[tuple] = []
@@ -328,6 +342,7 @@ class ModalRuntime(Runtime):
     name = "modal"
     Config = ModalConfig
     weights_here = False  # the workers load the weights from the Volume
+    runs_episodes = True  # each worker runs the episodes it samples (`ModalPolicy.episodes`)
 
     def __init__(self, config: Any, *, app: Any, worker: Any = None, volume_root: str | Path | None = None,
                  in_container: bool = False):

@@ -53,9 +53,11 @@ def volume_env(root: str | os.PathLike = VOLUME_ROOT, offline: bool = True) -> d
 
 
 def completion_to_wire(c: Completion) -> dict[str, Any]:
-    """A completion as JSON, token ids and log-probs included (GRPO trains on exactly these)."""
+    """A completion as JSON, token ids, log-probs and an episode's token mask included (GRPO trains on exactly
+    these)."""
     data = c.model_dump(mode="json")
-    data.update(prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids, logprobs=c.logprobs)
+    data.update(prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids, logprobs=c.logprobs,
+                token_mask=c.token_mask)
     return data
 
 
@@ -92,6 +94,12 @@ def engine_config(config: Any) -> dict[str, Any]:
 
     data = dump(config)
     return {k: data[k] for k in ("model", "seed", "generator", "sampling")}
+
+
+def environment_to_wire(config: Any) -> dict[str, Any]:
+    """What a worker builds the run's environment from, to run its episodes where it samples: the plugin's
+    name and options (the GPU image holds the run's plugins; an environment object does not travel)."""
+    return {"plugin": config.plugin, "env_options": dict(config.env_options)}
 
 
 # -- ES state: what a member call carries, and what a worker catches up from --------------------------
@@ -190,6 +198,7 @@ def sample(
     spec: dict[str, Any] | None = None,
     updates: list[dict[str, Any]] | None = None,
     weights: str | None = None,
+    environment: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """`sample_call` for a caller in this process that holds the run's whole update list (`updates`,
     `to_wire` data): the completions only. Modal calls carry `UpdateLog.head()` instead."""
@@ -200,7 +209,7 @@ def sample(
             log.append(update)
         es = log.head()
     out = sample_call(variant, start, stop, config=config, tasks=tasks, seed=seed, spec=spec, es=es, weights=weights,
-                      history=updates)
+                      history=updates, environment=environment)
     return out["completions"]
 
 
@@ -220,6 +229,7 @@ def sample_call(
     reload: Callable[[], None] | None = None,
     commit: Callable[[], None] | None = None,
     history: Sequence[dict[str, Any]] | None = None,
+    environment: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Completions of one variant (or several: low-rank members share one engine pass) on tasks[start:stop],
     from the host the local runtime would build.
@@ -230,8 +240,10 @@ def sample_call(
     makes the Volume's newest files visible; or from `history`, the whole update list, when the caller
     has it), then samples with in-engine perturbation; with `write_snapshot` it first writes θ to the
     Volume (`commit` publishes it). `weights`: a Volume file of trained weights (GRPO) to sample
-    instead of the base model. Sampling seeds follow the task's position in the whole list, so shards
-    give what one call over every task gives.
+    instead of the base model. `environment` (`environment_to_wire`): the run's environment answers back,
+    so the host samples whole episodes with its own instance of it, as the local runtime's host does.
+    Sampling seeds follow the task's position in the whole list, so shards give what one call over every
+    task gives.
     Returns {"completions": [...], "snapshot": count written or None, "replayed": updates applied,
     "catch_up_s": seconds spent bringing θ up to date (reload, snapshot load, replay)}.
     """
@@ -240,10 +252,10 @@ def sample_call(
 
     cfg = TrainConfig.model_validate(config)
     wanted = spec_from_wire(spec)
-    key = json.dumps({k: config[k] for k in ("model", "generator")}, sort_keys=True)
+    key = json.dumps({**{k: config[k] for k in ("model", "generator")}, "environment": environment}, sort_keys=True)
     # Start from the base model for another model or selection, or after trained weights.
     if _WARM.key != key or _WARM.spec != wanted or (weights is None and _WARM.weights is not None):
-        _fresh_host(cfg, key, wanted)
+        _fresh_host(cfg, key, wanted, environment)
     if weights and weights != _WARM.weights:  # newly published trained weights: load them into the warm host
         _WARM.host.publish(load_weights_file(weights))
         _WARM.weights = weights
@@ -251,7 +263,7 @@ def sample_call(
     written = None
     t0 = time.perf_counter()
     if es is not None and wanted is not None:
-        _catch_up(cfg, key, wanted, es, Path(root), reload or (lambda: None), history)
+        _catch_up(cfg, key, wanted, es, Path(root), reload or (lambda: None), history, environment)
     catch_up_s = time.perf_counter() - t0
     if es is not None and wanted is not None and write_snapshot and es["count"]:
         written = _write_snapshot(Path(root) / es["store"], es["count"], es["digest"], reload or (lambda: None),
@@ -265,20 +277,25 @@ def sample_call(
             "replayed": _WARM.replayed, "catch_up_s": catch_up_s}
 
 
-def _fresh_host(cfg: Any, key: str, wanted: PerturbationSpec | None) -> None:
+def _fresh_host(cfg: Any, key: str, wanted: PerturbationSpec | None, environment: dict[str, Any] | None) -> None:
+    from vrl import episodes
     from vrl.generate import make_generator
+    from vrl.plugins import registry
 
     if _WARM.host is not None:
         _WARM.host.close()
     _WARM.host = _WARM.key = None
     host = make_generator(cfg, HostNeeds("perturbations", wanted) if wanted is not None else None)
+    if environment is not None:  # as the trainer attaches the run's environment to a local host
+        episodes.attach(host, registry().environment(environment["plugin"], **environment["env_options"]))
     if wanted is not None:
         host.perturbations(wanted)
     _WARM.key, _WARM.host, _WARM.spec, _WARM.count, _WARM.digest, _WARM.weights = key, host, wanted, 0, "", None
 
 
 def _catch_up(cfg: Any, key: str, wanted: PerturbationSpec, es: dict[str, Any], root: Path,
-              reload: Callable[[], None], history: Sequence[dict[str, Any]] | None = None) -> None:
+              reload: Callable[[], None], history: Sequence[dict[str, Any]] | None = None,
+              environment: dict[str, Any] | None = None) -> None:
     """Bring the warm host's θ to the history `es` describes, replaying as few updates as it can (from
     the Volume's files, or from `history` when the caller passed the whole list)."""
     from vrl.weights.update import update_from_wire
@@ -321,7 +338,7 @@ def _catch_up(cfg: Any, key: str, wanted: PerturbationSpec, es: dict[str, Any], 
             break
     else:  # another history (another run, a rewind): from the base model
         if _WARM.count:
-            _fresh_host(cfg, key, wanted)
+            _fresh_host(cfg, key, wanted, environment)
         if not extends(0, ""):
             raise RuntimeError(f"the ES updates on the Volume under {store} do not give the run's history")
     _apply(update_from_wire(updates[i]) for i in range(_WARM.count, n))
