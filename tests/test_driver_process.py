@@ -31,7 +31,7 @@ from vrl.envs.letters import LettersEnvironment
 from vrl.errors import UsageError
 from vrl.generate.hf import HFGenerator
 from vrl.optim.es import ES, ESHistory
-from vrl.policy import HostNeeds, PerturbationSpec, Unsupported, Variant, WeightStream
+from vrl.policy import HostNeeds, PerturbationSpec, Variant, WeightStream
 from vrl.runtime.driver import DriverDied, DriverHost
 from vrl.runtime.local import LocalRuntime
 from vrl.runtime.pool import HostPool
@@ -109,9 +109,14 @@ def test_two_driven_engines_sample_and_update_as_one_in_process_engine(pool):
     with pytest.raises(Exception, match="lowrank") as refused:
         pool.update(LowRankUpdate(rank=2, coeff=1.0, terms=((7, 1.0),)))
     assert type(refused.value) is not DriverDied
-    with pytest.raises(UsageError, match="does not carry .*; set runtime.local.driver_processes=false$") as err:
-        pool.episodes(object())  # one line in the CLI (a UsageError)
-    assert isinstance(err.value, Unsupported)
+    from vrl.episodes import Episodes
+
+    class MyGame(LettersEnvironment):  # made in code: a child cannot build it from the run's config
+        multi_turn = True
+
+    with pytest.raises(UsageError, match=r"^driver processes build their environment from the run's config \(plugin "
+                                         r"'letters'\), but this run's is a MyGame made in code: .*driver_processes=false$"):
+        pool.episodes(Episodes(MyGame()))  # one line in the CLI, before any child is asked
 
 
 @pytest.mark.slow  # the module's pool (two children)
@@ -249,6 +254,38 @@ def test_settings_a_driver_process_cannot_serve_are_refused_before_an_engine_sta
     else:  # placed apart: on to the next check, whether the GPUs exist
         with pytest.raises(UsageError, match=r"names GPU \d, but this machine has"):
             LocalRuntime.check(apart)
+
+
+@pytest.mark.slow  # one child starts (5-8 s on the loaded 2-core machine)
+def test_a_driven_engine_plays_the_episodes_an_in_process_engine_plays():
+    """A multi-turn environment (the built-in guess game): the child builds it from the run's plugin and
+    options and samples whole episodes, which come back with their token masks and conversations equal to
+    an in-process engine's; the preflight accepts the setting."""
+    from vrl import episodes
+    from vrl.envs.guess import GuessEnvironment
+    from vrl.preflight import check_episodes
+
+    cfg = build(BASE, {"plugin": "guess", "env_options": {"turns": 3}, "runtime": {"local": {"engines": 1}}})
+    env = GuessEnvironment(turns=3)
+    check_episodes(cfg, env, LocalRuntime)
+    tasks = env.tasks()[:3]
+    variants = [Variant(index=0, samples_per_task=2)]
+    here = HFGenerator.from_config(cfg)
+    episodes.attach(here, env)
+    want = [c for b in here.sample(tasks, variants, seed=5) for c in b]
+    driven = DriverHost(cfg, None, None, "engine 0")
+    try:
+        driven.episodes(episodes.Episodes(env))
+        got = [c for b in driven.sample(tasks, variants, seed=5) for c in b]
+    finally:
+        driven.close()
+
+    def played(cs):
+        return [(c.task_id, c.sample, c.token_ids, c.token_mask, c.text,
+                 [(t.role, t.content, t.tokens) for t in c.episode.turns]) for c in cs]
+
+    assert played(got) == played(want)
+    assert any(len(c.episode.turns) > 1 and 0 in c.token_mask for c in got)  # the game answered back
 
 
 @pytest.mark.slow  # two children start (13-20 s on the loaded 2-core machine)

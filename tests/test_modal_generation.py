@@ -481,8 +481,8 @@ def test_a_member_call_carries_only_the_newest_update():
 
 def test_an_environment_made_in_code_is_refused_for_modal_episodes(tmp_path):
     """The workers build the run's environment from its plugin and options: one that is not the plugin's
-    (made in code and handed to the Trainer) is refused in one line before any call; the plugin's own is
-    sent as its plugin and options."""
+    (made in code and handed to the Trainer) is refused in one line, by the preflight and before any call;
+    the plugin's own is sent as its plugin and options."""
     from vrl.envs.guess import GuessEnvironment
     from vrl.episodes import Episodes
     from vrl.runtime.modal.runtime import ModalPolicy
@@ -493,9 +493,15 @@ def test_an_environment_made_in_code_is_refused_for_modal_episodes(tmp_path):
     class MyGame(LettersEnvironment):
         multi_turn = True
 
-    with pytest.raises(Unsupported, match=r"build their environment from the run's config \(plugin 'guess'\), but this "
-                                          r"run's is a MyGame made in code"):
-        policy.episodes(Episodes(MyGame()))
+    from vrl.errors import UsageError
+    from vrl.preflight import check_episodes
+    from vrl.runtime.modal.runtime import ModalRuntime
+
+    for refuse in (lambda: policy.episodes(Episodes(MyGame())), lambda: check_episodes(cfg, MyGame(), ModalRuntime)):
+        with pytest.raises(UsageError, match=r"^the Modal workers build their environment from the run's config "
+                                             r"\(plugin 'guess'\), but this run's is a MyGame made in code: .*"
+                                             r"--set runtime.kind=local$"):
+            refuse()
     assert policy.environment is None
     policy.episodes(Episodes(GuessEnvironment(turns=3)))
     assert policy.environment == {"plugin": "guess", "env_options": {"turns": 3}}

@@ -101,3 +101,35 @@ def test_cli_lists_plugins_and_survives_a_broken_one(tmp_path):
     assert plugins["small"]["registered"]["environments"] == ["small-countdown"]
     table = subprocess.run([sys.executable, "-m", "vrl.cli", "plugins"], env=env, capture_output=True, text=True)
     assert table.returncode == 0 and "countdown" in table.stdout and "failed" in table.stdout
+
+
+def test_threads_looking_names_up_at_once_all_find_them():
+    """A pool's hosts look the run's environment up side by side (one thread each): the first collects the
+    kind while the others wait for it, so none sees it half collected ("installed: none")."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import vrl
+    from vrl.envs.letters import LettersEnvironment
+
+    @vrl.hookimpl
+    def register_environments(register):
+        time.sleep(0.2)  # a plugin whose registration takes a moment (imports)
+        register("slow-letters", LettersEnvironment)
+
+    reg = Registry().load(entry_points=False, plugins={"slow": SimpleNamespace(register_environments=register_environments)})
+    found, errors = [], []
+
+    def look() -> None:
+        try:
+            found.append(reg.factory("environments", "slow-letters"))
+        except Exception as exc:  # noqa: BLE001 - what the test counts
+            errors.append(exc)
+
+    threads = [threading.Thread(target=look) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and found == [LettersEnvironment] * 4

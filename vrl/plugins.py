@@ -22,6 +22,7 @@ import importlib
 import importlib.metadata as md
 import logging
 import os
+import threading
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -79,6 +80,10 @@ class Registry:
         self._plugins: dict[str, PluginInfo] = {}  # `plugins` shows them once every kind is collected
         self._factories: dict[str, dict[str, tuple[str, Any]]] = {k: {} for k in KINDS}
         self._collected: set[str] = set()
+        # One thread collects a kind while the others wait: the pool's hosts look names up side by side, and
+        # a kind marked collected before its hooks have run would look empty to them.
+        self._collecting = threading.RLock()
+        self._done: set[str] = set()
         self._conflicts: list[str] = []
         self._warned: set[str] = set()
 
@@ -151,9 +156,16 @@ class Registry:
 
     # -- collecting a kind -------------------------------------------------------------------------
     def _collect(self, kind: str) -> None:
-        if kind in self._collected:
+        if kind in self._done:
             return
-        self._collected.add(kind)
+        with self._collecting:
+            if kind in self._collected:  # done, or being collected by this thread (a hook looking names up)
+                return
+            self._collected.add(kind)
+            self._collect_now(kind)
+            self._done.add(kind)
+
+    def _collect_now(self, kind: str) -> None:
         caller = getattr(self.pm.hook, f"register_{kind}")
         for impl in caller.get_hookimpls():  # in registration order: builtin first, then by name
             plugin = impl.plugin_name
@@ -305,3 +317,21 @@ def _describe(exc: BaseException) -> str:
 def registry() -> Registry:
     """The registry of installed plugins, loaded once per process (`registry.cache_clear()` reloads)."""
     return Registry().load()
+
+
+def environment_wire(environment: Any, config: Any, where: str, fix: str) -> dict[str, Any]:
+    """What `where` (the hosts of another process or machine) builds the run's environment from, to run
+    episodes beside their engines: the run's plugin and options, since an environment object does not
+    travel. An environment that is not the plugin's (made in code and handed to the Trainer) is refused
+    in one line ending with `fix`."""
+    factory = registry().factory("environments", config.plugin)
+    if isinstance(factory, type) and type(environment) is not factory:
+        raise UsageError(f"{where} build their environment from the run's config (plugin {config.plugin!r}), but "
+                         f"this run's is a {type(environment).__name__} made in code: register it in a plugin "
+                         f"(docs/plugins.md), or {fix}")
+    return {"plugin": config.plugin, "env_options": dict(config.env_options)}
+
+
+def environment_from_wire(wire: dict[str, Any]) -> Any:
+    """The environment `environment_wire` describes, built here from its plugin."""
+    return registry().environment(wire["plugin"], **wire["env_options"])

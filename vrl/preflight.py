@@ -31,6 +31,10 @@ def check_episodes(config: TrainConfig, env: Environment, runtime: type) -> None
     if not generator_class(config.generator.backend).runs_episodes:
         raise UsageError(f"environment {env.name!r} runs multi-turn episodes, which generator backend "
                          f"{config.generator.backend!r} does not support yet; use --set generator.backend=hf")
+    if (elsewhere := runtime.episodes_elsewhere(config)) is not None:
+        from vrl.plugins import environment_wire
+
+        environment_wire(env, config, *elsewhere)  # those hosts build it from the plugin: refused if made in code
 
 
 def preflight(config: TrainConfig, env: Environment, *, training: bool = True) -> None:

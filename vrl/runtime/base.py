@@ -36,6 +36,13 @@ class Runtime(ABC):
     runs_episodes: ClassVar[bool] = False
 
     @classmethod
+    def episodes_elsewhere(cls, config: Any) -> tuple[str, str] | None:
+        """Where a run's episodes run outside this process, as (who, the setting that keeps them here): those
+        hosts build the run's environment from its plugin and options (`vrl.plugins.environment_wire`), so
+        the preflight refuses one made in code. None: beside this process's engines."""
+        return None
+
+    @classmethod
     def from_config(cls, config: Any) -> Runtime:
         """The runtime for a run (a `TrainConfig`; its own section is `config.runtime.<name>`)."""
         return cls()

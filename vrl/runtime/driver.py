@@ -20,8 +20,9 @@ drawn only once the child has loaded this one. The child learns where the traine
 then pushes what it received with the transport it would use beside the trainer (an NCCL broadcast to
 an engine on another GPU straight from the received tensors; CUDA IPC or vrl's loader, on the
 trainer's GPU, from a copy made in the child, as torch will not hand on a received CUDA tensor).
-Multi-turn episodes run their environment beside the engine: such runs keep their engines in this
-process (one line refuses the setting when the loop attaches them).
+Multi-turn episodes run beside the engine: the child builds the run's environment from its plugin and
+options (`vrl.plugins.environment_wire`; one made in code is refused) and samples whole episodes, as the
+in-process host does.
 
 Errors: an exception in the child is raised here as the same exception (type and one-line message;
 its traceback is attached as a note). A child that dies (killed, out of memory, a crash in native
@@ -55,7 +56,6 @@ from vrl.policy import (
     PerturbationSpec,
     PolicyHost,
     Trainable,
-    Unsupported,
     Variant,
     WeightsInfo,
     WeightStream,
@@ -68,19 +68,15 @@ CLOSE_GRACE_S = 30.0
 """Seconds `close` waits for the child to close its engine and exit (it may be finishing a generation
 batch first) before it terminates it."""
 
-NOT_CARRIED = "multi-turn episodes (their environment would have to run beside the engine)"
-"""What a driver process does not carry across its boundary (the run keeps its engine in this process)."""
-
+ELSEWHERE = ("driver processes", "set runtime.local.driver_processes=false")
+"""Who runs a run's episodes in driver processes, and the setting that keeps them in this process
+(`Runtime.episodes_elsewhere`)."""
 
 _END = object()
 
 
 class DriverDied(UsageError, RuntimeError):
     """An engine's driver process ended while the run still needed it."""
-
-
-class NotCarried(UsageError, Unsupported):
-    """What a driver process does not carry (`NOT_CARRIED`) was asked of it: one line naming the switch."""
 
 
 class DriverHost(PolicyHost):
@@ -227,7 +223,10 @@ class DriverHost(PolicyHost):
         return self._call("counters")
 
     def episodes(self, runner: Any) -> None:
-        raise self._not_carried()
+        """The child samples whole episodes with its own instance of the run's environment."""
+        from vrl.plugins import environment_wire
+
+        self._call("episodes", environment_wire(runner.environment, self.config, *ELSEWHERE))
 
     def trainable(self) -> Trainable:
         """GRPO's model, in this process (`Generator.trainable_elsewhere`: loaded as the engine's weights
@@ -269,10 +268,6 @@ class DriverHost(PolicyHost):
 
     def decouple(self) -> None:
         self._call("decouple")
-
-    def _not_carried(self) -> NotCarried:
-        return NotCarried(f"{self.label} runs in a driver process, which does not carry {NOT_CARRIED}; "
-                           "set runtime.local.driver_processes=false")
 
     def close(self) -> None:
         """Close the child's engine and end the child: asked first (it finishes the batch it is on), then
@@ -373,7 +368,13 @@ def _serve(conn: Connection, config_data: dict[str, Any], needs: HostNeeds | Non
                     from vrl.weights.update import update_from_wire
 
                     args = (update_from_wire(args[0]),)
-                result = getattr(host, op)(*args)
+                if op == "episodes":  # the run's environment, built here from its plugin and options
+                    from vrl.episodes import attach
+                    from vrl.plugins import environment_from_wire
+
+                    result = attach(host, environment_from_wire(*args))
+                else:
+                    result = getattr(host, op)(*args)
             except Exception as exc:  # noqa: BLE001 - the parent raises it
                 conn.send(("err", _wire_error(exc)))
             else:

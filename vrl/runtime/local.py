@@ -17,7 +17,7 @@ from vrl.errors import DeviceUnavailable, UsageError
 from vrl.generate import generator_class, make_generator
 from vrl.policy import HostNeeds, PolicyHost, share_needs
 from vrl.runtime.base import Runtime, VerificationPool
-from vrl.runtime.driver import DriverHost
+from vrl.runtime.driver import ELSEWHERE, DriverHost
 from vrl.runtime.pool import HostPool
 from vrl.verifier import Verifier
 
@@ -39,7 +39,8 @@ class LocalConfig(Section):
         False,
         description="Drive each engine from a process of its own (commands, completions, seeded updates and trained "
         "weights in shared memory cross), so the engines' Python-side work does not compete for one interpreter "
-        "with each other and the loop. No multi-turn episodes; one engine per GPU. Off by default: it pays for GRPO "
+        "with each other and the loop; each child builds the run's environment from its plugin for multi-turn "
+        "episodes. One engine per GPU. Off by default: it pays for GRPO "
         "under FSDP2 with an asynchronous loop and the engine on a GPU of its own (docs/vllm.md).",
     )
 
@@ -65,6 +66,10 @@ class LocalRuntime(Runtime):
     name = "local"
     Config = LocalConfig
     runs_episodes = True  # when its generator backend does (`Generator.runs_episodes`)
+
+    @classmethod
+    def episodes_elsewhere(cls, config: Any) -> tuple[str, str] | None:
+        return ELSEWHERE if config.runtime.local.driver_processes else None
 
     def __init__(self, config: Any = None):
         """Nothing to start until `policy`: engines follow the config they are given there."""

@@ -141,15 +141,10 @@ class ModalPolicy(PolicyHost):
 
     def episodes(self, runner: Any) -> None:
         """Each worker samples whole episodes with its own instance of the run's environment, built from the
-        run's plugin and options (the environment object does not travel), so one passed in code is refused."""
-        from vrl.plugins import registry
+        run's plugin and options (`vrl.plugins.environment_wire`: one made in code is refused)."""
+        from vrl.plugins import environment_wire
 
-        factory = registry().factory("environments", self.config.plugin)
-        if isinstance(factory, type) and not isinstance(runner.environment, factory):
-            raise Unsupported(f"the Modal workers build their environment from the run's config (plugin "
-                              f"{self.config.plugin!r}), but this run's is a {type(runner.environment).__name__} "
-                              "made in code: register it in a plugin (docs/plugins.md), or run with --set runtime.kind=local")
-        self.environment = workers.environment_to_wire(self.config)
+        self.environment = environment_wire(runner.environment, self.config, *ModalRuntime.episodes_elsewhere(self.config))
 
     # -- sampling ------------------------------------------------------------------------------------
     def sample(self, tasks: Sequence[Task], variants: Sequence[Variant], seed: int | None = None
@@ -343,6 +338,10 @@ class ModalRuntime(Runtime):
     Config = ModalConfig
     weights_here = False  # the workers load the weights from the Volume
     runs_episodes = True  # each worker runs the episodes it samples (`ModalPolicy.episodes`)
+
+    @classmethod
+    def episodes_elsewhere(cls, config: Any) -> tuple[str, str]:
+        return "the Modal workers", "run with --set runtime.kind=local"
 
     def __init__(self, config: Any, *, app: Any, worker: Any = None, volume_root: str | Path | None = None,
                  in_container: bool = False):

@@ -96,12 +96,6 @@ def engine_config(config: Any) -> dict[str, Any]:
     return {k: data[k] for k in ("model", "seed", "generator", "sampling")}
 
 
-def environment_to_wire(config: Any) -> dict[str, Any]:
-    """What a worker builds the run's environment from, to run its episodes where it samples: the plugin's
-    name and options (the GPU image holds the run's plugins; an environment object does not travel)."""
-    return {"plugin": config.plugin, "env_options": dict(config.env_options)}
-
-
 # -- ES state: what a member call carries, and what a worker catches up from --------------------------
 #
 # A member call carries only what is new since the previous iteration: the newest update, the digests
@@ -240,7 +234,7 @@ def sample_call(
     makes the Volume's newest files visible; or from `history`, the whole update list, when the caller
     has it), then samples with in-engine perturbation; with `write_snapshot` it first writes θ to the
     Volume (`commit` publishes it). `weights`: a Volume file of trained weights (GRPO) to sample
-    instead of the base model. `environment` (`environment_to_wire`): the run's environment answers back,
+    instead of the base model. `environment` (`vrl.plugins.environment_wire`): the run's environment answers back,
     so the host samples whole episodes with its own instance of it, as the local runtime's host does.
     Sampling seeds follow the task's position in the whole list, so shards give what one call over every
     task gives.
@@ -280,14 +274,14 @@ def sample_call(
 def _fresh_host(cfg: Any, key: str, wanted: PerturbationSpec | None, environment: dict[str, Any] | None) -> None:
     from vrl import episodes
     from vrl.generate import make_generator
-    from vrl.plugins import registry
+    from vrl.plugins import environment_from_wire
 
     if _WARM.host is not None:
         _WARM.host.close()
     _WARM.host = _WARM.key = None
     host = make_generator(cfg, HostNeeds("perturbations", wanted) if wanted is not None else None)
     if environment is not None:  # as the trainer attaches the run's environment to a local host
-        episodes.attach(host, registry().environment(environment["plugin"], **environment["env_options"]))
+        episodes.attach(host, environment_from_wire(environment))  # (the GPU image holds the run's plugins)
     if wanted is not None:
         host.perturbations(wanted)
     _WARM.key, _WARM.host, _WARM.spec, _WARM.count, _WARM.digest, _WARM.weights = key, host, wanted, 0, "", None
