@@ -34,12 +34,15 @@ LATER_GRAD_RTOL = 3e-5
 @pytest.fixture(autouse=True, scope="module")
 def _compile_in_process():
     """Inductor compiles in this process (`compile_threads=1`) instead of starting a pool of compile
-    workers: on the 2-core machine each worker costs its own torch import and buys no parallelism. The
-    generated kernels are the same."""
+    workers: on the 2-core machine each worker costs its own torch import and buys no parallelism. Its C++
+    kernels are scalar (`cpp.simdlen=1`): on a cold cache the vectorised ones cost g++ more (this file: 120
+    against 107 s; its first test 61 against 51 s; idle machine, session 23), and a GPU run's kernels are
+    Triton's, not these; the graphs, fusions and dynamic shapes under test are the same."""
     from torch._inductor import config
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(config, "compile_threads", 1)
+        mp.setattr(config.cpp, "simdlen", 1)
         yield
 
 
