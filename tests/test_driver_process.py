@@ -256,38 +256,6 @@ def test_settings_a_driver_process_cannot_serve_are_refused_before_an_engine_sta
             LocalRuntime.check(apart)
 
 
-@pytest.mark.slow  # one child starts (5-8 s on the loaded 2-core machine)
-def test_a_driven_engine_plays_the_episodes_an_in_process_engine_plays():
-    """A multi-turn environment (the built-in guess game): the child builds it from the run's plugin and
-    options and samples whole episodes, which come back with their token masks and conversations equal to
-    an in-process engine's; the preflight accepts the setting."""
-    from vrl import episodes
-    from vrl.envs.guess import GuessEnvironment
-    from vrl.preflight import check_episodes
-
-    cfg = build(BASE, {"plugin": "guess", "env_options": {"turns": 3}, "runtime": {"local": {"engines": 1}}})
-    env = GuessEnvironment(turns=3)
-    check_episodes(cfg, env, LocalRuntime)
-    tasks = env.tasks()[:3]
-    variants = [Variant(index=0, samples_per_task=2)]
-    here = HFGenerator.from_config(cfg)
-    episodes.attach(here, env)
-    want = [c for b in here.sample(tasks, variants, seed=5) for c in b]
-    driven = DriverHost(cfg, None, None, "engine 0")
-    try:
-        driven.episodes(episodes.Episodes(env))
-        got = [c for b in driven.sample(tasks, variants, seed=5) for c in b]
-    finally:
-        driven.close()
-
-    def played(cs):
-        return [(c.task_id, c.sample, c.token_ids, c.token_mask, c.text,
-                 [(t.role, t.content, t.tokens) for t in c.episode.turns]) for c in cs]
-
-    assert played(got) == played(want)
-    assert any(len(c.episode.turns) > 1 and 0 in c.token_mask for c in got)  # the game answered back
-
-
 @pytest.mark.slow  # two children start (13-20 s on the loaded 2-core machine)
 def test_a_killed_child_ends_the_iteration_naming_its_engine_and_close_leaves_nothing(pool):
     """SIGKILL to engine 1's process mid-sample: the pool's call ends with `DriverDied` naming engine 1;
@@ -333,25 +301,35 @@ def _cmdline(pid: int) -> str:
 @pytest.mark.slow
 def test_vrl_train_in_driver_processes_and_a_killed_parent_leaves_no_child(tmp_path: Path):
     """`vrl train`'s loop with two driven engines writes what one in-process engine writes (samples,
-    metrics; low-rank ES's history; GRPO, trained here and published to the children); and a parent killed with SIGKILL while its engines run leaves
-    none of them behind (vrl.reaper ends them)."""
+    metrics; low-rank ES's history; GRPO, trained here and published to the children, on the multi-turn
+    guess game: each child builds the run's environment from its plugin and plays whole episodes, whose
+    token masks the update reads); and a parent killed with SIGKILL while its engines run leaves none of
+    them behind (vrl.reaper ends them)."""
     for optimizer, extra in (("es", {"es": {"noise": "lowrank", "rank": 2}}),
-                             ("grpo", {"grpo": {"num_generations": 3, "learning_rate": 1e-2,
+                             ("grpo", {"plugin": "guess", "env_options": {"turns": 2},
+                                       "grpo": {"num_generations": 3, "learning_rate": 1e-2,
                                                 "lr_scheduler_type": "constant"}})):
         rows = {}
         for name, local in (("one", {"engines": 1, "driver_processes": False}), ("driven", {})):
             cfg = build(BASE, extra, {"optimizer": optimizer, "iterations": 2,
                                       "runtime": {"local": {**BASE["runtime"]["local"], **local}},
                                       "logging": {"runs_dir": str(tmp_path), "name": f"{optimizer}-{name}"}})
-            Trainer(cfg, environment=LettersEnvironment(), runtime=LocalRuntime(),
-                    console=Console(file=io.StringIO())).run()
+            Trainer(cfg, runtime=LocalRuntime(), console=Console(file=io.StringIO())).run()
             run = tmp_path / f"{optimizer}-{name}"
             metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
             samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
-            rows[name] = ([{k: r[k] for k in ("reward_mean", "tokens", "completions")} for r in metrics],
-                          sorted(json.dumps({**s, "verdict": {**s["verdict"], "elapsed_s": None}}, sort_keys=True)
-                                 for s in samples),
+            for sample in samples:  # wall-clock times
+                sample["verdict"]["elapsed_s"] = None
+                if sample.get("episode"):
+                    sample["episode"]["metrics"].pop("env_step_s")
+                    for turn in sample["episode"]["turns"]:
+                        turn.pop("seconds")
+            rows[name] = ([{k: r[k] for k in ("reward_mean", "tokens", "completions", "grpo/loss") if k in r}
+                           for r in metrics],
+                          sorted(json.dumps(s, sort_keys=True) for s in samples),
                           ESHistory.read(run / "es_history.json").iterations if optimizer == "es" else None)
+            if optimizer == "grpo":
+                assert any(len(s["episode"]["turns"]) == 3 for s in samples)  # the game answered, the model again
         assert rows["one"] == rows["driven"], optimizer
 
     script = textwrap.dedent(f"""
