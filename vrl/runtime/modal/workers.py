@@ -52,12 +52,15 @@ def volume_env(root: str | os.PathLike = VOLUME_ROOT, offline: bool = True) -> d
 # -- wire formats --------------------------------------------------------------------------------
 
 
+_KEPT_OUT = tuple(name for name, f in Completion.model_fields.items() if f.exclude)
+"""Fields a completion's JSON leaves out (samples.jsonl does not show them) that cross the wire all the same:
+token ids, log-probs, an episode's token mask (GRPO trains on exactly these)."""
+
+
 def completion_to_wire(c: Completion) -> dict[str, Any]:
-    """A completion as JSON, token ids, log-probs and an episode's token mask included (GRPO trains on exactly
-    these)."""
+    """A completion as JSON, every field included (`_KEPT_OUT` too)."""
     data = c.model_dump(mode="json")
-    data.update(prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids, logprobs=c.logprobs,
-                token_mask=c.token_mask)
+    data.update({name: getattr(c, name) for name in _KEPT_OUT})
     return data
 
 
