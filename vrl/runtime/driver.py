@@ -369,12 +369,11 @@ def _serve(conn: Connection, config_data: dict[str, Any], needs: HostNeeds | Non
 
                     args = (update_from_wire(args[0]),)
                 if op == "episodes":  # the run's environment, built here from its plugin and options
-                    from vrl.episodes import attach
+                    from vrl.episodes import Episodes
                     from vrl.plugins import environment_from_wire
 
-                    result = attach(host, environment_from_wire(*args))
-                else:
-                    result = getattr(host, op)(*args)
+                    args = (Episodes(environment_from_wire(args[0])),)
+                result = getattr(host, op)(*args)
             except Exception as exc:  # noqa: BLE001 - the parent raises it
                 conn.send(("err", _wire_error(exc)))
             else:
