@@ -61,7 +61,8 @@ class PythonTestsEnvironment(RepairEpisodes, Environment):
             "sandbox": o.sandbox, "workers": o.workers, "test_timeout_s": o.test_timeout_s,
             "attempt_timeout_s": o.attempt_timeout_s, "memory_mb": o.memory_mb, "max_processes": o.max_processes,
             "python": o.python}
-        PythonTestsVerifier(**self._verifier_options).pool.close()  # fail now if the sandbox cannot run here
+        # No sandbox check here: the environment is also built where nothing is judged (a detached Modal
+        # orchestrator, whose image has no bubblewrap). `verifier()` checks where it judges, before any attempt.
         self.turns, self.feedback_chars = o.turns, o.feedback_chars  # repair: every turn judged in the sandbox
 
     def tasks(self, split: str = "train", limit: int | None = None) -> list[Task]:

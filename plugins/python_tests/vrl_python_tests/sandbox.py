@@ -11,19 +11,16 @@ reads the attempt's typed results from a pipe and never trusts anything else the
 
 from __future__ import annotations
 
-import errno
 import functools
 import glob
 import json
 import logging
 import os
-import platform
 import queue
 import select
 import selectors
 import shutil
 import stat
-import struct
 import subprocess
 import sys
 import tempfile
@@ -33,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from vrl import jail
 from vrl_python_tests import harness
 
 log = logging.getLogger(__name__)
@@ -47,8 +45,9 @@ _SYSTEM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _UID_INSIDE = 1000
 _START_TIMEOUT_S = 30.0
 _CONTROL_TIMEOUT_S = 10.0
-_OPT_OUT = ("opt out of isolation with `-o sandbox=unsafe-local` (Python: sandbox='unsafe-local'), "
-            "only for code you trust")
+_OPT_OUT = ("only for code you trust, `-o sandbox=unsafe-local` (Python: sandbox='unsafe-local') runs attempts as "
+            "plain processes of this user: they can then read every file this user can (the hidden tests "
+            "included), reach the network and outlive their attempt")
 
 
 class LocalSandboxUnavailable(ValueError):
@@ -160,19 +159,18 @@ def _prefix_of(python: str) -> str:
 
 @functools.cache
 def check_bwrap(python: str) -> None:
-    """Fail with a clear message unless bubblewrap can start `python` in a full sandbox here."""
-    if sys.platform != "linux":
-        raise LocalSandboxUnavailable(
-            f"the bubblewrap sandbox needs Linux (this is {sys.platform}); {_OPT_OUT}")
-    if shutil.which("bwrap") is None:
-        raise LocalSandboxUnavailable(
-            "bubblewrap (`bwrap`) is not installed: install the Debian/Ubuntu package `bubblewrap` "
-            f"(apt-get install bubblewrap; Fedora: dnf install bubblewrap), or {_OPT_OUT}")
+    """Fail with a clear message unless bubblewrap can start `python` in a full sandbox here: vrl's
+    jail first (`vrl.jail.probe`: namespaces, the seccomp filter; under gVisor it learns to keep the
+    container's network namespace), then this sandbox's own interpreter in it."""
+    try:
+        jail.probe()
+    except jail.Unavailable as exc:
+        raise LocalSandboxUnavailable(f"{exc}; or, {_OPT_OUT}") from None
     if _inside(python, ["/tmp", "/dev", "/proc"]):
         raise LocalSandboxUnavailable(
             f"python={python} lies under a directory the sandbox replaces with its own (/tmp, /dev, /proc); "
             "use an interpreter installed elsewhere")
-    fd = seccomp_fd()
+    fd = jail.seccomp_fd()
     argv = bwrap_argv(python, tmpfs_mb=1, seccomp_fd=fd) + [python, "-I", "-S", "-c", "pass"]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=_START_TIMEOUT_S, cwd="/",
@@ -183,11 +181,8 @@ def check_bwrap(python: str) -> None:
         os.close(fd)
     if proc.returncode != 0:
         raise LocalSandboxUnavailable(
-            f"bubblewrap could not create a sandbox: {proc.stderr.strip() or f'exit code {proc.returncode}'}. "
-            "It needs unprivileged user namespaces: check `sysctl user.max_user_namespaces` (> 0), "
-            "`kernel.unprivileged_userns_clone=1` (Debian) and `kernel.apparmor_restrict_unprivileged_userns=0` "
-            "(Ubuntu 24.04+); inside Docker run with --security-opt seccomp=unconfined or --privileged. "
-            f"Or {_OPT_OUT}")
+            f"bubblewrap cannot create its sandbox here: {proc.stderr.strip()[-300:] or f'exit code {proc.returncode}'} "
+            f"(starting {python} as an unprivileged user in it); or, {_OPT_OUT}")
 
 
 def spawn_user(slot: int) -> dict[str, Any]:
@@ -202,14 +197,13 @@ def spawn_user(slot: int) -> dict[str, Any]:
 def bwrap_argv(python: str, tmpfs_mb: int, seccomp_fd: int | None = None) -> list[str]:
     """The bubblewrap command line (without the command to run).
 
-    The root and `/dev` are read-only; `/tmp` and `/dev/shm` are the only writable places, each a
-    tmpfs of `tmpfs_mb` MiB that the server wipes after every attempt. Of the host, only what the
-    interpreter needs is visible (see `visible_paths`), with every Python package directory masked.
-    `seccomp_fd` (see `seccomp_filter`) is read by bwrap and closes the IPC and keyring syscalls.
+    The namespaces and the seccomp filter are vrl's jail (`vrl.jail`: no socket, no new user
+    namespace, the same under gVisor). The root and `/dev` are read-only; `/tmp` and `/dev/shm` are
+    the only writable places, each a tmpfs of `tmpfs_mb` MiB that the server wipes after every
+    attempt. Of the host, only what the interpreter needs is visible (see `visible_paths`), with every
+    Python package directory masked. `seccomp_fd` (`vrl.jail.seccomp_fd`) is read by bwrap.
     """
-    # The host resolves bwrap on its PATH: the sandbox's own uid may not be able to search every entry.
-    argv = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-            "--new-session", "--as-pid-1", "--clearenv", "--cap-drop", "ALL",
+    argv = [jail.bwrap(), *jail.namespace_args(), "--as-pid-1", "--clearenv",
             "--uid", str(_UID_INSIDE), "--gid", str(_UID_INSIDE), "--hostname", "sandbox"]
     for path in _SYSTEM_DIRS:
         if os.path.islink(path):
@@ -292,55 +286,6 @@ def _inside(path: str, roots: list[str]) -> bool:
     return False
 
 
-# seccomp: SysV IPC, POSIX message queues and keyrings are refused (EPERM). The sandbox's IPC
-# namespace then stays empty for its whole life, as a fresh one per attempt would (no object an
-# attempt could leave for the next one, no shared memory outside RLIMIT_AS), and keyrings, which no
-# namespace but the user namespace separates, cannot carry anything either. Python's standard
-# library uses none of them (multiprocessing's locks and shared_memory live in /dev/shm files).
-_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7, "riscv64": 0xC00000F3}
-_DENIED_SYSCALLS = {
-    # shmget, semget, msgget, mq_open, add_key, request_key, keyctl
-    "x86_64": (29, 64, 68, 240, 248, 249, 250),
-    "aarch64": (194, 190, 186, 180, 217, 218, 219),  # the generic table, shared with riscv64
-    "riscv64": (194, 190, 186, 180, 217, 218, 219),
-}
-
-
-def seccomp_filter(machine: str | None = None) -> bytes:
-    """A classic-BPF seccomp program (the format `bwrap --seccomp` reads) for this machine."""
-    machine = machine or platform.machine()
-    if machine not in _AUDIT_ARCH:
-        raise LocalSandboxUnavailable(
-            f"the sandbox's seccomp filter does not know this architecture ({machine}; known: "
-            f"{', '.join(_AUDIT_ARCH)}); {_OPT_OUT}")
-    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
-    allow, deny = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
-    denied = _DENIED_SYSCALLS[machine]
-    # Every jump goes forward to the last instruction (deny); `jf` = 0 falls through.
-    checks: list[tuple[int, int]] = []
-    if machine == "x86_64":
-        checks.append((jge, 0x40000000))  # x32 numbers: no Python here uses that ABI
-    checks += [(jeq, nr) for nr in denied]
-    program = [(ld, 0, 0, 4)]  # seccomp_data.arch
-    # A foreign calling convention (i386 `int 0x80` on x86_64) has other numbers: refuse it outright.
-    program.append((jeq, 1, 0, _AUDIT_ARCH[machine]))
-    program.append((ret, 0, 0, deny))
-    program.append((ld, 0, 0, 0))  # seccomp_data.nr
-    for index, (op, k) in enumerate(checks):
-        program.append((op, len(checks) - index, 0, k))
-    program.append((ret, 0, 0, allow))
-    program.append((ret, 0, 0, deny))
-    return b"".join(struct.pack("=HBBI", code, jt, jf, k) for code, jt, jf, k in program)
-
-
-def seccomp_fd() -> int:
-    """A file descriptor holding `seccomp_filter()`, positioned at its start, for `bwrap --seccomp`."""
-    fd = os.memfd_create("vrl-seccomp", os.MFD_CLOEXEC)
-    _write_all(fd, seccomp_filter())
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
 # -- one sandbox -----------------------------------------------------------------------------------
 
 class _Dead(Exception):
@@ -386,7 +331,7 @@ class Sandbox:
             # Counted per uid inside the sandbox's user namespace, where the server is the only other.
             limits["RLIMIT_NPROC"] = cfg.max_processes + 1
             scratch, workdir = ["/tmp", "/dev/shm"], "/tmp"  # the only writable places (the root is read-only)
-            passed.append(seccomp_fd())
+            passed.append(jail.seccomp_fd())
             argv = bwrap_argv(self.python, cfg.max_file_mb, seccomp_fd=passed[-1])
             env = None
         else:
