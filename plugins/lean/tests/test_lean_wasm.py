@@ -1,57 +1,24 @@
 """The policy's assumptions about Lean, checked against a real Lean 4 (lean-wasm: Lean 4.28, core only).
 
 There is no native Lean here, but `../shared/tools/lean-wasm` runs a WebAssembly build of Lean 4.28
-(Init, Std, Lean; no Mathlib) under Node. Build it once into a git-ignored folder
-(`PKG=.lean-wasm/package OUT=.lean-wasm/dist /work/shared/tools/lean-wasm/build.sh`); these tests skip
-with the reason where it is not built. 4.28 is not the kimina image's v4.15.0: what is checked here is
-what both versions share (auto-bound names, name resolution through `open`, which config terms Lean
-accepts and evaluates), and that `checker/VrlCheck.lean` names only things that exist. Each file is
+(Init, Std, Lean; no Mathlib) under Node. `scripts/test` builds it into a cache outside the checkout
+(`scripts/lean-wasm`; `lean_wasm.py` finds it, or builds it on the first `lean()` call); these tests skip,
+with the reason, only where it cannot be built (no tool, no npm), and fail where its build failed.
+4.28 is not the kimina image's v4.15.0: what is checked here is what both versions share (auto-bound
+names, name resolution through `open`, which config terms Lean accepts and evaluates), and that
+`checker/VrlCheck.lean` names only things that exist. Each file is
 checked once (30-60 s on the shared machine), so each test checks many facts on one run.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
+from lean_wasm import REPO, lean, missing
 from vrl_lean.policy import Rejected, Theorem, prepare
 
-REPO = Path(__file__).resolve().parents[3]
-TOOL = Path(os.environ.get("LEAN_WASM_TOOL", "/work/shared/tools/lean-wasm/lean-wasm"))
-BUILD = Path(os.environ.get("LEAN_WASM_BUILD", REPO / ".lean-wasm"))
 CHECKER = REPO / "plugins" / "lean" / "vrl_lean" / "checker" / "VrlCheck.lean"
 
-
-def _missing() -> str | None:
-    if not TOOL.is_file():
-        return f"no lean-wasm runner at {TOOL} (set LEAN_WASM_TOOL)"
-    if not (BUILD / "dist").is_dir() or not (BUILD / "package" / "lib").is_dir():
-        return (f"lean-wasm is not built at {BUILD}: PKG={BUILD}/package OUT={BUILD}/dist "
-                f"{TOOL.parent}/build.sh (about 2 minutes)")
-    return None
-
-
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
-
-
-def lean(path: Path) -> dict[int, list[dict]]:
-    """Lean's messages for a file, by line. Run in the build folder: the runner mounts the working
-    directory (where the build is) and the runtime leaves a profile file there, git-ignored."""
-    env = {**os.environ, "LEAN_WASM_DIR": str(BUILD / "dist"), "LEAN_PATH": str(BUILD / "package" / "lib")}
-    out = subprocess.run([str(TOOL), "--json", str(path)], capture_output=True, text=True, env=env, timeout=600,
-                         check=False, cwd=BUILD)
-    by_line: dict[int, list[dict]] = {}
-    for line in out.stdout.splitlines():
-        try:
-            m = json.loads(line)
-        except ValueError:
-            continue
-        by_line.setdefault(m["pos"]["line"], []).append(m)
-    assert by_line or out.returncode == 0, out.stderr[-2000:]
-    return by_line
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
 
 
 def errors(messages: dict[int, list[dict]], line: int) -> list[str]:
