@@ -768,3 +768,90 @@ def test_a_killed_container_leaves_no_process_below_it():
     while reaper.alive(identity) and time.monotonic() < deadline:  # a killed zombie counts as ended
         time.sleep(0.05)
     assert not reaper.alive(identity)
+
+
+# -- gVisor's rules for bubblewrap (issue 54) --------------------------------------------------------------
+
+BWRAP_CASES = [  # bwrap's options before `--ro-bind / / --proc /proc --dev /dev true`, and what gVisor answers
+    ("--unshare-all", "loopback"),
+    ("--unshare-net --unshare-pid", "loopback"),
+    ("--share-net --unshare-all", "loopback"),  # in order: --unshare-all sets the network flag again
+    ("--unshare-all --share-net --unshare-user --disable-userns", "userns"),
+    ("--unshare-all --unshare-user --disable-userns", "loopback"),  # bwrap sets up loopback first
+    ("--unshare-all --share-net", "runs"),  # the sandbox starts, in its own user, pid, ipc, uts namespaces
+    ("--setenv X --unshare-net --unshare-pid", "runs"),  # a value, not an option
+]
+BWRAP_PROBE = "\n".join(f'bwrap {args} --ro-bind / / --proc /proc --dev /dev true 2>&1; echo "=> $?"'
+                        for args, _ in BWRAP_CASES)
+
+
+def _bwrap_answers(out: str) -> list[str]:
+    """Each case's outcome from BWRAP_PROBE's output: runs, loopback, userns, or what bwrap printed."""
+    from tests.modal_emulator.gvisor import LOOPBACK, NO_MAX_USERNS
+
+    answers, printed = [], []
+    for line in out.splitlines():
+        if not line.startswith("=> "):
+            printed.append(line)
+            continue
+        text = "\n".join(printed)
+        answers.append("runs" if line == "=> 0" and not text else "loopback" if text == LOOPBACK and line == "=> 1"
+                       else "userns" if text == NO_MAX_USERNS and line == "=> 1" else f"{line}: {text}")
+        printed = []
+    return answers
+
+
+def test_bwrap_in_containers_and_sandboxes_refuses_what_gvisor_refuses(emu):
+    """Issue 54. Modal runs containers and Sandboxes on gVisor, where bwrap cannot set up loopback in a
+    network namespace of its own (gVisor #13438, bubblewrap #745) nor open max_user_namespaces for
+    --disable-userns (gVisor #11210). The emulator's containers and sandboxes refuse both, with bwrap's
+    messages, and run the real bubblewrap (a nested sandbox of its own namespaces) otherwise; an image
+    without bubblewrap has none; this machine's bwrap is untouched; `refuse_bwrap` breaks it outright."""
+    import subprocess
+
+    import modal
+
+    expected = [answer for _, answer in BWRAP_CASES]
+    image = modal.Image.debian_slim().apt_install("bubblewrap")
+    app = modal.App("gvisor")
+
+    @app.function(image=image, serialized=True)
+    def probe(script):
+        import subprocess
+
+        return subprocess.run(["sh", "-c", script], capture_output=True, text=True).stdout
+
+    def sandbox(script, **options):
+        sb = modal.Sandbox.create("sh", "-c", script, app=app, **options)
+        sb.wait()
+        return sb.stdout.read()
+
+    with app.run():
+        assert _bwrap_answers(sandbox(BWRAP_PROBE, image=image)) == expected
+        assert _bwrap_answers(probe.remote(BWRAP_PROBE)) == expected
+        assert sandbox("command -v bwrap || echo none") == "none\n"  # debian_slim: no bubblewrap
+        emu.refuse_bwrap("bwrap: setting up uid map: Permission denied")
+        assert sandbox("bwrap --ro-bind / / true 2>&1; echo $?", image=image) == \
+            "bwrap: setting up uid map: Permission denied\n1\n"
+    host = subprocess.run(["bwrap", "--unshare-net", "--ro-bind", "/", "/", "true"], capture_output=True, text=True)
+    assert host.returncode == 0, host.stderr  # the tests' own bubblewrap is this machine's
+
+
+def test_the_gvisor_shim_reads_options_as_bwrap_does():
+    """The shim's parser (no container): option values are skipped by each option's arity, parsing stops at
+    the command, and `--args FD` is read and handed on unchanged to the real bwrap."""
+    import os
+
+    from tests.modal_emulator import gvisor
+
+    assert gvisor.refusal(["--ro-bind", "/", "/", "--", "sh", "--unshare-net"]) is None  # the command's argument
+    assert gvisor.refusal(["--chmod", "0755", "--unshare-all", "/x", "true"]) is None  # a value of --chmod
+    assert gvisor.refusal(["--overlay", "a", "b", "c", "--unshare-net", "true"]) == gvisor.LOOPBACK
+    read, write = os.pipe()
+    os.write(write, b"--unshare-all\0--share-net\0--disable-userns\0")
+    os.close(write)
+    try:
+        assert gvisor.refusal(["--args", str(read), "true"], gvisor._read_args_fd) == gvisor.NO_MAX_USERNS
+        assert os.read(read, 100) == b"--unshare-all\0--share-net\0--disable-userns\0"  # for the real bwrap
+    finally:
+        os.close(read)

@@ -58,7 +58,17 @@ EMU = "/opt/emu"  # where the emulator's own parts appear inside a container
 REAL_MODAL = ("modal", "modal-proto", "modal-version", "modal-docs")
 CLIENT = ("cloudpickle",)  # what the fake client needs in every container (Modal's client brings its own)
 SYSTEM = ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "proc", "dev", "tmp")  # not image paths here
-APT = {"bubblewrap": ("/usr/bin/bwrap",)}  # packages images may add: their programs, masked where not added
+BWRAP = "/usr/bin/bwrap"
+APT = {"bubblewrap": (BWRAP,)}  # packages images may add: their programs, masked where not added
+INIT = """#!/bin/sh
+# The first program of every emulated container and sandbox: it starts the command given.
+# bwrap's --proc covers /proc/sys, /proc/sysrq-trigger, /proc/irq and /proc/bus with read-only binds where they
+# are writable (bubblewrap.c `cover_proc_dirs`); Linux then refuses a user namespace nested in here a procfs of its
+# own (fs/namespace.c `mount_too_revealing`: no fully visible procfs), so a verifier's own bwrap sandbox could not
+# start. A Modal container's /proc (gVisor's) has no such covers: they go.
+umount /proc/sys /proc/sysrq-trigger /proc/irq /proc/bus 2>/dev/null
+exec "$@"
+"""
 MOUNT_LAYERS = ("sources", "file", "dir")
 NO_MOUNT_LAYERS_BEFORE = (
     "An image tried to run a build step after using `image.add_local_*` to include local files.\n\n"
@@ -111,7 +121,19 @@ class Layout:
         self.base_prefix = Path(sys.base_prefix).resolve()
         self.base_site = Path(sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_prefix})["purelib"])
         self.python = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+        self.gvisor = state / "gvisor"  # bound at {EMU}/gvisor: the bwrap shim (gvisor.py) and `init`
         self._lock = threading.Lock()
+
+    def write_gvisor(self) -> None:
+        """The parts every container and sandbox runs under: the `bwrap` of gVisor's rules (gvisor.py, run
+        by the image's python) and `init`, which starts the container's command (see `INIT`)."""
+        self.gvisor.mkdir(parents=True, exist_ok=True)
+        shim = self.gvisor / "bwrap"
+        shim.write_text(f"#!{EMU}/bin/python -I\n" + (Path(__file__).parent / "gvisor.py").read_text())
+        init = self.gvisor / "init"
+        init.write_text(INIT)
+        for path in (shim, init):
+            path.chmod(0o755)  # a verifier may run bwrap under a uid of its own
 
     @cached_property
     def venv_entries(self) -> dict[str, VenvDist]:
@@ -213,11 +235,15 @@ class Layout:
                 argv += ["--ro-bind", str(path), str(path)]
         if not str(self.base_prefix).startswith("/usr/"):
             argv += ["--ro-bind", str(self.base_prefix), str(self.base_prefix)]
+        argv += ["--ro-bind", str(self.gvisor), f"{EMU}/gvisor"]
         for package, programs in APT.items():
             if package not in image.apt:
                 for program in programs:
                     if Path(program).exists():
                         argv += ["--ro-bind", "/dev/null", program]  # not executable: `which` skips it
+        if "bubblewrap" in image.apt and Path(BWRAP).exists():
+            # The image's bwrap is gVisor's (gvisor.py), which runs this machine's for what gVisor allows.
+            argv += ["--ro-bind", BWRAP, f"{EMU}/real-bwrap", "--ro-bind", str(self.gvisor / "bwrap"), BWRAP]
         argv += ["--ro-bind", str(self.site_view(image)), str(self.base_site),
                  "--ro-bind", str(self.venv_site), f"{EMU}/venv-site",
                  "--ro-bind", str(FAKE), f"{EMU}/fake",
@@ -235,7 +261,7 @@ class Layout:
         argv += ["--chdir", workdir, "--clearenv"]
         for key, value in env.items():
             argv += ["--setenv", key, value]
-        return argv
+        return argv + [f"{EMU}/gvisor/init"]
 
 
 class VenvDist:

@@ -55,6 +55,13 @@ Sandboxes (modal/sandbox/_sandbox.py, _impl_v1.py, io_streams.py)
 - a blocking call (`poll()`, `wait()`, `terminate()`, ...) inside a running event loop warns with
   AsyncUsageWarning (modal/_utils/async_utils.py); `.aio` variants do not.
 
+gVisor (Modal runs containers and Sandboxes on gVisor: modal.com/docs/guide/vm-sandboxes, "rather than on top of gVisor")
+- `bwrap` in a container or sandbox whose image installs bubblewrap refuses what it cannot do under gVisor
+  (gvisor.py, each rule with its gVisor and bubblewrap issue): a network namespace of its own
+  (`--unshare-net`, `--unshare-all` without `--share-net`) and `--disable-userns`; anything else runs
+  this machine's bubblewrap. `refuse_bwrap(text)` breaks it outright (a test of how a failure reads).
+  This machine's own `bwrap` (the tests', the emulator's) is untouched.
+
 Timeouts and call identity (modal.com/docs/guide/timeouts, modal/_runtime/execution_context.py)
 - an input that runs longer than its function's `timeout` (default 300 s) has its container terminated;
   the timeout is per attempt, retried up to `retries` times, then the call fails with
@@ -207,6 +214,7 @@ class Service:
         (self.state / "volumes").mkdir(parents=True, exist_ok=True)
         (self.state / "logs").mkdir(exist_ok=True)
         self.layout.venv_entries  # noqa: B018 - read once, before any container
+        self.layout.write_gvisor()
         self._listener = Listener(self.address, family="AF_UNIX", authkey=bytes.fromhex(self.key))
         threading.Thread(target=self._accept, daemon=True, name="modal-emu-accept").start()
         threading.Thread(target=self._watchdog, daemon=True, name="modal-emu-watchdog").start()
@@ -862,6 +870,11 @@ class Service:
         if proc.poll() is None:
             _kill(proc)
         proc.wait()
+
+    def refuse_bwrap(self, stderr: str) -> None:
+        """From now on every `bwrap` in the emulated containers and sandboxes fails at once, printing `stderr`
+        (exit 1): bubblewrap broken beyond gVisor's documented rules."""
+        (self.layout.gvisor / "refuse").write_text(stderr)
 
     def kill_sandbox(self, sid: str) -> None:
         """A sandbox dies (out of memory, a crash of what it runs)."""
