@@ -24,16 +24,26 @@ def test_a_detached_run_verifies_in_modal_sandboxes(emu, tmp_path):
     assert summary["status"] == "finished" and summary["iterations_completed"] == 1
 
 
-def test_a_preempted_orchestrator_carries_on_with_its_run(emu, tmp_path):
-    """Defect 3. A GPU orchestrator (preemptible) is preempted in its first iteration; the run finishes.
+def test_a_preempted_orchestrator_carries_on_with_its_run(emu, tmp_path, monkeypatch):
+    """Defect 3 and issue 54 item 3. A GPU orchestrator (preemptible) is preempted in its first iteration;
+    the run finishes.
 
     Real Modal: "If a preemption event interrupts a running Function, Modal will gracefully terminate
     the Function and restart it on the same input" (modal.com/docs/guide/preemption); the container's
     exit commits its Volume writes (modal/_runtime/user_code_imports.py), so the restarted call, with
     the same `resume=False`, found runs/<name>/ and stopped at "run directory ... already exists".
     Now the restart holds the run's lease (same call id) and continues the run directory.
+
+    Issue 54: the preempted attempt took the signal for the run's end and spawned `stop_app`, which
+    waited (600 s) for a call that Modal was re-running, then stopped the app under it: with a 2 s wait
+    the restart ended 'interrupted'. Now a signal in the container is no end, and `stop_app` stops an
+    app only once its call has finished.
     """
     import modal
+
+    from vrl.runtime.modal import app as app_module
+
+    monkeypatch.setattr(app_module, "STOP_WAIT_S", 2.0)
 
     preempted: list[str] = []
 
@@ -49,6 +59,11 @@ def test_a_preempted_orchestrator_carries_on_with_its_run(emu, tmp_path):
     assert summary["status"] == "finished" and summary["iterations_completed"] == 2
     metrics = b"".join(modal.Volume.from_name("vrl").read_file("runs/preempted/metrics.jsonl")).splitlines()
     assert len(metrics) == 2  # each iteration once: the restart continued, it did not start over
+    from vrl.runtime.modal.lease import RunLease
+
+    app_id = RunLease("vrl", "preempted").launch()["app"]
+    _wait_until(lambda: not emu.app_running(app_id))  # stopped once the run was over
+    assert len([row for row in emu.log if row["function"] == "stop_app"]) == 1  # by the finished call alone
 
 
 def test_a_crashed_cpu_orchestrator_carries_on_with_its_run(emu, tmp_path):

@@ -21,6 +21,10 @@ from vrl.runtime.modal import workers
 from vrl.runtime.modal.images import ImageRecipe, gpu_recipe, orchestrator_recipe, requested_plugins
 
 PREPARE_TIMEOUT_S = 3 * 3600
+STOP_WAIT_S = 600.0
+"""How long `stop_app` waits for the run's call to return. A call still running then (Modal re-runs a
+preempted or crashed input under the same call id) is no end: `stop_app` leaves the app alone, and the
+call spawns another `stop_app` when it really ends."""
 
 
 def gpu_options(runtime: Any) -> dict[str, Any]:
@@ -138,14 +142,20 @@ def build_app(config: Any) -> ModalApp:
                             predecessor=predecessor, timeout_s=opts["orchestrator"]["timeout"], app_id=app_id,
                             stopper=stopper)
 
-    @app.function(image=images["orchestrator"], serialized=True, name="stop_app", cpu=0.25, timeout=900, retries=0)
-    def stop_app(app_id: str, call_id: str) -> None:
-        """Stop the detached run's app once its last call has returned (its result stays readable), so no
-        GPU container idles, billed, through its scale-down window after the run."""
-        import contextlib
+    wait_s = STOP_WAIT_S
 
-        with contextlib.suppress(Exception):  # finished, failed or cancelled: the run is over either way
-            modal.FunctionCall.from_id(call_id).get(timeout=600)
+    @app.function(image=images["orchestrator"], serialized=True, name="stop_app", cpu=0.25,
+                  timeout=int(wait_s) + 300, retries=0)
+    def stop_app(app_id: str, call_id: str) -> bool:
+        """Stop the detached run's app once its last call has finished (its result stays readable), so no
+        GPU container idles, billed, through its scale-down window after the run. Returns whether it did."""
+        try:
+            modal.FunctionCall.from_id(call_id).get(timeout=wait_s)
+        except TimeoutError:  # the builtin (modal's poll): the call runs on, e.g. Modal restarted its input
+            return False
+        except Exception:  # noqa: BLE001 - failed or cancelled: finished either way
+            pass
         modal.App.lookup(app_id).stop()
+        return True
 
     return ModalApp(app, recipes, images, volume, secrets, sample, prepare_model, orchestrate, stop_app, opts)

@@ -7,7 +7,9 @@ whose orchestrator function calls this module, so importing the runtime here wou
 What Modal does to a long function, and what the orchestrator does about it (`run_on_modal`):
 
 - it restarts a preempted or crashed call on the same input (same call id, `resume=False` again):
-  the restart finds the lease it holds and continues the run directory its first attempt left;
+  the restart finds the lease it holds and continues the run directory its first attempt left. A
+  preemption reaches the trainer as a stop signal, which in a container is never the run's end: the
+  app stays up for the restart (`_signalled`), and `stop_app` stops it only once the call has finished;
 - a Volume has no cross-container lock: a run lease (`lease.py`) lets one call own the run; a second
   start is refused in one line, and an owner that lost its lease stops before writing again;
 - a commit reloads the Volume, which Modal refuses while a file of it is open: the run directory's
@@ -136,14 +138,29 @@ def run_on_modal(config: dict[str, Any], root: str, worker: Any, *, resume: bool
         summary = _own_and_train(config, root, worker, resume=resume, volume=volume, orchestrator=orchestrator,
                                  predecessor=predecessor, timeout_s=timeout_s, lease=lease, me=me, app_id=app_id,
                                  stopper=stopper, claimed=claimed)
+    except KeyboardInterrupt:
+        _signalled()
+        raise
     except BaseException as exc:
         # A call refused the run (or that lost it) records nothing: the run's record is its owner's.
         owned = claimed and not isinstance(exc, RunLeaseError)
         _ended(lease if owned else None, f"{type(exc).__name__}: {exc}".splitlines()[0], app_id, stopper, me)
         raise
-    if summary.get("status") != "continued":
+    if summary.get("status") == "interrupted":
+        _signalled()
+    elif summary.get("status") != "continued":
         _ended(lease, summary.get("error"), app_id, stopper, me)
     return summary
+
+
+def _signalled() -> None:
+    """The trainer stopped on SIGINT or SIGTERM. Inside a Modal container nobody here sends them: Modal
+    does, preempting the container ("Modal will gracefully terminate the Function and restart it on the
+    same input", modal.com/docs/guide/preemption) or ending it. That is not the run's end: nothing is
+    recorded and the app is not stopped, so the restarted call continues the run (`vrl modal stop`
+    cancels the call and stops the app itself)."""
+    log.warning("the orchestrator was stopped by a signal (Modal preempting its container?): its finished "
+                "iterations are committed, and Modal's restart of this call continues the run")
 
 
 def _ended(lease: RunLease | None, error: str | None, app_id: str | None, stopper: Any, me: str | None) -> None:
