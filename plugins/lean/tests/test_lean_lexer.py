@@ -52,3 +52,20 @@ def test_tokens_as_lean_splits_them(text, expected):
 def test_text_lean_would_read_differently_is_refused(text, reason):
     with pytest.raises(LexError, match=reason):
         tokenize(text)
+
+
+@pytest.mark.parametrize(
+    "text,name",
+    [
+        ("native", ("native",)),
+        ("«native»", ("native",)),  # Lean 4.28: `decide +«native»` is `decide +native`
+        ("_root_.native", ("native",)),
+        ("«config».«mk»", ("config", "mk")),
+        ("a.«b c».d", ("a", "b c", "d")),
+        ("_root_", ("_root_",)),
+        ("\"native\"", ()),
+    ],
+)
+def test_a_word_carries_the_name_lean_reads(text, name):
+    (token,) = tokenize(text).tokens
+    assert token.name == name

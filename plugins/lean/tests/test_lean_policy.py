@@ -614,3 +614,80 @@ def test_round4_attacks_are_refused_with_a_reason(completion, reason):
 ])
 def test_legitimate_configs_and_lookalikes_are_accepted(proof):
     prepare(block(proof), THM)
+
+
+# -- names as Lean reads them; `where` and `let rec` helpers are definitions (round 5) ---------------------
+
+WHERE = "def vrl_h : ℕ := go 0 where go (n : ℕ) : ℕ := n\n"
+# Helpers under a theorem: a theorem's `where`/`let rec` helper is a `def` (Lean 4.28), though its parent is not.
+WHERE_LINES = "theorem vrl_t : True := trivial where\n  a (n : ℕ) : ℕ := n\n  b (n : ℕ) : ℕ := n\n"
+WHERE_SEMICOLON = "theorem vrl_t : True := trivial where a (n : ℕ) : ℕ := n; b (n : ℕ) : ℕ := n\n"
+LET_REC = "theorem vrl_t : True := let rec a (n : ℕ) : ℕ := n, b (n : ℕ) : ℕ := n; trivial\n"
+SLOW = "def slow (n : ℕ) : Bool := n == n\n"
+
+ROUND5 = [
+    # (id, completion, words in the reason): each passed `prepare` before; each shape checked in Lean 4.28.
+    ("escaped native field in a config", block("  subst hx\n  decide (config := { «native» := true })"), "decide +native"),
+    ("escaped native flag", block("  subst hx\n  decide +«native»"), "decide +native"),
+    ("escaped native item", block("  subst hx\n  decide («native» := true)"), "decide +native"),
+    ("escaped config with .mk", block("  subst hx\n  decide («config» := .mk false true true false)"), "positional constructor"),
+    ("escaped config with code", block("  simp («config» := id { maxSteps := 1 }) [hx]"), "not a literal"),
+    ("escaped meta field item", block("  linarith («discharger» := done)"), "holds code"),
+    ("escaped meta field in a config", block("  linarith (config := { «oracle» := .simplexAlgorithmSparse })"), "holds code"),
+    ("escaped aesop tactic builder", block("  aesop (add safe 1 «tactic» t)"), "meta code"),
+    ("escaped monadic get", block("  exact («get»).x"), "monadic state"),
+    ("escaped helper name in a config item", block("  subst hx\n  decide (kernel := slow 10)", prelude="def «slow» (n : ℕ) : Bool := n == n\n"),
+     "runs a definition of the proof"),
+    ("helper reached by dot notation", block("  simp (maxSteps := vrl_z.succ) [hx]", prelude="def vrl_z : ℕ := 0\n"),
+     "runs a definition of the proof"),
+    ("where helper in a config item", block("  simp (maxSteps := vrl_h.go 2) [hx]", prelude=WHERE), "runs a definition of the proof"),
+    ("where helper as an aesop rule", block("  aesop (add safe 1 vrl_h.go)", prelude=WHERE), "names a definition"),
+    ("theorem's where helper in a config item", block("  simp (maxSteps := vrl_t.a 2) [hx]", prelude=WHERE_LINES),
+     "runs a definition of the proof"),
+    ("second where helper, next line", block("  simp (maxSteps := vrl_t.b 2) [hx]", prelude=WHERE_LINES),
+     "runs a definition of the proof"),
+    ("second where helper, after ;", block("  aesop (add safe 1 vrl_t.b)", prelude=WHERE_SEMICOLON), "names a definition"),
+    ("let rec helper", block("  simp (maxSteps := vrl_t.a 2) [hx]", prelude=LET_REC), "runs a definition of the proof"),
+    ("second let rec helper", block("  aesop (add safe 1 vrl_t.b)", prelude=LET_REC), "names a definition"),
+    ("where helper named like the theorem", block(PROOF, prelude="def vrl_h : ℕ := 0 where lean_workbook_101 : ℕ := 1\n"),
+     "named like the theorem"),
+    # inside a string that may be an interpolation: `s!"{e}"` elaborates `e`, `by` blocks included
+    ("escaped native inside an interpolation", block('  have : s!"{(by decide +«native» : 1 = 1)}" = "" := rfl\n  rw [hx]'),
+     "inside a string literal"),
+    ("meta field inside an interpolation", block('  have : s!"{(by linarith (discharger := done) : 1 = 1)}" = "" := rfl\n  rw [hx]'),
+     "holds code"),
+    ("helper in a config item inside an interpolation",
+     block('  have : s!"{(by decide (kernel := slow 10) : 1 = 1)}" = "" := rfl\n  rw [hx]', prelude=SLOW), "runs a definition"),
+]
+
+
+@pytest.mark.parametrize("completion,reason", [c[1:] for c in ROUND5], ids=[c[0] for c in ROUND5])
+def test_round5_names_as_lean_reads_them_and_where_helpers_are_refused(completion, reason):
+    for rechecked in (False, True):
+        with pytest.raises(Rejected) as info:
+            prepare(completion, THM, rechecked=rechecked)
+        assert reason in str(info.value), str(info.value)
+
+
+def test_a_where_helper_named_like_the_statement_is_refused_as_a_def_is():
+    with pytest.raises(Rejected, match="named like `x` in the statement"):
+        prepare(free_block("def vrl_h : ℕ := 0 where x : ℕ := 6\n"), FREE)
+    with pytest.raises(Rejected, match="named like `y` in the statement"):
+        prepare(free_block("theorem vrl_t : True := let rec y : ℕ := 4; trivial\n"), FREE)
+
+
+@pytest.mark.parametrize("completion,sent", [
+    # a `where` helper lemma used as a term, the theorem's own and a helper's
+    (block("  exact aux x hx\nwhere\n  aux (y : ℕ) (hy : y = 2^9 + 1) : y = 513 := by\n    rw [hy]"), "where\n  aux (y : ℕ)"),
+    (block("  rw [hx]", prelude="def vrl_h (n : ℕ) : ℕ := go n where go (m : ℕ) : ℕ := m + 1\n"), "where go (m : ℕ)"),
+    (block("  exact vrl_t.a 1 ▸ hx", prelude=LET_REC), "let rec a (n : ℕ)"),
+    # rules that name a word still let other words through: `-native`, named arguments, aesop lemmas
+    (block("  subst hx\n  decide -native"), "decide -native"),
+    (block("  aesop (add safe Nat.le_refl)", prelude=WHERE), "aesop (add safe Nat.le_refl)"),
+    (block("  have := Nat.le_of_lt_succ (m := x) (by omega)\n  omega", prelude=WHERE), "(m := x)"),
+    # an `open` compared as Lean reads it: `«Real»` is the header's `Real`
+    (block(PROOF, prelude="open «Real»\n"), "open «Real»"),
+], ids=["theorem's where lemma", "helper's where def", "let rec", "-native", "aesop lemma beside a where helper",
+        "named argument beside a where helper", "escaped open of a header namespace"])
+def test_round5_legitimate_styles_are_sent(completion, sent):
+    assert sent in prepare(completion, THM).code

@@ -80,6 +80,14 @@ class Token:
     braces: bool = False
     code: list[Token] = field(default_factory=list)
 
+    @property
+    def name(self) -> tuple[str, ...]:
+        """The name Lean reads: a word's parts with `«»` removed and a leading `_root_` dropped, so that
+        `«native»`, `_root_.native` and `native` compare equal (() for any other token)."""
+        if self.kind != "word":
+            return ()
+        return self.parts[1:] if len(self.parts) > 1 and self.parts[0] == "_root_" else self.parts
+
 
 @dataclass
 class Lexed:

@@ -20,7 +20,7 @@ import re
 import secrets
 import unicodedata
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vrl.types import Status, Verdict
@@ -294,6 +294,8 @@ _BOUNDED_OPTIONS = {  # option -> (upper bound, or None for the verifier's heart
     "synthInstance.maxSize": MAX_REC_DEPTH,
 }
 
+_OPENERS, _CLOSERS = "([{⟨⦃", ")]}⟩⦄"
+
 _UNICODE_SPACE = re.compile("[\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]")  # Unicode category Zs, less the ASCII space
 _NOT_PLAIN = re.compile(r"[^\x20-\x7e\n\t\r]")
 
@@ -366,13 +368,33 @@ def _meta(token: Token) -> str | None:
     for part in parts:
         if part in META_NAMES:
             return META_NAMES[part]
-    if not token.escaped and token.text in META_WORDS:
-        return META_WORDS[token.text]
+    if len(token.name) == 1 and token.name[0] in META_WORDS:  # `tactic`, `«tactic»`: the same name to Lean
+        return META_WORDS[token.name[0]]
     return None
 
 
+def _flatten(tokens: list[Token], offset: int = 0) -> list[Token]:
+    """The tokens, each string that may be an interpolation `s!"..{e}.."` followed by the tokens of its
+    text (at their places in the whole text): `e` is a term like any other, `by` blocks included, so
+    every rule that reads the code reads it too."""
+    out: list[Token] = []
+    for t in tokens:
+        out.append(replace(t, start=t.start + offset, end=t.end + offset) if offset else t)
+        if t.kind == "string" and t.code:
+            out.extend(_flatten(t.code, offset + t.start + 1))
+    return out
+
+
+def _last(token: Token) -> str | None:
+    """The last part of the name Lean reads for this word (`«native»` and `Foo.native`: `native`), else None.
+    Rules that name a word compare this, never the text as written."""
+    return token.name[-1] if token.name else None
+
+
 def _scan(tokens: list[Token], text: str, how: str = "") -> None:
-    """Refuse `#` commands, banned names, `eval%` and native evaluation anywhere in the code."""
+    """Refuse `#` commands, banned names, `eval%` and native evaluation anywhere in the code (the
+    text of a string that may be an interpolation included)."""
+    tokens = _flatten(tokens)
     for k, t in enumerate(tokens):
         if t.kind == "symbol" or t.kind == "number" or t.kind == "char":
             continue
@@ -389,20 +411,23 @@ def _scan(tokens: list[Token], text: str, how: str = "") -> None:
                 raise Rejected(f"banned construct `{t.text}`{where}: {BANNED_NAMES[part]}")
         nxt = tokens[k + 1] if k + 1 < len(tokens) else None
         prev = tokens[k - 1] if k else None
-        if t.text == "eval" and nxt is not None and nxt.text == "%" and nxt.start == t.end:
+        # Names as Lean reads them: `«native»`, `«config»` and `_root_.native` are the field or item `native`
+        # and `config` (checked in Lean 4.28: `decide +«native»` evaluates natively).
+        last, alone = _last(t), t.name[0] if len(t.name) == 1 else None
+        if alone == "eval" and nxt is not None and nxt.text == "%" and nxt.start == t.end:
             raise Rejected(f"banned construct `eval%`{where}: it runs arbitrary code while elaborating")
-        if t.text == "native" and ((prev is not None and prev.text == "+") or (nxt is not None and nxt.text == ":=")):
-            raise Rejected(f"banned construct `decide +native`{where}: it trusts compiled code instead of the kernel")
-        if t.text in CONFIG_NAMES and not t.escaped and nxt is not None and nxt.text == ":=":
+        if last == "native" and ((prev is not None and prev.text == "+") or (nxt is not None and nxt.text == ":=")):
+            raise Rejected(f"banned construct `decide +native` (`{t.text}`){where}: it trusts compiled code instead of the kernel")
+        if last in CONFIG_NAMES and nxt is not None and nxt.text == ":=":
             _config_term(tokens, k + 2, text)
-        if t.text in META_FIELDS and not t.escaped and nxt is not None and nxt.text == ":=" and prev is not None \
+        if last in META_FIELDS and nxt is not None and nxt.text == ":=" and prev is not None \
                 and prev.text in ("(", "{", ","):
-            raise Rejected(f"`{t.text} :=` on line {_line(text, t.start)}: {META_FIELDS[t.text]}")
-        state = t.text if t.text in MONADIC_STATE else next((p for p in t.parts if p in _STATE_PARTS), None)
+            raise Rejected(f"`{t.text} :=` on line {_line(text, t.start)}: {META_FIELDS[last]}")
+        state = alone if alone in MONADIC_STATE else next((p for p in t.name if p in _STATE_PARTS), None)
         field = prev is not None and prev.text == "." and prev.end == t.start  # `xs.get`, `(f x).get`: data
-        if state is not None and not t.escaped and not (field and state not in _STATE_PARTS):
+        if state is not None and not (field and state not in _STATE_PARTS):
             raise Rejected(f"`{t.text}` on line {_line(text, t.start)}: {MONADIC_STATE[state]}; a proof needs none")
-        if t.text == "set" and not t.escaped and not _set_tactic(tokens, k):
+        if alone == "set" and not _set_tactic(tokens, k):
             raise Rejected(f"`set` on line {_line(text, t.start)} is not Mathlib's `set x := e with h` tactic: "
                            "monadic `set` changes state (in a tactic monad, the proof state itself)")
     for k, t in enumerate(tokens[:-1]):
@@ -441,8 +466,8 @@ def _config_term(tokens: list[Token], k: int, text: str) -> None:
         if field.kind != "word" or len(field.parts) != 1 or j + 2 >= len(tokens) or tokens[j + 1].text != ":=":
             raise Rejected(f"`(config := {{ ... {field.text} ... }})` {where}: only `field := literal` entries "
                            f"are accepted (no `with`, no nested terms); {how}")
-        if field.text in META_FIELDS:
-            raise Rejected(f"`{field.text} :=` {where}: {META_FIELDS[field.text]}")
+        if field.name[0] in META_FIELDS:
+            raise Rejected(f"`{field.text} :=` {where}: {META_FIELDS[field.name[0]]}")
         j += 2
         value = tokens[j]
         if value.text == "-" and j + 1 < len(tokens) and tokens[j + 1].kind == "number":
@@ -450,7 +475,7 @@ def _config_term(tokens: list[Token], k: int, text: str) -> None:
         elif value.text == "." and j + 1 < len(tokens) and tokens[j + 1].kind == "word" \
                 and len(tokens[j + 1].parts) == 1 and tokens[j + 1].start == value.end:
             j += 1
-        elif not (value.kind in ("number", "string", "char") or (value.kind == "word" and value.text in CONFIG_LITERALS)):
+        elif not (value.kind in ("number", "string", "char") or (len(value.name) == 1 and value.name[0] in CONFIG_LITERALS)):
             raise Rejected(f"`{field.text} := {value.text}` in a config term {where}: the value must be a literal "
                            f"(a number, a string, true/false or `.constructor`), not a term that runs; {how}")
         j += 1
@@ -469,20 +494,19 @@ def _scan_meta(tokens: list[Token], text: str) -> None:
 
 
 def _suspect(t: Token) -> bool:
-    return t.text in ("eval", "native") or any(p in BANNED_NAMES for p in t.parts)
+    return _last(t) in ("eval", "native") or any(p in BANNED_NAMES for p in t.parts)
 
 
 def _scan_interpolation(t: Token, text: str, where: str) -> None:
     """A string with `{` may be `s!"...{code}..."`, and Lean's error recovery re-reads its text as
     tokens: nothing in it may be a banned name or start a command."""
     for inner in t.code:
-        word = _keyword(inner)
         bad = (
             inner.kind == "hash"
             or inner.text == "@["
             or (inner.kind == "word" and any(p in BANNED_NAMES for p in inner.parts))
             or _command(inner) is not None
-            or word in ("set_option", "open", "eval", "native", "config")
+            or any(p in ("set_option", "open", "eval", "native", "config") for p in inner.name)
             or _meta(inner) is not None
         )
         if bad:
@@ -587,6 +611,55 @@ class _Rebuild:
     def line(self, token: Token) -> int:
         return _line(self.code, token.start)
 
+    def column(self, token: Token) -> int:
+        return token.start - (self.code.rfind("\n", 0, token.start) + 1)
+
+    def local_names(self, start: int, end: int) -> tuple[list[Token], list[Token]]:
+        """The names that `where` clauses and `let rec` define inside the declaration `tokens[start:end]`,
+        as (declared, possible). Lean 4.28: `def h := go 0 where go ...` defines the constant `h.go`, as
+        `let rec go` does, and a theorem's `where` helper is a `def` too; nothing here opens them.
+
+        `where` (`sepByIndent`): the first declaration follows it, and each other follows a `;` or starts
+        a new line at exactly the first one's column (any other column is a parse error). These are
+        `declared` (a word of a body written at that column is read as one too: over-counting only refuses
+        more). Without a `:=` or `|` before `where`, the clause holds a structure instance's fields
+        (`def c : S where x := 1`), counted as `possible`. `let rec` (not `let «rec»`): the first name
+        follows `rec`, each other a `,`, which also ends many terms (`∀ x, P x`): words after a comma
+        are `possible`. The naming rules read `declared`; the rules that refuse running a definition of
+        the proof read both."""
+        tokens, code = self.tokens, self.code
+        declared: list[Token] = []
+        possible: list[Token] = []
+        for w in range(start, end):
+            t = tokens[w]
+            if _keyword(t) == "where" and w + 1 < end:
+                fields = not any(u.kind == "symbol" and u.text in (":=", "|") and d == 0
+                                 for u, d in zip(tokens[start:w], self._depths(start, w)))
+                column = self.column(tokens[w + 1])
+                found = [tokens[w + 1]]
+                for j in range(w + 2, end):
+                    u, before = tokens[j], tokens[j - 1]
+                    if before.text == ";" or ("\n" in code[before.end:u.start] and self.column(u) == column):
+                        found.append(u)
+                (possible if fields else declared).extend(u for u in found if u.kind == "word")
+            elif _keyword(t) == "let" and w + 2 < end and _keyword(tokens[w + 1]) == "rec":
+                if tokens[w + 2].kind == "word":
+                    declared.append(tokens[w + 2])
+                possible.extend(tokens[j] for j in range(w + 3, end)
+                                if tokens[j].kind == "word" and tokens[j - 1].text == ",")
+        return declared, possible
+
+    def _depths(self, start: int, end: int) -> list[int]:
+        """The bracket depth (relative to `start`) at each token of `tokens[start:end]`."""
+        out, depth = [], 0
+        for t in self.tokens[start:end]:
+            if t.kind == "symbol" and t.text in _CLOSERS:
+                depth = max(0, depth - 1)
+            out.append(depth)
+            if t.kind == "symbol" and t.text in _OPENERS:
+                depth += 1
+        return out
+
     def _aesop_unsafe(self) -> set[int]:
         """Indices of `unsafe` inside an Aesop clause `(add unsafe ...)`: a rule priority, not Lean's `unsafe`."""
         stack: list[int] = []
@@ -604,22 +677,23 @@ class _Rebuild:
 
     def aesop_rules(self, defs: set[str]) -> None:
         """Aesop's `(add ... NAME)` runs NAME as a tactic when NAME has a tactic's type (its default rule
-        builder), so an `add` clause may name lemmas and rule sets, never a `def`/`abbrev` of the completion."""
-        tails = {d.split(".")[-1] for d in defs}
-        tokens = self.tokens
+        builder), so an `add` clause may name lemmas and rule sets, never a definition of the completion
+        (`defs`: the last parts of their names; a `where` helper `h.go` counts, and `h.go` names `h` too)."""
+        tokens = _flatten(self.tokens)
         for k, t in enumerate(tokens[:-1]):
-            if not (t.kind == "symbol" and t.text == "(" and _keyword(tokens[k + 1]) == "add"):
+            if not (t.kind == "symbol" and t.text == "(" and tokens[k + 1].name == ("add",)):
                 continue
-            for u in self._words_until_close(k + 2):
-                if u.text in defs or u.parts[-1] in tails:
+            for u in self._words_until_close(tokens, k + 2):
+                if any(p in defs for p in u.name):
                     raise Rejected(f"aesop rule `{u.text}` on line {self.line(u)} names a definition of this proof: "
                                    "Aesop runs a constant of tactic type as a tactic; add lemmas (theorem/lemma) only")
 
-    def _words_until_close(self, j: int) -> list[Token]:
+    @staticmethod
+    def _words_until_close(tokens: list[Token], j: int) -> list[Token]:
         """The words from `j` up to the bracket that closes the one opened just before `j`."""
         depth, words = 1, []
-        while j < len(self.tokens) and depth:
-            u = self.tokens[j]
+        while j < len(tokens) and depth:
+            u = tokens[j]
             if u.kind == "symbol" and u.text in "([{⟨":
                 depth += 1
             elif u.kind == "symbol" and u.text in ")]}⟩":
@@ -631,17 +705,17 @@ class _Rebuild:
 
     def named_items(self, defs: set[str]) -> None:
         """A `(name := value)` item after a tactic is a config field, and Lean evaluates its value as
-        compiled code (`decide (kernel := slow 10)` runs `slow`, with no heartbeat limit). The policy
-        cannot tell it from a named argument, so neither may mention a `def`/`abbrev` of the proof."""
+        compiled code (`decide (kernel := slow 10)` runs `slow`, with no heartbeat limit; Lean 4.28 runs
+        `simp (maxSteps := h.go 2)` for a `where` helper `h.go`). The policy cannot tell it from a named
+        argument, so neither may mention a definition of the proof (`defs`, as in `aesop_rules`)."""
         if not defs:
             return
-        tails = {d.split(".")[-1] for d in defs}
-        tokens = self.tokens
+        tokens = _flatten(self.tokens)
         for k in range(len(tokens) - 2):
             if not (tokens[k].text == "(" and tokens[k + 1].kind == "word" and tokens[k + 2].text == ":="):
                 continue
-            for u in self._words_until_close(k + 3):
-                if u.text in defs or u.parts[-1] in tails:
+            for u in self._words_until_close(tokens, k + 3):
+                if any(p in defs for p in u.name):
                     raise Rejected(f"`({tokens[k + 1].text} := ... {u.text} ...)` on line {self.line(u)}: a config item's "
                                    "value is evaluated as compiled code, and this one runs a definition of the proof; "
                                    "use a literal")
@@ -684,7 +758,7 @@ class _Rebuild:
                 depth += 1
             elif t.kind == "symbol" and t.text in "])":
                 depth -= 1
-            elif depth == 1 and t.text != "," and not (t.kind == "word" and t.text in ATTRIBUTES):
+            elif depth == 1 and t.text != "," and not (len(t.parts) == 1 and t.parts[0] in ATTRIBUTES):
                 raise Rejected(f"attribute `{t.text}` on line {self.line(t)} is not accepted: only "
                                f"{', '.join(sorted(ATTRIBUTES - {'local'}))} (others can register meta code)")
             j += 1
@@ -754,7 +828,7 @@ class _Rebuild:
     def opens_before(self, main: int) -> None:
         """An `open` in force at the theorem would change how its statement is read (scoped notation and
         instances): only namespaces the trusted header already opens may be opened there."""
-        allowed = _header_opens(self.theorem.header)
+        allowed = {tuple(n.split(".")) for n in _header_opens(self.theorem.header)}
         tokens = self.tokens
         for k in range(main):
             if _keyword(tokens[k]) != "open":
@@ -770,8 +844,8 @@ class _Rebuild:
                         # `open Nat renaming succ → x` makes `x` in the statement mean `Nat.succ`;
                         # `hiding` makes a name resolve elsewhere.
                         names.append(f"{word} ...")
-                elif naming and tokens[j].kind == "word" and word != "scoped":
-                    names.append(word)
+                elif naming and tokens[j].kind == "word" and word != "scoped" and tokens[j].name not in allowed:
+                    names.append(word)  # compared as Lean reads it: `open «Real»` opens `Real`
                 j += 1
             if j < main and _keyword(tokens[j]) == "in":
                 # `open X in` reaches the next command (through `set_option ... in` chains): the theorem
@@ -779,9 +853,8 @@ class _Rebuild:
                 target = next(t for t in range(j + 1, main + 1) if t == main or self.is_boundary(t))
                 if target != main:
                     continue
-            extra = [n for n in names if n not in allowed]
-            if extra:
-                raise Rejected(f"`open {' '.join(extra)}` on line {self.line(tokens[k])} is in force at `theorem {self.theorem.name}`: "
+            if names:
+                raise Rejected(f"`open {' '.join(names)}` on line {self.line(tokens[k])} is in force at `theorem {self.theorem.name}`: "
                                "it could change how the original statement is read; write `open ... in` before a helper "
                                "or inside the proof instead")
 
@@ -792,6 +865,7 @@ class _Rebuild:
         header: set[int] = set()
         mains: list[tuple[int, int]] = []
         others: list[str] = []
+        defs: set[str] = set()  # the last parts of the names of the proof's definitions (see `aesop_rules`)
         seen_other = False
         examples: list[Token] = []
         for start, end in commands:
@@ -851,9 +925,19 @@ class _Rebuild:
                                "statement: it could change what the statement means; rename the helper")
             else:
                 others.append(f"{keyword} {decl.text}")
+                if keyword in ("def", "abbrev"):
+                    defs.add(decl.name[-1])
+            # `where` and `let rec` helpers are definitions of the proof like any other, a theorem's too.
+            declared, possible = self.local_names(k + 2, end)
+            for u in declared:
+                if u.name[-1] == name:
+                    raise Rejected(f"`where`/`let rec` helper `{u.text}` on line {self.line(u)} is named like the theorem `{name}`")
+                if u.name[-1] in statement_names(self.theorem.statement, name):
+                    raise Rejected(f"`where`/`let rec` helper `{u.text}` on line {self.line(u)} is named like "
+                                   f"`{u.name[-1]}` in the statement: it could change what the statement means; rename the helper")
+            defs.update(u.name[-1] for u in declared + possible)
         if not mains:
             raise Rejected(_missing_declaration(code, name, others))
-        defs = {o.split()[1] for o in others if o.split()[0] in ("def", "abbrev")}
         self.aesop_rules(defs)
         self.named_items(defs)
         if examples:
