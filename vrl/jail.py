@@ -351,9 +351,12 @@ def run(argv: list[str], *, cwd: str, timeout_s: float, env: dict[str, str] | No
                 if room < len(chunk):
                     truncated = True
                 buf += chunk[:max(room, 0)]
-    if proc.poll() is None:
-        _kill_session(proc)
-        killed = True
+    if not killed:
+        try:  # both streams closed: it is exiting; wait for it, up to the deadline
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()) if not open_fds else 0.0)
+        except subprocess.TimeoutExpired:
+            _kill_session(proc)
+            killed = True
     proc.wait()
     proc.stdout.close()
     proc.stderr.close()

@@ -67,6 +67,45 @@ def _plant(out: Path) -> None:
             print(f"could not plant {target}: {exc}")
 
 
+def _attack(out: Path) -> dict[str, str]:
+    """Try what code in a compile would try: read host files and other jobs' folders, connect to a host
+    socket, write outside its folder, take memory, write a huge file. Each answer: what happened."""
+    import socket
+
+    found: dict[str, str] = {}
+    for path in json.loads(os.environ.get("LEAN_FAKE_READ", "[]")):
+        try:
+            found[f"read {path}"] = Path(path).read_text()[:200]
+        except OSError as exc:
+            found[f"read {path}"] = f"denied: {type(exc).__name__}"
+    for path in json.loads(os.environ.get("LEAN_FAKE_SOCKETS", "[]")):
+        try:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            s.sendall(b"pwned")
+            found[f"connect {path}"] = "connected"
+        except OSError as exc:
+            found[f"connect {path}"] = f"denied: {type(exc).__name__}"
+    for path in json.loads(os.environ.get("LEAN_FAKE_WRITE", "[]")):
+        try:
+            Path(path).write_text("planted")
+            found[f"write {path}"] = "written"
+        except OSError as exc:
+            found[f"write {path}"] = f"denied: {type(exc).__name__}"
+    try:
+        block = bytearray(int(os.environ.get("LEAN_FAKE_ALLOC_MB", "64")) << 20)
+        block[::4096] = b"x" * len(block[::4096])
+        found["memory"] = "allocated"
+    except MemoryError:
+        found["memory"] = "denied: MemoryError"
+    try:
+        (out.parent / "big").write_bytes(b"x" * (int(os.environ.get("LEAN_FAKE_FILE_MB", "4")) << 20))
+        found["big file"] = "written"
+    except OSError as exc:
+        found["big file"] = f"denied: {type(exc).__name__}"
+    return found
+
+
 def main(argv: list[str]) -> int:
     script = json.loads(Path(os.environ["LEAN_FAKE_SCRIPT"]).read_text())
     if argv[:1] == ["-o"]:
@@ -78,6 +117,17 @@ def main(argv: list[str]) -> int:
             time.sleep(60)
         if act == "error":
             print(f"{src}:3:2: error: unknown identifier 'h₀'")
+            return 1
+        if act == "attack":  # what code run by the compile could reach on the host (the round-5 host attacks)
+            print("attack: " + json.dumps(_attack(out)))
+            return 1
+        if act == "symlink":  # leave the .olean as a link to something of the host's
+            out.symlink_to(os.environ.get("LEAN_FAKE_LINK", "/proc/self/environ"))
+            return 0
+        if act == "flood":  # print far more than anyone should keep
+            chunk = "x" * (1 << 20)
+            for _ in range(int(os.environ.get("LEAN_FAKE_FLOOD_MB", "400"))):
+                sys.stdout.write(chunk)
             return 1
         if act == "show_env":  # what code run by the compile could read
             print("env: " + " ".join(sorted(os.environ)))

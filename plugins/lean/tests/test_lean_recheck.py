@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import resource
 import shlex
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -105,6 +108,15 @@ def run_host(tmp_path, lean, sub=None, timeout_s=30.0, **kw):
 
 needs_bwrap = pytest.mark.skipif(recheck_host.check_sandbox("/") is not None,
                                  reason=f"needs a working bubblewrap: {recheck_host.check_sandbox('/')}")
+GVISOR = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "gvisor"
+
+
+@pytest.fixture(autouse=True)
+def gvisor_rules(monkeypatch):
+    """Every sandboxed stage of this module runs under gVisor's rules for bubblewrap (`tests/fixtures/gvisor/bwrap`
+    refuses what Modal's gVisor refuses): the jail then keeps the host's network namespace and relies on its
+    seccomp filter alone, the weaker of its two set-ups; tests/test_jail.py starts the other."""
+    monkeypatch.setenv("PATH", f"{GVISOR}:{os.environ['PATH']}")
 
 
 def test_host_compiles_reference_then_candidate_then_runs_the_checker(tmp_path, fake_lean):
@@ -123,16 +135,21 @@ def test_the_reference_is_the_trusted_statement_proved_by_sorry():
     assert "open Finset in" in sub.code and "open Finset" not in sub.reference
 
 
-@pytest.mark.parametrize("acts,status,words", [
-    ({"candidate": "error"}, "compile_error", "unknown identifier"),
-    ({"reference": "error"}, "reference_error", "compiling the reference"),
-    ({"check": "crash"}, "error", "could not run"),
-    ({"check": "garbage"}, "error", "without its JSON line"),
-    ({"candidate": "tamper"}, "compile_error", "tamper failed"),  # the sandbox does not show it the reference
+@pytest.mark.parametrize("acts,status,words,logged", [
+    ({"candidate": "error"}, "compile_error", "compiling the candidate; errors at 3:2", "unknown identifier"),
+    ({"reference": "error"}, "reference_error", "compiling the trusted statement; errors at 3:2", "unknown identifier"),
+    ({"check": "crash"}, "error", "exited with 1 without its JSON line", "could not run"),
+    ({"check": "garbage"}, "error", "without its JSON line", "not json"),
+    # The sandbox does not show the candidate's compile the reference's folder.
+    ({"candidate": "tamper"}, "compile_error", "compiling the candidate; no error position", "tamper failed"),
 ], ids=["candidate compile error", "reference compile error", "checker crash", "checker garbage", "candidate tampers"])
-def test_host_stage_failures(tmp_path, fake_lean, acts, status, words):
-    raw = run_host(tmp_path, fake_lean(**acts))
+def test_host_stage_failures(tmp_path, fake_lean, acts, status, words, logged, caplog):
+    """Each failure has its status and a fixed sentence with Lean's error positions at most; what the stage
+    printed goes to the host's log, never into the answer (which reaches samples.jsonl and repair prompts)."""
+    with caplog.at_level("WARNING", logger="vrl_lean.recheck_host"):
+        raw = run_host(tmp_path, fake_lean(**acts))
     assert raw["status"] == status and words in raw["detail"], raw
+    assert logged not in raw["detail"] and logged in caplog.text
     assert not interpret(raw, "lean_workbook_101").agrees
 
 
@@ -178,13 +195,15 @@ def test_writes_into_the_project_and_the_toolchain_fail_inside_the_sandbox(tmp_p
 
 
 @needs_bwrap
-def test_no_key_reaches_a_sandboxed_compile(tmp_path, fake_lean, monkeypatch):
+def test_no_key_reaches_a_sandboxed_compile(tmp_path, fake_lean, monkeypatch, caplog):
     monkeypatch.setenv("LEAN_SERVER_API_KEY", "kimina-secret")  # the container's other server's key
     monkeypatch.setenv(recheck_host.API_KEY_VAR, "host-secret")
     monkeypatch.setenv("LEAN_PATH", "/toolchain/lib")
-    raw = run_host(tmp_path, fake_lean(candidate="show_env"))
-    assert raw["status"] == "compile_error" and "LEAN_PATH" in raw["detail"] and "PATH" in raw["detail"], raw
-    assert "LEAN_SERVER_API_KEY" not in raw["detail"] and recheck_host.API_KEY_VAR not in raw["detail"], raw
+    with caplog.at_level("WARNING", logger="vrl_lean.recheck_host"):
+        raw = run_host(tmp_path, fake_lean(candidate="show_env"))
+    shown = caplog.text
+    assert raw["status"] == "compile_error" and "LEAN_PATH" in shown and " PATH" in shown, raw
+    assert "LEAN_SERVER_API_KEY" not in shown and recheck_host.API_KEY_VAR not in shown, raw
 
 
 def test_a_job_runs_no_longer_than_the_hosts_limit(tmp_path, fake_lean):
@@ -507,19 +526,110 @@ async def test_the_self_test_passes_an_honest_host_and_stops_a_run_on_a_broken_o
 
 
 def test_a_toolchain_under_tmp_stays_visible_in_the_sandbox(tmp_path):
-    """The sandbox hides the host's /tmp behind a private one; a Lean command whose files live there (a checkout
-    and its virtualenv in /tmp, as a CI runner may have) would not start. Its folders are bound read-only: a
-    program in bin/ brings its virtualenv, a script its folder; nothing outside /tmp, and never /tmp itself."""
-    from vrl_lean.recheck_host import under_tmp
-
-    if not str(tmp_path).startswith("/tmp/"):
-        pytest.skip(f"pytest's tmp_path is not under /tmp here ({tmp_path})")
+    """The sandbox shows the host nothing but what it names, and replaces /tmp with its own; a Lean command
+    whose files live under /tmp (a checkout and its virtualenv there, as a CI runner may have) is bound
+    read-only: a program in bin/ brings its virtualenv, a script its folder; never /tmp itself."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
     script = tmp_path / "tools" / "fake_lean.py"
     script.parent.mkdir()
     script.write_text("")
-    command = [str(venv / "bin" / "python"), str(script), "-o", "/usr/bin/env", "/tmp"]
-    assert under_tmp(command) == (str(venv), str(script.parent))
-    assert under_tmp(["/usr/bin/env", "lean"]) == ()
+    argv = recheck_host.sandbox_argv(str(tmp_path / "project"), None, lean=(str(venv / "bin" / "python"), str(script)))
+    binds = [argv[i + 1] for i, a in enumerate(argv) if a == "--ro-bind"]
+    assert str(venv) in binds and str(script.parent) in binds and "/tmp" not in binds and "/" not in binds
+    assert argv.index("--tmpfs") < argv.index(str(venv))  # bound on top of the private /tmp, not hidden by it
+
+
+# -- round 5: what a compile that runs code can see, touch and exhaust on the host --------------------------
+
+
+@needs_bwrap
+def test_a_compile_that_runs_code_finds_nothing_of_the_host(tmp_path, fake_lean, monkeypatch, caplog, request):
+    """The stand-in compile acts out code the model got to run at compile time, with TMPDIR elsewhere than /tmp
+    (the round-4 finding: another job's .olean was readable there): it reads a token in the user's home, a
+    0600 file, another job's folder, connects to a host socket and writes outside its folder. Nothing is
+    reached, and the failing compile's answer carries none of what it printed."""
+    import shutil
+    import tempfile
+    # Outside /tmp, which the sandbox always replaced: the round-4 finding was a TMPDIR of /var/tmp.
+    host = Path(tempfile.mkdtemp(prefix="vrl-round5-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
+    request.addfinalizer(lambda: shutil.rmtree(host, ignore_errors=True))
+    home, jobs = host / "home", host / "var-tmp"
+    home.mkdir(parents=True)
+    jobs.mkdir()
+    token = home / ".hf_token"
+    token.write_text("hf_SECRET_TOKEN")
+    token.chmod(0o600)
+    other = jobs / "vrl-recheck-other" / "candidate"
+    other.mkdir(parents=True)
+    (other / "candidate.olean").write_text("an honest job's olean")
+    sock_path = str(jobs / "daemon.sock")
+    daemon = socket.socket(socket.AF_UNIX)
+    daemon.bind(sock_path)
+    daemon.listen(1)
+    daemon.settimeout(0.2)
+    project = tmp_path
+    monkeypatch.setenv("TMPDIR", str(jobs))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("LEAN_FAKE_READ", json.dumps([str(token), str(other / "candidate.olean"), "/etc/hostname"]))
+    monkeypatch.setenv("LEAN_FAKE_SOCKETS", json.dumps([sock_path]))
+    monkeypatch.setenv("LEAN_FAKE_WRITE", json.dumps([str(home / "planted"), str(jobs / "planted")]))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR is read again
+    try:
+        with caplog.at_level("WARNING", logger="vrl_lean.recheck_host"):
+            raw = run_host(project, fake_lean(candidate="attack"))
+        with pytest.raises(socket.timeout):
+            daemon.accept()
+    finally:
+        daemon.close()
+    assert raw["status"] == "compile_error" and raw["detail"] == "lean exited with 1 compiling the candidate; no error position"
+    line = next(ln for ln in caplog.text.splitlines() if ln.startswith("attack: "))
+    seen = json.loads(line.removeprefix("attack: "))
+    assert all(v.startswith("denied") for k, v in seen.items() if k.startswith(("read", "connect"))), seen
+    # A write may land in the sandbox's private /tmp (where bwrap made the job folder's mount point), never on the host.
+    assert not (home / "planted").exists() and not (jobs / "planted").exists()
+    assert "hf_SECRET_TOKEN" not in json.dumps(raw)
+
+
+@needs_bwrap
+def test_a_compile_cannot_exhaust_memory_file_space_or_the_hosts_memory(tmp_path, fake_lean, monkeypatch, caplog):
+    monkeypatch.setattr(recheck_host, "LIMITS", recheck_host.jail.Limits(memory_mb=256, file_mb=2))
+    monkeypatch.setenv("LEAN_FAKE_ALLOC_MB", "512")
+    monkeypatch.setenv("LEAN_FAKE_FILE_MB", "4")
+    with caplog.at_level("WARNING", logger="vrl_lean.recheck_host"):
+        run_host(tmp_path, fake_lean(candidate="attack"))
+    seen = json.loads(next(ln for ln in caplog.text.splitlines() if ln.startswith("attack: ")).removeprefix("attack: "))
+    assert seen["memory"] == "denied: MemoryError" and seen["big file"].startswith("denied"), seen
+    # 400 MB of output: the host keeps 64 KiB of each stream (it held 3x the output when it read it whole).
+    monkeypatch.setenv("LEAN_FAKE_FLOOD_MB", "400")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    raw = run_host(tmp_path, fake_lean(candidate="flood"))
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert raw["status"] == "compile_error" and len(raw["detail"]) < 200 and grown_mb < 100, (raw["detail"], grown_mb)
+
+
+@needs_bwrap
+@pytest.mark.parametrize("sandbox", ["bwrap", "off"])
+def test_an_olean_left_as_a_symlink_is_never_followed(tmp_path, fake_lean, monkeypatch, sandbox):
+    """A compile leaves candidate.olean as a link to the host's /proc/self/environ (the host's keys): the host
+    refuses it rather than copy what it points to into the checker's input, with or without the sandbox."""
+    monkeypatch.setenv("VRL_RECHECK_API_KEY", "host-secret")
+    raw = run_host(tmp_path, fake_lean(candidate="symlink"), sandbox=sandbox)
+    assert raw["status"] == "error" and "no usable .olean" in raw["detail"], raw
+    assert "host-secret" not in json.dumps(raw)
+
+
+def test_a_jail_that_cannot_start_is_named_never_a_defective_statement(tmp_path, fake_lean, monkeypatch):
+    """Where bubblewrap cannot make its sandbox (a kernel without user namespaces), the answer names
+    bubblewrap and withholds the pass as an infrastructure failure; it never blames the statement."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "bwrap").write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    (broken / "bwrap").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{broken}:{os.environ['PATH']}")
+    raw = run_host(tmp_path, fake_lean())
+    assert raw["status"] == "error" and raw["detail"].startswith("bubblewrap cannot create its sandbox here"), raw
+    decision = interpret(raw, "lean_workbook_101")
+    assert (decision.outcome, decision.status) == ("unavailable", Status.CRASHED)
+    assert recheck_host.check_sandbox(str(tmp_path)).startswith("bubblewrap cannot create its sandbox here")

@@ -1,16 +1,18 @@
 """The out-of-process re-check of a Lean pass, run where Lean and Mathlib are installed.
 
-Standard library only: this file also runs as a script inside the kimina-lean-server image, where vrl
-is not installed (`python recheck_host.py --project DIR --port 8001`, see docs/plugins/lean.md).
+Standard library only, with vrl's jail (`vrl/jail.py`, itself standard library only): this file also runs
+as a script inside the kimina-lean-server image, where vrl is not installed, with a copy of `jail.py`
+beside it (`python recheck_host.py --project DIR --port 8001`, see docs/plugins/lean.md).
 
 For one job (`name`, `code`: the file the server accepted, `reference`: the trusted header and
 statement proved by `sorry`) it
 1. compiles `reference`, then `code`, to .olean files, each by a fresh Lean process (`lake env lean -o`)
-   in a throw-away bubblewrap sandbox of its own: the whole file system read-only (the toolchain and
-   Mathlib included), a private /tmp, no network, only the stage's own folder writable, no secrets in
-   the environment, and its own pid namespace, so every process the compile started (a double-forked
-   daemon too) is killed when it ends: nothing the model wrote outlives its compile or reaches what
-   judges it;
+   in a throw-away jail of its own (`vrl.jail`, `sandbox_argv`): of the host only the system's
+   programs and libraries, the toolchain and the project (Mathlib), read-only, and the stage's own
+   folder, writable; a private /tmp; no socket; no secrets in the environment; limits on memory, CPU,
+   file size and kept output; its own pid namespace, so every process the compile started (a
+   double-forked daemon too) is killed when it ends: nothing the model wrote outlives its compile,
+   reaches what judges it, or sees another job;
 2. copies the two .olean files and the checker into a fresh folder once the candidate's sandbox is
    gone, hashes the copies, and runs the trusted checker (`checker/VrlCheck.lean`,
    `lake env lean --run`) on them in another fresh sandbox where that folder is read-only: it
@@ -18,7 +20,9 @@ statement proved by `sorry`) it
    reference's, and lists NAME's axioms; it prints one line of JSON.
 The answer is `{"status": "checked" | "compile_error" | "reference_error" | "timeout" | "error",
 "detail", "check" (the checker's JSON), "stages" (seconds per stage), "elapsed_s"}`; what it means
-for the verdict is decided by the caller (`vrl_lean.recheck.interpret`), not here.
+for the verdict is decided by the caller (`vrl_lean.recheck.interpret`), not here. `detail` is a fixed
+sentence with, at most, Lean's error positions: a compile's output never leaves the host (it goes to
+this host's log), since a verdict's detail reaches samples.jsonl and, with proof repair, the model.
 
 The HTTP server (`main`) needs a key (`VRL_RECHECK_API_KEY`, the same value on the client), listens on
 127.0.0.1 unless told otherwise, and caps every job's `timeout_s` at its own `--max-timeout-s`.
@@ -29,10 +33,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,6 +44,13 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+try:
+    from vrl import jail
+except ImportError:  # run as a script beside a copy of vrl/jail.py (the kimina image, where vrl is not installed)
+    import jail  # type: ignore[no-redef]
+
+log = logging.getLogger("vrl_lean.recheck_host")
 
 CHECKER = Path(__file__).resolve().parent / "checker" / "VrlCheck.lean"
 MAX_JOB_BYTES = 4 << 20
@@ -73,51 +84,47 @@ def _validate(job: Any) -> tuple[str, str, str, float]:
     return name, code, reference, float(timeout)
 
 
-def sandbox_argv(project: str, writable: str | None, readable: tuple[str, ...] = ()) -> list[str]:
-    """bubblewrap around one Lean process: the file system read-only (toolchain and Mathlib included), a
-    private /tmp and /dev/shm, no network, no capabilities, its own pid namespace (killed with it, so no
-    process outlives the stage), the project as working directory. `writable`: the one folder it may
-    write (its own output); `readable`: folders under /tmp it may read."""
-    argv = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
-            "--cap-drop", "ALL", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-            "--tmpfs", "/tmp", "--tmpfs", "/dev/shm", "--ro-bind", project, project]
-    for folder in readable:
+def sandbox_argv(project: str, writable: str | None, readable: tuple[str, ...] = (), lean: tuple[str, ...] = (),
+                 seccomp_fd: int | None = None) -> list[str]:
+    """vrl's jail (`vrl.jail`) around one Lean process. It shows only what the stage needs: the system's
+    program and library folders, the toolchain (`lean`'s installation: elan's home, a virtualenv), the
+    project (Mathlib), read-only; `readable`: folders it may read; `writable`: the one folder it may
+    write (its own output). Nothing else of the host exists inside: no home, no /etc, no /run (no
+    sockets), no other job's folder wherever TMPDIR is. A private /tmp and /dev/shm, 64 MiB each; no
+    socket, no capabilities, its own pid namespace (killed with it, so no process outlives the stage)."""
+    argv = [jail.bwrap(), *jail.namespace_args(), *jail.system_binds(), "--proc", "/proc", "--dev", "/dev",
+            "--size", str(64 << 20), "--tmpfs", "/tmp", "--size", str(64 << 20), "--tmpfs", "/dev/shm"]
+    for folder in dict.fromkeys([*jail.program_roots(list(lean)), *_elan_home(), project, *readable]):
         argv += ["--ro-bind", folder, folder]
     if writable is not None:
         argv += ["--bind", writable, writable]
-    return argv + ["--chdir", project, "--"]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
+    return argv + ["--remount-ro", "/", "--chdir", project, "--"]
 
 
-def under_tmp(command: list[str]) -> tuple[str, ...]:
-    """The folders of `command`'s files that lie under /tmp, which the sandbox would otherwise hide behind its
-    private /tmp: a toolchain or a virtualenv there (a checkout in /tmp) stays visible, read-only. A program in
-    a `bin/` folder brings the folder above it (a virtualenv: its `pyvenv.cfg` and libraries)."""
-    folders = []
-    for arg in command:
-        path = Path(arg)
-        if path.is_absolute() and path.exists() and path.parts[1:2] == ("tmp",):
-            folder = path.parent.parent if path.parent.name == "bin" else path.parent
-            if len(folder.parts) > 2:  # never /tmp itself
-                folders.append(str(folder))
-    return tuple(dict.fromkeys(folders))
+def _elan_home() -> list[str]:
+    """elan's home when set apart from the programs' (ELAN_HOME): the toolchains `lake` starts."""
+    home = os.environ.get("ELAN_HOME")
+    return [home] if home and os.path.isdir(home) else []
 
 
 def check_sandbox(project: str) -> str | None:
-    """None if bubblewrap can run a sandboxed process here; else why not, in one line."""
-    if shutil.which("bwrap") is None:
-        return "bubblewrap (`bwrap`) is not installed: install the Debian/Ubuntu package `bubblewrap`"
-    try:
-        proc = subprocess.run([*sandbox_argv(project, None), "true"], capture_output=True, text=True, timeout=30,
-                              check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"bubblewrap did not start: {exc}"
-    if proc.returncode != 0:
-        return (f"bubblewrap could not create a sandbox ({proc.stderr.strip()[:200] or proc.returncode}); it needs "
-                "unprivileged user namespaces (in Docker: --security-opt seccomp=unconfined)")
-    return None
+    """None if the jail can run a sandboxed process here; else why not, in one line naming bubblewrap."""
+    why = jail.self_check()
+    if why is None and not Path(project).is_dir():
+        why = f"no Lean project directory {project!r}"
+    return why
 
 
 _SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
+LIMITS = jail.Limits(memory_mb=16384, file_mb=1024)
+"""Per stage: 16 GiB of private writable memory (Lean with Mathlib needs a few; its .olean files are mapped
+read-only and not counted), files of at most 1 GiB, no core dumps; CPU time is set per job from its timeout."""
+OUTPUT_CAP = 64 << 10
+"""Bytes of each stream of a stage kept for the host's log; the rest is read and dropped."""
+MAX_OLEAN_BYTES = 512 << 20
+"""The largest .olean the host copies out of a stage's folder (one file's, not Mathlib's)."""
 
 
 def _stage_env() -> dict[str, str]:
@@ -127,28 +134,24 @@ def _stage_env() -> dict[str, str]:
             if (k in _ENV_KEEP or k.startswith(_ENV_PREFIXES)) and not any(w in k.upper() for w in _SECRET_WORDS)}
 
 
-def _run(cmd: list[str], cwd: str, timeout_s: float, sandbox: list[str] | None = None) -> tuple[int | None, str, str]:
-    """(exit code or None on timeout, stdout, stderr) of a fresh process, killed with its group on timeout.
-    With `sandbox` (a bubblewrap argv), the process runs inside it, with the kept environment only."""
-    if sandbox is not None:
-        cmd = [*sandbox, *cmd]
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=_stage_env() if sandbox is not None else None)
-    try:
-        out, err = proc.communicate(timeout=max(timeout_s, 0.001))
-        return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, 9)
-        except ProcessLookupError:
-            pass
-        out, err = proc.communicate()
-        return None, out, err
+def _run(cmd: list[str], cwd: str, timeout_s: float, box: list[str] | None = None, fds: tuple[int, ...] = ()) -> jail.Ran:
+    """A fresh process, its output capped, killed with its session at the deadline. With `box` (a jail's
+    argv), the process runs inside it, under `LIMITS`, with the kept environment only."""
+    if box is None:
+        return jail.run(cmd, cwd=cwd, timeout_s=timeout_s, cap=OUTPUT_CAP)
+    cpu = jail.Limits(LIMITS.memory_mb, int(timeout_s * max(1, os.cpu_count() or 1)) + 1, LIMITS.file_mb)
+    return jail.run(jail.limited([*box, *cmd], cpu), cwd=cwd, timeout_s=timeout_s, env=_stage_env(), pass_fds=fds,
+                    cap=OUTPUT_CAP)
 
 
-def _tail(text: str, lines: int = 6) -> str:
-    kept = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return " | ".join(kept[:lines])[:1500]
+_POSITION = re.compile(r"(?:^|[/\\])(candidate|reference)\.lean:(\d+):(\d+): error", re.MULTILINE)
+
+
+def positions(output: str, stem: str) -> str:
+    """Lean's own error positions in the stage's file (`3:2, 7:5`): all of a compile's output that may
+    reach a verdict, a repair prompt or samples.jsonl. The text itself goes to the host's log only."""
+    found = [f"{m.group(2)}:{m.group(3)}" for m in _POSITION.finditer(output) if m.group(1) == stem]
+    return ", ".join(dict.fromkeys(found[:20]))
 
 
 def recheck(job: Any, project: str, lean: list[str] | None = None, checker: Path = CHECKER,
@@ -177,10 +180,14 @@ def recheck(job: Any, project: str, lean: list[str] | None = None, checker: Path
     project = str(Path(project).resolve())
     if not checker.is_file():
         return answer("error", f"the trusted checker {checker} is missing")
+    if sandbox == "bwrap":
+        why = jail.self_check()  # once per process (cached): a jail that cannot start is not a defective statement
+        if why:
+            return answer("error", why)
     deadline = start + timeout_s
     with tempfile.TemporaryDirectory(prefix="vrl-recheck-") as tmp:
-        # Each stage writes only its own folder; the candidate's sandbox sees neither the reference's nor
-        # the checker's. The checker reads copies made and hashed once the candidate's sandbox is gone.
+        # Each stage writes only its own folder and sees no other (nor any other job's); the checker reads
+        # copies made (regular files only, links not followed) and hashed once the candidate's sandbox is gone.
         dirs = {stem: Path(tmp) / stem for stem in ("reference", "candidate", "check")}
         texts = {"reference": reference, "candidate": code}
         for folder in dirs.values():
@@ -195,40 +202,65 @@ def recheck(job: Any, project: str, lean: list[str] | None = None, checker: Path
         for stem in ("reference", "candidate"):
             source = dirs[stem] / f"{stem}.lean"
             source.write_text(texts[stem], encoding="utf-8")
-            box = sandbox_argv(project, str(dirs[stem]), under_tmp(lean)) if sandbox == "bwrap" else None
             t0 = time.monotonic()
-            rc, out, err = _run([*lean, "-o", str(olean[stem]), str(source)], project, deadline - time.monotonic(), box)
+            ran = _stage([*lean, "-o", str(olean[stem]), str(source)], project, deadline, sandbox, lean, str(dirs[stem]))
             stages[f"compile_{stem}_s"] = round(time.monotonic() - t0, 3)
-            if rc is None:
-                return answer("timeout", f"compiling the {stem} did not finish within {timeout_s:g} s")
-            if rc != 0:
+            what = "the candidate" if stem == "candidate" else "the trusted statement"
+            if ran.returncode is None:
+                return answer("timeout", f"compiling {what} did not finish within {timeout_s:g} s")
+            if ran.returncode != 0:
                 status = "compile_error" if stem == "candidate" else "reference_error"
-                return answer(status, f"lean exited with {rc} compiling the {stem}: {_tail(out + chr(10) + err)}")
-            if not olean[stem].is_file():
-                return answer("error", f"compiling the {stem} wrote no .olean")
-            shutil.copyfile(olean[stem], copies[stem])
+                _log(name, f"compile_{stem}", ran)
+                at = positions(ran.text(), stem)
+                return answer(status, f"lean exited with {ran.returncode} compiling {what}"
+                              + (f"; errors at {at}" if at else "; no error position"))
+            try:
+                data = jail.read_regular(olean[stem], MAX_OLEAN_BYTES)
+            except OSError as exc:
+                return answer("error", f"compiling {what} left no usable .olean ({type(exc).__name__}: "
+                              f"{os.strerror(exc.errno) if exc.errno else 'unreadable'})")
+            copies[stem].write_bytes(data)
             guarded[copies[stem]] = _digest(copies[stem])
         for original, copy in ((olean["reference"], copies["reference"]), (checker, copies["checker"])):
             if _digest(original) != guarded[copy] or _digest(copy) != guarded[copy]:
                 return answer("error", f"{copy.name} changed while the candidate compiled: the candidate ran code")
         t0 = time.monotonic()
-        box = sandbox_argv(project, None, (str(dirs["check"]), *under_tmp(lean))) if sandbox == "bwrap" else None
-        rc, out, err = _run([*lean, "--run", str(copies["checker"]), str(copies["candidate"]), str(copies["reference"]),
-                             name, str(header_heartbeats(reference))], project, deadline - time.monotonic(), box)
+        ran = _stage([*lean, "--run", str(copies["checker"]), str(copies["candidate"]), str(copies["reference"]), name,
+                      str(header_heartbeats(reference))], project, deadline, sandbox, lean, None, (str(dirs["check"]),))
         stages["check_s"] = round(time.monotonic() - t0, 3)
-        if rc is None:
+        if ran.returncode is None:
             return answer("timeout", f"the checker did not finish within {timeout_s:g} s")
         changed = [f.name for f, digest in guarded.items() if _digest(f) != digest]
         if changed:
             return answer("error", f"{', '.join(changed)} changed while the checker ran")
-        lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+        lines = [ln for ln in ran.stdout.decode("utf-8", errors="replace").strip().splitlines() if ln.strip()]
         try:
             check = json.loads(lines[-1]) if lines else None
         except ValueError:
             check = None
-        if rc != 0 or not isinstance(check, dict) or check.get("vrl_check") != 1:
-            return answer("error", f"the checker exited with {rc} without its JSON line: {_tail(err or out)}")
+        if ran.returncode != 0 or not isinstance(check, dict) or check.get("vrl_check") != 1:
+            _log(name, "check", ran)
+            return answer("error", f"the checker exited with {ran.returncode} without its JSON line")
         return answer("checked", "the checker ran", check)
+
+
+def _stage(cmd: list[str], project: str, deadline: float, sandbox: str, lean: list[str], writable: str | None,
+           readable: tuple[str, ...] = ()) -> jail.Ran:
+    if sandbox != "bwrap":
+        return _run(cmd, project, deadline - time.monotonic())
+    fd = jail.seccomp_fd()
+    try:
+        box = sandbox_argv(project, writable, readable, tuple(lean), seccomp_fd=fd)
+        return _run(cmd, project, deadline - time.monotonic(), box, (fd,))
+    finally:
+        os.close(fd)
+
+
+def _log(name: str, stage: str, ran: jail.Ran) -> None:
+    """A failed stage's output, for the operator: the host's log, never the answer (what reaches the model)."""
+    tail = ran.text().strip()[-4000:]
+    log.warning("re-check of %s: stage %s exited with %s%s:\n%s", name, stage, ran.returncode,
+                " (output truncated)" if ran.truncated else "", tail)
 
 
 _HEARTBEATS = re.compile(r"^set_option\s+maxHeartbeats\s+(\d+)\s*$", re.MULTILINE)
@@ -332,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="bwrap: every Lean process in a throw-away bubblewrap sandbox; off: debugging only")
     ap.add_argument("--no-auth", action="store_true", help=f"serve without a key (default: {API_KEY_VAR} is required)")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="recheck_host: %(message)s")  # failed stages' output: here only
     if shutil.which(args.lean.split()[0]) is None:
         ap.error(f"{args.lean.split()[0]!r} is not on PATH")
     key = os.environ.get(API_KEY_VAR) or None
@@ -341,7 +374,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.sandbox == "bwrap":
         why = check_sandbox(args.project)
         if why:
-            ap.error(f"{why}; or pass --sandbox off (debugging only)")
+            ap.error(f"{why}; or pass --sandbox off (debugging only: then code the model's proof runs at compile "
+                     "time sees this machine as this user does)")
     server = serve(args.project, args.port, args.host, args.lean.split(), args.jobs, key, args.sandbox, args.max_timeout_s)
     print(f"recheck_host: serving on {args.host}:{server.server_port} for {args.project} (sandbox {args.sandbox}, "
           f"{'key required' if key else 'NO authentication'}, jobs of at most {args.max_timeout_s:g} s)", flush=True)
