@@ -137,6 +137,36 @@ def test_a_live_pool_keeps_its_sandboxes_and_a_dead_orchestrators_go_away(emu, t
         assert emu.sandboxes and all(sb.proc.poll() is not None for sb in emu.sandboxes.values())
 
 
+@pytest.mark.slow  # a batch of 14 s: about 20 s
+def test_a_batch_longer_than_the_idle_timeout_is_judged(emu, tmp_path):
+    """Issue 54 item 5. A batch takes 14 s in a sandbox whose idle timeout is 10 s.
+
+    Real Modal: only stdin writes, exec and tunnel connections count as a sandbox's activity ("Idle
+    Timeouts", modal.com/docs/guide/sandbox), not the work of its process; the pool wrote a batch once
+    and waited, so Modal ended the sandbox mid-batch, and the pool restarted it and judged the batch
+    again (a Lean sandbox: another Mathlib import, and the same fate for any batch that long). Now the
+    pool writes a blank line every third of the idle timeout while a request runs; the verify server
+    skips it. Emulated: the service stops the sandbox's processes for 14 s (`stall_sandbox`).
+    """
+    from vrl.types import Status
+
+    stalled: list[str] = []
+
+    def slow_batch(service, sandbox, data):
+        if b'"op": "verify"' in data and not stalled:
+            stalled.append(sandbox.sid)
+            service.stall_sandbox(sandbox.sid, 14)
+
+    emu.on("sandbox_stdin", slow_batch)
+    pool, app = countdown_pool(tmp_path, sandbox_idle_timeout_s=10)
+    with app.run():
+        verdicts = judge(pool, countdown_attempts(1, 30))
+    assert stalled and not emu.hook_errors
+    assert pool.stats["restarts"] == 0 and pool.stats["crashes"] == 0, pool.stats  # the one sandbox judged it
+    assert verdicts[0].status not in (Status.CRASHED, Status.TIMEOUT), verdicts[0]
+    assert pool._slots[0].beats >= 3  # keep-alive lines while it worked
+
+
 @pytest.mark.slow  # three crashed containers per member: about 30 s
 def test_lost_gpu_workers_fail_the_iteration_and_say_why(emu, tmp_path, caplog):
     """Defect 10 (workers), and issue 40's lost members. Every GPU container dies (out of memory, a lost

@@ -827,7 +827,8 @@ class Service:
     def _idle_watch(self, sb: SandboxState, idle_s: float) -> None:
         """`idle_timeout`: a sandbox with no activity for that long is terminated. Activity is a running
         `exec`, stdin being written, or an open tunnel connection (modal.com/docs/guide/sandbox, "Idle
-        Timeouts"); the emulated sandboxes have only stdin."""
+        Timeouts"); the work of the sandbox's own process is not. The emulated sandboxes have only stdin
+        (no exec, no tunnels)."""
         while sb.proc.poll() is None and not self._closed:
             left = sb.active_at + idle_s - time.monotonic()
             if left <= 0:
@@ -870,6 +871,24 @@ class Service:
         if proc.poll() is None:
             _kill(proc)
         proc.wait()
+
+    def stall_sandbox(self, sid: str, seconds: float) -> None:
+        """What the sandbox runs makes no progress for `seconds` (a slow batch): every process below its
+        top one is stopped (SIGSTOP), then continued. Its stdin still takes writes (the pipe buffers them)."""
+        from vrl import reaper
+
+        frozen = [i for i in reaper.tree(reaper.children(self.sandboxes[sid].proc.pid)) if reaper.alive(i)]
+        for identity in frozen:
+            with contextlib.suppress(OSError):
+                os.kill(identity[0], signal.SIGSTOP)
+
+        def thaw() -> None:
+            for identity in frozen:
+                if reaper.alive(identity):
+                    with contextlib.suppress(OSError):
+                        os.kill(identity[0], signal.SIGCONT)
+
+        self._later(seconds, thaw)
 
     def refuse_bwrap(self, stderr: str) -> None:
         """From now on every `bwrap` in the emulated containers and sandboxes fails at once, printing `stderr`

@@ -319,8 +319,10 @@ class ModalConfig(Section):
         "one a minute before it. Long: each replacement pays a start (a Lean sandbox imports Mathlib); the idle "
         "timeout, not this, ends the sandboxes of an orchestrator that died.")
     sandbox_idle_timeout_s: int = Field(
-        600, ge=10, description="A verifier sandbox nobody writes to for this long ends (Modal's idle_timeout), so a dead "
-        "orchestrator's sandboxes go away; the pool pings idle ones three times as often while the run lives.")
+        600, ge=10, description="A verifier sandbox nobody writes to for this long ends (Modal's idle_timeout: only stdin "
+        "writes count, not the sandbox's own work), so a dead orchestrator's sandboxes go away; while the run lives the "
+        "pool pings idle ones, and writes a keep-alive line to busy ones (a long batch, a Lean warm-up), three times "
+        "as often.")
     sandbox_start_timeout_s: float = Field(
         600.0, gt=0, description="How long a sandbox may take to become healthy (a Lean server imports Mathlib)."
     )

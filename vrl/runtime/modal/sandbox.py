@@ -15,8 +15,10 @@ that fails to start twice in a row (`SandboxUnavailable`): `SandboxVerification`
 fails the iteration with them rather than score them as wrong answers (issue 25, defect 10). A batch
 that overruns its timeout scores `timeout` and the sandbox is replaced (its state is unknown); a
 sandbox older than its lifetime is replaced before Modal kills it; idle sandboxes are pinged every
-`keepalive_s`, so Modal's `idle_timeout` ends only those of an orchestrator that died. `per_attempt`
-mode starts a fresh sandbox for every attempt instead.
+`keepalive_s`, and a sandbox busy with a request (a batch, its start-up) gets a blank line on its stdin
+as often, so Modal's `idle_timeout` (stdin writes are activity, the work of its process is not) ends
+only the sandboxes of an orchestrator that died. `per_attempt` mode starts a fresh sandbox for every
+attempt instead.
 """
 
 from __future__ import annotations
@@ -278,8 +280,15 @@ class _Slot:
 
     def __init__(self, index: int):
         self.index, self.handle, self.ids = index, None, itertools.count(1)
+        self.beats = 0  # keep-alive lines written during requests
 
-    async def request(self, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    async def request(self, payload: dict[str, Any], timeout_s: float, keepalive_s: float | None = None
+                      ) -> dict[str, Any]:
+        """Send one request and wait (at most `timeout_s`) for its answer; meanwhile, every `keepalive_s`, a
+        blank line to the sandbox's stdin. Modal counts only stdin writes (and exec) as a sandbox's activity
+        ("Idle Timeouts", modal.com/docs/guide/sandbox), not the work of its process: a batch, or a Lean
+        warm-up, longer than the idle timeout would otherwise end the sandbox under it. The verify server
+        skips blank lines."""
         rid = next(self.ids)
         await self.handle.send(json.dumps({"id": rid, **payload}))
 
@@ -294,7 +303,23 @@ class _Slot:
                 if msg.get("id") == rid:
                     return msg
 
-        return await asyncio.wait_for(answer(), timeout_s)
+        beat = asyncio.create_task(self._beat(keepalive_s)) if keepalive_s else None
+        try:
+            return await asyncio.wait_for(answer(), timeout_s)
+        finally:
+            if beat is not None:
+                beat.cancel()
+                await asyncio.gather(beat, return_exceptions=True)
+
+    async def _beat(self, every_s: float) -> None:
+        handle = self.handle
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await handle.send("")
+            except SandboxDied:
+                return  # the answer's wait sees the end too
+            self.beats += 1
 
 
 class SandboxPool(Verifier):
@@ -362,7 +387,7 @@ class SandboxPool(Verifier):
         t0 = time.monotonic()
         await slot.handle.start()
         try:
-            reply = await slot.request({"op": "ping"}, self.start_timeout_s)
+            reply = await slot.request({"op": "ping"}, self.start_timeout_s, self.keepalive_s)
         except asyncio.TimeoutError:
             await slot.handle.stop()
             raise SandboxUnavailable(f"sandbox {slot.index} was not healthy after {self.start_timeout_s:g} s") from None
@@ -402,7 +427,7 @@ class SandboxPool(Verifier):
                     break
                 try:
                     if slot.handle is not None:
-                        await slot.request({"op": "ping"}, self.start_timeout_s)
+                        await slot.request({"op": "ping"}, self.start_timeout_s, self.keepalive_s)
                         self.stats["keepalives"] += 1
                 except (SandboxDied, asyncio.TimeoutError) as exc:
                     log.info("verifier sandbox %d did not answer a keep-alive ping (%s); it restarts when next used",
@@ -463,7 +488,7 @@ class SandboxPool(Verifier):
                 await self._restart(slot, f"older than its lifetime ({self.lifetime_s:g} s)")
             start = time.monotonic()
             try:
-                reply = await slot.request(payload, self.request_timeout_s)
+                reply = await slot.request(payload, self.request_timeout_s, self.keepalive_s)
             except asyncio.TimeoutError:
                 self.stats["timeouts"] += 1
                 await self._restart(slot, f"a batch overran {self.request_timeout_s:g} s")

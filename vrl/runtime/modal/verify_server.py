@@ -6,6 +6,8 @@ stdin carries one request per line, stdout one response per line (same `id`):
 
     {"id": 1, "op": "ping"}                      -> {"id": 1, "ok": true}
     {"id": 2, "op": "verify", "attempts": [...]} -> {"id": 2, "verdicts": [...]}
+    (a blank line)                               -> nothing: the pool's keep-alive while a request runs
+                                                    (stdin writes keep a Modal sandbox from its idle timeout)
 
 Anything a plugin prints goes to stderr: file descriptor 1 is taken for the protocol at start-up.
 With `--wait-url`, pings are answered only once that URL is healthy (a sidecar server such as
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         proto.write(json.dumps(msg) + "\n")
 
     for line in sys.stdin:
-        if not line.strip():
+        if not line.strip():  # a keep-alive
             continue
         try:
             req = json.loads(line)
