@@ -522,6 +522,33 @@ def test_an_environment_made_in_code_is_refused_for_modal_episodes(tmp_path):
     assert policy.environment == {"plugin": "guess", "env_options": {"turns": 3}}
 
 
+def test_repair_episodes_are_refused_on_modal_before_anything_starts(tmp_path, monkeypatch):
+    """Issue 54 item 4. `-o turns=2` of the lean and python-tests plugins: every turn is judged by the
+    environment's verifier, and on Modal the workers run the episodes, with no verifier there (Lean:
+    every repair step errored and episodes silently stayed one turn; python-tests: the worker could not
+    build its sandbox, or with unsafe-local ran model code in a GPU container that mounts the Volume).
+    Refused in one line by the preflight and by `vrl train --detach` before any app is built; a
+    multi-turn environment whose turns need no verifier (guess) is not."""
+    from vrl.errors import UsageError
+    from vrl.runtime.modal import app as app_module
+    from vrl.runtime.modal.launch import launch_detached
+    from vrl.runtime.modal.runtime import ModalRuntime
+
+    def built(config):
+        raise AssertionError("the app was built")
+
+    monkeypatch.setattr(app_module, "build_app", built)
+    for plugin in ("python-tests", "lean"):
+        cfg = modal_cfg(tmp_path, "repair", {"plugin": plugin, "env_options": {"turns": 2}})
+        detached = modal_cfg(tmp_path, "repair", {"plugin": plugin, "env_options": {"turns": 2}}, detach=True)
+        for refuse in (lambda: ModalRuntime.check(cfg), lambda: launch_detached(detached)):
+            with pytest.raises(UsageError, match=rf"^environment '{plugin}' judges every turn of its episodes with its "
+                                                 r"verifier \(-o turns=2: repair\).*runtime.kind=local for repair$"):
+                refuse()
+    ModalRuntime.check(modal_cfg(tmp_path, "game", GAME))
+    ModalRuntime.check(modal_cfg(tmp_path, "one", {"plugin": "python-tests"}))
+
+
 def test_a_resumed_orchestrator_rebuilds_its_es_state_without_torch(reference, tmp_path, monkeypatch):
     """A detached orchestrator that resumes (restarted, continued, `vrl modal resume`) rebuilds the ES state
     of a `ModalPolicy`, which keeps no weights: the history's updates, logged for the workers. It needs no

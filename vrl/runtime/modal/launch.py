@@ -91,6 +91,9 @@ def launch_detached(config: Any, resume: bool = False) -> str:
                          "(or --set runtime.kind=modal)")
     if not config.logging.name:
         raise ValueError("a detached run needs --name, so you can find (and resume) it on the Volume")
+    from vrl.runtime.modal.runtime import ModalRuntime
+
+    ModalRuntime.check(config)  # what the runtime refuses, here rather than in a container
     if config.runtime.modal.min_containers:
         raise ValueError("runtime.modal.min_containers keeps GPU containers running, billed, for as long as the app "
                          "lives, and a detached app outlives this command: set it to 0 with --detach (workers stay "

@@ -372,6 +372,23 @@ class ModalRuntime(Runtime):
     def verifies_in_process(cls, config: Any) -> bool:
         return config.runtime.modal.verify_in == "local"
 
+    @classmethod
+    def check(cls, config: Any) -> None:
+        """Refused before anything starts: episodes whose turns the environment's own verifier judges
+        (`vrl.repair.RepairEpisodes` with more than one turn: proof repair, test-report repair). On Modal a
+        worker runs its episodes beside its engine, and no verifier runs there (a Lean server and its
+        re-check, a bubblewrap sandbox for model code: those are in the verifier sandboxes), so each repair
+        turn would fail, or judge model code in a GPU container that mounts the Volume."""
+        from vrl.errors import UsageError
+        from vrl.plugins import registry
+        from vrl.repair import RepairEpisodes
+
+        env = registry().environment(config.plugin, **config.env_options)
+        if isinstance(env, RepairEpisodes) and env.multi_turn:
+            raise UsageError(f"environment {env.name!r} judges every turn of its episodes with its verifier (-o turns="
+                             f"{env.turns}: repair), and on Modal episodes run in the GPU workers, where no verifier "
+                             "runs; use -o turns=1 on Modal, or --set runtime.kind=local for repair")
+
     def _ensure_running(self) -> None:
         """Start the ephemeral Modal app (once) when orchestrating from this machine."""
         with self._lock:
