@@ -458,3 +458,12 @@ def test_signal_names_are_reported(judge):
     report = judge("import os, signal\ndef add(a, b):\n    os.kill(os.getpid(), signal.SIGSEGV)\n", ADD)
     assert report.verdict.status is Status.CRASHED
     assert "SIGSEGV" in report.verdict.detail
+
+
+def test_what_an_attempt_prints_never_reaches_the_verdict(judge):
+    """A failing attempt prints what it found (here a marker; in an attack, whatever it could read): the verdict,
+    which reaches samples.jsonl and with `-o turns>1` the model's repair prompt, carries the comparison only."""
+    code = "import sys\ndef add(a, b):\n    print('PRINTED-MARKER')\n    sys.stderr.write('STDERR-MARKER')\n    return 0\n"
+    report = judge(code, ADD)
+    assert not report.verdict.passed and "returned 0" in report.verdict.detail
+    assert "MARKER" not in report.verdict.detail

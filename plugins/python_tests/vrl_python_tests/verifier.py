@@ -132,11 +132,11 @@ class PythonTestsVerifier(Verifier):
                 run.import_status, Status.CRASHED)
             what = {"syntax": "does not compile", "timeout": "timed out while loading",
                     "error": "raised while loading"}.get(run.import_status, "crashed while loading")
-            detail = f"code {what}: {run.import_error}" + _output_note(run.output)
+            detail = f"code {what}: {run.import_error}"
             outcomes = [TestOutcome(i, t.hidden, "crashed", "not run") for i, t in enumerate(tests)]
             return Report(Verdict.fail(status, detail, elapsed_s=elapsed), outcomes, run.output, code)
         outcomes = [_outcome(i, test, raw) for i, (test, raw) in enumerate(zip(tests, run.tests))]
-        return Report(_verdict(outcomes, entry, tests, run.attempt_timed_out, run.output, elapsed),
+        return Report(_verdict(outcomes, entry, tests, run.attempt_timed_out, elapsed),
                       outcomes, run.output, code)
 
 
@@ -162,7 +162,7 @@ def _outcome(index: int, test: TestCase, raw: CallResult) -> TestOutcome:
     return TestOutcome(index, test.hidden, "crashed", f"crashed: {raw.message or 'unknown'}", elapsed)
 
 
-def _verdict(outcomes: list[TestOutcome], entry: str, tests: list[TestCase], attempt_timed_out: bool, output: str,
+def _verdict(outcomes: list[TestOutcome], entry: str, tests: list[TestCase], attempt_timed_out: bool,
              elapsed: float) -> Verdict:
     passed = sum(o.passed for o in outcomes)
     total = len(outcomes)
@@ -187,9 +187,6 @@ def _verdict(outcomes: list[TestOutcome], entry: str, tests: list[TestCase], att
         status = Status.CRASHED
     else:
         status = Status.FAILED
-    return Verdict.fail(status, "\n".join(lines) + _output_note(output), score=passed / total, elapsed_s=elapsed)
-
-
-def _output_note(output: str) -> str:
-    output = output.strip()
-    return f"\noutput: {output[-300:]}" if output else ""
+    # What the attempt printed stays in the Report (the host's), never in the verdict: a verdict's detail
+    # reaches samples.jsonl and, with `-o turns>1`, the model.
+    return Verdict.fail(status, "\n".join(lines), score=passed / total, elapsed_s=elapsed)
