@@ -463,7 +463,7 @@ def test_signal_names_are_reported(judge):
 def test_what_an_attempt_prints_never_reaches_the_verdict(judge):
     """A failing attempt prints what it found (here a marker; in an attack, whatever it could read): the verdict,
     which reaches samples.jsonl and with `-o turns>1` the model's repair prompt, carries the comparison only."""
-    code = "import sys\ndef add(a, b):\n    print('PRINTED-MARKER')\n    sys.stderr.write('STDERR-MARKER')\n    return 0\n"
+    code = "import sys\ndef add(a, b):\n    print('PRINTED-MARKER', flush=True)\n    sys.stderr.write('STDERR-MARKER')\n    sys.stderr.flush()\n    return 0\n"
     report = judge(code, ADD)
     assert not report.verdict.passed and "returned 0" in report.verdict.detail
-    assert "MARKER" not in report.verdict.detail
+    assert "MARKER" not in report.verdict.detail and "PRINTED-MARKER" in report.output  # kept on the host only
