@@ -98,3 +98,111 @@ def test_the_checker_names_only_what_exists_in_real_lean():
     other = [(line, e) for line, ms in messages.items() for e in errors(messages, line)
              if not any(c in e for c in codegen)]
     assert not other, other
+
+
+# Round 5: names as Lean reads them, and `where`/`let rec` helpers. `decide` says "proved that" when the
+# kernel decided and "evaluated that" when it ran compiled code (native evaluation); a `simp` with
+# `maxSteps := 1` fails here, so a step limit taken from a helper shows that the helper ran.
+NAMES = """\
+set_option autoImplicit false
+set_option relaxedAutoImplicit false
+theorem nat_kernel : 10 ≠ 10 := by decide
+theorem nat_flag : 10 ≠ 10 := by decide +native
+theorem nat_esc_flag : 10 ≠ 10 := by decide +«native»
+theorem nat_esc_field : 10 ≠ 10 := by decide (config := { «native» := true })
+theorem nat_esc_item : 10 ≠ 10 := by decide («native» := true)
+theorem nat_esc_config : 10 ≠ 10 := by decide («config» := .mk false true true false)
+theorem steps_plain : (fun x : Nat => x + 0) 1 = 1 := by simp
+theorem steps_esc_item : (fun x : Nat => x + 0) 1 = 1 := by simp («maxSteps» := 1)
+theorem steps_esc_config : (fun x : Nat => x + 0) 1 = 1 := by simp («config» := id { maxSteps := 1 })
+def vrl_h : Nat := go 0 where go (n : Nat) : Nat := n + 1
+theorem where_name : vrl_h.go 2 = 3 := rfl
+theorem where_runs : (fun x : Nat => x + 0) 1 = 1 := by simp (maxSteps := vrl_h.go 0)
+theorem where_runs_big : (fun x : Nat => x + 0) 1 = 1 := by simp (maxSteps := vrl_h.go 100000)
+theorem vrl_t : True := trivial where
+  a (n : Nat) : Nat := n + 1
+  b (n : Nat) : Nat := n + 2
+theorem where_lines : vrl_t.b 2 = 4 := rfl
+theorem vrl_s : True := trivial where a (n : Nat) : Nat := n + 1; b (n : Nat) : Nat := n + 2
+theorem where_semicolon : vrl_s.b 2 = 4 := rfl
+theorem vrl_c : True := trivial where a (n : Nat) : Nat := n + 1
+ b (n : Nat) : Nat := n + 2
+theorem where_other_column : vrl_c.b 2 = 4 := rfl
+theorem vrl_l : True := let rec a (n : Nat) : Nat := n + 1, b (n : Nat) : Nat := n + 2; trivial
+theorem let_rec : vrl_l.b 2 = 4 := rfl
+def vrl_e : Nat := let «rec» f (n : Nat) : Nat := n; 0
+theorem let_escaped_rec : vrl_e.f 1 = 1 := rfl
+def vrl_z : Nat := 0
+theorem dot_runs : (fun x : Nat => x + 0) 1 = 1 := by simp (maxSteps := vrl_z.succ)
+def vrl_r : Nat := 0 where _root_.vrl_rootx (n : Nat) : Nat := n
+theorem where_root : vrl_rootx 2 = 2 := rfl
+def vrl_d : Nat := 0 where @[instance] inst : Inhabited Nat := ⟨42⟩
+theorem where_instance : (default : Nat) = 42 := rfl
+"""
+NAME_HELPERS = {  # the helpers of NAMES, as a completion writes them (ℕ for Nat, as in lean_workbook)
+    "vrl_h": "def vrl_h : ℕ := go 0 where go (n : ℕ) : ℕ := n + 1\n",
+    "vrl_t": "theorem vrl_t : True := trivial where\n  a (n : ℕ) : ℕ := n + 1\n  b (n : ℕ) : ℕ := n + 2\n",
+    "vrl_s": "theorem vrl_s : True := trivial where a (n : ℕ) : ℕ := n + 1; b (n : ℕ) : ℕ := n + 2\n",
+    "vrl_l": "theorem vrl_l : True := let rec a (n : ℕ) : ℕ := n + 1, b (n : ℕ) : ℕ := n + 2; trivial\n",
+    "vrl_z": "def vrl_z : ℕ := 0\n",
+    "vrl_d": "def vrl_d : ℕ := 0 where @[instance] inst : Inhabited ℕ := ⟨42⟩\n",
+}
+
+
+def _named(name: str) -> int:
+    return next(i for i, text in enumerate(NAMES.splitlines(), 1) if f"theorem {name} " in text)
+
+
+def test_names_are_read_as_lean_reads_them_and_where_helpers_are_definitions(tmp_path):
+    path = tmp_path / "Names.lean"
+    path.write_text(NAMES)
+    messages = lean(path)
+
+    def said(name: str) -> str:
+        return " ".join(errors(messages, _named(name)))
+
+    # 1. An escaped name is the name: `+«native»`, `{ «native» := true }`, `(«native» := true)` and
+    # `(«config» := .mk ...)` all evaluate natively, as `+native` does; the kernel's `decide` proves.
+    assert "proved that" in said("nat_kernel"), said("nat_kernel")
+    for name in ("nat_flag", "nat_esc_flag", "nat_esc_field", "nat_esc_item", "nat_esc_config"):
+        assert "evaluated that" in said(name), (name, said(name))
+    # `(«maxSteps» := 1)` sets the field `maxSteps`; `(«config» := id {...})` is the config, evaluated as code.
+    assert not said("steps_plain")
+    for name in ("steps_esc_item", "steps_esc_config"):
+        assert "maximum number of steps" in said(name), (name, said(name))
+    # 2. `where` and `let rec` define constants under the parent's name, a theorem's too: the first
+    # helper, one on a new line at the first one's column, one after `;`, one after `let rec`'s `,`.
+    # A line at another column is no helper, and `let «rec»` is no `let rec`.
+    for name in ("where_name", "where_lines", "where_semicolon", "let_rec"):
+        assert not said(name), (name, said(name))
+    for name in ("where_other_column", "let_escaped_rec"):
+        assert said(name), name
+    # A config item runs the helper it names: `vrl_h.go 0` is 1 step, `vrl_z.succ` (dot notation) too.
+    assert "maximum number of steps" in said("where_runs") and not said("where_runs_big"), said("where_runs")
+    assert "maximum number of steps" in said("dot_runs"), said("dot_runs")
+    # `where _root_.x` does not define `x`; a helper's attribute is global: `@[instance]` changes `default`.
+    assert said("where_root") and not said("where_instance"), (said("where_root"), said("where_instance"))
+
+    # The policy refuses each shape that runs code or evaluates natively, and keeps what is plain data.
+    thm = Theorem("t", "import Mathlib\n", "theorem t : (fun x : ℕ => x + 0) 1 = 1")
+    for helper, tactic, refused in (
+        ("", "decide +«native»", "trusts compiled code"),
+        ("", "decide (config := { «native» := true })", "trusts compiled code"),
+        ("", "decide («native» := true)", "trusts compiled code"),
+        ("", "decide («config» := .mk false true true false)", "positional"),
+        ("", "simp («config» := id { maxSteps := 1 })", "not a literal"),
+        ("vrl_h", "simp (maxSteps := vrl_h.go 0)", "runs a definition of the proof"),
+        ("vrl_t", "simp (maxSteps := vrl_t.b 0)", "runs a definition of the proof"),
+        ("vrl_s", "simp (maxSteps := vrl_s.b 0)", "runs a definition of the proof"),
+        ("vrl_l", "simp (maxSteps := vrl_l.b 0)", "runs a definition of the proof"),
+        ("vrl_z", "simp (maxSteps := vrl_z.succ)", "runs a definition of the proof"),
+        ("vrl_d", "simp", "attribute `instance`"),
+        ("", "simp («maxSteps» := 1)", None),
+        ("vrl_h", "simp (maxSteps := 100000)", None),
+    ):
+        text = f"```lean4\n{NAME_HELPERS.get(helper, '')}{thm.statement} := by\n  {tactic}\n```"
+        if refused is None:
+            prepare(text, thm)
+        else:
+            with pytest.raises(Rejected, match=refused):
+                prepare(text, thm)
