@@ -633,3 +633,27 @@ def test_a_jail_that_cannot_start_is_named_never_a_defective_statement(tmp_path,
     decision = interpret(raw, "lean_workbook_101")
     assert (decision.outcome, decision.status) == ("unavailable", Status.CRASHED)
     assert recheck_host.check_sandbox(str(tmp_path)).startswith("bubblewrap cannot create its sandbox here")
+
+
+def test_the_host_runs_where_vrl_is_not_installed(tmp_path, fake_lean):
+    """The kimina image has no vrl: recheck_host.py runs there beside a copy of vrl/jail.py (docs/plugins/lean.md).
+    Both files under an interpreter that cannot import vrl answer a job as the installed host does."""
+    import shutil
+    import subprocess
+
+    python = shutil.which("python3", path="/usr/bin:/usr/local/bin")
+    if python is None or subprocess.run([python, "-I", "-c", "import vrl"], capture_output=True, cwd="/").returncode == 0:
+        pytest.skip("needs a Python without vrl installed")
+    host = tmp_path / "host"
+    (host / "checker").mkdir(parents=True)
+    shutil.copy(Path(recheck_host.__file__), host / "recheck_host.py")
+    shutil.copy(Path(recheck_host.jail.__file__), host / "jail.py")
+    shutil.copy(recheck_host.CHECKER, host / "checker" / "VrlCheck.lean")
+    lean = fake_lean(check="agree")
+    code = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nimport recheck_host\n"
+            "print(json.dumps(recheck_host.recheck(json.loads(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]),"
+            " sandbox='off')))")
+    out = subprocess.run([python, "-I", "-c", code, str(host), json.dumps(job(prepare(completion(), THM), 30)),
+                          str(tmp_path), json.dumps(lean)], capture_output=True, text=True, timeout=60, cwd="/")
+    raw = json.loads(out.stdout.strip().splitlines()[-1])
+    assert raw["status"] == "checked" and interpret(raw, "lean_workbook_101").agrees, (raw, out.stderr)
