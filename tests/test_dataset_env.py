@@ -239,7 +239,8 @@ def test_functions_get_trl_arguments_chat_completions_and_only_what_they_name():
     assert prompts == ["Write the letters a, b and c.", [{"role": "user", "content": "Write letters from e to h."}]]
     assert completions == ["ab", [{"role": "assistant", "content": "ab"}]]  # TRL's conversational format
     assert wanted == ["abc", "efgh"]
-    assert sorted(seen["all"]) == ["completion_ids", "completions", "prompts", "topic", "wanted"]
+    assert sorted(seen["all"]) == ["completion_ids", "completions", "log_extra", "log_metric", "prompts",
+                                   "raw_completions", "topic", "trainer_state", "wanted"]  # TRL's, and the raw text
     assert seen["all"]["completion_ids"] == [[97, 98], [97, 98]]
 
 

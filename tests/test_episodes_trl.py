@@ -10,6 +10,8 @@ this reuses).
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -91,3 +93,138 @@ def test_loss_and_gradient_with_environment_masks_equal_trl(loss: str) -> None:
         assert torch.allclose(ours.detach(), theirs.detach(), rtol=1e-5, atol=1e-7), (level, beta, q)
         assert torch.allclose(ours_lp.grad, theirs_lp.grad, rtol=1e-5, atol=1e-7), (level, beta, q)
         assert float(theirs_lp.grad[tool == 0].abs().max()) == 0.0  # no gradient through environment tokens
+
+
+# -- whole episodes against TRL 1.16's own tool loop ------------------------------------------------------------
+# TRL's `_tool_call_loop` runs on a stand-in trainer with the real Qwen3 tokenizer (npm, as tests/test_tools.py) and a
+# scripted model: each turn's ids are what the script says for the conversation so far. vrl's `Episodes` runs the
+# same script. Everything after the model is each side's own: call parsing, the order the calls run in on the
+# instance, the texts the model reads back, the suffix ids, the masks, the episode budget (TRL's
+# max_completion_length: turns cut, tool results over budget dropped), and the messages reward functions read.
+
+
+class Ledger:
+    """A TRL environment class whose tool is stateful: a call reads the state, waits, then writes it back."""
+
+    def reset(self, **row):
+        self.seen = []
+
+    def record(self, n: int) -> str:
+        """Record a number.
+
+        Args:
+            n: The number.
+        """
+        seen = list(self.seen)
+        __import__("time").sleep(0.02)  # two calls at once would both read the old state
+        self.seen = seen + [n]
+        return {"recorded": n, "count": len(self.seen)}
+
+    def fail(self, why: str) -> str:
+        """Fail.
+
+        Args:
+            why: The reason.
+        """
+        raise RuntimeError(why)
+
+
+SCRIPT = [  # the model's turns, the same for every episode (a turn that calls no tool ends it)
+    '<think>\nI will record two.\n</think>\n\nRecording.\n<tool_call>\n{"name": "record", "arguments": {"n": 1}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "record", "arguments": {"n": "2"}}\n</tool_call><|im_end|>',
+    '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "fail", "arguments": '
+    '{"why": "it\'s broken"}}\n</tool_call>\n<tool_call>\n{"name": "record", "arguments": {"m": 3}}\n</tool_call>'
+    '<|im_end|>',
+    '<tool_call>\n{"name": "record", "arguments": [4]}\n</tool_call><|im_end|>',
+    'Now a broken one: <tool_call>\n{"name": "record", "arguments": {"n": 5}\n</tool_call><|im_end|>',  # ends it
+]
+
+
+def _scripted(tok):
+    turns = [tok(t, add_special_tokens=False)["input_ids"] for t in SCRIPT]
+
+    def next_turn(ids: list[int]) -> list[int]:
+        return list(turns[tok.decode(ids).count("<|im_start|>assistant") - 1])
+
+    return next_turn
+
+
+def _trl_episode(tok, budget: int):
+    """TRL 1.16's ids, tool mask, completion messages and Ledger state for one episode of SCRIPT."""
+    import trl.chat_template_utils as U
+    from trl.chat_template_utils import parse_response
+
+    from tests.test_grpo_trl_equality import grpo_trainer
+
+    Trainer = grpo_trainer()
+    tok.response_template = U.qwen3_template  # what add_response_schema sets for Qwen3's template
+    env = Ledger()
+    env.reset()
+    tools = [env.fail, env.record]  # the class's public methods by name, as TRL lists them
+    prompt = [{"role": "user", "content": "Record."}]
+    template = U.qwen3_training_chat_template  # TRL's prefix-preserving Qwen3 template, which it trains with
+    prompt_ids = tok.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=True,
+                                         return_dict=False, chat_template=template)
+    next_turn = _scripted(tok)
+    first = next_turn(prompt_ids)[:budget]  # TRL's first generation is capped at max_completion_length
+    fake = types.SimpleNamespace(
+        _sync_tool_dicts=[{"record": env.record, "fail": env.fail}], _async_tool_dicts=[{}],
+        max_tool_calling_iterations=10, max_completion_length=budget, use_vllm=False, _is_vlm=False,
+        model=types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=10**6)), tools=tools,
+        environment_factories=None, _tokenizer=tok, processing_class=tok, chat_template=template, chat_template_kwargs={},
+        _generate_single_turn=lambda seqs, *a, **k: ([next_turn(s) for s in seqs], None))
+    fake._get_tool_suffix_ids = types.MethodType(Trainer._get_tool_suffix_ids, fake)
+    completions = [[parse_response(tok, first, prefix=prompt_ids, tools=tools)]]
+    mask, completions, ids, _, calls, failures, _ = Trainer._tool_call_loop(
+        fake, [list(prompt)], [prompt_ids], [first], completions, None, None, {})
+    del tok.response_template
+    return prompt_ids, ids[0], mask[0], completions[0], env.seen, (calls, failures)
+
+
+def test_episodes_equal_trls_tool_loop_ids_masks_messages_and_state_within_the_budget(tmp_path) -> None:
+    """For budgets from one that cuts the first turn to none at all: vrl's trajectory (ids and mask), the parsed
+    completion its reward functions read, and the instance's state equal TRL's; no episode passes its budget."""
+    import json
+
+    from tests.test_tools import _tokenizer
+    from vrl.envs.dataset import DatasetEnvironment
+    from vrl.episodes import Episodes, Row, Sampled, environment_of
+    from vrl.reward_functions import batch_arguments
+    from vrl.types import Attempt
+
+    tok = _tokenizer("qwen3")
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "Record."}]}) + "\n")
+    next_turn = _scripted(tok)
+
+    def generate(seqs, seeds, members):
+        out = []
+        for seq in seqs:
+            ids = next_turn(seq)
+            out.append(Sampled(ids=ids, text=tok.decode(ids, skip_special_tokens=True), raw=tok.decode(ids),
+                               finish_reason="stop"))
+        return out
+
+    full = None
+    for budget in (10, 40, 75, 90, 120, 160, 200, 260, 100_000):
+        env = DatasetEnvironment(data=str(data), environment_factory=Ledger, max_completion_length=budget, max_turns=20,
+                                 reward=[lambda completions, **kw: [0.0] * len(completions)])
+        [task] = env.tasks()
+        [c] = Episodes(env).run([Row(task=task, seed=0)], tok, generate)
+        prompt_ids, ids, mask, messages, seen, (calls, failures) = _trl_episode(tok, budget)
+        assert c.prompt_token_ids == prompt_ids
+        assert (c.token_ids, c.token_mask) == (ids, mask), budget
+        assert len(c.token_ids) <= budget  # the model's and the environment's tokens together
+        assert environment_of(c).seen == seen, budget  # the calls ran in order on the episode's one instance
+        assert c.episode.metrics.get("tool_calls", 0) == calls and c.episode.metrics.get("tool_errors", 0) == failures
+        kwargs = batch_arguments([Attempt(task=task, completion=c)], env.rewards.tools)
+        assert kwargs["completions"] == [messages], budget  # TRL's parsed messages, tool messages between
+        assert kwargs["environments"] == [environment_of(c)]
+        full = (c, seen) if budget == 100_000 else full
+    c, seen = full
+    assert seen == [1, 2] and c.episode.metrics["malformed_tool_calls"] == 1  # the last turn's call is not run
+    tool_texts = [t.content for t in c.episode.turns if t.role == "tool"]
+    assert tool_texts[:5] == ["{'recorded': 1, 'count': 1}", "{'recorded': 2, 'count': 2}",
+                          "{'error': 'Tool nope not found.'}", '{\'error\': "it\'s broken"}',
+                          "{'error': \"Ledger.record() got an unexpected keyword argument 'm'\"}"]
+    assert tool_texts[5].endswith("Ledger.record() argument after ** must be a mapping, not list'}")

@@ -136,29 +136,65 @@ def test_llama31_and_deepseek_v3_calls_parse_and_results_render(llama31, deepsee
     assert "<｜tool▁output▁begin｜>16<｜tool▁output▁end｜>" in text
 
 
-def test_broken_tools_become_tool_messages_and_are_counted() -> None:
+def test_broken_tools_become_tool_messages_in_trls_texts_or_explained_ones() -> None:
+    """By default the texts TRL 1.16's tool loop writes (str(result), str({"error": str(exc)})); with
+    feedback="detailed", vrl's explained ones. Either way a tool never raises out of `execute`."""
     tools = {"calculate": calculate, "sleepy": sleepy, "lookup": lookup}
 
-    async def run(text: str, timeout: float = 0.5):
+    async def run(text: str, feedback: str, timeout: float = 0.5):
         [call] = parse_tool_calls(text) or [None]
-        return await execute(call, tools, timeout)
+        return await execute(call, tools, timeout, feedback)
 
-    assert asyncio.run(run('<tool_call>{"name": "calculate", "arguments": {"expression": "2*(3+4)"}}</tool_call>')) == ("14", False)
-    assert asyncio.run(run('<tool_call>{"name": "lookup", "arguments": {"key": "abc"}}</tool_call>')) == (
-        '{"key": "abc", "value": 3}', False)
-    for text, expected in [
-        ('<tool_call>{"name": "calculate", "arguments": {"expression": "import os"}}</tool_call>', "raised ValueError"),
-        ('<tool_call>{"name": "calculate", "arguments": {"expression": "1+"</tool_call>', "not valid JSON"),
-        ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', "no tool named 'nope'"),
-        ('<tool_call>{"name": "calculate", "arguments": {"expr": "1"}}</tool_call>', "bad arguments for 'calculate'"),
-        ('<tool_call>{"name": "calculate", "arguments": [1]}</tool_call>', "not a JSON object"),
-        ('<tool_call>{"arguments": {}}</tool_call>', "names no tool"),
+    call = '<tool_call>{"name": "lookup", "arguments": {"key": "abc"}}</tool_call>'
+    assert asyncio.run(run(call, "trl")) == ("{'key': 'abc', 'value': 3}", False)  # TRL: str(result)
+    assert asyncio.run(run(call, "detailed")) == ('{"key": "abc", "value": 3}', False)
+    for text, trl, detailed in [
+        ('<tool_call>{"name": "calculate", "arguments": {"expression": "import os"}}</tool_call>',
+         str({"error": "unsupported characters in 'import os'"}), "raised ValueError"),
+        ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', "{'error': 'Tool nope not found.'}",
+         "no tool named 'nope'"),
+        ('<tool_call>{"name": "calculate", "arguments": {"expr": "1"}}</tool_call>',
+         str({"error": "calculate() got an unexpected keyword argument 'expr'"}), "bad arguments for 'calculate'"),
+        ('<tool_call>{"name": "calculate", "arguments": [1]}</tool_call>',
+         str({"error": "tests.test_tools.calculate() argument after ** must be a mapping, not list"}), "not a JSON object"),
+        ('<tool_call>{"name": "calculate", "arguments": {"expression": "1+"</tool_call>',
+         None, "not valid JSON"),  # malformed: TRL's turn has no call (ToolInteraction ends the episode)
+        ('<tool_call>{"arguments": {}}</tool_call>', None, "names no tool"),
+        ('<tool_call>{"name": "calculate", "arguments": {}}', None, "not closed"),
     ]:
-        message, failed = asyncio.run(run(text))
-        assert failed and message.startswith("error: ") and expected in message, message
+        message, failed = asyncio.run(run(text, "detailed"))
+        assert failed and message.startswith("error: ") and detailed in message, message
+        message, failed = asyncio.run(run(text, "trl"))
+        assert failed and (message == trl if trl is not None else message.startswith("{'error': ")), message
     start = time.perf_counter()
-    message, failed = asyncio.run(run('<tool_call>{"name": "sleepy", "arguments": {"seconds": 30}}</tool_call>'))
-    assert failed and "timed out after 0.5 s" in message and time.perf_counter() - start < 5
+    message, failed = asyncio.run(run('<tool_call>{"name": "sleepy", "arguments": {"seconds": 30}}</tool_call>', "trl"))
+    assert failed and message == "{'error': 'Tool sleepy timed out after 0.5 s.'}" and time.perf_counter() - start < 5
+
+
+def test_a_turns_calls_run_in_order_on_one_instance_and_a_malformed_turn_ends_the_episode() -> None:
+    """Two calls of a stateful method in one turn leave the state TRL leaves ([1, 2]; run at once, both read the
+    old state and one update is lost). A turn with a malformed call makes no call and ends the episode (TRL);
+    with feedback="detailed" it gets an error message and the episode goes on."""
+    from tests.test_episodes_trl import Ledger
+    from vrl.episodes import ModelTurn
+    from vrl.tools import ToolInteraction
+
+    two = ('<tool_call>{"name": "record", "arguments": {"n": 1}}</tool_call>'
+           '<tool_call>{"name": "record", "arguments": {"n": "2"}}</tool_call>')
+    ledger = Ledger()
+    ledger.reset()
+    reply = asyncio.run(ToolInteraction(environment=ledger).reply(ModelTurn(text=two, raw=two, index=1, last=False)))
+    assert ledger.seen == [1, 2]  # in order, on the one instance; "2" typed as the schema's integer
+    assert [m["content"] for m in reply.messages] == ["{'recorded': 1, 'count': 1}", "{'recorded': 2, 'count': 2}"]
+    bad = two.replace('"n": 1}', '"n": 1')
+    for feedback, done, seen in [("trl", True, []), ("detailed", False, [2])]:
+        ledger.reset()
+        interaction = ToolInteraction(environment=ledger, feedback=feedback)
+        reply = asyncio.run(interaction.reply(ModelTurn(text=bad, raw=bad, index=1, last=False)))
+        assert (reply.done or not reply.messages) == done and ledger.seen == seen
+        assert reply.metrics["malformed_tool_calls"] == 1.0
+    with pytest.raises(ValueError, match="feedback must be 'trl' or 'detailed'"):
+        ToolInteraction(feedback="loud")
 
 
 # A TRL environment class as TRL's docs write one: reset with the row, tools as methods, get_reward (the
@@ -171,7 +207,7 @@ def test_an_environment_class_and_tools_run_an_episode_on_qwen3_and_the_run_goes
     data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Count {t}."}], "target": t}) + "\n"
                             for t in (3, 5)))
     env = DatasetEnvironment(data=str(data), environment_factory=Counter, tools=[calculate, sleepy], max_turns=5,
-                             tool_timeout_s=0.5)
+                             tool_timeout_s=0.5, tool_feedback="detailed")
     tasks = env.tasks()
     first = env.interaction(tasks[0])
     assert first is not env.interaction(tasks[0]) and first.environment is not env.interaction(tasks[0]).environment

@@ -121,6 +121,10 @@ class Environment(ABC):
         """Whether episodes of this environment may take more than one turn (it overrides `interaction`)."""
         return type(self).interaction is not Environment.interaction
 
+    def begin_iteration(self, iteration: int, iterations: int) -> None:
+        """The run starts iteration `iteration` (0-based) of `iterations`, before it samples the iteration's tasks.
+        Default: nothing. `dataset` hands it to its reward functions (TRL's `trainer_state`)."""
+
     def iteration_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """The metrics.jsonl entries made from an iteration's summed `Verdict.metrics` (verifier counters).
 

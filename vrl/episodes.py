@@ -14,7 +14,13 @@ sampled and masks the rest out, as TRL masks tool results. Nothing is re-tokenis
 `Episodes.run` is the backend-independent loop: a backend gives it one primitive, "continue these
 token-id sequences by one model turn" (batched, one seed per row), and it batches one turn of every
 live episode per call. Environment steps run concurrently on an event loop in another thread, each
-bounded by a timeout; an episode whose step is slow joins a later batch, so it delays only itself.
+bounded by a timeout (`Interaction.step_timeout_s`, else `STEP_TIMEOUT_S`); an episode whose step is slow joins
+a later batch, so it delays only itself.
+
+One budget per episode (`Interaction.max_tokens`, TRL's `max_completion_length`): the model's and the
+environment's tokens after the prompt together. As TRL 1.16 does, a model turn is cut to what is left of
+the budget (`finish_reason="length"`), and an environment reply that would pass the budget is dropped,
+whole, and ends the episode (its step still ran: a tool's effect on its instance stays).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import concurrent.futures
 import inspect
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +42,9 @@ from vrl.types import Completion, Episode, Prompt, Result, Task, Turn
 #: samples the next turn of those that are ready: long enough that fast steps share one engine call, short
 #: enough that a slow one (a tool that hangs until its timeout) holds back only its own episode.
 GATHER_S = 0.25
+
+#: Wall-clock cap of one environment step, unless the interaction sets its own (`Interaction.step_timeout_s`).
+STEP_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -65,6 +75,13 @@ class Interaction(ABC):
     max_turns: int = 1
     #: JSON schemas of the tools the model may call, rendered into the prompt by the chat template (None: no tools).
     tools: list[dict[str, Any]] | None = None
+    #: The episode's token budget: model and environment tokens after the prompt (TRL's `max_completion_length`);
+    #: None: only `max_turns` and each turn's cap bound it.
+    max_tokens: int | None = None
+    #: Wall-clock cap of one step (`reply`) of this episode; None: the runner's (`STEP_TIMEOUT_S`, 60 s).
+    step_timeout_s: float | None = None
+    #: The object reward functions receive for this episode in `environments` (TRL's environment instance), if any.
+    environment: Any = None
 
     def prompt(self, task: Task) -> Prompt:
         """The episode's first prompt (default: the task's)."""
@@ -129,6 +146,7 @@ class _State:
     interaction: Interaction | None
     prompt_ids: list[int]
     max_turns: int
+    max_tokens: int | None = None
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] | None = field(default_factory=list)
@@ -145,7 +163,7 @@ class _State:
 class Episodes:
     """Runs episodes of an environment on a backend: every live episode's next turn in one engine call."""
 
-    def __init__(self, environment: Any, step_timeout_s: float = 60.0, gather_s: float = GATHER_S):
+    def __init__(self, environment: Any, step_timeout_s: float = STEP_TIMEOUT_S, gather_s: float = GATHER_S):
         self.environment = environment
         self.step_timeout_s = step_timeout_s
         self.gather_s = gather_s
@@ -172,7 +190,7 @@ class Episodes:
                     for i, out in zip(ready, outs):
                         turn = self._model_turn(states[i], out, tokenizer)
                         if turn is not None:
-                            pending[loop.submit(self._step(states[i].interaction, turn))] = i
+                            pending[loop.submit(self._step(states[i].interaction, turn, self._timeout(states[i])))] = i
                     ready = []
                 if pending:
                     done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -196,13 +214,23 @@ class Episodes:
         text = render(tokenizer, prompt, tools)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         turns = 1 if interaction is None else int(interaction.max_turns)
+        name = getattr(self.environment, "name", "?")
         if turns < 1:
-            raise ValueError(f"environment {getattr(self.environment, 'name', '?')!r}: an interaction's max_turns "
-                             f"must be at least 1, got {turns}")
-        return _State(row=row, interaction=interaction, prompt_ids=list(ids), max_turns=turns)
+            raise ValueError(f"environment {name!r}: an interaction's max_turns must be at least 1, got {turns}")
+        budget = None if interaction is None else interaction.max_tokens
+        if budget is not None and int(budget) < 1:
+            raise ValueError(f"environment {name!r}: an interaction's max_tokens must be at least 1, got {budget}")
+        return _State(row=row, interaction=interaction, prompt_ids=list(ids), max_turns=turns,
+                      max_tokens=None if budget is None else int(budget))
+
+    def _timeout(self, s: _State) -> float:
+        own = getattr(s.interaction, "step_timeout_s", None)
+        return self.step_timeout_s if own is None else float(own)
 
     def _model_turn(self, s: _State, out: Sampled, tokenizer: Any) -> ModelTurn | None:
         """Append a sampled turn; the turn to show the environment, or None when the episode ends here."""
+        if s.max_tokens is not None and len(s.ids) + len(out.ids) > s.max_tokens:  # TRL cuts it to the budget
+            out = _cut(out, s.max_tokens - len(s.ids), tokenizer)
         s.ids += out.ids
         s.mask += [1] * len(out.ids)
         if s.logprobs is not None:
@@ -215,17 +243,17 @@ class Episodes:
         return ModelTurn(text=out.text, raw=out.raw, index=s.model_turns, last=s.model_turns >= s.max_turns,
                          finish_reason=out.finish_reason)
 
-    async def _step(self, interaction: Interaction, turn: ModelTurn) -> tuple[Reply, float]:
+    async def _step(self, interaction: Interaction, turn: ModelTurn, timeout_s: float) -> tuple[Reply, float]:
         """The environment's reply, bounded by the step timeout; a step that fails or overruns ends the
         episode (counted in `step_errors`), never the run."""
         start = time.perf_counter()
         try:
-            reply = await asyncio.wait_for(interaction.reply(turn), self.step_timeout_s)
+            reply = await asyncio.wait_for(interaction.reply(turn), timeout_s)
             if not isinstance(reply, Reply):
                 raise TypeError(f"reply() returned {type(reply).__name__}, not a vrl.episodes.Reply")
         except asyncio.TimeoutError:
             reply = Reply(done=True, metrics={"step_errors": 1.0},
-                          messages=[{"role": "user", "content": f"[environment step timed out after {self.step_timeout_s:g} s]"}])
+                          messages=[{"role": "user", "content": f"[environment step timed out after {timeout_s:g} s]"}])
         except Exception as exc:  # a broken environment step ends its episode; the others go on
             reply = Reply(done=True, metrics={"step_errors": 1.0},
                           messages=[{"role": "user", "content": f"[environment step failed: {type(exc).__name__}: {exc}]"}])
@@ -248,6 +276,9 @@ class Episodes:
         eos = tokenizer.eos_token_id
         if _turn_ends_with_eos(tokenizer) and (not s.ids or s.ids[-1] != eos):
             ids = [eos] + ids  # a turn cut by a stop string: close it as the template would
+        if s.max_tokens is not None and len(s.ids) + len(ids) > s.max_tokens:
+            s.add("over_budget", 1.0)  # TRL drops the whole reply and the episode ends as it is
+            return False
         s.ids += ids
         s.mask += [0] * len(ids)
         if s.logprobs is not None:
@@ -255,6 +286,9 @@ class Episodes:
         for k, m in enumerate(reply.messages):
             s.turns.append(Turn(role=m.get("role", "user"), content=str(m.get("content", "")), name=m.get("name"),
                                 tokens=len(ids) if k == len(reply.messages) - 1 else 0, seconds=seconds if k == 0 else 0.0))
+        if s.max_tokens is not None and len(s.ids) >= s.max_tokens:  # no room for a turn: the episode ends cut,
+            s.finish_reason = "length"  # its last token not the model's end of turn (truncated, as TRL counts it)
+            return False
         return True
 
     def _completion(self, s: _State, loop: _LoopThread) -> Completion:
@@ -269,7 +303,36 @@ class Episodes:
         s.add("turns", float(s.model_turns))
         c.token_mask = s.mask
         c.episode = Episode(turns=s.turns, reward=None if reward is None else float(reward), metrics=s.metrics)
+        if s.interaction.environment is not None:
+            _keep_environment(c.episode, s.interaction.environment)
         return c
+
+
+def _cut(out: Sampled, n: int, tokenizer: Any) -> Sampled:
+    """A sampled turn cut to its first `n` ids (the episode's budget), decoded again."""
+    ids = out.ids[:n]
+    return Sampled(ids=ids, text=tokenizer.decode(ids, skip_special_tokens=True), raw=tokenizer.decode(ids),
+                   finish_reason="length", logprobs=None if out.logprobs is None else out.logprobs[:n])
+
+
+# Each episode's environment instance (TRL's `environments` for reward functions), by the episode it ran in. It
+# lives in this process only (an instance is whatever the user's class holds): an episode that crossed to
+# another process arrives without one, and a reward function that reads `environments` is told so.
+_ENVIRONMENTS: dict[int, tuple[weakref.ref[Episode], Any]] = {}
+
+
+def _keep_environment(episode: Episode, instance: Any) -> None:
+    key = id(episode)
+    _ENVIRONMENTS[key] = (weakref.ref(episode), instance)
+    weakref.finalize(episode, _ENVIRONMENTS.pop, key, None)
+
+
+def environment_of(completion: Completion) -> Any:
+    """The environment instance the completion's episode ran on (`Interaction.environment`), or None where it
+    had none or the episode was sampled in another process."""
+    episode = completion.episode
+    kept = _ENVIRONMENTS.get(id(episode)) if episode is not None else None
+    return kept[1] if kept is not None and kept[0]() is episode else None
 
 
 async def _call(fn: Callable[[], Any]) -> Any:
@@ -354,11 +417,13 @@ def iteration_metrics(results: Sequence[Result]) -> dict[str, float]:
     if not episodes:
         return {}
     total = {k: sum(e.metrics.get(k, 0.0) for e in episodes)
-             for k in ("turns", "tool_calls", "tool_errors", "step_errors", "env_step_s", "model_tokens", "env_tokens")}
+             for k in ("turns", "tool_calls", "tool_errors", "step_errors", "env_step_s", "model_tokens", "env_tokens",
+                       "malformed_tool_calls", "over_budget")}
     out = {"episodes/count": float(len(episodes)), "episodes/turns_mean": total["turns"] / len(episodes),
            "episodes/tool_calls": total["tool_calls"], "episodes/tool_errors": total["tool_errors"],
            "episodes/step_errors": total["step_errors"], "episodes/env_step_s": total["env_step_s"],
-           "episodes/tokens_model": total["model_tokens"], "episodes/tokens_env": total["env_tokens"]}
+           "episodes/tokens_model": total["model_tokens"], "episodes/tokens_env": total["env_tokens"],
+           "episodes/malformed_tool_calls": total["malformed_tool_calls"], "episodes/over_budget": total["over_budget"]}
     first_pass = []
     for e in episodes:
         passed = [i for i, t in enumerate([t for t in e.turns if t.role == "assistant"], 1) if t.passed]

@@ -6,9 +6,15 @@ A reward function takes a batch and returns one reward per completion::
     async def judge(prompts, completions, **kwargs) -> list[float | None]: ...
 
 `prompts` and `completions` are lists (a completion is a string, or `[{"role": "assistant",
-"content": ...}]` when the prompt is chat messages, as in TRL); `completion_ids` holds the sampled
-token ids; every field of `Task.data` (the dataset's other columns) comes as a keyword list. None
-means "does not apply to this completion" and is left out of the weighted sum (TRL's convention).
+"content": ...}]` when the prompt is chat messages, as in TRL; with tools, an episode's messages in TRL's
+parsed form: `reasoning_content`, structured `tool_calls`, then the tool messages); `completion_ids` holds
+the sampled token ids; every field of `Task.data` (the dataset's other columns) comes as a keyword list.
+As TRL 1.16 passes them: `environments` (each episode's environment instance, in order), `trainer_state`
+(a `transformers.TrainerState`: `global_step` is the updates before the batch was sampled, `max_steps` the
+run's iterations), `log_extra(column, values)` (one value per completion, shown in the sample's verdict
+detail) and `log_metric(name, value)` (averaged per iteration into metrics.jsonl under `name`). vrl adds
+`raw_completions`: each completion as decoded, unparsed. None means "does not apply to this completion"
+and is left out of the weighted sum (TRL's convention).
 
 `RewardFunctions` bundles functions with their weights and gives an environment its verifier,
 its shaper and its per-function metrics. A sync function runs in a thread of its own, an async one
@@ -33,7 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +54,14 @@ RewardFunction = Callable[..., Any]
 """`fn(prompts, completions, **columns) -> list[float | None]`, or a coroutine function returning that."""
 
 #: Keyword arguments vrl passes besides the task's data columns (which must not reuse these names).
-RESERVED = ("prompts", "completions", "completion_ids", "environment_rewards")
+RESERVED = ("prompts", "completions", "completion_ids", "environment_rewards", "environments", "trainer_state",
+            "log_extra", "log_metric", "raw_completions")
+#: Those TRL passes to every call whatever the batch (`environments` only where episodes keep instances).
+ALWAYS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "raw_completions",
+          "environment_rewards")
 PREFIX = "reward/"
+METRIC = "log_metric/"  # a verdict's share of what reward functions logged with `log_metric`
+_LOST = "\0lost"  # batch_arguments' own list (never passed on): episodes whose environment instance is not here
 
 
 class RewardFunctionError(UsageError, ValueError):
@@ -121,6 +133,20 @@ class _Failure:
     reason: str
 
 
+@dataclass
+class _Log:
+    """What one call logged through `log_metric` and `log_extra` (kept only when the call succeeds)."""
+
+    metrics: list[tuple[str, float]] = field(default_factory=list)
+    extra: dict[str, list[Any]] = field(default_factory=dict)
+
+    def metric(self, name: str, value: float) -> None:
+        self.metrics.append((str(name), float(value)))
+
+    def column(self, column: str, values: list[Any]) -> None:
+        self.extra.setdefault(str(column), []).extend(list(values))
+
+
 class RewardFunctions:
     """Named reward functions with weights: an environment's verifier, shaper and per-function metrics.
 
@@ -136,7 +162,10 @@ class RewardFunctions:
     """
 
     def __init__(self, functions: Sequence[RewardFunction | str], weights: Sequence[float] | None = None,
-                 timeout_s: float = 60.0, pass_threshold: float = 1.0):
+                 timeout_s: float = 60.0, pass_threshold: float = 1.0,
+                 tools: dict[str, dict[str, Any]] | None = None):
+        """`tools`: the schemas (by name) of the tools the episodes offer; with them, an episode's completion
+        reaches the functions in TRL's parsed form (`vrl.tools.parse_message`), its arguments typed by them."""
         loaded = [load_reward_function(f) if isinstance(f, str) else f for f in functions]
         if not loaded:
             raise RewardFunctionError("give at least one reward function")
@@ -156,16 +185,37 @@ class RewardFunctions:
         self.names = _unique([reward_name(f) for f in loaded])
         self.timeout_s = float(timeout_s)
         self.pass_threshold = float(pass_threshold)
+        self.tools = dict(tools) if tools else None
+        self.iteration, self.iterations = 0, 0  # `begin_iteration`: TRL's trainer_state.global_step, max_steps
 
     def __repr__(self) -> str:
         terms = ", ".join(f"{n}×{w:g}" for n, w in zip(self.names, self.weights))
         return f"RewardFunctions({terms})"
 
-    def check_columns(self, columns: Sequence[str], source: str) -> None:
-        """Refuse, before any generation, a function that needs a column `source` does not have."""
-        available = set(RESERVED) | set(columns)
+    def begin_iteration(self, iteration: int, iterations: int) -> None:
+        """The run is at `iteration` (0-based) of `iterations`: what `trainer_state` says to the functions."""
+        self.iteration, self.iterations = int(iteration), int(iterations)
+
+    def trainer_state(self, attempts: Sequence[Attempt]) -> Any:
+        """TRL's `trainer_state` for a batch: a `transformers.TrainerState` whose `global_step` is the updates made
+        before the batch was sampled (its `weights_version` when sampled ahead, else the iteration) and
+        `max_steps` the run's iterations."""
+        from transformers import TrainerState
+
+        versions = [a.completion.weights_version for a in attempts if a.completion.weights_version is not None]
+        return TrainerState(global_step=min(versions) if versions else self.iteration, max_steps=self.iterations)
+
+    def check_columns(self, columns: Sequence[str], source: str, environments: bool = False) -> None:
+        """Refuse, before any generation, a function that needs a column `source` does not have (or the
+        `environments` of episodes that keep none: `environments=False`)."""
+        available = set(ALWAYS) | set(columns) | ({"environments"} if environments else set())
         for name, fn in zip(self.names, self.functions):
-            missing = [p for p in _required(fn) if p not in available]
+            needed = _required(fn)
+            if "environments" in needed and not environments:
+                raise RewardFunctionError(f"reward function {name!r} needs 'environments', the environment instances "
+                                          "of episodes, which only an environment_factory class gives (-o "
+                                          "environment_factory=module:Class)")
+            missing = [p for p in needed if p not in available]
             if missing:
                 raise RewardFunctionError(f"reward function {name!r} needs {', '.join(map(repr, missing))}, which {source} "
                                           f"does not have (its columns: {', '.join(columns) or 'none'})")
@@ -185,7 +235,10 @@ class RewardFunctions:
         """`reward/<name>/mean` and `/std` over the completions each function applied to (TRL's
         `rewards/<name>/mean`), from the per-completion values the verifier put in `Verdict.metrics`;
         other counters pass through."""
-        out = {k: v for k, v in sums.items() if not k.startswith(PREFIX)}
+        out = {k: v for k, v in sums.items() if not k.startswith((PREFIX, METRIC))}
+        for key, total in sums.items():  # log_metric: the mean of what the calls of the iteration logged (as TRL)
+            if key.startswith(METRIC) and not key.endswith("/n") and sums.get(f"{key}/n"):
+                out[key[len(METRIC):]] = total / sums[f"{key}/n"]
         for name in self.names:
             key = PREFIX + name
             n = sums.get(f"{key}/n", 0.0)
@@ -216,6 +269,14 @@ def _required(fn: RewardFunction) -> list[str]:
             and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
 
 
+def _named(fn: RewardFunction) -> set[str]:
+    """The parameters a function names (whether or not it also takes **kwargs)."""
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 def _accepted(fn: RewardFunction) -> set[str] | None:
     """The keyword names a function takes; None when it takes **kwargs (everything is passed, as TRL does)."""
     try:
@@ -227,14 +288,23 @@ def _accepted(fn: RewardFunction) -> set[str] | None:
     return {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
 
 
-def batch_arguments(attempts: Sequence[Attempt]) -> dict[str, list[Any]]:
-    """The keyword lists a reward function receives for a batch (TRL's layout)."""
+def batch_arguments(attempts: Sequence[Attempt], tools: dict[str, dict[str, Any]] | None = None) -> dict[str, list[Any]]:
+    """The keyword lists a reward function receives for a batch (TRL's layout); `tools`: the episodes' tool
+    schemas, with which an episode's completion is in TRL's parsed form (`raw_completions` keeps it unparsed)."""
+    from vrl.episodes import environment_of
+
     prompts = [a.task.prompt for a in attempts]
-    completions = [_completion(a.task, a.completion) for a in attempts]
-    kwargs: dict[str, list[Any]] = {"prompts": prompts, "completions": completions,
-                                    "completion_ids": [a.completion.token_ids for a in attempts]}
+    kwargs: dict[str, list[Any]] = {"prompts": prompts,
+                                    "completions": [_completion(a.task, a.completion, tools) for a in attempts],
+                                    "completion_ids": [a.completion.token_ids for a in attempts],
+                                    "raw_completions": [_completion(a.task, a.completion) for a in attempts]}
     if any(a.completion.episode is not None for a in attempts):  # what each episode's environment scored (get_reward)
         kwargs["environment_rewards"] = [a.completion.episode.reward if a.completion.episode else None for a in attempts]
+        instances = [environment_of(a.completion) for a in attempts]
+        if any(i is not None for i in instances):  # TRL's `environments`: one instance per completion, in order
+            kwargs["environments"] = instances
+        # episodes without their instance here (sampled in another process): a function reading them is told so
+        kwargs[_LOST] = [a.completion.episode is not None and i is None for a, i in zip(attempts, instances)]
     columns: list[str] = []
     for a in attempts:
         columns += [k for k in a.task.data if k not in columns]
@@ -246,10 +316,16 @@ def batch_arguments(attempts: Sequence[Attempt]) -> dict[str, list[Any]]:
     return kwargs
 
 
-def _completion(task: Task, completion: Completion) -> Any:
+def _completion(task: Task, completion: Completion, tools: dict[str, dict[str, Any]] | None = None) -> Any:
     if isinstance(task.prompt, str):
         return completion.text
     if completion.episode is not None:  # an episode: every turn after the prompt, tool results included (as TRL)
+        if tools:  # TRL's parsed assistant messages (it parses only where tools are in play)
+            from vrl.tools import parse_message
+
+            return [parse_message(t.content, tools) if t.role == "assistant" else
+                    {"role": t.role, "content": t.content, **({"name": t.name} if t.name else {})}
+                    for t in completion.episode.turns]
         return [{"role": t.role, "content": t.content, **({"name": t.name} if t.name else {})}
                 for t in completion.episode.turns]
     return [{"role": "assistant", "content": completion.text}]
@@ -316,28 +392,44 @@ class RewardFunctionVerifier(Verifier):
 
     async def verify(self, attempts: Sequence[Attempt]) -> list[Verdict]:
         start = time.perf_counter()
-        kwargs = batch_arguments(attempts)
-        columns = await asyncio.gather(*(self._values(fn, name, attempts, kwargs)
+        kwargs = batch_arguments(attempts, self.rewards.tools)
+        state = self.rewards.trainer_state(attempts)
+        logs: list[tuple[list[int], _Log]] = []
+        columns = await asyncio.gather(*(self._values(fn, name, attempts, kwargs, state, logs)
                                          for fn, name in zip(self.rewards.functions, self.rewards.names)))
         elapsed = (time.perf_counter() - start) / max(1, len(attempts))
-        return [self._verdict([c[i] for c in columns], elapsed) for i in range(len(attempts))]
+        verdicts = [self._verdict([c[i] for c in columns], elapsed) for i in range(len(attempts))]
+        return _with_logs(verdicts, logs)
 
-    async def _values(self, fn: RewardFunction, name: str, attempts: Sequence[Attempt],
-                      kwargs: dict[str, list[Any]]) -> list[float | None | _Failure]:
-        """One value (or failure) per attempt; a batch that fails as a whole is retried one attempt at a time."""
-        values = await self._call(fn, name, kwargs, len(attempts))
+    async def _values(self, fn: RewardFunction, name: str, attempts: Sequence[Attempt], kwargs: dict[str, list[Any]],
+                      state: Any, logs: list[tuple[list[int], _Log]]) -> list[float | None | _Failure]:
+        """One value (or failure) per attempt; a batch that fails as a whole is retried one attempt at a time.
+        What a successful call logged is added to `logs`, with the attempts it covers."""
+        log = _Log()
+        values = await self._call(fn, name, kwargs, len(attempts), state, log)
         if not isinstance(values, _Failure):
+            logs.append((list(range(len(attempts))), log))
             return values
         if len(attempts) == 1:
             return [values]
-        singles = await asyncio.gather(*(self._call(fn, name, {k: [v[i]] for k, v in kwargs.items()}, 1)
-                                         for i in range(len(attempts))))
+        singles_logs = [_Log() for _ in attempts]
+        singles = await asyncio.gather(*(self._call(fn, name, {k: [v[i]] for k, v in kwargs.items()}, 1, state,
+                                                    singles_logs[i]) for i in range(len(attempts))))
+        logs += [([i], singles_logs[i]) for i, s in enumerate(singles) if not isinstance(s, _Failure)]
         return [s if isinstance(s, _Failure) else s[0] for s in singles]
 
-    async def _call(self, fn: RewardFunction, name: str, kwargs: dict[str, list[Any]],
-                    n: int) -> list[float | None | _Failure] | _Failure:
+    async def _call(self, fn: RewardFunction, name: str, kwargs: dict[str, list[Any]], n: int, state: Any = None,
+                    logged: _Log | None = None) -> list[float | None | _Failure] | _Failure:
+        logged = logged if logged is not None else _Log()
         accepted = _accepted(fn)
+        lost = any(kwargs.get(_LOST, ()))
+        kwargs = {k: v for k, v in kwargs.items() if k != _LOST}
+        kwargs.update(trainer_state=state, log_extra=logged.column, log_metric=logged.metric)
         args = kwargs if accepted is None else {k: v for k, v in kwargs.items() if k in accepted}
+        if lost and "environments" in (accepted if accepted is not None else _named(fn)):
+            return _Failure(f"reward function {name!r} reads 'environments', but an episode's environment instance "
+                            "stayed in the process that sampled it (an instance cannot cross processes: run the "
+                            "engine in this process, or read what get_reward returned through environment_rewards)")
         timeout = self.rewards.timeout_s
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(_start(fn, args)), timeout)
@@ -380,6 +472,26 @@ class RewardFunctionVerifier(Verifier):
                                        score=min(1.0, max(0.0, total)), elapsed_s=elapsed_s)
         parts = None if failures else [(v, w) for v, w in zip(values, self.rewards.weights)]
         return verdict.model_copy(update={"metrics": metrics, "rewards": parts})
+
+
+def _with_logs(verdicts: list[Verdict], logs: list[tuple[list[int], _Log]]) -> list[Verdict]:
+    """Verdicts with what the successful calls logged: each `log_metric` value once (on the call's first
+    attempt, summed per iteration into the mean), each `log_extra` value in its attempt's detail."""
+    metrics: list[dict[str, float]] = [dict(v.metrics) for v in verdicts]
+    extra: list[list[str]] = [[] for _ in verdicts]
+    for indices, log in logs:
+        for name, value in log.metrics:
+            key = METRIC + name
+            target = metrics[indices[0]]
+            target[key] = target.get(key, 0.0) + value
+            target[f"{key}/n"] = target.get(f"{key}/n", 0.0) + 1.0
+        for column, values in log.extra.items():
+            for i, value in zip(indices, values):
+                extra[i].append(f"{column}: {str(value)[:200]}")
+    if not any(log.metrics or log.extra for _, log in logs):
+        return verdicts
+    return [v.model_copy(update={"metrics": m, "detail": "\n".join([v.detail, *e]) if e else v.detail})
+            for v, m, e in zip(verdicts, metrics, extra)]
 
 
 def _value(v: Any, name: str) -> float | None | _Failure:

@@ -169,7 +169,9 @@ class LLMJudge:
         return cls(model, url)
 
     async def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **columns: Any) -> list[float]:
-        rows = [{k: v[i] for k, v in columns.items() if k != "completion_ids"} for i in range(len(prompts))]
+        per_row = {k: v for k, v in columns.items()  # the dataset's columns (not TRL's trainer_state, log_* callables)
+                   if k not in ("completion_ids", "trainer_state", "log_extra", "log_metric", "environments")}
+        rows = [{k: v[i] for k, v in per_row.items()} for i in range(len(prompts))]
         scores = await asyncio.gather(*(self.score(p, c, row) for p, c, row in zip(prompts, completions, rows)),
                                       return_exceptions=True)
         failed = [s for s in scores if isinstance(s, BaseException)]

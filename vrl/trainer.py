@@ -313,6 +313,7 @@ class Trainer:
                         self._log(f"{self._stop_requested}: stopping after iteration {iteration}")
                         raise KeyboardInterrupt(self._stop_requested)
                     tasks = self.tasks_for(pool_tasks, iteration)
+                    self.env.begin_iteration(iteration, cfg.iterations)
                     stats = (pipeline.step(iteration) if pipeline is not None else
                              self._iteration(iteration, tasks, optimizer, policy, pool, shaper, progress, bar))
                     metrics = self._finish_iteration(iteration, stats, optimizer)

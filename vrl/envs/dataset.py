@@ -23,7 +23,7 @@ import csv
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 
@@ -36,7 +36,7 @@ from vrl.reward_functions import (
     RewardFunctionVerifier,
     load_reward_function,
 )
-from vrl.tools import ToolInteraction, schema
+from vrl.tools import ToolInteraction, schema, tool_schemas
 from vrl.types import Task
 
 FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
@@ -64,8 +64,23 @@ class DatasetOptions(EnvOptions):
         "public methods as tools, `get_reward()` as a reward function named after the class.")
     max_turns: int = Field(4, ge=1, description="Most model turns of an episode with tools (TRL's "
                            "max_tool_calling_iterations + 1).")
+    max_tool_calling_iterations: int | None = Field(
+        None, ge=0, description="TRL's name for the most tool-calling rounds of an episode: max_turns = this + 1 "
+        "(give one of the two).")
+    max_completion_length: int | None = Field(
+        None, ge=1, validation_alias=AliasChoices("max_completion_length", "max_episode_tokens"),
+        description="The token budget of a whole episode, the model's and the environment's tokens after the prompt "
+        "(TRL's max_completion_length; vrl's other name: max_episode_tokens): a model turn is cut to what is left, "
+        "tool results that would pass it are dropped and the episode ends, as in TRL. sampling.max_new_tokens "
+        "stays each turn's own cap. Default: none (max_turns and each turn's cap bound an episode).")
     tool_timeout_s: float = Field(10.0, gt=0, description="Wall-clock cap of one tool call; an overrun is a tool "
                                   "message with the error.")
+    tool_feedback: Literal["trl", "detailed"] = Field(
+        "trl", description="What the model reads back: 'trl' (TRL 1.16's texts: str(result), {'error': ...}; a turn "
+        "with a malformed call ends the episode) or 'detailed' (JSON results, explained errors; a malformed call "
+        "gets an error message and the episode goes on).")
+    step_timeout_s: float = Field(60.0, gt=0, description="Wall-clock cap of one environment step: all of a turn's "
+                                  "tool calls, which run one after another; an overrun ends the episode.")
     reward_weights: list[float] | None = Field(None, description="One weight per reward function (default: all 1).")
     prompt_column: str = Field("prompt", description="The column holding the prompt: text, or chat messages.")
     system_prompt: str | None = Field(None, description="A system message put before every prompt.")
@@ -118,6 +133,13 @@ class DatasetEnvironment(Environment):
         self.tools = [load_reward_function(t, "tool") if isinstance(t, str) else t for t in o.tool]
         factory = o.environment_factory
         self.factory = load_reward_function(factory, "environment_factory") if isinstance(factory, str) else factory
+        if o.max_tool_calling_iterations is not None:
+            if "max_turns" in o.model_fields_set:
+                raise OptionsError("environment 'dataset': give max_turns or max_tool_calling_iterations (TRL's name, "
+                                   "max_turns - 1), not both")
+            self.max_turns = o.max_tool_calling_iterations + 1
+        else:
+            self.max_turns = o.max_turns
         rewards, weights = list(o.reward), o.reward_weights
         if self.factory is not None and callable(getattr(self.factory, "get_reward", None)):
             rewards.append(environment_reward(self.factory))  # the environment owns a reward (TRL: weight 1)
@@ -127,8 +149,9 @@ class DatasetEnvironment(Environment):
                                "environment_factory whose class has get_reward")
         for tool in self.tools:
             schema(tool)  # a tool without types or a docstring is refused here, before anything loads
+        schemas = tool_schemas(self.tools, self.factory) if self.multi_turn else None
         self.rewards = RewardFunctions(rewards, weights, timeout_s=o.reward_timeout_s,
-                                       pass_threshold=o.pass_threshold)
+                                       pass_threshold=o.pass_threshold, tools=schemas)
         self._tasks: dict[str, list[Task]] = {}
         self._one_file = Path(o.data).expanduser().is_file()
         if self._one_file:  # a file is one split (`vrl verify` looks for task ids in every split)
@@ -145,7 +168,8 @@ class DatasetEnvironment(Environment):
             source, rows = load_rows(self.options.data, name, self.options.subset)
             tasks = rows_to_tasks(rows, source, name, self.options.prompt_column, self.options.system_prompt,
                                   self.options.id_column)
-            self.rewards.check_columns(sorted({k for t in tasks for k in t.data}), source)
+            self.rewards.check_columns(sorted({k for t in tasks for k in t.data}), source,
+                                       environments=self.factory is not None)
             self._tasks[split] = tasks
         tasks = self._tasks[split]
         return tasks if limit is None else tasks[:limit]
@@ -159,9 +183,14 @@ class DatasetEnvironment(Environment):
         episode, reset with the task's row); else None, one turn."""
         if not self.multi_turn:
             return None
+        o = self.options
         return ToolInteraction(self.tools, self.factory() if self.factory is not None else None,
-                               max_turns=self.options.max_turns, timeout_s=self.options.tool_timeout_s,
-                               row={self.options.prompt_column: task.prompt, **task.data})
+                               max_turns=self.max_turns, timeout_s=o.tool_timeout_s,
+                               row={o.prompt_column: task.prompt, **task.data}, feedback=o.tool_feedback,
+                               max_tokens=o.max_completion_length, step_timeout_s=o.step_timeout_s)
+
+    def begin_iteration(self, iteration: int, iterations: int) -> None:
+        self.rewards.begin_iteration(iteration, iterations)  # TRL's trainer_state
 
     def verifier(self) -> RewardFunctionVerifier:
         return self.rewards.verifier()
