@@ -651,6 +651,8 @@ ROUND5 = [
     ("second let rec helper", block("  aesop (add safe 1 vrl_t.b)", prelude=LET_REC), "names a definition"),
     ("where helper named like the theorem", block(PROOF, prelude="def vrl_h : ℕ := 0 where lean_workbook_101 : ℕ := 1\n"),
      "named like the theorem"),
+    ("helper renamed by open ... renaming", block("  open Nat renaming vrl_one → fast in\n  simp (maxSteps := fast 0) [hx]",
+                                                  prelude="def Nat.vrl_one (n : ℕ) : ℕ := n + 1\n"), "runs a definition of the proof"),
     # inside a string that may be an interpolation: `s!"{e}"` elaborates `e`, `by` blocks included
     ("escaped native inside an interpolation", block('  have : s!"{(by decide +«native» : 1 = 1)}" = "" := rfl\n  rw [hx]'),
      "inside a string literal"),

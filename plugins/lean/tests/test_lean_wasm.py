@@ -134,6 +134,8 @@ def vrl_e : Nat := let «rec» f (n : Nat) : Nat := n; 0
 theorem let_escaped_rec : vrl_e.f 1 = 1 := rfl
 def vrl_z : Nat := 0
 theorem dot_runs : (fun x : Nat => x + 0) 1 = 1 := by simp (maxSteps := vrl_z.succ)
+def Nat.vrl_one (n : Nat) : Nat := n + 1
+theorem renamed_runs : (fun x : Nat => x + 0) 1 = 1 := by open Nat renaming vrl_one → fast in simp (maxSteps := fast 0)
 def vrl_r : Nat := 0 where _root_.vrl_rootx (n : Nat) : Nat := n
 theorem where_root : vrl_rootx 2 = 2 := rfl
 def vrl_d : Nat := 0 where @[instance] inst : Inhabited Nat := ⟨42⟩
@@ -145,6 +147,7 @@ NAME_HELPERS = {  # the helpers of NAMES, as a completion writes them (ℕ for N
     "vrl_s": "theorem vrl_s : True := trivial where a (n : ℕ) : ℕ := n + 1; b (n : ℕ) : ℕ := n + 2\n",
     "vrl_l": "theorem vrl_l : True := let rec a (n : ℕ) : ℕ := n + 1, b (n : ℕ) : ℕ := n + 2; trivial\n",
     "vrl_z": "def vrl_z : ℕ := 0\n",
+    "vrl_one": "def Nat.vrl_one (n : ℕ) : ℕ := n + 1\n",
     "vrl_d": "def vrl_d : ℕ := 0 where @[instance] inst : Inhabited ℕ := ⟨42⟩\n",
 }
 
@@ -180,6 +183,8 @@ def test_names_are_read_as_lean_reads_them_and_where_helpers_are_definitions(tmp
     # A config item runs the helper it names: `vrl_h.go 0` is 1 step, `vrl_z.succ` (dot notation) too.
     assert "maximum number of steps" in said("where_runs") and not said("where_runs_big"), said("where_runs")
     assert "maximum number of steps" in said("dot_runs"), said("dot_runs")
+    # `open Nat renaming vrl_one → fast` makes `fast` a second name of the helper, and it runs too.
+    assert "maximum number of steps" in said("renamed_runs"), said("renamed_runs")
     # `where _root_.x` does not define `x`; a helper's attribute is global: `@[instance]` changes `default`.
     assert said("where_root") and not said("where_instance"), (said("where_root"), said("where_instance"))
 
@@ -196,6 +201,7 @@ def test_names_are_read_as_lean_reads_them_and_where_helpers_are_definitions(tmp
         ("vrl_s", "simp (maxSteps := vrl_s.b 0)", "runs a definition of the proof"),
         ("vrl_l", "simp (maxSteps := vrl_l.b 0)", "runs a definition of the proof"),
         ("vrl_z", "simp (maxSteps := vrl_z.succ)", "runs a definition of the proof"),
+        ("vrl_one", "open Nat renaming vrl_one → fast in simp (maxSteps := fast 0)", "runs a definition of the proof"),
         ("vrl_d", "simp", "attribute `instance`"),
         ("", "simp («maxSteps» := 1)", None),
         ("vrl_h", "simp (maxSteps := 100000)", None),

@@ -649,6 +649,23 @@ class _Rebuild:
                                 if tokens[j].kind == "word" and tokens[j - 1].text == ",")
         return declared, possible
 
+    def aliases(self) -> set[str]:
+        """The new names of `open X renaming a → b` clauses: `b` is then a second name of `X.a` (Lean 4.28:
+        `open Nat renaming slow → fast in simp (maxSteps := fast 0)` runs `Nat.slow`), so every such `b`
+        counts as a definition of the proof, whatever `a` is."""
+        tokens, out = self.tokens, set()
+        for k, t in enumerate(tokens):
+            if _keyword(t) != "renaming":
+                continue
+            j = k + 1
+            while j < len(tokens) and (tokens[j].kind == "word" and _command(tokens[j]) is None
+                                       and _keyword(tokens[j]) not in ("in", "open", "set_option")
+                                       or tokens[j].text in ("→", "-", ">", ",")):
+                if tokens[j].kind == "word" and tokens[j - 1].text in ("→", ">"):
+                    out.add(tokens[j].name[-1])
+                j += 1
+        return out
+
     def _depths(self, start: int, end: int) -> list[int]:
         """The bracket depth (relative to `start`) at each token of `tokens[start:end]`."""
         out, depth = [], 0
@@ -938,6 +955,7 @@ class _Rebuild:
             defs.update(u.name[-1] for u in declared + possible)
         if not mains:
             raise Rejected(_missing_declaration(code, name, others))
+        defs |= self.aliases()
         self.aesop_rules(defs)
         self.named_items(defs)
         if examples:
