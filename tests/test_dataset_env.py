@@ -457,3 +457,91 @@ def test_docs_dataset_cli_example_parses(tmp_path, monkeypatch):
     config = json.loads((run / "config.json").read_text())
     assert config["env_options"]["reward_weights"] == [1.0, 0.2]
     assert {"reward/accuracy/applied", "reward/brevity/applied"} <= set(json.loads((run / "metrics.jsonl").read_text()))
+
+
+# -- TRL's reward-function contract with environments (issue 56) ----------------------------------------------------
+TRL_ENV = '''
+class Tally:
+    """A TRL environment class: reset with the row, a tool, state the reward functions read."""
+
+    def reset(self, **row):
+        self.target, self.total = int(row["target"]), 0
+        return f" Reach {self.target}."
+
+    def add(self, n: int) -> str:
+        """Add to the total.
+
+        Args:
+            n: The number.
+        """
+        self.total += n
+        return str(self.total)
+
+
+SEEN = []
+
+
+def reward_func(environments, trainer_state, log_extra, log_metric, **kwargs):
+    """As TRL's docs write one: score the state each completion's own instance ended in."""
+    SEEN.append((list(environments), trainer_state.global_step, trainer_state.max_steps, list(kwargs["target"])))
+    log_extra("target_seen", [e.target for e in environments])
+    log_metric("tally/targets", sum(e.target for e in environments) / len(environments))
+    return [float(e.total == e.target) for e in environments]
+'''
+
+
+def test_reward_functions_get_environments_trainer_state_log_extra_and_log_metric(tmp_path) -> None:
+    """From Python and from the CLI under GRPO: a reward function written for TRL 1.16 (environments, one
+    instance per completion in order; trainer_state; log_extra; log_metric) runs unchanged."""
+    import vrl
+
+    module = tmp_path / "tally_env.py"
+    module.write_text(TRL_ENV)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Count to {t}."}], "target": t}) + "\n"
+                            for t in (1, 2, 3)))
+    tally = load_reward_function(f"{module}:reward_func")
+    seen = tally.__globals__["SEEN"]  # the module the loader made of the file
+    env = DatasetEnvironment(data=str(data), environment_factory=f"{module}:Tally", reward=[tally])
+    config = vrl.TrainConfig(plugin="dataset", model="tiny", optimizer="grpo", iterations=2, tasks_per_iteration=3,
+                             sampling={"max_new_tokens": 4}, grpo={"num_generations": 2},
+                             logging={"runs_dir": str(tmp_path), "name": "py", "samples_per_iteration": 6})
+    assert vrl.Trainer(config, environment=env).run()["status"] == "finished"
+    assert [(step, steps) for _, step, steps, _ in seen] == [(0, 2), (1, 2)]  # TRL's global_step, max_steps
+    for instances, _, _, targets in seen:
+        assert len({id(e) for e in instances}) == len(instances) == 6  # one instance per completion
+        assert [e.target for e in instances] == targets  # in order: each reset with its own row
+    rows = [json.loads(line) for line in (tmp_path / "py" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["tally/targets"] == 2.0 and rows[0]["reward/reward_func/applied"] == 6  # log_metric's mean
+    sample = json.loads((tmp_path / "py" / "samples.jsonl").read_text().splitlines()[0])
+    assert "target_seen: " in sample["verdict"]["detail"]  # log_extra's column, per completion
+
+    seen.clear()
+    res = cli("train", "--plugin", "dataset", "--model", "tiny", "--optimizer", "grpo", "-n", "1", "--name", "cli",
+              "-o", f"data={data}", "-o", f"environment_factory={module}:Tally", "-o", f"reward={module}:reward_func",
+              "--set", "tasks_per_iteration=3", "--set", "grpo.num_generations=2", "--set", "sampling.max_new_tokens=4",
+              "--set", f"logging.runs_dir={tmp_path}")
+    assert res.exit_code == 0, res.output
+    [row] = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
+    assert row["tally/targets"] == 2.0 and row["episodes/count"] == 6
+
+    # `environments` needs an environment class: refused before anything is generated, in one line.
+    with pytest.raises(RewardFunctionError, match="^reward function 'reward_func' needs 'environments'.*environment_factory"):
+        DatasetEnvironment(data=str(data), reward=[tally], tool=[f"{FIXTURES.parent}/tools/counter_env.py:double"]).tasks()
+
+
+def test_episode_options_by_trls_names_and_vrls(tmp_path) -> None:
+    """max_tool_calling_iterations (TRL) is max_turns - 1; max_completion_length (TRL) is max_episode_tokens (vrl);
+    step_timeout_s and tool_feedback reach each episode."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "Count.", "target": 1}) + "\n")
+    double = f"{FIXTURES.parent}/tools/counter_env.py:double"
+    base = {"data": str(data), "reward": [lambda completions, **kw: [0.0] * len(completions)], "tool": [double]}
+    env = DatasetEnvironment(**base, max_tool_calling_iterations=2, max_episode_tokens=50, step_timeout_s=5,
+                             tool_feedback="detailed")
+    episode = env.interaction(env.tasks()[0])
+    assert (episode.max_turns, episode.max_tokens, episode.step_timeout_s, episode.feedback) == (3, 50, 5.0, "detailed")
+    episode = DatasetEnvironment(**base, max_completion_length=7).interaction(env.tasks()[0])
+    assert (episode.max_turns, episode.max_tokens, episode.step_timeout_s, episode.feedback) == (4, 7, 60.0, "trl")
+    with pytest.raises(OptionsError, match="^environment 'dataset': give max_turns or max_tool_calling_iterations"):
+        DatasetEnvironment(**base, max_turns=3, max_tool_calling_iterations=2)

@@ -266,3 +266,27 @@ def test_asynchronous_grpo_trains_on_episodes_and_unsupported_places_are_refused
                                     "--set", f"logging.runs_dir={runs}"])
     assert res.exit_code != 0 and "runs multi-turn episodes, which runtime 'modal' does not support yet" in res.output
     assert not runs.exists()  # refused before anything started
+
+
+def test_an_interactions_own_step_timeout_and_token_budget() -> None:
+    """`Interaction.step_timeout_s` bounds its steps in place of the runner's 60 s; `Interaction.max_tokens`
+    bounds the model's and the environment's tokens of the episode together (turns cut, a reply that would
+    pass it dropped)."""
+    from vrl.episodes import Row
+
+    hung = Echo(delay=30.0)
+    hung.step_timeout_s = 0.3
+    host = _host(temperature=1.0, max_new_tokens=5)
+    start = time.perf_counter()
+    [out] = Episodes(EchoEnv(t0=hung)).run([Row(task=TASKS[0], seed=0)], host.tokenizer, host._continue)
+    assert time.perf_counter() - start < 10 and "timed out after 0.3 s" in out.episode.turns[-1].content
+    for budget in (1, 3, 6, 9, 14, 20):
+        budgeted = {t.id: Echo(turns=4) for t in TASKS}
+        for echo in budgeted.values():
+            echo.max_tokens = budget
+        done = Episodes(EchoEnv(**budgeted)).run([Row(task=t, seed=i) for i, t in enumerate(TASKS)], host.tokenizer,
+                                                 host._continue)
+        for c in done:
+            assert len(c.token_ids) == len(c.token_mask) <= budget, budget
+            assert c.episode.metrics["model_tokens"] + c.episode.metrics["env_tokens"] <= budget
+            assert len(c.token_ids) == budget or c.episode.metrics["over_budget"] or c.episode.metrics["turns"] == 4
