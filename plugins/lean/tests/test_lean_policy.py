@@ -658,6 +658,9 @@ ROUND5 = [
      "inside a string literal"),
     ("meta field inside an interpolation", block('  have : s!"{(by linarith (discharger := done) : 1 = 1)}" = "" := rfl\n  rw [hx]'),
      "holds code"),
+    ("let rec inside an interpolation", block("  simp (maxSteps := vrl_t.go 0) [hx]", prelude='theorem vrl_t : True := by\n'
+                                             '  have : s!"{let rec go (n : ℕ) : ℕ := n + 1; go 0}" = "1" := rfl\n  trivial\n'),
+     "runs a definition of the proof"),
     ("helper in a config item inside an interpolation",
      block('  have : s!"{(by decide (kernel := slow 10) : 1 = 1)}" = "" := rfl\n  rw [hx]', prelude=SLOW), "runs a definition"),
 ]

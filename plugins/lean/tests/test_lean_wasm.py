@@ -130,6 +130,10 @@ theorem vrl_c : True := trivial where a (n : Nat) : Nat := n + 1
 theorem where_other_column : vrl_c.b 2 = 4 := rfl
 theorem vrl_l : True := let rec a (n : Nat) : Nat := n + 1, b (n : Nat) : Nat := n + 2; trivial
 theorem let_rec : vrl_l.b 2 = 4 := rfl
+theorem vrl_i : True := by
+  have := s!"{let rec go (n : Nat) : Nat := n + 1; go 0}"
+  trivial
+theorem let_rec_interpolated : vrl_i.go 2 = 3 := rfl
 def vrl_e : Nat := let «rec» f (n : Nat) : Nat := n; 0
 theorem let_escaped_rec : vrl_e.f 1 = 1 := rfl
 def vrl_z : Nat := 0
@@ -147,6 +151,7 @@ NAME_HELPERS = {  # the helpers of NAMES, as a completion writes them (ℕ for N
     "vrl_s": "theorem vrl_s : True := trivial where a (n : ℕ) : ℕ := n + 1; b (n : ℕ) : ℕ := n + 2\n",
     "vrl_l": "theorem vrl_l : True := let rec a (n : ℕ) : ℕ := n + 1, b (n : ℕ) : ℕ := n + 2; trivial\n",
     "vrl_z": "def vrl_z : ℕ := 0\n",
+    "vrl_i": 'theorem vrl_i : True := by\n  have := s!"{let rec go (n : ℕ) : ℕ := n + 1; go 0}"\n  trivial\n',
     "vrl_one": "def Nat.vrl_one (n : ℕ) : ℕ := n + 1\n",
     "vrl_d": "def vrl_d : ℕ := 0 where @[instance] inst : Inhabited ℕ := ⟨42⟩\n",
 }
@@ -174,9 +179,10 @@ def test_names_are_read_as_lean_reads_them_and_where_helpers_are_definitions(tmp
     for name in ("steps_esc_item", "steps_esc_config"):
         assert "maximum number of steps" in said(name), (name, said(name))
     # 2. `where` and `let rec` define constants under the parent's name, a theorem's too: the first
-    # helper, one on a new line at the first one's column, one after `;`, one after `let rec`'s `,`.
+    # helper, one on a new line at the first one's column, one after `;`, one after `let rec`'s `,`, and a
+    # `let rec` inside a string interpolation.
     # A line at another column is no helper, and `let «rec»` is no `let rec`.
-    for name in ("where_name", "where_lines", "where_semicolon", "let_rec"):
+    for name in ("where_name", "where_lines", "where_semicolon", "let_rec", "let_rec_interpolated"):
         assert not said(name), (name, said(name))
     for name in ("where_other_column", "let_escaped_rec"):
         assert said(name), name
@@ -201,6 +207,7 @@ def test_names_are_read_as_lean_reads_them_and_where_helpers_are_definitions(tmp
         ("vrl_s", "simp (maxSteps := vrl_s.b 0)", "runs a definition of the proof"),
         ("vrl_l", "simp (maxSteps := vrl_l.b 0)", "runs a definition of the proof"),
         ("vrl_z", "simp (maxSteps := vrl_z.succ)", "runs a definition of the proof"),
+        ("vrl_i", "simp (maxSteps := vrl_i.go 0)", "runs a definition of the proof"),
         ("vrl_one", "open Nat renaming vrl_one → fast in simp (maxSteps := fast 0)", "runs a definition of the proof"),
         ("vrl_d", "simp", "attribute `instance`"),
         ("", "simp («maxSteps» := 1)", None),

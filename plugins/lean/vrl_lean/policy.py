@@ -642,11 +642,13 @@ class _Rebuild:
                     if before.text == ";" or ("\n" in code[before.end:u.start] and self.column(u) == column):
                         found.append(u)
                 (possible if fields else declared).extend(u for u in found if u.kind == "word")
-            elif _keyword(t) == "let" and w + 2 < end and _keyword(tokens[w + 1]) == "rec":
-                if tokens[w + 2].kind == "word":
-                    declared.append(tokens[w + 2])
-                possible.extend(tokens[j] for j in range(w + 3, end)
-                                if tokens[j].kind == "word" and tokens[j - 1].text == ",")
+        flat = _flatten(tokens[start:end])  # `s!"{let rec go ...; go 0}"` defines `go` too (Lean 4.28)
+        for w, t in enumerate(flat):
+            if _keyword(t) == "let" and w + 2 < len(flat) and _keyword(flat[w + 1]) == "rec":
+                if flat[w + 2].kind == "word":
+                    declared.append(flat[w + 2])
+                possible.extend(flat[j] for j in range(w + 3, len(flat))
+                                if flat[j].kind == "word" and flat[j - 1].text == ",")
         return declared, possible
 
     def aliases(self) -> set[str]:
