@@ -375,8 +375,10 @@ class ToolInteraction(Interaction):
             text, failed = await execute(call, self.functions, self.timeout_s, self.feedback)
             messages.append({"role": "tool", "name": call.name, "content": text})
             failures += failed
-        return Reply(messages=messages, metrics={"tool_calls": float(len(calls)), "tool_errors": float(failures),
-                                                 "malformed_tool_calls": float(malformed)})
+        metrics = {"tool_calls": float(len(calls)), "tool_errors": float(failures)}
+        if malformed:  # (feedback="detailed": answered with their errors)
+            metrics["malformed_tool_calls"] = float(malformed)
+        return Reply(messages=messages, metrics=metrics)
 
     def reward(self) -> Any:
         get = getattr(self.environment, "get_reward", None)
