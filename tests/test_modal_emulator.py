@@ -260,6 +260,39 @@ def test_spawn_function_call_from_id_get_and_cancel(emu):
             slow.get(timeout=5)
 
 
+def test_a_cancelled_running_input_raises_input_cancellation_and_its_container_goes_on(emu):
+    """`FunctionCall.cancel()` of a running input: modal/_container_entrypoint.py sends the container SIGUSR1,
+    whose handler raises InputCancellation in the user code; the container stays and takes the next input."""
+    import modal
+
+    app = modal.App("cancel")
+
+    @app.function(serialized=True, max_containers=1)
+    def nap(sleep):
+        import os
+        import pathlib
+        import time
+
+        seen = pathlib.Path("/tmp/seen")
+        if sleep < 0:
+            return seen.read_text() if seen.exists() else None, os.environ["MODAL_TASK_ID"]
+        try:
+            time.sleep(sleep)
+        except BaseException as exc:
+            seen.write_text(type(exc).__name__)
+            raise
+        return "slept", os.environ["MODAL_TASK_ID"]
+
+    with app.run():
+        slow = nap.spawn(60)
+        _wait_for(lambda: any(row["call"] == slow.object_id for row in emu.log))
+        started = time.monotonic()
+        slow.cancel()
+        seen, container = nap.remote(-1)
+        assert (seen, time.monotonic() - started < 30) == ("InputCancellation", True)
+        assert container == [row["container"] for row in emu.log if row["call"] == slow.object_id][0]
+
+
 def test_local_runs_in_this_process_without_the_volume(emu):
     app, _vol, fns = make_app()
     with warnings.catch_warnings(record=True) as caught:

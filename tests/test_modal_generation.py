@@ -522,6 +522,54 @@ def test_an_environment_made_in_code_is_refused_for_modal_episodes(tmp_path):
     assert policy.environment == {"plugin": "guess", "env_options": {"turns": 3}}
 
 
+def test_a_cancellation_while_a_warm_worker_applies_an_update_is_caught(reference):
+    """Issue 54 item 6. Modal cancels an input by raising InputCancellation wherever its code is (SIGUSR1's
+    handler, modal/_container_entrypoint.py): here just after a warm worker's weights took the newest update
+    and before the worker counted it. The worker kept its warm model believing it held one update fewer, and
+    the next call applied that update again: θ out of step with the run's history, unnoticed. Now the next
+    call sees that the last one stopped while the weights changed and loads the model again, then replays:
+    θ equals the local host's after the same updates. The worker's body in this process (no container)."""
+    from vrl.runtime.modal.workers import _WARM
+
+    class Cancelled(BaseException):  # what modal.exception.InputCancellation is: not an Exception
+        pass
+
+    cfg = build(BASE)
+    tasks = LettersEnvironment().tasks("train")[:1]
+    member = Variant(index=0, seed=7)
+    wire = [u.to_wire() for u in reference.updates]
+    args = {"config": workers.engine_config(cfg), "tasks": workers.tasks_to_wire(tasks), "seed": 1,
+            "spec": workers.spec_to_wire(_spec(cfg))}
+    try:
+        workers.sample(workers.variant_to_wire(member), 0, 1, updates=wire[:1], **args)
+        host = _WARM.host
+        applied = host.update
+
+        def cancelled_after_the_tensors(update):
+            applied(update)
+            raise Cancelled("Input was cancelled by user")
+
+        host.update = cancelled_after_the_tensors
+        with pytest.raises(Cancelled):
+            workers.sample(workers.variant_to_wire(member), 0, 1, updates=wire, **args)
+        host.update = applied
+        got = workers.sample(workers.variant_to_wire(member), 0, 1, updates=wire, **args)
+        local = make_generator(cfg, HostNeeds("perturbations", _spec(cfg)))
+        try:
+            local.perturbations(_spec(cfg))
+            for u in reference.updates:
+                local.update(u)
+            assert _WARM.host.checksum() == local.checksum()
+        finally:
+            local.close()
+        assert _key([workers.completion_from_wire(c) for c in got]) == \
+            _key(local_sample(cfg, reference.updates, tasks, member, 1))
+    finally:
+        if _WARM.host is not None:
+            _WARM.host.close()
+        _WARM.host = _WARM.key = None
+
+
 def test_repair_episodes_are_refused_on_modal_before_anything_starts(tmp_path, monkeypatch):
     """Issue 54 item 4. `-o turns=2` of the lean and python-tests plugins: every turn is judged by the
     environment's verifier, and on Modal the workers run the episodes, with no verifier there (Lean:

@@ -233,7 +233,14 @@ class Layout:
                 argv += ["--symlink", os.readlink(path), str(path)]
             elif path.is_dir():
                 argv += ["--ro-bind", str(path), str(path)]
-        if not str(self.base_prefix).startswith("/usr/"):
+        # Folders that mount points need are made searchable by every uid (bwrap makes them 0700), as an image's
+        # /usr/local and Modal's own mounts are: a verifier may run bwrap, and python, under a uid of its own.
+        own_python = not str(self.base_prefix).startswith("/usr/")
+        made = [PurePosixPath(EMU)]
+        if own_python:
+            made += [p for p in reversed(PurePosixPath(self.base_prefix).parents) if len(p.parts) > 2]
+        argv += [arg for folder in made for arg in ("--perms", "0755", "--dir", str(folder))]
+        if own_python:
             argv += ["--ro-bind", str(self.base_prefix), str(self.base_prefix)]
         argv += ["--ro-bind", str(self.gvisor), f"{EMU}/gvisor"]
         for package, programs in APT.items():

@@ -25,6 +25,8 @@ Calls (modal/_functions.py, modal/parallel_map.py, modal.com/docs/guide/retries,
   its input restarted on another container *after* it is gone ("Modal will gracefully terminate the
   Function and restart it on the same input"); preemption does not count against `retries`;
   `nonpreemptible=True` functions are never preempted (and a GPU function cannot be nonpreemptible);
+- `app.run()` authenticates the client first: a token the workspace does not know (`service.tokens`)
+  raises AuthError, as the server's UNAUTHENTICATED answer does (modal/_grpc_client.py);
 - an app that is not running has no callable functions (ExecutionError); `app.run()` ends by stopping
   the app's containers unless `detach=True` (then its calls go on); `app.run()` fails on a named Secret
   that does not exist (the tests create them: `service.secrets[name] = {...}`);
@@ -32,7 +34,10 @@ Calls (modal/_functions.py, modal/parallel_map.py, modal.com/docs/guide/retries,
   ... and prevents new inputs from being processed" (modal/app.py): pending inputs fail, containers get
   SIGINT then a kill after the grace period (its sandboxes are not tracked: the pool ends its own);
 - a `.map()` whose consumer stops early leaves its other inputs running (modal/parallel_map.py cancels
-  only its own client tasks): only `FunctionCall.cancel()` stops an input.
+  only its own client tasks): only `FunctionCall.cancel()` stops an input. A running input it cancels
+  gets InputCancellation raised in its user code, wherever that is (SIGUSR1's handler, as
+  modal/_container_entrypoint.py sets it for sync functions); the container stays and takes the next one
+  (with `terminate_containers=True` it is stopped instead).
 
 Volumes (modal/volume.py `_Volume`, modal.com/docs/guide/volumes)
 - a container mounts the Volume's committed state at start; it sees another's writes only after that
@@ -196,6 +201,7 @@ class Service:
         self.containers: dict[str, Container] = {}
         self.sandboxes: dict[str, SandboxState] = {}
         self.secrets: dict[str, dict[str, str]] = {}
+        self.tokens: dict[str, str] = {"ak-emulated": "as-emulated"}  # token id -> secret this workspace accepts
         self.dicts: dict[str, dict[bytes, bytes]] = {}
         self.log: list[dict] = []  # one row per input run: function, container, argument bytes, outcome
         self.hooks: dict[str, list[Callable[..., Any]]] = {}
@@ -313,6 +319,15 @@ class Service:
                     return
 
     # -- apps and functions --------------------------------------------------------------------------
+    def op_auth(self, token_id: str, token_secret: str) -> None:
+        """The server's answer to a client's first call (ClientHello, modal/client.py): a token it does not
+        know is refused with gRPC UNAUTHENTICATED, which the client raises as AuthError (modal/_grpc_client.py).
+        The wording is the emulator's: the server's own is not in the client's source."""
+        from modal.exception import AuthError
+
+        if self.tokens.get(token_id) != token_secret:
+            raise AuthError(f"the token {token_id!r} is not valid for this workspace (UNAUTHENTICATED)")
+
     def op_app_create(self, name: str | None) -> str:
         app_id = self._new_id("ap")
         with self.cond:
@@ -440,6 +455,8 @@ class Service:
                     inp.pool.pending.remove(inp)
                 elif terminate_containers and inp.container in self.containers:
                     self._interrupt(self.containers[inp.container])
+                elif inp.container in self.containers:  # InputCancellation in its user code; the container goes on
+                    self.containers[inp.container].control.append(f"cancel:{inp.iid}")
                 self._finish(inp, False, _pickle(RemoteError("Function call was cancelled")))
             self.cond.notify_all()
 

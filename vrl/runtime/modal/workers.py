@@ -174,6 +174,11 @@ class _Warm:
     digest: str = ""  # their history's digest
     weights: str | None = None
     replayed: int = 0  # updates applied in the last call (what catching up cost)
+    # Set while a call changes the host's weights (catching up, loading trained weights, perturbing for a
+    # member) and cleared once they are known again: still set at the next call, the last one stopped midway.
+    # Modal's cancellation raises InputCancellation wherever the call is (modal/_container_entrypoint.py,
+    # SIGUSR1), e.g. between an update's tensors and its count, or inside a perturbation's restore.
+    unsettled: bool = False
 
     @property
     def applied(self) -> range:
@@ -250,9 +255,14 @@ def sample_call(
     cfg = TrainConfig.model_validate(config)
     wanted = spec_from_wire(spec)
     key = json.dumps({**{k: config[k] for k in ("model", "generator")}, "environment": environment}, sort_keys=True)
+    if _WARM.host is not None and _WARM.unsettled:
+        log.warning("the previous call on this worker stopped while it changed the weights (a cancellation lands "
+                    "anywhere): they are no longer known to match the run's history, so the model is loaded again")
+        _fresh_host(cfg, key, wanted, environment)
     # Start from the base model for another model or selection, or after trained weights.
     if _WARM.key != key or _WARM.spec != wanted or (weights is None and _WARM.weights is not None):
         _fresh_host(cfg, key, wanted, environment)
+    _WARM.unsettled = True  # until this call's last weight change is undone or recorded
     if weights and weights != _WARM.weights:  # newly published trained weights: load them into the warm host
         _WARM.host.publish(load_weights_file(weights))
         _WARM.weights = weights
@@ -269,7 +279,8 @@ def sample_call(
     host.sampling = SamplingConfig(**config["sampling"])
     variants = [Variant(**v) for v in (variant if isinstance(variant, list) else [variant])]
     per_task = variants[0].samples_per_task
-    out = host.sample(tasks_from_wire(tasks[start:stop]), variants, shard_seed(seed, start, per_task))
+    out = [batch for batch in host.sample(tasks_from_wire(tasks[start:stop]), variants, shard_seed(seed, start, per_task))]
+    _WARM.unsettled = False  # θ (every perturbation restored) is what count and digest say
     return {"completions": [completion_to_wire(c) for batch in out for c in batch], "snapshot": written,
             "replayed": _WARM.replayed, "catch_up_s": catch_up_s}
 
@@ -282,6 +293,7 @@ def _fresh_host(cfg: Any, key: str, wanted: PerturbationSpec | None, environment
     if _WARM.host is not None:
         _WARM.host.close()
     _WARM.host = _WARM.key = None
+    _WARM.unsettled = False
     host = make_generator(cfg, HostNeeds("perturbations", wanted) if wanted is not None else None)
     if environment is not None:  # as the trainer attaches the run's environment to a local host
         episodes.attach(host, environment_from_wire(environment))  # (the GPU image holds the run's plugins)

@@ -457,9 +457,12 @@ class Dict:
 def _require_token() -> None:
     from modal.config import config
 
-    if container_id() is None and not (config.get("token_id") and config.get("token_secret")):
+    if container_id() is not None:
+        return
+    if not (config.get("token_id") and config.get("token_secret")):
         raise exception.AuthError("Token missing. Could not authenticate client. If you have token credentials, "
                                   "see modal.com/docs/reference/modal.config for setup help.")
+    call("auth", config.get("token_id"), config.get("token_secret"))  # the server's ClientHello (modal/client.py)
 
 
 class App:

@@ -4,7 +4,9 @@ Boots as modal/_runtime/user_code_imports.py does: deserialize the function (or 
 serialized, build the class instance with its parameters and run its `@enter` methods once, then take
 inputs until the service says stop. SIGINT (the service's preemption signal, as Modal sends one:
 modal.com/docs/guide/preemption) ends the container; on a graceful end the container's Volume changes
-are committed (step "8. Volume commit" of user_code_imports.py). A hard kill commits nothing.
+are committed (step "8. Volume commit" of user_code_imports.py). A hard kill commits nothing. A
+cancelled input (`FunctionCall.cancel()`) raises InputCancellation in its user code, from a SIGUSR1
+handler as modal/_container_entrypoint.py installs one for sync functions, and the container goes on.
 """
 
 from __future__ import annotations
@@ -20,6 +22,19 @@ from modal.exception import DeserializationError, SerializationError
 
 _stopping = threading.Event()
 _busy = threading.Event()  # set while user code runs: only then does an interrupt raise in it
+_current: list[str] = []  # the input whose user code runs now
+_cancel: list[str] = []  # the input a cancellation names
+
+
+def _cancelled(signum, frame):
+    # modal/_container_entrypoint.py: a sync function's cancelled input gets SIGUSR1, whose handler raises
+    # InputCancellation in the user code (wherever it is: a finally block, a C call's return); the
+    # container then takes its next input. A signal that comes after that input's code ended does nothing.
+    from modal.exception import InputCancellation
+
+    if _busy.is_set() and _current and _cancel == _current:
+        _cancel.clear()
+        raise InputCancellation("Input was cancelled by user")
 
 
 def _load(boot: dict):
@@ -57,6 +72,10 @@ def _control(cid: str) -> None:
                 _stopping.set()
                 if _busy.is_set():
                     os.kill(os.getpid(), signal.SIGINT)
+            elif what.startswith("cancel:"):
+                _cancel[:] = [what.removeprefix("cancel:")]
+                if _busy.is_set() and _current == _cancel:
+                    os.kill(os.getpid(), signal.SIGUSR1)
     except BaseException:  # noqa: BLE001 - the service is gone: so is this container
         os._exit(1)
 
@@ -74,6 +93,7 @@ def main() -> int:
     if "/root" not in sys.path:  # add_local_python_source: "/root ... is on the PYTHONPATH of any executed Modal Functions"
         sys.path.insert(0, "/root")
     boot = call("container_boot", cid)
+    signal.signal(signal.SIGUSR1, _cancelled)
     threading.Thread(target=_control, args=(cid,), daemon=True).start()
     code = 0
     try:
@@ -98,16 +118,22 @@ def main() -> int:
                 break
             iid, method_name, blob = item
             try:
-                _busy.set()
-                args, kwargs = loads(blob)
-                fn = getattr(target, method_name) if method_name else target
-                ok, value = True, fn(*args, **kwargs)
+                try:
+                    _current[:] = [iid]
+                    _busy.set()
+                    args, kwargs = loads(blob)
+                    fn = getattr(target, method_name) if method_name else target
+                    ok, value = True, fn(*args, **kwargs)
+                finally:
+                    _busy.clear()
             except KeyboardInterrupt:
                 raise
-            except BaseException as exc:  # noqa: BLE001 - the caller gets it
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it (a cancelled one: nobody)
                 ok, value = False, exc
             finally:
-                _busy.clear()
+                _busy.clear()  # also when a cancellation landed in the block above before it cleared
+                _current.clear()
+                _cancel.clear()
             call("container_output", cid, iid, *_result(ok, value))
     except KeyboardInterrupt:
         code = 130
