@@ -50,7 +50,12 @@ class SandboxDied(RuntimeError):
 
 
 class SandboxUnavailable(VerifierUnavailable):
-    """A sandbox could not be started or did not become healthy in time (twice in a row)."""
+    """A sandbox could not be started or did not become healthy in time (twice in a row). `reason`: what the
+    sandbox's verify server said when it answered unhealthy (its verifier's own start-up error), if it did."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
 
 
 class SandboxFailure(VerifierUnavailable):
@@ -374,7 +379,7 @@ class SandboxPool(Verifier):
             if self.keepalive_s:
                 self._keepalive = asyncio.create_task(self._keep_alive())
             if len(failed) == len(self._slots):
-                raise SandboxUnavailable(f"no verifier sandbox started: {failed[0]}")
+                raise SandboxUnavailable(f"no verifier sandbox started: {failed[0]}", getattr(failed[0], "reason", None))
             for exc in failed:
                 log.warning("a verifier sandbox failed to start (it will be retried): %s", exc)
 
@@ -396,7 +401,8 @@ class SandboxPool(Verifier):
             raise SandboxUnavailable(f"sandbox {slot.index} died while starting: {exc}") from None
         if not reply.get("ok"):
             await slot.handle.stop()
-            raise SandboxUnavailable(f"sandbox {slot.index} is unhealthy: {reply.get('error', reply)}")
+            error = str(reply.get("error", reply))
+            raise SandboxUnavailable(f"sandbox {slot.index} is unhealthy: {error}", error)
         ready_s = time.monotonic() - t0
         self._unreported_starts.append(ready_s)  # into the metrics of the next batch judged (`_measured`)
         log.info("verifier sandbox %d ready in %.1f s (%s)", slot.index, ready_s, slot.handle.describe())

@@ -11,7 +11,10 @@ stdin carries one request per line, stdout one response per line (same `id`):
 
 Anything a plugin prints goes to stderr: file descriptor 1 is taken for the protocol at start-up.
 With `--wait-url`, pings are answered only once that URL is healthy (a sidecar server such as
-kimina-lean-server is up: alive, which is not ready). With `--warmup` (a JSON list of attempts), the
+kimina-lean-server is up: alive, which is not ready). The first ping then runs the verifier's own
+`check_ready()` (a plugin's self-check, e.g. that bubblewrap can make its sandbox here): its message, or
+the error that kept the verifier from being built, is the ping's answer, so the pool and `vrl modal
+doctor` name the real cause instead of a failed warm-up. With `--warmup` (a JSON list of attempts), the
 first ping is answered only once the plugin's own verifier has judged every one of them as passed: a
 Lean server has then imported Mathlib and checked a proof, so the pool's start timeout covers the
 warm-up and the first batch does not pay it inside the verifier's timeout. `--warmup-option KEY=VALUE`
@@ -59,6 +62,15 @@ async def _warm_up(verifier, attempts: list[dict], timeout_s: float) -> str | No
     if failed:
         return f"the warm-up attempt did not pass ({failed[0].status.value}: {failed[0].detail[:300]})"
     log.info("warm-up: %d attempt(s) passed in %.1f s", len(verdicts), time.monotonic() - t0)
+    return None
+
+
+async def _ready(plugin: str, verifier) -> str | None:
+    """The verifier's `check_ready()`; None when it is ready, else its message."""
+    try:
+        await verifier.check_ready()
+    except Exception as exc:  # noqa: BLE001 - reported on ping: the pool and `vrl modal doctor` show it
+        return f"the {plugin!r} verifier is not ready: {exc}"
     return None
 
 
@@ -139,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         if op == "ping":
             if not waited and args.wait_url and error is None:
                 error = _wait_healthy(args.wait_url, args.wait_timeout)
+            if not waited and error is None:  # the plugin's own self-check names the cause (a sandbox it cannot make)
+                error = loop.run_until_complete(_ready(args.plugin, verifier))
             if not waited and args.warmup and error is None:
                 left = max(1.0, args.wait_timeout - (time.monotonic() - started))
                 error = loop.run_until_complete(
