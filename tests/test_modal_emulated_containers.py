@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_plugins_verifier_runs_in_its_modal_sandbox(emu, tmp_path):
-    """Defect 1 (fixed). The python-tests verifier judges one attempt inside its Modal sandbox.
+    """Defect 1 (fixed). The python-tests verifier judges one attempt inside its Modal sandbox (the attempt in
+    its own bubblewrap sandbox there, under gVisor's rules: issue 54).
 
     Real Modal, before the fix: the sandbox image held /root/vrl and /root/vrl_python_tests as
     `add_local_python_source` ships them (*.py only, no distribution metadata), so `vrl.plugins` found
@@ -37,7 +38,7 @@ def test_a_plugins_verifier_runs_in_its_modal_sandbox(emu, tmp_path):
     from vrl.runtime.modal.runtime import ModalRuntime
     from vrl.types import Attempt, Completion, Status
 
-    options = {"sandbox": "unsafe-local"}  # the attempt's own sandbox is not what this test is about
+    options = {}  # the default: each attempt in its bubblewrap sandbox, under gVisor's rules
     cfg = modal_config(tmp_path, plugin="python-tests", env_options=options,
                        runtime={"verify_in": "sandbox", "sandboxes": 1})
     runtime = ModalRuntime(cfg, app=build_app(cfg))
@@ -109,10 +110,10 @@ def test_containers_hold_vrl_and_the_runs_plugins_as_installed_distributions(emu
     lists resolve to (nothing else of the venv): faithful in *which* packages are there, not in their
     versions (the venv's stand for those the image would resolve; torch==2.11.0 is the venv's torch). The
     OS is this machine's, with bubblewrap only in images that `apt_install` it. Not reproduced: a
-    registry image's own filesystem and Python (the kimina image here is this machine's OS and Python),
-    and bubblewrap *inside* the sandbox (nested in the emulator's own bubblewrap it cannot mount /proc),
-    so python-tests judges with `sandbox=unsafe-local` here; whether bubblewrap works under Modal's
-    gVisor needs an account (docs/modal.md).
+    registry image's own filesystem and Python (the kimina image here is this machine's OS and Python).
+    python-tests judges each attempt in its own bubblewrap sandbox inside the verifier sandbox, under
+    gVisor's rules for bubblewrap (tests/modal_emulator/gvisor.py); whether real gVisor agrees needs an
+    account (docs/modal.md).
     """
     from vrl.plugins import registry
     from vrl.runtime.modal.app import build_app
@@ -120,7 +121,7 @@ def test_containers_hold_vrl_and_the_runs_plugins_as_installed_distributions(emu
 
     other = "lean" if plugin == "python-tests" else "python-tests"
     distribution = {"python-tests": "vrl-python-tests", "lean": "vrl-lean"}[plugin]
-    options = {"python-tests": {"sandbox": "unsafe-local"}, "lean": {"server": "http://127.0.0.1:9", "recheck": "off"}}
+    options = {"python-tests": {}, "lean": {"server": "http://127.0.0.1:9", "recheck": "off"}}
     cfg = modal_config(tmp_path, plugin=plugin, env_options=options[plugin], runtime={"verify_in": "sandbox"})
     app = build_app(cfg)
     verifier = ModalRuntime(cfg, app=app).sandboxes(cfg).factory().image  # the sandbox image the run would use
@@ -151,7 +152,7 @@ def test_containers_hold_vrl_and_the_runs_plugins_as_installed_distributions(emu
             right, wrong = task.data["solution"], f"def {task.data['entry_point']}(*args):\n    return None\n"
             attempts = [{"task": task.model_dump(mode="json"), "completion": {"task_id": task.id, "text": f"```python\n{t}```"}}
                         for t in (right, wrong)]
-            answers = _serve(app.app, verifier, [*server, "-o", "sandbox=unsafe-local"],
+            answers = _serve(app.app, verifier, server,
                              [{"id": 1, "op": "ping"}, {"id": 2, "op": "verify", "attempts": attempts}])
         else:
             replay = _lean_replay()
