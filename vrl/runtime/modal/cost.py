@@ -22,6 +22,9 @@ CPU_CORE_PER_S = 0.0473 / 3600
 MEMORY_GIB_PER_S = 0.008 / 3600
 # Sandboxes: CPU at about 3x a Function's core price, billed on max(request, use) (modal.com/pricing).
 SANDBOX_CPU_FACTOR = 3.0
+# A nonpreemptible Function (the detached CPU orchestrator, app.py) pays "a 3x multiplier ... to the list price
+# for CPU and Memory usage" (modal.com/docs/guide/preemption).
+NONPREEMPTIBLE_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,21 @@ class Iteration:
     gpu_cores: float = 4.0  # runtime.modal.cpu: reserved (and billed) with every GPU container
     gpu_memory_gib: float = 64.0  # runtime.modal.memory_mb / 1024, likewise
     orchestrator_cores: float = 2.0  # the detached orchestrator, for the whole loop
+    orchestrator_factor: float = NONPREEMPTIBLE_FACTOR  # a CPU orchestrator is nonpreemptible; 1.0 with orchestrator_gpu
+    pass_rate: float = 0.0  # the share of attempts that pass; each pass is re-checked in its sandbox
+    recheck_s: float = 0.0  # Lean seconds of one re-check (compile, kernel replay); a run measures lean/recheck_s_mean
+    recheck_jobs: int = 2  # re-checks a sandbox runs at once (vrl_lean's Rechecker `jobs`)
     scaledown_s: float = 1200.0  # runtime.modal.scaledown_window_s (its default): idle GPU containers stay warm (and billed) this long
 
     @property
     def attempts(self) -> int:
         return self.members * self.tasks * self.samples_per_task
+
+    @property
+    def batch_time_s(self) -> float:
+        """Wall time of one batch in one sandbox: the server's check, then the re-checks of its passes (the
+        verdicts return once every pass is re-checked), `recheck_jobs` at a time."""
+        return self.batch_s + self.batch_size * self.pass_rate * self.recheck_s / self.recheck_jobs
 
     @property
     def member_s(self) -> float:
@@ -77,10 +90,10 @@ def simulate(it: Iteration) -> dict[str, float]:
     generation_s = max(done)
     per_member = math.ceil(it.tasks * it.samples_per_task / it.batch_size)
     batches = per_member * it.members
-    sequential = generation_s + _verify([(0.0, batches)], it.sandboxes, it.batch_s)
-    overlapped = max(generation_s, _verify([(t, per_member) for t in done], it.sandboxes, it.batch_s))
+    sequential = generation_s + _verify([(0.0, batches)], it.sandboxes, it.batch_time_s)
+    overlapped = max(generation_s, _verify([(t, per_member) for t in done], it.sandboxes, it.batch_time_s))
     gpu_s = it.members * it.member_s
-    verify_busy_s = batches * it.batch_s
+    verify_busy_s = batches * it.batch_time_s
     cpu_core_s = verify_busy_s * it.sandbox_cores
 
     def cost(loop: float) -> float:
@@ -90,7 +103,8 @@ def simulate(it: Iteration) -> dict[str, float]:
         gpu_rate = it.gpu_price_per_s + it.gpu_cores * CPU_CORE_PER_S + it.gpu_memory_gib * MEMORY_GIB_PER_S
         sandbox = it.sandboxes * loop * (it.sandbox_cores * it.sandbox_cpu_factor * CPU_CORE_PER_S
                                          + it.sandbox_memory_gib * MEMORY_GIB_PER_S)
-        return (gpu_s + idle_gpu_s) * gpu_rate + sandbox + loop * it.orchestrator_cores * CPU_CORE_PER_S
+        orchestrator = loop * it.orchestrator_cores * it.orchestrator_factor * CPU_CORE_PER_S
+        return (gpu_s + idle_gpu_s) * gpu_rate + sandbox + orchestrator
 
     return {
         "attempts": it.attempts,
@@ -131,7 +145,7 @@ def pool_for(it: Iteration, cap_usd: float | None = None, largest: int = 128) ->
     rows = {size: simulate(replace(it, sandboxes=size)) for size in range(1, largest + 1)}
 
     def paced(size: int) -> bool:
-        return rows[size]["loop_overlapped_s"] <= rows[size]["generation_s"] + it.batch_s
+        return rows[size]["loop_overlapped_s"] <= rows[size]["generation_s"] + it.batch_time_s
 
     keeping = [size for size in rows if paced(size)]
     pick = keeping[0] if keeping else min(rows, key=lambda size: rows[size]["cost_overlapped_usd"])
@@ -165,6 +179,10 @@ KIMINA = replace(CASE_STUDY, batch_s=320.0)
 """The case study at kimina-lean-server's own throughput (about 0.8 proofs/s on 8 CPUs, so 0.2 on a 2-core
 sandbox: 320 s per batch of 64), an assumption until a run measures `batch_s` (`batch_s_measured`)."""
 
+RECHECKED = replace(CASE_STUDY, pass_rate=0.3, recheck_s=8.0)
+"""The case study with vrl's re-check of every pass (the case study had none): 30 % of attempts pass and each
+re-check takes 8 s of Lean, two at a time; both assumed until a run measures them (pass_rate, lean/recheck_s_mean)."""
+
 SCENARIOS = [
     ("case study (1 sandbox)", CASE_STUDY),
     ("pool of 4", replace(CASE_STUDY, sandboxes=4)),
@@ -175,6 +193,8 @@ SCENARIOS = [
     ("kimina rate, pool of 4", replace(KIMINA, sandboxes=4)),
     ("kimina rate, pool of 16", replace(KIMINA, sandboxes=16)),
     ("kimina rate, pool that keeps pace", replace(KIMINA, sandboxes=pool_for(KIMINA)[0])),
+    ("re-checked passes, pool of 16", replace(RECHECKED, sandboxes=16)),
+    ("re-checked passes, pool that keeps pace", replace(RECHECKED, sandboxes=pool_for(RECHECKED)[0])),
 ]
 
 
