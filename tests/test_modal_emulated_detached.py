@@ -24,6 +24,20 @@ def test_a_detached_run_verifies_in_modal_sandboxes(emu, tmp_path):
     assert summary["status"] == "finished" and summary["iterations_completed"] == 1
 
 
+def test_a_detached_python_tests_run_with_default_options_finishes(emu, tmp_path):
+    """Issue 54 item 2. `vrl train -p python-tests --runtime modal --detach`, the plugin's options and the Modal
+    runtime's defaults (verification in sandboxes, each attempt in its bubblewrap sandbox there).
+
+    Real Modal: the orchestrator built the environment, whose constructor checked bubblewrap, which the
+    orchestrator image does not have: the run stopped before iteration 1 (advising unsafe-local). Now
+    nothing is checked where nothing is judged, and the verifier sandboxes' bwrap runs under gVisor's
+    rules (the emulator's, tests/modal_emulator/gvisor.py).
+    """
+    summary = run_detached(modal_config(tmp_path, name="tests", plugin="python-tests",
+                                        runtime={"verify_in": "sandbox", "sandboxes": 1}))
+    assert summary["status"] == "finished" and summary["iterations_completed"] == 2, summary
+
+
 def test_a_preempted_orchestrator_carries_on_with_its_run(emu, tmp_path, monkeypatch):
     """Defect 3 and issue 54 item 3. A GPU orchestrator (preemptible) is preempted in its first iteration;
     the run finishes.
