@@ -6,7 +6,8 @@ their image's filesystem, calls, Volumes, Sandboxes; its docstring lists every r
 states it). Every container and sandbox imports the same fake package. No account, no network.
 
 Containers are bubblewrap sandboxes (`bwrap`, as the python-tests plugin uses): without a working
-`bwrap` the emulator, and every test that needs it, is skipped.
+`bwrap` the emulator, and every test that needs it, is skipped. Inside its containers and sandboxes,
+`bwrap` follows gVisor's rules (gvisor.py), as it does on Modal.
 """
 
 from __future__ import annotations
