@@ -183,5 +183,5 @@ def test_the_field_docs_are_grouped_by_section():
     headings = [line for line in text.splitlines() if line.startswith("### ")]
     assert headings == ["### The run", "### `sampling`", "### `generator`", "### `generator.hf`", "### `generator.vllm`",
                         "### `verifier`", "### `runtime`", "### `runtime.local`", "### `runtime.modal`", "### `logging`",
-                        "### `es`", "### `grpo`"]
+                        "### `curriculum`", "### `es`", "### `grpo`"]
     assert "| `runtime.modal.gpu` | str or list[str] | `'H100'` |" in text

@@ -253,11 +253,12 @@ def test_normalizations() -> None:
     assert abs(sum(z)) < 1e-12 and abs(sum(v * v for v in z) / 4 - 1) < 1e-12 and z[1] > z[2] > z[0]
     assert normalize(r, "rank") == [-0.5, 0.5, 0.0, 0.0]  # ties share the average rank
     assert normalize([5.0, 5.0], "rank") == [0.0, 0.0]
-    # group: member 0 best on task a, member 1 best on task b; task c carries no signal.
+    # group: member 0 best on task a, member 1 best on task b; task c carries no signal, so the mean is
+    # over a and b alone (issue 58: a constant task does not shrink the step).
     per_task = [[1.0, 0.0, 0.3], [0.0, 1.0, 0.3], [0.0, 0.0, 0.3]]
     g = normalize([0.43, 0.43, 0.1], "group", per_task)
     za = normalize([1.0, 0.0, 0.0], "zscore")
-    assert g == pytest.approx([(za[0] + za[1]) / 3, (za[1] + za[0]) / 3, (za[1] + za[1]) / 3])
+    assert g == pytest.approx([(za[0] + za[1]) / 2, (za[1] + za[0]) / 2, (za[1] + za[1]) / 2])
     with pytest.raises(ValueError, match="unknown ES normalization"):
         normalize(r, "softmax")
 
@@ -271,7 +272,7 @@ def test_normalization_needs_no_torch(monkeypatch) -> None:
     assert normalize([0.1, 0.1, 0.1], "zscore") == [0.0, 0.0, 0.0]
     z = normalize([0.1, 0.2, 0.7], "zscore")
     assert abs(sum(z)) < 1e-12 and abs(sum(v * v for v in z) / 3 - 1) < 1e-12
-    assert normalize([0.5, 0.5], "group", [[1.0, 0.3], [0.0, 0.3]]) == [0.5, -0.5]  # task 2: no signal
+    assert normalize([0.5, 0.5], "group", [[1.0, 0.3], [0.0, 0.3]]) == [1.0, -1.0]  # task 2: no signal
     with pytest.raises(ValueError, match="same tasks for every member"):
         normalize([0.5, 0.5], "group", [[1.0, 0.3], [0.0]])
 

@@ -186,6 +186,45 @@ class LoggingConfig(Section):
         return name
 
 
+class CurriculumConfig(Section):
+    """Which tasks are drawn (`vrl.curriculum`, `vrl.schedule`): a pass-rate curriculum retires tasks the policy
+    always or never solves and re-admits a few; for GRPO and ES alike (docs/grpo.md, docs/es.md)."""
+
+    kind: Literal["none", "pass_rate"] = Field(
+        "none", description="'none': every task in turn; 'pass_rate': retire a task whose estimated pass rate is at or "
+        "below band_low (too hard) or at or above band_high (too easy), from the raw verdicts of its attempts.",
+    )
+    band_low: float = Field(0.0, ge=0.0, le=1.0, description="A task estimated at or below this pass rate is retired "
+                            "as too hard (with kind=pass_rate).")
+    band_high: float = Field(1.0, ge=0.0, le=1.0, description="A task estimated at or above this pass rate is "
+                             "retired as too easy (with kind=pass_rate).")
+    min_observations: int = Field(2, ge=1, description="Iterations a task must have been drawn in before it can be "
+                                  "retired (with kind=pass_rate); a task found defective is retired at once.")
+    readmit_prob: float = Field(0.05, ge=0.0, le=1.0, description="Chance that a retired task is drawn again when "
+                                "its turn comes (with kind=pass_rate; a seeded coin per turn).")
+    estimator: Literal["last", "ema", "max"] = Field(
+        "ema", description="A task's estimated pass rate from its observations (with kind=pass_rate): the 'last', an "
+        "exponential moving average ('ema', weight ema_weight on the newest), or the 'max' (once solved, easy).",
+    )
+    ema_weight: float = Field(0.5, gt=0.0, le=1.0, description="Weight of the newest observation (with "
+                              "estimator=ema).")
+
+    @model_validator(mode="after")
+    def _check(self) -> CurriculumConfig:
+        defaults = type(self).model_fields
+        stray = sorted(f for f in defaults if f != "kind" and getattr(self, f) != defaults[f].default)
+        if self.kind == "none" and stray:
+            raise ValueError(f"curriculum.{', curriculum.'.join(stray)} only apply to a curriculum; set "
+                             "curriculum.kind=pass_rate or remove them")
+        if self.band_low >= self.band_high:
+            raise ValueError(f"curriculum.band_low ({self.band_low}) must be below curriculum.band_high "
+                             f"({self.band_high})")
+        if self.estimator != "ema" and self.ema_weight != defaults["ema_weight"].default:
+            raise ValueError(f"curriculum.ema_weight only applies to curriculum.estimator=ema (got estimator="
+                             f"{self.estimator}); remove it or set estimator=ema")
+        return self
+
+
 class _RunConfig(Section):
     """Everything a training run needs. `vrl train --help` lists the flags that set these."""
 
@@ -210,6 +249,7 @@ class _RunConfig(Section):
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
 
     def __init__(self, **fields: Any) -> None:
         """`TrainConfig(plugin="letters", iterations=10)`: the fields given, over the environment's suggested

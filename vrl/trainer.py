@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from vrl import console as show
-from vrl import distributed, episodes, launch, rollouts
+from vrl import distributed, episodes, launch, rollouts, schedule
 from vrl.environment import Environment
 from vrl.errors import IntegrityAlarm, PluginError, RunDirError, UsageError, describe
 from vrl.optim import Optimizer, make_optimizer
@@ -63,6 +63,7 @@ class IterationStats:
     loop_s: float = 0.0
     results: list[Result] = field(default_factory=list)
     optimizer_metrics: dict[str, float] = field(default_factory=dict)
+    plan: schedule.IterationPlan | None = None  # dynamic sampling or a curriculum drew the tasks (`vrl.schedule`)
 
 
 class Trainer:
@@ -113,6 +114,8 @@ class Trainer:
             preflight(self.config, self.env)
             launch.check(self.config)  # under torchrun: what several processes cannot train
             rollouts.check(self.config)  # asynchronous rollouts: what cannot sample while it trains
+            schedule.check(self.config, run_dir.config() if run_dir is not None else None)
+            self.schedule = schedule.Schedule(self.config, self._pool_tasks)  # dynamic sampling, curriculum
         except BaseException:
             if run_dir is not None:
                 run_dir.release()
@@ -301,6 +304,8 @@ class Trainer:
                     self.start_iteration = resumed_at
                 self.run_dir.truncate_metrics(self.start_iteration)
                 self._log(f"resuming {self.run_dir.path} after iteration {self.start_iteration}")
+            if self.schedule.active:  # its state is the rows of the finished iterations of tasks.jsonl
+                self.schedule.load(self.run_dir, self.start_iteration)
             attempts = cfg.tasks_per_iteration * optimizer.samples_per_task()
             pool = self.runtime.verification(self.env.verifier() if verifies_in_process(cfg) else None, cfg, attempts)
             with show.progress(self.console, self.start_iteration) as progress:
@@ -396,11 +401,33 @@ class Trainer:
                    pool: VerificationPool, shaper, progress: Progress, bar) -> IterationStats:
         stats = IterationStats()
         start = time.perf_counter()
-        by_id = {t.id: t for t in tasks}
-        pending: list[tuple[list[Attempt], Future[list[Verdict]]]] = []
-        sample_seed = random.Random(f"{self.config.seed}-sampling-{iteration}").randrange(2**31)
         busy_before = pool.busy_s
         variants = optimizer.ask()
+
+        def sample(batch_tasks: list[Task], batch: int) -> list[Result]:
+            return self._sample(iteration, batch, batch_tasks, variants, policy, pool, shaper, progress, bar, stats)
+
+        trained = stats.results = sample(tasks, 0) if not self.schedule.active else []
+        if self.schedule.active:  # it draws the tasks, maybe several generation batches, and picks what trains
+            stats.plan = self.schedule.collect(iteration, sample)
+            stats.results, trained = stats.plan.results, stats.plan.trained
+        stats.verification_s = pool.busy_s - busy_before
+        t_update = time.perf_counter()
+        self._updating = True  # a stop inside tell leaves the optimizer half-updated: nothing to save then
+        stats.optimizer_metrics = optimizer.tell(trained)
+        self._updating = False
+        stats.update_s = time.perf_counter() - t_update
+        stats.loop_s = time.perf_counter() - start
+        return stats
+
+    def _sample(self, iteration: int, batch_index: int, tasks: list[Task], variants: list[Any], policy: PolicyHost,
+                pool: VerificationPool, shaper, progress: Progress, bar, stats: IterationStats) -> list[Result]:
+        """One generation batch of an iteration: sample every variant on `tasks`, verify, shape, check (the
+        iteration's first batch is its only one unless dynamic sampling draws more)."""
+        by_id = {t.id: t for t in tasks}
+        pending: list[tuple[list[Attempt], Future[list[Verdict]]]] = []
+        suffix = f"-{batch_index}" if batch_index else ""  # the first batch samples as a run without filtering
+        sample_seed = random.Random(f"{self.config.seed}-sampling-{iteration}{suffix}").randrange(2**31)
         expected = len(tasks) * sum(v.samples_per_task for v in variants)
         sampled = 0
         # One call samples every variant (on one engine or many); batches stream in as they finish.
@@ -422,18 +449,11 @@ class Trainer:
                 stream.close()
         t_wait = time.perf_counter()
         with self._collective_free():
-            stats.results = self._judged(pending, shaper, tasks)
-        stats.wait_s = time.perf_counter() - t_wait
-        stats.verification_s = pool.busy_s - busy_before
-        self._check_alarms(iteration, stats.results)
-        self._check_verifier_alive(stats.results)
-        t_update = time.perf_counter()
-        self._updating = True  # a stop inside tell leaves the optimizer half-updated: nothing to save then
-        stats.optimizer_metrics = optimizer.tell(stats.results)
-        self._updating = False
-        stats.update_s = time.perf_counter() - t_update
-        stats.loop_s = time.perf_counter() - start
-        return stats
+            results = self._judged(pending, shaper, tasks)
+        stats.wait_s += time.perf_counter() - t_wait
+        self._check_alarms(iteration, results)  # every batch's, kept or not: a forged pass stops the run
+        self._check_verifier_alive(results)
+        return results
 
     @staticmethod
     def _judged(pending: list[tuple[list[Attempt], Future[list[Verdict]]]], shaper, tasks: list[Task]) -> list[Result]:
@@ -473,6 +493,8 @@ class Trainer:
         metrics.update(self.env.iteration_metrics(_verifier_sums(results)))
         metrics.update(episodes.iteration_metrics(results))
         metrics.update(stats.optimizer_metrics)
+        if stats.plan is not None:
+            metrics.update(stats.plan.metrics)
         start = time.perf_counter()
         refused = None
         try:
@@ -483,6 +505,8 @@ class Trainer:
         metrics["save_s"] = time.perf_counter() - start
         self.run_dir.append("metrics.jsonl", [metrics])
         self.run_dir.append("samples.jsonl", _samples(iteration, results, self.config.logging.samples_per_iteration))
+        if stats.plan is not None:
+            self.run_dir.append(schedule.TASKS_FILE, stats.plan.rows)
         self.run_dir.finish_iteration(iteration)
         if refused is not None:
             raise refused

@@ -42,6 +42,10 @@ class Optimizer(ABC):
     staleness: str | None = None
     # Trains under torchrun: rank 0 runs the loop and leads, every other rank runs `follow` (`vrl.launch`).
     ranks: bool = False
+    # Learns from each task's group of samples_per_task attempts relative to the group, so a group whose raw
+    # outcomes are all equal teaches nothing: dynamic sampling applies (`vrl.filtering`), and its section then
+    # carries `grpo_loss.FILTER_FIELDS` and `filter_groups` (GRPO's names: verl's).
+    group_relative: bool = False
     fixed_on_resume: tuple[str, ...] = ()  # fields of its section a resume may not change
     host: PolicyHost | None = None
 

@@ -6,8 +6,8 @@ One iteration, read top to bottom in `ES`:
 2. sampling (not here: the `PolicyHost` that holds the weights): member i is sampled from
    cast(θ + σ·signᵢ·ε(seedᵢ)), and the weights are cast(θ) again afterwards (bit-exact).
 3. `tell`: member reward Rᵢ = mean shaped reward of its results; zᵢ = normalise(R) (z-score, rank or
-   per-task group), rounded to 4 decimals; θ ← θ + α·(1/N)·Σᵢ zᵢ·signᵢ·ε(seedᵢ) (the paper's
-   convention: 1/σ folded into α; default α = σ/2).
+   per-task group, averaged over the tasks that carry signal), rounded to 4 decimals;
+   θ ← θ + α·(1/N)·Σᵢ zᵢ·signᵢ·ε(seedᵢ) (the paper's convention: 1/σ folded into α; default α = σ/2).
 
 θ is an fp32 master copy of the selected parameters, kept by the host (`PolicyHost.perturbations`)
 next to the weights it samples from, on every copy; ES only sends it seeds and coefficients, as a
@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vrl import distributed
 from vrl.fileio import atomic_path, write_text
+from vrl.filtering import same
 from vrl.optim.base import Optimizer
 from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Variant, share_needs
 from vrl.types import Result
@@ -81,7 +82,8 @@ class ESConfig(BaseModel):
     normalization: Literal["zscore", "rank", "group"] = Field(
         "zscore",
         description="How member rewards become weights zᵢ: 'zscore' (R−mean)/std; 'rank' centred ranks in "
-        "[−0.5, 0.5]; 'group' z-score among members per task, then averaged over tasks.",
+        "[−0.5, 0.5]; 'group' z-score among members per task, then averaged over the tasks whose members' rewards "
+        "differ (a task every member scores the same carries no signal and does not shrink the step).",
     )
     antithetic: bool = Field(False, description="Sample members in ± pairs sharing one seed (N/2 seeds).")
     include: list[str] = Field(
@@ -248,14 +250,24 @@ def normalize(rewards: Sequence[float], method: str, per_task: Sequence[Sequence
         rows = [[float(x) for x in row] for row in per_task]  # members × tasks
         if len({len(row) for row in rows}) > 1:
             raise ValueError("group normalisation needs the same tasks for every member")
-        by_task = [_zscore(list(column)) for column in zip(*rows)]  # each task's column, normalised
+        # Each task's column, normalised; a constant column (all zeros) carries no signal, so the mean is over
+        # the tasks that do: tasks every member solves or fails do not shrink the step (issue 58).
+        by_task = [z for z in (_zscore(list(column)) for column in zip(*rows)) if any(z)]
         return [math.fsum(z[m] for z in by_task) / len(by_task) if by_task else 0.0 for m in range(len(rows))]
     raise ValueError(f"unknown ES normalization {method!r}; choose zscore, rank or group")
 
 
+def informative_share(per_task: Sequence[Sequence[float]]) -> float:
+    """The share of an iteration's tasks on which the members' rewards differ (members × tasks), i.e. that
+    carry signal for the update; 0.0 with no tasks."""
+    columns = list(zip(*per_task))
+    return sum(any(_zscore(list(c))) for c in columns) / len(columns) if columns else 0.0
+
+
 def _zscore(values: list[float]) -> list[float]:
-    """(x − mean) / std (population std); all zero when the values are equal or not all finite."""
-    if not values or not all(math.isfinite(v) for v in values) or all(v == values[0] for v in values):
+    """(x − mean) / std (population std); all zero when the values are equal (up to float64 noise:
+    0.1 + 0.2 and 0.3 are one value, `vrl.filtering.same`) or not all finite."""
+    if not values or not all(math.isfinite(v) for v in values) or all(same(v, values[0]) for v in values):
         return [0.0] * len(values)
     mean = math.fsum(values) / len(values)
     std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
@@ -585,6 +597,7 @@ class ES(Optimizer):
             task_ids = sorted({r.task.id for r in results})
             per_task = [_task_means(rs, task_ids) for rs in kept]
         weights = iter(normalize(rewards, self.config.normalization, per_task))
+        signal = {"es/informative_task_frac": informative_share(per_task)} if per_task is not None else {}
         z = [0.0 if i in lost else round(next(weights), Z_DECIMALS) + 0.0 for i in range(n)]
         record = IterationRecord(seed=self._variants[0].seed, z=z, lost=sorted(lost))
         if self.group is not None:
@@ -598,6 +611,7 @@ class ES(Optimizer):
             "es/member_reward_max": max(rewards),
             "es/member_reward_min": min(rewards),
             "es/lost_members": float(len(lost)),
+            **signal,
         }
 
     def _lost(self, missing: list[int], n: int) -> set[int]:

@@ -124,6 +124,7 @@ class GRPO(Optimizer):
     Config = GRPOConfig
     moves = "trained"
     staleness = "max_staleness"  # grpo.max_staleness > 0: asynchronous rollouts (`vrl.rollouts`)
+    group_relative = True  # grpo.filter_groups: dynamic sampling (`vrl.filtering`, `vrl.schedule`)
     ranks = True  # FSDP2 (or data-parallel LoRA) across a torchrun launch's ranks (`vrl.optim.grpo_dist`)
     fixed_on_resume = ("use_peft",) + LORA_FIELDS
 

@@ -23,6 +23,8 @@ ImportanceSamplingLevel = Literal["token", "sequence"]
 MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 SamplingCorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+FilterMetric = Literal["passed", "score", "reward"]
+FILTER_FIELDS = ("filter_groups_metric", "gen_batch_multiplier", "max_num_gen_batches", "filter_groups_exhausted")
 
 
 class GRPOConfig(BaseModel):
@@ -283,6 +285,30 @@ class GRPOConfig(BaseModel):
         description="Module names to adapt, e.g. [q_proj, v_proj] or [all-linear]; null: peft's default for the "
         "architecture (with use_peft).",
     )
+    # Dynamic sampling (DAPO; verl's names): `vrl.filtering` decides, `vrl.schedule` draws; docs/grpo.md.
+    filter_groups: bool = Field(
+        False, description="Dynamic sampling (DAPO, verl's algorithm.filter_groups): train only on groups whose raw "
+        "outcome (filter_groups_metric) differs between samples; draw further generation batches until "
+        "tasks_per_iteration such groups are found.",
+    )
+    filter_groups_metric: FilterMetric = Field(
+        "passed", description="What must differ within a group (with filter_groups): 'passed' (the verdict's raw "
+        "outcome), 'score' (the verifier's score, compared with a float64 tolerance), or 'reward' (the shaped reward: "
+        "unsafe, a format or length bonus lets all-wrong groups through).",
+    )
+    gen_batch_multiplier: float = Field(
+        1.0, ge=1.0, description="Tasks drawn per generation batch, as a multiple of tasks_per_iteration (rounded up; "
+        "verl's data.gen_batch_size / train_batch_size), with filter_groups.",
+    )
+    max_num_gen_batches: int = Field(
+        4, ge=1, description="Generation batches an iteration may draw before the bound is hit (with filter_groups; "
+        "verl's 0 = unbounded is refused).",
+    )
+    filter_groups_exhausted: Literal["stop", "train"] = Field(
+        "stop", description="At the bound with fewer informative groups than tasks_per_iteration (with "
+        "filter_groups): 'stop' the run before the update, with an error that names the data as too hard or too "
+        "easy; or 'train' on the groups found (at least one; none stops as 'stop' does).",
+    )
 
     @field_validator("scale_rewards", mode="before")
     @classmethod
@@ -314,6 +340,14 @@ class GRPOConfig(BaseModel):
             from vrl.optim.compile import check_backend
 
             check_backend(self.compile_backend)
+        return self
+
+    @model_validator(mode="after")
+    def _filter_fields_need_filter_groups(self) -> GRPOConfig:
+        stray = sorted(f for f in FILTER_FIELDS if getattr(self, f) != type(self).model_fields[f].default)
+        if stray and not self.filter_groups:
+            raise ValueError(f"{', '.join(stray)} only apply to dynamic sampling; set grpo.filter_groups=true or "
+                             "remove them")
         return self
 
     @model_validator(mode="after")
