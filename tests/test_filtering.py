@@ -279,6 +279,11 @@ def test_the_loop_trains_only_informative_groups_and_resumes_exactly(tmp_path):
     b = load_file(str(second.run_dir.path / "grpo" / "iter-000003" / "policy" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+    from vrl.report import render  # vrl report plots the informative fraction of such runs
+
+    page = render([straight.run_dir.path], tmp_path / "report").read_text()
+    assert "<h2>Informative fraction</h2>" in page and (tmp_path / "report" / "informative.png").stat().st_size > 5000
+
     changed = _loop_config(tmp_path, "resumed", iterations=4)
     changed.grpo.gen_batch_multiplier = 2.0
     with pytest.raises(UsageError, match="cannot resume with grpo.gen_batch_multiplier=2.0"):

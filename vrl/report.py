@@ -216,6 +216,33 @@ def plot_reward_functions(runs: list[Run], path: Path) -> Path:
     return _save(fig, path)
 
 
+INFORMATIVE = (("filter/informative_frac", "groups with a non-constant outcome (grpo.filter_groups)"),
+               ("es/informative_task_frac", "tasks whose members' rewards differ (es)"))
+
+
+def informative(run: Run) -> bool:
+    """Whether a run logged the share of its groups or tasks that carry signal (issue 58)."""
+    return any(key in row for row in run.metrics for key, _ in INFORMATIVE)
+
+
+def plot_informative(runs: list[Run], path: Path) -> Path:
+    """The informative fraction per iteration, a line per run: the share of generated GRPO groups whose raw
+    outcome differs (dynamic sampling), or of ES tasks whose members' rewards differ."""
+    fig, ax = plt.subplots(figsize=(11, 4), layout="constrained")
+    for run, style in zip(runs, _styles(len(runs))):
+        for key, _ in INFORMATIVE:
+            points = [(r["iteration"] + 1, r[key]) for r in run.metrics if key in r]
+            if points:
+                ax.plot(*zip(*points), marker="o", ms=3, label=run.short_label, **style)
+    ax.set(title="informative fraction: " + "; ".join(what for _, what in INFORMATIVE), xlabel="iteration (first = 1)",
+           ylabel="fraction", ylim=(-0.02, 1.02))
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.legend(loc="outside lower center", ncols=3, fontsize=8, frameon=False)
+    return _save(fig, path)
+
+
 def _save(fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -251,6 +278,8 @@ def render(run_paths: list[str | Path], out: str | Path) -> Path:
     }
     if any(reward_functions(run) for run in runs):
         images["Reward per function"] = plot_reward_functions(runs, out / "reward_functions.png")
+    if any(informative(run) for run in runs):
+        images["Informative fraction"] = plot_informative(runs, out / "informative.png")
     (out / "report.html").write_text(_html(runs, images))
     return out / "report.html"
 
