@@ -38,7 +38,7 @@ def test_installed_plugins_are_discovered():
     assert {"countdown", "lean", "python-tests"} <= set(reg.names("environments"))
     assert reg.plugins["lean"].distribution == "vrl-lean"
     assert reg.plugins["python-tests"].distribution == "vrl-python-tests"
-    assert reg.plugins["builtin"].registered["environments"] == ["countdown", "dataset", "guess", "letters"]
+    assert reg.plugins["builtin"].registered["environments"] == ["countdown", "dataset", "guess", "letters", "sums"]
 
 
 def test_third_party_entry_point_and_namespacing(tmp_path, monkeypatch):

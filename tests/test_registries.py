@@ -58,7 +58,7 @@ def toy_plugin():
 def test_the_builtins_register_through_the_hooks():
     reg = Registry().load(entry_points=False)
     assert reg.plugins["builtin"].registered == {
-        "environments": ["countdown", "dataset", "guess", "letters"], "optimizers": ["es", "grpo"], "generators": ["hf", "vllm"],
+        "environments": ["countdown", "dataset", "guess", "letters", "sums"], "optimizers": ["es", "grpo"], "generators": ["hf", "vllm"],
         "runtimes": ["local", "modal"], "commands": []}  # commands are collected by the `vrl` group
     group = click.Group()
     reg.add_commands(group)
@@ -141,7 +141,7 @@ def test_vrl_plugins_limits_the_entry_points_that_load(monkeypatch):
     reg = Registry().load()
     assert sorted(reg.plugins) == ["builtin", "lean", "nope"]
     assert reg.plugins["nope"].error.startswith("VRL_PLUGINS names 'nope', which is not installed (installed: ")
-    assert reg.names("environments") == ["countdown", "dataset", "guess", "lean", "letters"]
+    assert reg.names("environments") == ["countdown", "dataset", "guess", "lean", "letters", "sums"]
     monkeypatch.delenv(PLUGINS_ENV)
     assert {"builtin", "lean", "python-tests"} <= set(Registry().load().plugins)
 

@@ -12,11 +12,13 @@ def register_environments(register):
     from vrl.envs.dataset import DatasetEnvironment
     from vrl.envs.guess import GuessEnvironment
     from vrl.envs.letters import LettersEnvironment
+    from vrl.envs.sums import SumsEnvironment
 
     register("countdown", CountdownEnvironment)
     register("dataset", DatasetEnvironment)
     register("guess", GuessEnvironment)
     register("letters", LettersEnvironment)
+    register("sums", SumsEnvironment)
 
 
 @hookimpl

@@ -90,17 +90,22 @@ def _looks_like_path(name: str) -> bool:
 def check_model(name: str, revision: str | None = None) -> None:
     """Raise `ModelUnavailable` (one line: what is wrong, how to fix it) unless `name` can be loaded.
 
-    'tiny' and existing directories pass; a hub id passes when cached (then, with the Hub
-    unreachable, the process goes offline) or when the Hub knows it.
+    'tiny', existing directories and GGUF files transformers can read (`vrl.gguf`) pass; a hub id passes
+    when cached (then, with the Hub unreachable, the process goes offline) or when the Hub knows it.
     """
     if name == "tiny":
+        return
+    from vrl import gguf
+
+    if name.startswith(gguf.PREFIX) or name.lower().endswith(".gguf"):
+        gguf.check(name)  # exists, is GGUF, and transformers can dequantize its architecture
         return
     path = Path(name).expanduser()
     if path.exists():
         if path.is_dir():
             return
         raise ModelUnavailable(f"model {name!r} is a file; give a model directory (config.json and weights), "
-                               "a Hugging Face model id, or --model tiny")
+                               "a GGUF file (gguf:PATH), a Hugging Face model id, or --model tiny")
     if _looks_like_path(name):
         raise ModelUnavailable(f"model directory {name} does not exist; give an existing directory, a Hugging Face "
                                "model id such as Qwen/Qwen2.5-0.5B-Instruct, or --model tiny")

@@ -67,6 +67,10 @@ def load_model_and_tokenizer(name: str, device: str = "auto", dtype: str = "auto
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from vrl.gguf import is_gguf, resolve
+
+        if is_gguf(name):  # a GGUF file: its Hugging Face folder, converted once in this dtype (vrl/gguf.py)
+            name, revision = resolve(name, str(torch_dtype).removeprefix("torch.")), None
         try:
             tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
             model = AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=torch_dtype)
@@ -93,6 +97,10 @@ def meta_model(name: str, revision: str | None = None) -> torch.nn.Module:
         from vrl.generate import tiny
 
         return tiny.build_model()
+    from vrl.gguf import is_gguf, resolve_any
+
+    if is_gguf(name):  # a GGUF file: the config of its converted folder (any dtype's)
+        name, revision = resolve_any(name), None
     cfg = AutoConfig.from_pretrained(name, revision=revision)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(cfg)

@@ -38,6 +38,8 @@ from vrl.config import Section
 from vrl.errors import UsageError
 from vrl.generate.base import Generator, cut_at_stop, tokens_covering
 from vrl.generate.hf import TINY, meta_model, render_prompt
+from vrl.gguf import is_gguf
+from vrl.gguf import resolve as resolve_gguf
 from vrl.policy import HostNeeds, PerturbationSpec, Trainable, Unsupported, Variant, WeightStream
 from vrl.types import Completion, Task
 
@@ -221,9 +223,10 @@ def engine_dtype(config: Any) -> str:
 def engine_kwargs(config: Any, model_path: str, needs: HostNeeds | None = None) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for a run's config (one place where every vllm field is read)."""
     g, v = config.generator, config.generator.vllm
-    return {**lora_settings(needs, config.model, None if config.model == TINY else g.revision),
+    local = config.model == TINY or is_gguf(config.model)  # a folder vrl wrote: no Hub revision
+    return {**lora_settings(needs, config.model, None if local else g.revision),
         "model": model_path,
-        "revision": None if config.model == TINY else g.revision,
+        "revision": None if local else g.revision,
         "dtype": engine_dtype(config),
         "gpu_memory_utilization": v.gpu_memory_utilization,
         "max_model_len": v.max_model_len,
@@ -383,6 +386,7 @@ class VLLMGenerator(Generator):
         path = model_path or config.model
         if path == TINY:
             cleanup = path = save_tiny(tempfile.mkdtemp(prefix="vrl-tiny-"))
+        path = resolve_gguf(path, engine_dtype(config))  # a GGUF file: its folder, converted once (vrl/gguf.py)
         kwargs = engine_kwargs(config, path, needs)
         if memory_fraction is not None:
             kwargs["gpu_memory_utilization"] = memory_fraction
