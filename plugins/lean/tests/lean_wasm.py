@@ -10,7 +10,7 @@ for it (or builds it, about 20 s, when the tests run without `scripts/test`).
 - `lean(path)`: Lean's messages for a file, by line. A build that was tried and failed fails the test, with
   the build's log: it is never a skip. `lean_many(paths)`: the same for several files, two at a time.
 
-Each run costs its start-up (about 7 CPU-seconds, 25 with `import Lean`; docs/testing.md): check many facts
+Each run costs its start-up (4-7 CPU-seconds; the checker, which imports Lean, 18-25 in all; docs/testing.md): check many facts
 in one file rather than one fact per run.
 """
 
