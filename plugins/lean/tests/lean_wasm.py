@@ -10,8 +10,8 @@ for it (or builds it, about 20 s, when the tests run without `scripts/test`).
 - `lean(path)`: Lean's messages for a file, by line. A build that was tried and failed fails the test, with
   the build's log: it is never a skip. `lean_many(paths)`: the same for several files, two at a time.
 
-Each run costs its start-up (4-7 CPU-seconds; the checker, which imports Lean, 18-25 in all; docs/testing.md): check many facts
-in one file rather than one fact per run.
+Each run costs its start-up (4-7 CPU-seconds; the checker, which imports Lean, 18-25 in all;
+docs/testing.md): check many facts in one file rather than one fact per run.
 """
 
 from __future__ import annotations
