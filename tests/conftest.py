@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 # after the others have finished. Only the order depends on these figures; a file not named here runs
 # after them, in collection order. Refresh them when a file's cost changes by much.
 LONGEST = {"tests/test_grpo_compile.py": 200, "tests/test_grpo_fsdp.py": 150, "tests/test_driver_process.py": 120,
-           "tests/test_modal_emulated_lease.py": 100, "tests/test_modal_emulated_scale.py": 90,
+           "tests/test_modal_emulated_lease.py": 100, "plugins/lean/tests/test_lean_wasm.py": 100, "tests/test_modal_emulated_scale.py": 90,
            "tests/test_modal_generation.py": 90, "tests/test_cli_errors.py": 70,
            "tests/test_modal_emulated_detached.py": 70, "tests/test_sinks.py": 60, "tests/test_guess.py": 60,
            "tests/test_modal_emulated_sandboxes.py": 60, "tests/test_modal_emulator.py": 50,
