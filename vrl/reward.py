@@ -11,6 +11,15 @@ import re
 from abc import ABC, abstractmethod
 
 from vrl.types import Completion, Task, Verdict
+from vrl.verifier import is_verifier_error
+
+
+def judged(verdict: Verdict) -> bool:
+    """Whether the verifier judged the attempt. Not so for a verifier error (its own failure: a reward function or
+    LLM judge that raised, hung or answered malformed on it): the shaped reward of such a verdict is a stand-in,
+    never a score, so GRPO treats it as unscorable (NaN, as TRL treats None) and ES leaves it out of its
+    member's fitness."""
+    return not is_verifier_error(verdict)
 
 
 class RewardShaper(ABC):

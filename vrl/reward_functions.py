@@ -14,7 +14,8 @@ As TRL 1.16 passes them: `environments` (each episode's environment instance, in
 run's iterations), `log_extra(column, values)` (one value per completion, shown in the sample's verdict
 detail) and `log_metric(name, value)` (averaged per iteration into metrics.jsonl under `name`). vrl adds
 `raw_completions`: each completion as decoded, unparsed. None means "does not apply to this completion"
-and is left out of the weighted sum (TRL's convention).
+and is left out of the weighted sum (TRL's convention); an exception instance in place of a value fails that
+completion alone (an LLM judge's completion it could not score), the others keep their values.
 
 `RewardFunctions` bundles functions with their weights and gives an environment its verifier,
 its shaper and its per-function metrics. A sync function runs in a thread of its own, an async one
@@ -180,6 +181,9 @@ class RewardFunctions:
             raise RewardFunctionError(f"reward weights must be finite numbers, got {weights}")
         if not timeout_s > 0:
             raise RewardFunctionError(f"timeout_s must be positive, got {timeout_s}")
+        for fn in loaded:  # a function that bounds its own calls (an LLM judge) is told the cap, and may refuse it
+            if callable(getattr(fn, "set_call_timeout", None)):
+                fn.set_call_timeout(float(timeout_s))
         self.functions = loaded
         self.weights = weights
         self.names = _unique([reward_name(f) for f in loaded])
@@ -497,6 +501,8 @@ def _with_logs(verdicts: list[Verdict], logs: list[tuple[list[int], _Log]]) -> l
 def _value(v: Any, name: str) -> float | None | _Failure:
     if v is None:
         return None
+    if isinstance(v, Exception):  # the function failed on this completion alone (an LLM judge's failed request)
+        return _Failure(f"reward function {name!r} raised {describe(v)}")
     if isinstance(v, (str, bytes)):
         return _Failure(f"reward function {name!r} returned {v!r}, not a number")
     try:
@@ -513,7 +519,8 @@ def _value(v: Any, name: str) -> float | None | _Failure:
 class RewardFunctionShaper(RewardShaper):
     """Σ weightᵢ·rewardᵢ of a judged completion (the values its verdict carries); 0 for a completion
     no function scored (rejected; GRPO reads its verdict's `rewards` and treats it as unscorable, as
-    TRL does) or one a function failed on (crashed)."""
+    TRL does) or one a function failed on (crashed: a verifier error, which GRPO treats as unscorable and ES
+    leaves out, `vrl.reward.judged`; the 0 is only the run's reward_mean's)."""
 
     def __init__(self, rewards: RewardFunctions):
         self.rewards = rewards

@@ -91,6 +91,14 @@ class DatasetOptions(EnvOptions):
     pass_threshold: float = Field(1.0, description="A completion passes when its weighted reward reaches this.")
     reward_timeout_s: float = Field(60.0, gt=0, description="Wall-clock cap for one reward function call; an overrun "
                                     "is a failed verdict (the batch is retried one completion at a time).")
+    judge_timeout_s: float | None = Field(None, gt=0, description="Cap on one request of a `judge:` reward, as a whole "
+                                          "(connecting, waiting, reading); default 15 s.")
+    judge_retries: int | None = Field(None, ge=0, description="Retries of a `judge:` request that timed out, could not "
+                                      "connect or got 429/5xx (backoff 0.5 s, doubling); default 2. (timeout × tries + "
+                                      "backoff) must fit in 90% of reward_timeout_s.")
+    judge_concurrency: int | None = Field(None, ge=1, description="Most `judge:` requests in flight; default 8.")
+    judge_key_over_http: bool = Field(False, description="Send the judge's API key over plain http to a host other "
+                                      "than this machine (by default it goes only to https or loopback URLs).")
 
     @field_validator("reward", "tool", mode="before")
     @classmethod
@@ -140,10 +148,14 @@ class DatasetEnvironment(Environment):
             self.max_turns = o.max_tool_calling_iterations + 1
         else:
             self.max_turns = o.max_turns
-        rewards, weights = list(o.reward), o.reward_weights
+        rewards, weights = [_model_reward(r, o) for r in o.reward], o.reward_weights
         if self.factory is not None and callable(getattr(self.factory, "get_reward", None)):
             rewards.append(environment_reward(self.factory))  # the environment owns a reward (TRL: weight 1)
             weights = None if weights is None else [*weights, 1.0]
+        judge_set = sorted(f for f in o.model_fields_set if f.startswith("judge_"))
+        if judge_set and not any(isinstance(r, str) and r.startswith("judge:") for r in o.reward):
+            raise OptionsError(f"environment 'dataset': {', '.join(judge_set)} set a judge: reward, and there is none "
+                               "(-o reward=judge:MODEL@BASE_URL)")
         if not rewards:
             raise OptionsError("environment 'dataset': give a reward function (-o reward=module:function) or an "
                                "environment_factory whose class has get_reward")
@@ -205,6 +217,16 @@ class DatasetEnvironment(Environment):
         # A plain sandbox image has neither the user's data file nor the module of their reward functions.
         raise UsageError("the dataset environment runs its reward functions in the orchestrator on Modal: "
                          "set --set runtime.modal.verify_in=local")
+
+
+def _model_reward(reward: Any, o: DatasetOptions) -> Any:
+    """A `model:` or `judge:` spec built with the judge_* options (`vrl.reward_models`); anything else as it is."""
+    from vrl.reward_models import JUDGE_PREFIX, JUDGE_SETTINGS, MODEL_PREFIX, reward_from_spec
+
+    if not isinstance(reward, str) or not reward.startswith((MODEL_PREFIX, JUDGE_PREFIX)):
+        return reward
+    settings = {k: getattr(o, f"judge_{k}") for k in JUDGE_SETTINGS if f"judge_{k}" in o.model_fields_set}
+    return reward_from_spec(reward, judge=settings)
 
 
 def environment_reward(factory: Any) -> Callable[..., list[float | None]]:

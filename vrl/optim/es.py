@@ -45,6 +45,7 @@ from vrl.fileio import atomic_path, write_text
 from vrl.filtering import same
 from vrl.optim.base import Optimizer
 from vrl.policy import HostNeeds, PerturbationSpec, PolicyHost, Variant, share_needs
+from vrl.reward import judged
 from vrl.types import Result
 from vrl.weights import noise as nz
 from vrl.weights.exact import MAX_RANK
@@ -589,9 +590,11 @@ class ES(Optimizer):
             if not 0 <= r.completion.variant < n:
                 raise ValueError(f"result for variant {r.completion.variant}, but this iteration has members 0..{n - 1}")
             by_member[r.completion.variant].append(r)
-        lost = self._lost([i for i, rs in enumerate(by_member) if not rs], n)
+        # A verifier error (a reward function or judge that failed) is no score: left out of its member's fitness.
+        scored = [[r for r in rs if judged(r.verdict)] for rs in by_member]
+        lost = self._lost([i for i, rs in enumerate(scored) if not rs], n)
         kept = [rs for i, rs in enumerate(by_member) if i not in lost]
-        rewards = [sum(r.reward for r in rs) / len(rs) for rs in kept]
+        rewards = [sum(r.reward for r in rs) / len(rs) for i, rs in enumerate(scored) if i not in lost]
         per_task = None
         if self.config.normalization == "group":
             task_ids = sorted({r.task.id for r in results})
@@ -621,7 +624,8 @@ class ES(Optimizer):
         if self.config.antithetic:
             lost |= {i ^ 1 for i in missing}  # pairs are (0, 1), (2, 3), ...: they share a seed
         if lost and (len(lost) > self.config.max_lost_share * n or n - len(lost) < 2):
-            raise ValueError(f"ES members {missing} have no results (their generation failed): {len(lost)} of {n} "
+            raise ValueError(f"ES members {missing} have no results (their generation failed, or the verifier failed on "
+                             f"each): {len(lost)} of {n} "
                              f"members lost is more than es.max_lost_share={self.config.max_lost_share}; raise it, or "
                              "fix what failed and resume")
         return lost
@@ -733,10 +737,13 @@ class ES(Optimizer):
 def _task_means(results: Sequence[Result], task_ids: Sequence[str]) -> list[float]:
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
+    scored: dict[str, int] = defaultdict(int)
     for r in results:
-        sums[r.task.id] += r.reward
         counts[r.task.id] += 1
+        if judged(r.verdict):  # NaN for a task none of whose results was judged: it carries no signal
+            sums[r.task.id] += r.reward
+            scored[r.task.id] += 1
     missing = [t for t in task_ids if not counts[t]]
     if missing:
         raise ValueError(f"group normalisation needs every member to answer every task; missing {missing[:3]}")
-    return [sums[t] / counts[t] for t in task_ids]
+    return [sums[t] / scored[t] if scored[t] else math.nan for t in task_ids]

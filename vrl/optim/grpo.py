@@ -46,6 +46,7 @@ from vrl.optim.grpo_loss import (
     sampling_correction,
 )
 from vrl.policy import HostNeeds, PolicyHost, Variant
+from vrl.reward import judged
 from vrl.types import Result
 
 # torch (and `vrl.optim.logprobs`, which needs it) is imported in the functions that use it:
@@ -75,15 +76,20 @@ def vespo_mode_error(config: GRPOConfig) -> str | None:
 
 
 def reward_table(results: list[Result]) -> tuple[list[float], list[list[float]] | None, list[float] | None]:
-    """Each result's reward (NaN when it is unscorable: its verdict's reward functions all returned None)
-    and, when every verdict carries its reward functions' values, those values ([N, K], NaN where a
-    function did not apply) and their weights; else None, None (one reward per result)."""
+    """Each result's reward (NaN when it is unscorable: its verdict's reward functions all returned None, or the
+    verifier failed to judge it, `vrl.reward.judged`) and, when every judged verdict carries its reward functions'
+    values, those values ([N, K], NaN where a function did not apply, a row of NaN where the verifier failed) and
+    their weights; else None, None (one reward per result)."""
     nan = float("nan")
-    tables = [r.verdict.rewards for r in results]
-    rewards = [nan if t is not None and all(v is None for v, _ in t) else r.reward for r, t in zip(results, tables)]
-    if any(t is None for t in tables) or len({len(t) for t in tables}) != 1:
+    tables = [r.verdict.rewards if judged(r.verdict) else False for r in results]
+    rewards = [nan if t is False or (t is not None and all(v is None for v, _ in t)) else r.reward
+               for r, t in zip(results, tables)]
+    known = [t for t in tables if t is not False]
+    if not known or any(t is None for t in known) or len({len(t) for t in known}) != 1:
         return rewards, None, None
-    return rewards, [[nan if v is None else v for v, _ in t] for t in tables], [w for _, w in tables[0]]
+    width = len(known[0])
+    return (rewards, [[nan] * width if t is False else [nan if v is None else v for v, _ in t] for t in tables],
+            [w for _, w in known[0]])
 
 
 # -- one micro-batch --------------------------------------------------------------------------------
