@@ -545,3 +545,168 @@ def test_episode_options_by_trls_names_and_vrls(tmp_path) -> None:
     assert (episode.max_turns, episode.max_tokens, episode.step_timeout_s, episode.feedback) == (4, 7, 60.0, "trl")
     with pytest.raises(OptionsError, match="^environment 'dataset': give max_turns or max_tool_calling_iterations"):
         DatasetEnvironment(**base, max_turns=3, max_tool_calling_iterations=2)
+
+
+# -- environment-owned rows, several environments, a pool of instances (issue 56, item 4) -------------------------
+OWNED_ENV = '''
+INITS = []
+RESETS = []
+
+
+class Reach:
+    """TRL's lead shape: the rows carry no prompt; reset() gives it. An expensive __init__ counts its calls."""
+
+    def __init__(self):
+        INITS.append(id(self))
+        self.total = self.target = 0
+
+    def reset(self, **row):
+        RESETS.append(dict(row))
+        self.total, self.target = 0, row["target"]
+        return f"Reach {row['target']} with add."
+
+    def add(self, n: int) -> str:
+        """Add to the total.
+
+        Args:
+            n: The number.
+        """
+        self.total += n
+        return str(self.total)
+
+    def get_reward(self) -> float:
+        return 1.0 if self.total == self.target else 0.0
+
+
+class Shrink:
+    """A second environment: its own tool, no get_reward."""
+
+    def reset(self, **row):
+        RESETS.append(dict(row))
+        self.target = row["target"]
+
+    def halve(self, n: int) -> int:
+        """Halve a number.
+
+        Args:
+            n: The number.
+        """
+        return n // 2
+
+
+class NoReset:
+    def add(self, n: int) -> str:
+        """Add.
+
+        Args:
+            n: The number.
+        """
+        return str(n)
+
+
+SEEN = []
+
+
+def own_target(environments, target, **kwargs):
+    """Each completion's instance was reset with its own row (never a later episode's)."""
+    routed = kwargs.get("environment") or [None] * len(target)
+    SEEN.append([(type(e).__name__, e.target, t, r) for e, t, r in zip(environments, target, routed)])
+    return [1.0 if e.target == t else 0.0 for e, t in zip(environments, target)]
+'''
+
+
+def _owned(tmp_path):
+    module = tmp_path / "owned_env.py"
+    module.write_text(OWNED_ENV)
+    return module, load_reward_function(f"{module}:own_target").__globals__
+
+
+def test_a_class_without_reset_is_refused_at_construction_naming_reset(tmp_path) -> None:
+    """As TRL checks at construction: an environment class without reset is refused in one line naming reset (from
+    Python, in a dict, and from the CLI before a run directory is made)."""
+    module, _ = _owned(tmp_path)
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "Go.", "target": 1}) + "\n")
+    with pytest.raises(OptionsError, match=r"environment_factory NoReset has no reset method.*reset\(\*\*row\)"):
+        DatasetEnvironment(data=str(data), environment_factory=f"{module}:NoReset", reward=[f"{module}:own_target"])
+    with pytest.raises(OptionsError, match=r"environment_factory\.b NoReset has no reset method"):
+        DatasetEnvironment(data=str(data), environment_factory={"a": f"{module}:Reach", "b": f"{module}:NoReset"})
+    res = cli("train", "--plugin", "dataset", "-n", "1", "--name", "nr", "-o", f"data={data}",
+              "-o", f"environment_factory={module}:NoReset", "-o", f"reward={module}:own_target",
+              "--set", f"logging.runs_dir={tmp_path}", *SMALL)
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert res.exit_code == 2 and len(errors) == 1 and "has no reset method" in errors[0], res.output
+    assert not (tmp_path / "nr").exists()
+
+
+def test_rows_without_a_prompt_get_it_from_reset_and_instances_come_from_a_pool(tmp_path) -> None:
+    """TRL's lead example: rows without a prompt column; reset(**row) (the row without a prompt, as TRL passes it)
+    supplies the prompt, appended to TRL's placeholder (one empty user message). Instances are pooled: over 3
+    iterations of 4 episodes, __init__ runs for fewer instances than episodes while every episode resets its
+    instance, and each reward function call reads the instance of its own episode."""
+    import vrl
+
+    module, ns = _owned(tmp_path)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"target": t}) + "\n" for t in (3, 5)))
+    env = DatasetEnvironment(data=str(data), environment_factory=f"{module}:Reach", reward=[f"{module}:own_target"])
+    task = env.tasks()[0]
+    assert task.prompt == [{"role": "user", "content": ""}] and task.data == {"target": 3}
+    interaction = env.interaction(task)
+    assert interaction.prompt(task) == [{"role": "user", "content": "Reach 3 with add."}]
+    assert ns["RESETS"][-1] == {"target": 3}  # no prompt key: the row as it is
+    with pytest.raises(MalformedDataset, match="no column 'prompt'"):
+        DatasetEnvironment(data=str(data), reward=[f"{module}:own_target"]).tasks()  # no environment: still an error
+
+    ns["INITS"].clear(), ns["RESETS"].clear(), ns["SEEN"].clear()
+    env = DatasetEnvironment(data=str(data), environment_factory=f"{module}:Reach", reward=[f"{module}:own_target"])
+    config = vrl.TrainConfig(plugin="dataset", model="tiny", optimizer="es", iterations=3, tasks_per_iteration=2,
+                             sampling={"max_new_tokens": 4}, es={"population_size": 2},
+                             logging={"runs_dir": str(tmp_path), "name": "owned"})
+    assert vrl.Trainer(config, environment=env).run()["status"] == "finished"
+    assert len(ns["RESETS"]) == 12 and len(ns["INITS"]) <= 8  # 4 episodes an iteration: never one __init__ each
+    assert all(t == own for batch in ns["SEEN"] for _, t, own, _ in batch)
+
+
+def test_a_dict_environment_factory_routes_rows_by_their_environment_column(tmp_path) -> None:
+    """TRL's dict environment_factory: each row's `environment` column picks its class; a row is offered the
+    standalone tools and its own environment's methods only; reset gets the row without `environment`; the class
+    that owns a reward scores its own rows (None for the others'); a row naming no known environment is refused
+    before anything runs; from the CLI as -o environment_factory.NAME=module:Class; trains under GRPO."""
+    module, ns = _owned(tmp_path)
+    data = tmp_path / "rows.jsonl"
+    rows = [{"environment": "reach", "target": 2}, {"environment": "shrink", "target": 8},
+            {"prompt": [{"role": "user", "content": "Shrink 6."}], "environment": "shrink", "target": 6}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    factories = {"reach": f"{module}:Reach", "shrink": f"{module}:Shrink"}
+    env = DatasetEnvironment(data=str(data), environment_factory=factories, reward=[f"{module}:own_target"],
+                             tool=[f"{FIXTURES.parent}/tools/counter_env.py:double"])
+    tasks = env.tasks()
+    offered = [[t["function"]["name"] for t in env.interaction(task).tools] for task in tasks]
+    assert offered == [["double", "add"], ["double", "halve"], ["double", "halve"]]
+    ns["RESETS"].clear()
+    prompts = [env.interaction(task).prompt(task) for task in tasks]
+    assert ns["RESETS"] == [{"target": 2}, {"target": 8},
+                            {"prompt": [{"role": "user", "content": "Shrink 6."}], "target": 6}]
+    assert prompts[0] == [{"role": "user", "content": "Reach 2 with add."}] and prompts[2] == rows[2]["prompt"]
+    assert env.rewards.names == ["own_target", "Reach"]
+    reach = env.rewards.functions[1]
+    assert reach(environment_rewards=[1.0, 0.5, 0.0], environment=["reach", "shrink", "shrink"]) == [1.0, None, None]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"environment": "nope", "target": 1}) + "\n")
+    with pytest.raises(MalformedDataset, match=r"bad.jsonl:1: the 'environment' column must name one of .*reach, shrink"):
+        DatasetEnvironment(data=str(bad), environment_factory=factories, reward=[f"{module}:own_target"]).tasks()
+
+    ns["SEEN"].clear()
+    res = cli("train", "--plugin", "dataset", "--optimizer", "grpo", "-n", "1", "--name", "routed",
+              "-o", f"data={data}", "-o", f"environment_factory.reach={module}:Reach",
+              "-o", f"environment_factory.shrink={module}:Shrink", "-o", f"reward={module}:own_target",
+              "--set", "tasks_per_iteration=3", "--set", "grpo.num_generations=2", "--set", "sampling.max_new_tokens=4",
+              "--set", f"logging.runs_dir={tmp_path}")
+    assert res.exit_code == 0, res.output
+    [batch] = ns["SEEN"]
+    assert sorted(name for name, _, _, _ in batch) == ["Reach", "Reach", "Shrink", "Shrink", "Shrink", "Shrink"]
+    assert all(t == own and name.lower() == routed for name, t, own, routed in batch)
+    [row] = [json.loads(line) for line in (tmp_path / "routed" / "metrics.jsonl").read_text().splitlines()]
+    assert row["reward/Reach/applied"] == 2  # get_reward scores the Reach rows only

@@ -321,10 +321,51 @@ def _cut(out: Sampled, n: int, tokenizer: Any) -> Sampled:
 _ENVIRONMENTS: dict[int, tuple[weakref.ref[Episode], Any]] = {}
 
 
+# Instances handed out by an `InstancePool` and not yet back: id -> (pool, instance) (the instance kept alive, so its
+# id is not reused while it is out).
+_POOLED: dict[int, tuple[InstancePool, Any]] = {}
+
+
+class InstancePool:
+    """Reusable instances of a TRL environment class (`environment_factory`), as TRL pools them: `take` hands out a
+    free instance and calls `factory()` only when none is free, so an expensive `__init__` runs once per instance
+    the run needs at a time, not once per episode; each episode resets its instance (`reset(**row)`). An instance
+    is free again once the episode that ran on it is gone (its completion, and every result holding it, dropped), so
+    a reward function reading `environments` reads its own episode's instance, never a later one's."""
+
+    def __init__(self, factory: Callable[[], Any], probe: Any = None):
+        """`probe`: an instance already made (checking the factory), the pool's first."""
+        self.factory = factory
+        self._free: list[Any] = [] if probe is None else [probe]
+        self._lock = threading.Lock()
+        self.made = 0 if probe is None else 1  # instances made so far
+
+    def take(self) -> Any:
+        with self._lock:
+            instance = self._free.pop() if self._free else None
+        if instance is None:
+            instance = self.factory()
+            with self._lock:
+                self.made += 1
+        _POOLED[id(instance)] = (self, instance)
+        return instance
+
+    def give(self, instance: Any) -> None:
+        with self._lock:
+            self._free.append(instance)
+
+
 def _keep_environment(episode: Episode, instance: Any) -> None:
     key = id(episode)
     _ENVIRONMENTS[key] = (weakref.ref(episode), instance)
-    weakref.finalize(episode, _ENVIRONMENTS.pop, key, None)
+    weakref.finalize(episode, _forget, key, _POOLED.pop(id(instance), None))
+
+
+def _forget(key: int, pooled: tuple[InstancePool, Any] | None) -> None:
+    """The episode is gone: its instance leaves `environments` and, from a pool, is free for another episode."""
+    _ENVIRONMENTS.pop(key, None)
+    if pooled is not None:
+        pooled[0].give(pooled[1])
 
 
 def environment_of(completion: Completion) -> Any:

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, field_validator
 
 from vrl.environment import Environment, EnvOptions
+from vrl.episodes import InstancePool
 from vrl.errors import DatasetUnavailable, OptionsError, UnknownSplitError, UsageError
 from vrl.reward_functions import (
     RESERVED,
@@ -40,6 +41,8 @@ from vrl.tools import ToolInteraction, schema, tool_schemas
 from vrl.types import Task
 
 FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+ENVIRONMENT_COLUMN = "environment"  # with a dict environment_factory: the row's environment (TRL's name)
+PLACEHOLDER = {"role": "user", "content": ""}  # a row without a prompt: reset() supplies it (TRL's placeholder)
 
 
 class MalformedDataset(UsageError, ValueError):
@@ -59,9 +62,11 @@ class DatasetOptions(EnvOptions):
         [], validation_alias=AliasChoices("tool", "tools"),
         description="Tools the model may call (TRL's `tools`): typed, docstring'd functions, `module:function` "
         "(repeat -o tool=...); episodes then run up to max_turns model turns (docs/multi-turn.md).")
-    environment_factory: str | Callable[..., Any] | None = Field(
-        None, description="A TRL environment class (`module:Class`): one instance per episode, `reset(**row)`, its "
-        "public methods as tools, `get_reward()` as a reward function named after the class.")
+    environment_factory: str | Callable[..., Any] | dict[str, str | Callable[..., Any]] | None = Field(
+        None, description="A TRL environment class (`module:Class`): instances reused from a pool, `reset(**row)` per "
+        "episode, its public methods as tools, `get_reward()` as a reward function named after the class. A dict "
+        "(-o environment_factory.NAME=module:Class, repeatable) routes each row by its `environment` column. With it, "
+        "a row may lack the prompt column: reset() supplies the prompt.")
     max_turns: int = Field(4, ge=1, description="Most model turns of an episode with tools (TRL's "
                            "max_tool_calling_iterations + 1).")
     max_tool_calling_iterations: int | None = Field(
@@ -139,8 +144,22 @@ class DatasetEnvironment(Environment):
         o = self.parse_options(options)
         self.options = o
         self.tools = [load_reward_function(t, "tool") if isinstance(t, str) else t for t in o.tool]
-        factory = o.environment_factory
-        self.factory = load_reward_function(factory, "environment_factory") if isinstance(factory, str) else factory
+        factories = o.environment_factory
+        self.routed = isinstance(factories, dict)  # several environments: each row names its own (TRL's dict)
+        if self.routed and not factories:
+            raise OptionsError("environment 'dataset': environment_factory is an empty dict; name at least one "
+                               "environment (-o environment_factory.NAME=module:Class)")
+        self.factories: dict[str | None, Any] = {} if factories is None else {
+            name: load_reward_function(f, "environment_factory") if isinstance(f, str) else f
+            for name, f in (factories.items() if self.routed else [(None, factories)])}
+        self.factory = None if self.routed else self.factories.get(None)  # the one factory (None: none, or a dict)
+        # Each factory's class, checked for `reset` here (as TRL probes at construction); a factory that is not a
+        # class is called once to see its instances' class, and that instance is its pool's first.
+        self._classes: dict[str | None, type] = {}
+        self._probes: dict[str | None, Any] = {}
+        for name, factory in self.factories.items():
+            self._classes[name] = self._environment_class(name, factory)
+        self._pools: dict[str | None, InstancePool] = {}
         if o.max_tool_calling_iterations is not None:
             if "max_turns" in o.model_fields_set:
                 raise OptionsError("environment 'dataset': give max_turns or max_tool_calling_iterations (TRL's name, "
@@ -149,8 +168,13 @@ class DatasetEnvironment(Environment):
         else:
             self.max_turns = o.max_turns
         rewards, weights = [_model_reward(r, o) for r in o.reward], o.reward_weights
-        if self.factory is not None and callable(getattr(self.factory, "get_reward", None)):
-            rewards.append(environment_reward(self.factory))  # the environment owns a reward (TRL: weight 1)
+        owners: list[type] = []  # the classes that own a reward (get_reward), once each, as TRL adds them
+        for cls in self._classes.values():
+            if callable(getattr(cls, "get_reward", None)) and cls not in owners:
+                owners.append(cls)
+        for cls in owners:  # the environment owns a reward (TRL: weight 1, named after the class)
+            names = [n for n, c in self._classes.items() if c is cls] if self.routed else None
+            rewards.append(environment_reward(cls, names))
             weights = None if weights is None else [*weights, 1.0]
         judge_set = sorted(f for f in o.model_fields_set if f.startswith("judge_"))
         if judge_set and not any(isinstance(r, str) and r.startswith("judge:") for r in o.reward):
@@ -161,7 +185,11 @@ class DatasetEnvironment(Environment):
                                "environment_factory whose class has get_reward")
         for tool in self.tools:
             schema(tool)  # a tool without types or a docstring is refused here, before anything loads
-        schemas = tool_schemas(self.tools, self.factory) if self.multi_turn else None
+        schemas = None
+        if self.multi_turn:  # every environment's tools (a routed row is offered its own environment's only)
+            schemas = tool_schemas(self.tools)
+            for cls in self._classes.values():
+                schemas.update(tool_schemas((), cls))
         self.rewards = RewardFunctions(rewards, weights, timeout_s=o.reward_timeout_s,
                                        pass_threshold=o.pass_threshold, tools=schemas)
         self._tasks: dict[str, list[Task]] = {}
@@ -179,27 +207,58 @@ class DatasetEnvironment(Environment):
             name = self.options.split if split == "train" else self.options.test_split
             source, rows = load_rows(self.options.data, name, self.options.subset)
             tasks = rows_to_tasks(rows, source, name, self.options.prompt_column, self.options.system_prompt,
-                                  self.options.id_column)
+                                  self.options.id_column, prompt_optional=bool(self.factories),
+                                  environments=[str(n) for n in self.factories] if self.routed else None)
             self.rewards.check_columns(sorted({k for t in tasks for k in t.data}), source,
-                                       environments=self.factory is not None)
+                                       environments=bool(self.factories))
             self._tasks[split] = tasks
         tasks = self._tasks[split]
         return tasks if limit is None else tasks[:limit]
 
     @property
     def multi_turn(self) -> bool:
-        return bool(self.tools) or self.factory is not None
+        return bool(self.tools) or bool(self.factories)
+
+    def _environment_class(self, name: str | None, factory: Any) -> type:
+        """The class of `factory`'s instances, refused in one line without `reset` (TRL's check at construction)."""
+        label = "environment_factory" + ("" if name is None else f".{name}")
+        if not callable(factory):
+            raise OptionsError(f"environment 'dataset': {label} must be a class (module:Class), got "
+                               f"{type(factory).__name__}")
+        if isinstance(factory, type):
+            cls = factory
+        else:  # a function making instances: one is made now (and kept, the first of its pool)
+            self._probes[name] = factory()
+            cls = type(self._probes[name])
+        if not callable(getattr(cls, "reset", None)):
+            raise OptionsError(f"environment 'dataset': {label} {cls.__name__} has no reset method; a TRL environment "
+                               "class defines reset(**row), called before each episode (it returns None, or text "
+                               "appended to the prompt)")
+        return cls
+
+    def _instance(self, name: str | None) -> Any:
+        """A free instance of environment `name` from its pool (made only when none is free)."""
+        if name not in self._pools:
+            self._pools[name] = InstancePool(self.factories[name], self._probes.pop(name, None))
+        return self._pools[name].take()
 
     def interaction(self, task: Task) -> ToolInteraction | None:
-        """With tools or an environment class: an episode with tools (a fresh environment instance per
-        episode, reset with the task's row); else None, one turn."""
+        """With tools or an environment class: an episode with tools (an environment instance from the pool,
+        reset with the task's row; a routed row's own environment); else None, one turn."""
         if not self.multi_turn:
             return None
         o = self.options
-        return ToolInteraction(self.tools, self.factory() if self.factory is not None else None,
-                               max_turns=self.max_turns, timeout_s=o.tool_timeout_s,
-                               row={o.prompt_column: task.prompt, **task.data}, feedback=o.tool_feedback,
-                               max_tokens=o.max_completion_length, step_timeout_s=o.step_timeout_s)
+        row = dict(task.data) if is_placeholder(task.prompt) else {o.prompt_column: task.prompt, **task.data}
+        name = None
+        if self.routed:
+            name = row.pop(ENVIRONMENT_COLUMN, None)  # a control column, not reset's (as TRL)
+            if name not in self.factories:
+                raise MalformedDataset(f"task {task.id!r}: environment {name!r} is not one of environment_factory's "
+                                       f"({', '.join(map(str, self.factories))})")
+        instance = self._instance(name) if self.factories else None
+        return ToolInteraction(self.tools, instance, max_turns=self.max_turns, timeout_s=o.tool_timeout_s,
+                               row=row, feedback=o.tool_feedback, max_tokens=o.max_completion_length,
+                               step_timeout_s=o.step_timeout_s)
 
     def begin_iteration(self, iteration: int, iterations: int) -> None:
         self.rewards.begin_iteration(iteration, iterations)  # TRL's trainer_state
@@ -229,12 +288,16 @@ def _model_reward(reward: Any, o: DatasetOptions) -> Any:
     return reward_from_spec(reward, judge=settings)
 
 
-def environment_reward(factory: Any) -> Callable[..., list[float | None]]:
+def environment_reward(factory: Any, names: Sequence[str | None] | None = None) -> Callable[..., list[float | None]]:
     """The reward function of an environment class with `get_reward`: each episode's value, computed by its own
-    instance when the episode ended (`Episode.reward`), logged under the class's name as TRL does."""
+    instance when the episode ended (`Episode.reward`), logged under the class's name as TRL does. `names`: with a
+    dict environment_factory, the environments of this class; another environment's rows get None (not applicable)."""
 
     def reward(environment_rewards: list[float | None], **kwargs: Any) -> list[float | None]:
-        return list(environment_rewards)
+        if names is None:
+            return list(environment_rewards)
+        routed = kwargs.get(ENVIRONMENT_COLUMN) or [None] * len(environment_rewards)
+        return [r if n in names else None for r, n in zip(environment_rewards, routed)]
 
     reward.__name__ = getattr(factory, "__name__", "environment")
     return reward
@@ -330,12 +393,15 @@ def hub_rows(name: str, split: str, subset: str | None = None) -> tuple[str, lis
 
 
 def rows_to_tasks(rows: Sequence[Row], source: str, split: str, prompt_column: str, system_prompt: str | None = None,
-                  id_column: str | None = None) -> list[Task]:
+                  id_column: str | None = None, prompt_optional: bool = False,
+                  environments: Sequence[str] | None = None) -> list[Task]:
     """One task per row: the prompt from `prompt_column`, every other column in `Task.data`.
 
     A row that is not an object, lacks the prompt (or id) column, has an empty or ill-formed prompt,
     repeats an id or has a column named like a reward function argument is a `MalformedDataset`
-    naming it; a source without rows is an error too.
+    naming it; a source without rows is an error too. `prompt_optional` (an environment class's `reset` supplies
+    the prompt): a row without the prompt column gets TRL's placeholder, one empty user message. `environments`
+    (a dict environment_factory): every row names one of them in its `environment` column.
     """
     if not rows:
         raise MalformedDataset(f"{source} has no rows")
@@ -344,10 +410,17 @@ def rows_to_tasks(rows: Sequence[Row], source: str, split: str, prompt_column: s
     for index, (where, row) in enumerate(rows):
         if not isinstance(row, dict):
             raise MalformedDataset(f"{where}: a row must be an object with named columns, not a {type(row).__name__}")
-        if prompt_column not in row:
+        if prompt_column in row:
+            prompt = _prompt(row[prompt_column], where, prompt_column, system_prompt)
+        elif prompt_optional:  # the environment's reset() supplies the prompt (TRL's placeholder, as TRL builds it)
+            prompt = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else []) + \
+                [dict(PLACEHOLDER)]
+        else:
             raise MalformedDataset(f"{where}: no column {prompt_column!r} (its columns: {', '.join(map(str, row))}); "
                                    "name the prompt column with -o prompt_column=NAME")
-        prompt = _prompt(row[prompt_column], where, prompt_column, system_prompt)
+        if environments is not None and row.get(ENVIRONMENT_COLUMN) not in environments:
+            raise MalformedDataset(f"{where}: the {ENVIRONMENT_COLUMN!r} column must name one of environment_factory's "
+                                   f"environments ({', '.join(environments)}), got {row.get(ENVIRONMENT_COLUMN)!r}")
         if id_column is not None:
             if row.get(id_column) in (None, ""):
                 raise MalformedDataset(f"{where}: no value in the id column {id_column!r}")
@@ -364,6 +437,11 @@ def rows_to_tasks(rows: Sequence[Row], source: str, split: str, prompt_column: s
                                    f"({', '.join(RESERVED)}); rename it")
         tasks.append(Task(id=task_id, prompt=prompt, data=data))
     return tasks
+
+
+def is_placeholder(prompt: Any) -> bool:
+    """Whether `prompt` is the placeholder of a row without a prompt (its environment's reset() supplies it)."""
+    return isinstance(prompt, list) and bool(prompt) and prompt[-1] == PLACEHOLDER
 
 
 def _prompt(value: Any, where: str, column: str, system_prompt: str | None) -> str | list[dict[str, str]]:
