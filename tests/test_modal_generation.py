@@ -639,3 +639,36 @@ def test_prepare_finds_the_model_in_the_volumes_cache_and_downloads_nothing(modu
     assert info["path"].startswith(f"{workers.VOLUME_ROOT}/hf/")  # the container's mount, not this machine's
     assert workers.volume_env(tmp_path) == {"HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
                                             "TRANSFORMERS_OFFLINE": "1"}
+
+
+def test_a_cancellation_is_held_while_the_worker_imports_loads_or_catches_up():
+    """Issue 54 item 6. Modal's cancellation (SIGUSR1, whose handler raises InputCancellation wherever the code
+    is) once landed in a worker's first collection of the plugin registry on the emulator, and every later
+    call of that container failed ("unknown generator backend 'hf'; installed: none"). Inside the worker's
+    set-up it is held and raised once the set-up is done; outside Modal (no handler) nothing changes."""
+    import os
+    import signal
+
+    from vrl.runtime.modal.workers import _cancellation_held
+
+    class Cancelled(BaseException):
+        pass
+
+    steps: list[str] = []
+
+    def modal_handler(signum, frame):
+        raise Cancelled("Input was cancelled by user")
+
+    before = signal.signal(signal.SIGUSR1, modal_handler)
+    try:
+        with pytest.raises(Cancelled):
+            with _cancellation_held():
+                os.kill(os.getpid(), signal.SIGUSR1)
+                time.sleep(0.05)  # the handler would run here, mid-step
+                steps.append("the step ran to its end")
+        assert steps == ["the step ran to its end"]
+        assert signal.getsignal(signal.SIGUSR1) is modal_handler
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    with _cancellation_held():  # no Modal handler: nothing is held
+        steps.append("plain")

@@ -14,6 +14,7 @@ Volume layout (mounted at `VOLUME_ROOT` in Modal containers)::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.metadata
@@ -21,8 +22,10 @@ import json
 import logging
 import os
 import platform
+import signal
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -249,32 +252,35 @@ def sample_call(
     Returns {"completions": [...], "snapshot": count written or None, "replayed": updates applied,
     "catch_up_s": seconds spent bringing θ up to date (reload, snapshot load, replay)}.
     """
-    from vrl.config import SamplingConfig, TrainConfig
-    from vrl.generate.base import shard_seed
+    with _cancellation_held():  # imports, the plugin registry, a model load, catching up: never half done
+        from vrl.config import SamplingConfig, TrainConfig
+        from vrl.generate.base import shard_seed
 
-    cfg = TrainConfig.model_validate(config)
-    wanted = spec_from_wire(spec)
-    key = json.dumps({**{k: config[k] for k in ("model", "generator")}, "environment": environment}, sort_keys=True)
-    if _WARM.host is not None and _WARM.unsettled:
-        log.warning("the previous call on this worker stopped while it changed the weights (a cancellation lands "
-                    "anywhere): they are no longer known to match the run's history, so the model is loaded again")
-        _fresh_host(cfg, key, wanted, environment)
-    # Start from the base model for another model or selection, or after trained weights.
-    if _WARM.key != key or _WARM.spec != wanted or (weights is None and _WARM.weights is not None):
-        _fresh_host(cfg, key, wanted, environment)
-    _WARM.unsettled = True  # until this call's last weight change is undone or recorded
-    if weights and weights != _WARM.weights:  # newly published trained weights: load them into the warm host
-        _WARM.host.publish(load_weights_file(weights))
-        _WARM.weights = weights
-    _WARM.replayed = 0
-    written = None
-    t0 = time.perf_counter()
-    if es is not None and wanted is not None:
-        _catch_up(cfg, key, wanted, es, Path(root), reload or (lambda: None), history, environment)
-    catch_up_s = time.perf_counter() - t0
-    if es is not None and wanted is not None and write_snapshot and es["count"]:
-        written = _write_snapshot(Path(root) / es["store"], es["count"], es["digest"], reload or (lambda: None),
-                                  commit or (lambda: None))
+        cfg = TrainConfig.model_validate(config)
+        wanted = spec_from_wire(spec)
+        key = json.dumps({**{k: config[k] for k in ("model", "generator")}, "environment": environment}, sort_keys=True)
+        if _WARM.host is not None and _WARM.unsettled:
+            log.warning("the previous call on this worker stopped while it changed the weights (a cancellation lands "
+                        "anywhere): they are no longer known to match the run's history, so the model is loaded again")
+            _fresh_host(cfg, key, wanted, environment)
+        # Start from the base model for another model or selection, or after trained weights.
+        if _WARM.key != key or _WARM.spec != wanted or (weights is None and _WARM.weights is not None):
+            _fresh_host(cfg, key, wanted, environment)
+        _WARM.unsettled = True  # until its weight changes are recorded (a failure here leaves it set)
+        if weights and weights != _WARM.weights:  # newly published trained weights: load them into the warm host
+            _WARM.host.publish(load_weights_file(weights))
+            _WARM.weights = weights
+        _WARM.replayed = 0
+        written = None
+        t0 = time.perf_counter()
+        if es is not None and wanted is not None:
+            _catch_up(cfg, key, wanted, es, Path(root), reload or (lambda: None), history, environment)
+        catch_up_s = time.perf_counter() - t0
+        if es is not None and wanted is not None and write_snapshot and es["count"]:
+            written = _write_snapshot(Path(root) / es["store"], es["count"], es["digest"], reload or (lambda: None),
+                                      commit or (lambda: None))
+        _WARM.unsettled = False  # θ is what count and digest say (a cancellation held until here changes nothing)
+    _WARM.unsettled = True  # sampling perturbs and restores θ: settled again once it has returned
     host = _WARM.host
     host.sampling = SamplingConfig(**config["sampling"])
     variants = [Variant(**v) for v in (variant if isinstance(variant, list) else [variant])]
@@ -283,6 +289,28 @@ def sample_call(
     _WARM.unsettled = False  # θ (every perturbation restored) is what count and digest say
     return {"completions": [completion_to_wire(c) for batch in out for c in batch], "snapshot": written,
             "replayed": _WARM.replayed, "catch_up_s": catch_up_s}
+
+
+@contextlib.contextmanager
+def _cancellation_held() -> Iterator[None]:
+    """Modal cancels a sync function's input with SIGUSR1, whose handler raises InputCancellation wherever the
+    code is (modal/_container_entrypoint.py). Inside this block a cancellation is held, and raised when the
+    block ends: one that landed in an import, the plugin registry's first collection or a model load would
+    leave the container's process broken for every later input (on the emulator: "unknown generator backend
+    'hf'; installed: none" for the rest of the container's life). Sampling itself stays cancellable (what a
+    cancellation leaves there, `_Warm.unsettled` catches). Outside a Modal container (no handler): nothing."""
+    handler = signal.getsignal(signal.SIGUSR1)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+        yield
+        return
+    held: list[tuple[int, Any]] = []
+    signal.signal(signal.SIGUSR1, lambda signum, frame: held.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, handler)
+        if held:
+            handler(*held[0])  # Modal's handler: InputCancellation, here, with nothing half done
 
 
 def _fresh_host(cfg: Any, key: str, wanted: PerturbationSpec | None, environment: dict[str, Any] | None) -> None:
