@@ -125,3 +125,32 @@ def test_the_calculator_option_makes_countdown_a_tool_use_environment():
     assert reply.messages[0]["content"].startswith("{'error': 'only + - * /")  # TRL 1.16's error text
     assert reply.metrics == {"tool_calls": 1.0, "tool_errors": 1.0}
     assert answer("<answer> 1 + 2 </answer>").done  # no call: the episode ends, the verifier judges the answer
+
+
+def test_the_calculator_reaches_the_model_in_a_real_chat_template():
+    """`-o calculator=true` with the real Qwen3 tokenizer (npm, as tests/test_tools.py fetches it): the episode's
+    prompt ids are the chat template's rendering of the task as a user message with the `calculate` schema in its
+    <tools> block (before, the text prompt went out as it was, with no tool anywhere)."""
+    import json
+
+    from tests.test_tools import _tokenizer
+    from vrl.episodes import Episodes, Row, Sampled
+
+    qwen3 = _tokenizer("qwen3")
+    env = CountdownEnvironment(size=1, calculator=True, max_turns=2)
+    task = env.tasks()[0]
+
+    def generate(seqs, seeds, members):
+        ids = qwen3("<answer>1</answer><|im_end|>", add_special_tokens=False)["input_ids"]
+        return [Sampled(ids=ids, text="<answer>1</answer>", raw="<answer>1</answer><|im_end|>", finish_reason="stop")
+                for _ in seqs]
+
+    [c] = Episodes(env).run([Row(task=task, seed=0)], qwen3, generate)
+    prompt = qwen3.decode(c.prompt_token_ids)
+    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
+    tools = prompt.split("<tools>\n", 1)[1].split("\n</tools>", 1)[0].splitlines()
+    assert [json.loads(line)["function"]["name"] for line in tools] == ["calculate"]
+    assert f"<|im_start|>user\n{task.prompt}<|im_end|>" in prompt  # the task, as the user's message
+    # chat_template_kwargs reach the same rendering: Qwen3's enable_thinking=False closes an empty think block.
+    [c] = Episodes(env).run([Row(task=task, seed=0)], qwen3, generate, {"enable_thinking": False})
+    assert qwen3.decode(c.prompt_token_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")

@@ -124,16 +124,19 @@ def test_plugins_md_pyproject_installs_as_written(tmp_path):
     assert "max_new_tokens: 24" in shown.stdout  # the environment's defaults reach the configuration
 
 
-def test_multi_turn_md_examples_run(tmp_path, monkeypatch):
-    """docs/multi-turn.md's examples, top to bottom in one namespace, in a fresh directory: an environment
-    that answers back, tools on a dataset, a TRL environment class (the tiny model, a few seconds each)."""
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
+def test_multi_turn_md_examples_run_each_on_its_own(tmp_path, monkeypatch):
+    """docs/multi-turn.md's examples, each alone in a fresh namespace and a fresh directory (a reader copies one):
+    an environment that answers back, tools on a dataset, a TRL environment class (the tiny model, a few seconds
+    each)."""
     blocks = _blocks((ROOT / "docs" / "multi-turn.md").read_text(), "python")
     assert len(blocks) == 3
+    made = []
     for i, block in enumerate(blocks):
-        exec(compile(block, f"docs/multi-turn.md, example {i + 1}", "exec"), namespace)
-    runs = sorted(p.name.split("-")[0] for p in (tmp_path / "runs").iterdir())
-    assert runs == ["dataset", "dataset", "vowel"]
+        here = tmp_path / f"example-{i + 1}"
+        here.mkdir()
+        monkeypatch.chdir(here)
+        exec(compile(block, f"docs/multi-turn.md, example {i + 1}", "exec"), {"__name__": f"example_{i + 1}"})
+        made += [p.name.split("-")[0] for p in (here / "runs").iterdir()]
+    assert made == ["vowel", "dataset", "dataset"]
     readme = (ROOT / "README.md").read_text()
     assert "[docs/multi-turn.md](docs/multi-turn.md)" in readme[readme.index("## Documentation"):]

@@ -213,3 +213,32 @@ def test_the_page_in_chromium_keeps_each_kind_of_metric_under_its_heading_and_fi
     statistics = set(sections["Optimizer statistics"])
     assert {"grpo/loss", "grpo/grad_norm", "grpo/learning_rate"} <= statistics
     assert all(k.startswith(("grpo/", "es/", "time/")) for k in statistics), statistics
+
+
+def test_per_turn_pass_rates_are_shown_as_rates_and_plotted(tmp_path):
+    """A real multi-turn run (`guess`, 3 iterations): `episodes/pass_rate_turn_k` is a rate, shown as its mean over
+    the run under "Verifier rates" (never summed over the iterations among the counters: 2.58 and 4.80 were shown for
+    `guess` before), and the page has a pass-rate-by-turn plot with a line per turn."""
+    from vrl.envs.guess import GuessEnvironment
+    from vrl.report import Run, metric_kinds, turns
+
+    layer = {"plugin": "guess", "optimizer": "grpo", "iterations": 3, "tasks_per_iteration": 4,
+             "sampling": {"max_new_tokens": 2}, "grpo": {"num_generations": 4},
+             "logging": {"runs_dir": str(tmp_path), "name": "guess"}}
+    Trainer(build(layer, {}), environment=GuessEnvironment(turns=3)).run()
+    run = Run.load(tmp_path / "guess")
+    keys = [f"episodes/pass_rate_turn_{k}" for k in (1, 2, 3)]
+    assert turns(run) == [1, 2, 3]
+    kinds = metric_kinds(run)
+    assert set(keys) <= set(kinds["rates"]) and not set(keys) & set(kinds["counters"])
+    out = tmp_path / "report"
+    res = CliRunner().invoke(main, ["report", str(run.path), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    page = html.unescape((out / "report.html").read_text())
+    rates = page[page.index("<h2>Verifier rates</h2>"):]
+    rates = rates[: rates.index("<h2>", 5)]
+    for key in keys:
+        values = [row[key] for row in run.metrics]
+        mean = float(re.search(rf"<td>{key}</td><td>([^<]+)</td>", rates).group(1))
+        assert mean == pytest.approx(sum(values) / len(values), abs=1e-3) and 0 <= mean <= 1
+    assert "<h2>Pass rate by turn</h2>" in page and (out / "turns.png").read_bytes()[:4] == b"\x89PNG"

@@ -276,3 +276,46 @@ def test_environment_factory_and_tools_from_the_cli(tmp_path) -> None:
     assert CliRunner().invoke(main, ["train", "--plugin", "dataset", "--model", "tiny", "-n", "1", "-o", f"data={data}",
                                      "-o", f"tool={module}:untyped", "--set", f"logging.runs_dir={tmp_path}"]
                               ).exit_code != 0
+
+
+def test_text_prompts_with_tools_render_as_chat_or_are_refused_in_one_line(qwen3, llama31) -> None:
+    """A text prompt with tools is the user message of a chat, so the template shows the tools; a tokenizer that
+    would send it without them (no chat template; a template that ignores tools, as the npm Llama 3.1 one does) is
+    refused in one line naming the tools. Without tools a text prompt stays as it is."""
+    from vrl.episodes import ToolsNotRendered
+    from vrl.errors import UsageError
+    from vrl.generate.tiny import build_tokenizer
+
+    tools = [schema(calculate)]
+    assert render(qwen3, "What is 6*7?") == "What is 6*7?"
+    text = render(qwen3, "What is 6*7?", tools)
+    assert '"name": "calculate"' in text and "<|im_start|>user\nWhat is 6*7?<|im_end|>" in text
+    tiny = build_tokenizer()  # the tiny model's template shows tools too (`countdown -o calculator=true` runs on it)
+    assert '"name": "calculate"' in render(tiny, "What is 6*7?", tools)
+    with pytest.raises(ToolsNotRendered, match=r"offers tools \(calculate\).*does not render tools") as err:
+        render(llama31, "What is 6*7?", tools)
+    assert isinstance(err.value, UsageError) and "\n" not in str(err.value)
+    tiny.chat_template = None
+    with pytest.raises(ToolsNotRendered, match=r"offers tools \(calculate\).*no chat template"):
+        render(tiny, [{"role": "user", "content": "What is 6*7?"}], tools)
+
+
+def test_chat_template_kwargs_reach_every_rendering(qwen3) -> None:
+    """`sampling.chat_template_kwargs` (TRL's name; a dict or its JSON text) reach the hf host's prompts, the
+    episodes' first prompt and the environment's messages (TRL renders its tool suffixes with them too)."""
+    import vrl
+    from vrl.generate.hf import HFGenerator
+    from vrl.types import Task
+
+    chat = [{"role": "user", "content": "Hi"}]
+    config = vrl.TrainConfig(sampling={"chat_template_kwargs": '{"enable_thinking": false}'})
+    assert config.sampling.chat_template_kwargs == {"enable_thinking": False}
+    import torch
+
+    host = HFGenerator(model=torch.nn.Linear(1, 1), tokenizer=qwen3, sampling=config.sampling)  # `_encode` renders
+    enc = host._encode([Task(id="a", prompt=chat)])
+    assert qwen3.decode(enc["input_ids"][0]).endswith("assistant\n<think>\n\n</think>\n\n")
+    msgs = [{"role": "tool", "name": "calculate", "content": "42"}]
+    assert qwen3.decode(environment_ids(qwen3, msgs, {"enable_thinking": False})).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert qwen3.decode(environment_ids(qwen3, msgs)).endswith("<|im_start|>assistant\n")

@@ -76,6 +76,11 @@ class SamplingConfig(Section):
         "SamplingParams with vllm) and overriding the fields above where they name the same setting. Whatever the "
         "checkpoint's own generation_config says, the sampler uses these fields and nothing else.",
     )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the chat template (TRL's name; a dict or its JSON text), wherever vrl "
+        "applies it: prompts and episodes' messages, hf and vllm, e.g. {\"enable_thinking\": false} for Qwen3.",
+    )
     max_new_tokens: int = Field(64, ge=1, description="Cap on generated tokens per completion.")
     stop: list[str] = Field(default_factory=list, description="Stop strings; the completion ends after the first one.")
     batch_size: int = Field(
@@ -84,6 +89,21 @@ class SamplingConfig(Section):
 
     #: The fields every backend's sampler applies (and `generation_kwargs` may override by these names).
     PROCESSORS: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _json_text(cls, value: Any) -> Any:
+        """A JSON object's text (TRL accepts one from the command line) as its dict; None as no arguments."""
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON object: {exc.msg}") from None
+        return value
 
     def effective(self) -> dict[str, Any]:
         """The sampling parameters the sampler uses: the fields, with `generation_kwargs`' values for the same names."""

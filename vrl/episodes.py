@@ -32,10 +32,11 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vrl.errors import UsageError
 from vrl.types import Completion, Episode, Prompt, Result, Task, Turn
 
 #: How long, after the first environment step of a turn finishes, the loop waits for the others before it
@@ -171,10 +172,13 @@ class Episodes:
         # verifier's client, a sandbox pool) stays on the loop it was made on.
         self._loop: _LoopThread | None = None
 
-    def run(self, rows: Sequence[Row], tokenizer: Any, generate: Continue) -> list[Completion]:
+    def run(self, rows: Sequence[Row], tokenizer: Any, generate: Continue,
+            chat_template_kwargs: Mapping[str, Any] | None = None) -> list[Completion]:
         """The completions of `rows` (in order): each an episode, or a single turn where the environment
-        gives no interaction for the task."""
-        states = [self._start(row, tokenizer) for row in rows]
+        gives no interaction for the task. `chat_template_kwargs` (TRL's name; `sampling.chat_template_kwargs`)
+        reach every rendering through the chat template: the first prompt and the environment's messages."""
+        chat = dict(chat_template_kwargs or {})
+        states = [self._start(row, tokenizer, chat) for row in rows]
         if self._loop is None:
             self._loop = _LoopThread()
         loop = self._loop
@@ -197,7 +201,7 @@ class Episodes:
                     more, _ = concurrent.futures.wait(set(pending) - done, timeout=self.gather_s)
                     for fut in sorted(done | more, key=pending.__getitem__):
                         i = pending.pop(fut)
-                        if self._environment_turn(states[i], *fut.result(), tokenizer):
+                        if self._environment_turn(states[i], *fut.result(), tokenizer, chat):
                             ready.append(i)
                     ready.sort()
         finally:
@@ -206,12 +210,12 @@ class Episodes:
         return [self._completion(s, loop) for s in states]
 
     # -- one episode ---------------------------------------------------------------------------------
-    def _start(self, row: Row, tokenizer: Any) -> _State:
+    def _start(self, row: Row, tokenizer: Any, chat: Mapping[str, Any] | None = None) -> _State:
         interaction = self.environment.interaction(row.task)
         prompt, tools = row.task.prompt, None
         if interaction is not None:
             prompt, tools = interaction.prompt(row.task), interaction.tools
-        text = render(tokenizer, prompt, tools)
+        text = render(tokenizer, prompt, tools, chat)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         turns = 1 if interaction is None else int(interaction.max_turns)
         name = getattr(self.environment, "name", "?")
@@ -259,7 +263,8 @@ class Episodes:
                           messages=[{"role": "user", "content": f"[environment step failed: {type(exc).__name__}: {exc}]"}])
         return reply, time.perf_counter() - start
 
-    def _environment_turn(self, s: _State, reply: Reply, seconds: float, tokenizer: Any) -> bool:
+    def _environment_turn(self, s: _State, reply: Reply, seconds: float, tokenizer: Any,
+                          chat: Mapping[str, Any] | None = None) -> bool:
         """Record the reply and append its messages' tokens; whether the episode takes another turn."""
         s.add("env_step_s", seconds)
         for key, value in reply.metrics.items():
@@ -272,7 +277,7 @@ class Episodes:
                 s.turns += [Turn(role=m.get("role", "user"), content=str(m.get("content", "")), seconds=seconds)
                             for m in reply.messages]
             return False
-        ids = environment_ids(tokenizer, reply.messages)
+        ids = environment_ids(tokenizer, reply.messages, chat)
         eos = tokenizer.eos_token_id
         if _turn_ends_with_eos(tokenizer) and (not s.ids or s.ids[-1] != eos):
             ids = [eos] + ids  # a turn cut by a stop string: close it as the template would
@@ -394,16 +399,58 @@ class _LoopThread:
 
 
 # -- rendering -----------------------------------------------------------------------------------------
-def render(tokenizer: Any, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> str:
-    """The first prompt's text: chat messages through the chat template, with the tools' schemas."""
+def render(tokenizer: Any, prompt: Prompt, tools: list[dict[str, Any]] | None = None,
+           chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The first prompt's text: chat messages through the chat template (with `chat_template_kwargs`, TRL's
+    name: `{"enable_thinking": False}` for Qwen3), with the tools' schemas. A text prompt stays as it is, unless
+    tools come with it: then it is the user message of a chat, so the template shows the tools. Tools are never
+    dropped: a tokenizer without a chat template, or whose template does not render tools, is refused
+    (`ToolsNotRendered`, one line)."""
+    if tools:
+        _check_renders_tools(tokenizer, tools)
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
     if isinstance(prompt, str):
         return prompt
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(prompt, tools=tools or None, tokenize=False, add_generation_prompt=True,
+                                             **dict(chat_template_kwargs or {}))
     return "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant: "
 
 
-def environment_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+class ToolsNotRendered(UsageError, ValueError):
+    """An episode offers tools but the model's chat template cannot show them to the model."""
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "vrl_probe_tool", "description": "A probe.",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+def _check_renders_tools(tokenizer: Any, tools: list[dict[str, Any]]) -> None:
+    """Refuse a tokenizer that would send a prompt without its tools: no chat template, or one that renders a
+    conversation the same with a tool as without (checked once per tokenizer)."""
+    names = ", ".join(str(t.get("function", t).get("name", "?")) for t in tools)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ToolsNotRendered(f"the episode offers tools ({names}) but the model's tokenizer has no chat template "
+                               "to show them; use a model with a chat template that renders tools (Qwen2.5, Qwen3, "
+                               "Hermes), or give no tools")
+    cached = getattr(tokenizer, "_vrl_renders_tools", None)
+    if cached is None:
+        probe = [{"role": "user", "content": "hi"}]
+        cached = (tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True)
+                  != tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True))
+        try:
+            tokenizer._vrl_renders_tools = cached
+        except AttributeError:
+            pass
+    if not cached:
+        raise ToolsNotRendered(f"the episode offers tools ({names}) but the model's chat template does not render "
+                               "tools (the prompt would reach the model without them); use a model whose template "
+                               "renders tools (Qwen2.5, Qwen3, Hermes), or give no tools")
+
+
+def environment_ids(tokenizer: Any, messages: list[dict[str, Any]],
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """The token ids of the environment's messages as the chat template renders them after a model turn that
     ended with EOS, up to the next assistant header: the template's rendering of a short conversation with
     and without them, the first cut after its last EOS (as TRL 1.16 builds tool-result suffixes)."""
@@ -416,8 +463,9 @@ def environment_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]
     else:
         assistant = {"role": "assistant", "content": "x"}
     dummy = [{"role": "user", "content": "dummy"}, assistant]
-    prefix = _ids(tokenizer.apply_chat_template(dummy, tokenize=True, add_generation_prompt=False))
-    full = _ids(tokenizer.apply_chat_template(dummy + messages, tokenize=True, add_generation_prompt=True))
+    kwargs = dict(chat_template_kwargs or {})  # as TRL renders its tool suffixes, with the run's template arguments
+    prefix = _ids(tokenizer.apply_chat_template(dummy, tokenize=True, add_generation_prompt=False, **kwargs))
+    full = _ids(tokenizer.apply_chat_template(dummy + messages, tokenize=True, add_generation_prompt=True, **kwargs))
     # Where the two renderings part, the dummy assistant turn is being rendered (Qwen3 writes an empty
     # <think></think> into an assistant turn only when it is the conversation's last message); the
     # environment's part starts after that turn's EOS, or where they part when the template ends no turn with it.

@@ -243,6 +243,46 @@ def plot_informative(runs: list[Run], path: Path) -> Path:
     return _save(fig, path)
 
 
+_TURN = re.compile(r"^episodes/pass_rate_turn_(\d+)$")
+
+
+def turns(run: Run) -> list[int]:
+    """The turns k a run logged `episodes/pass_rate_turn_k` for (multi-turn episodes), in order."""
+    return sorted({int(m.group(1)) for row in run.metrics for k in row if (m := _TURN.match(k))})
+
+
+def plot_turns(runs: list[Run], path: Path) -> Path:
+    """Pass rate by turn: one panel per run with episodes, a line per turn k (the share of its episodes the
+    environment passed at or before turn k), over the iterations."""
+    shown = [run for run in runs if turns(run)]
+    cols = min(PANEL_COLUMNS, len(shown))
+    rows = math.ceil(len(shown) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(min(MAX_WIDTH_IN, max(6.0, 3.6 * cols)), min(MAX_HEIGHT_IN, 1.2 + 2.8 * rows)),
+                             squeeze=False, sharey=True, layout="constrained")
+    flat = [ax for row in axes for ax in row]
+    colors = plt.get_cmap("viridis")
+    for ax, run in zip(flat, shown):
+        ks = turns(run)
+        for k in ks:
+            key = f"episodes/pass_rate_turn_{k}"
+            points = [(r["iteration"] + 1, r[key]) for r in run.metrics if key in r]
+            ax.plot(*zip(*points), marker="o", ms=3, color=colors(k / (max(ks) + 1)), label=f"by turn {k}")
+        ax.set_title(run.short_label, fontsize=8)
+        ax.set(ylim=(-0.02, 1.02))
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=7, frameon=False)
+    for ax in flat[len(shown):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("iteration (first = 1)", fontsize=8)
+    for row in axes:
+        row[0].set_ylabel("share of episodes passed", fontsize=8)
+    fig.suptitle("pass rate by turn (passed at or before turn k)", fontsize=10)
+    return _save(fig, path)
+
+
 def _save(fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -261,7 +301,8 @@ def best_attempts(run: Run, top: int = 5) -> list[dict[str, Any]]:
 
 
 def render(run_paths: list[str | Path], out: str | Path) -> Path:
-    """Write reward.png, reward_per_token.png, time.png, outcomes.png and report.html into `out`."""
+    """Write reward.png, reward_per_token.png, time.png, outcomes.png and report.html into `out` (and
+    reward_functions.png, informative.png and turns.png for runs that log what they plot)."""
     runs = [Run.load(p) for p in run_paths]
     if not runs:
         raise ValueError("give at least one run directory")
@@ -280,6 +321,8 @@ def render(run_paths: list[str | Path], out: str | Path) -> Path:
         images["Reward per function"] = plot_reward_functions(runs, out / "reward_functions.png")
     if any(informative(run) for run in runs):
         images["Informative fraction"] = plot_informative(runs, out / "informative.png")
+    if any(turns(run) for run in runs):
+        images["Pass rate by turn"] = plot_turns(runs, out / "turns.png")
     (out / "report.html").write_text(_html(runs, images))
     return out / "report.html"
 
@@ -304,7 +347,7 @@ def printable(text: str) -> str:
 
 # A verifier's derived metrics (`Environment.iteration_metrics`: lean/exploit_rate, lean/recheck_s_mean) are
 # named for what they are; its per-attempt counters (`Verdict.metrics`, summed per iteration) are plain counts.
-_RATE = re.compile(r"(_rate|_ratio|_fraction|_mean|_std|_min|_max|/mean|/std|/min|/max)$")
+_RATE = re.compile(r"(_rate|_ratio|_fraction|_mean|_std|_min|_max|/mean|/std|/min|/max|_rate_turn_\d+)$")
 
 
 def metric_kinds(run: Run) -> dict[str, list[str]]:
@@ -312,7 +355,8 @@ def metric_kinds(run: Run) -> dict[str, list[str]]:
 
     - `counters`: the verifiers' counts (`Verdict.metrics` summed per iteration): summed over the run;
     - `rates`: the verifiers' rates and means (`Environment.iteration_metrics` derives them; the name
-      ends in `_rate`, `_ratio`, `_fraction`, `_mean`, `_std`, `/mean`, ...): a sum means nothing;
+      ends in `_rate`, `_ratio`, `_fraction`, `_mean`, `_std`, `/mean`, ..., or `_rate_turn_k` as episodes'
+      `episodes/pass_rate_turn_k`): a sum means nothing;
     - `statistics`: the update rule's own (`<optimizer>/...`: loss, grad_norm, learning_rate) and the
       loop's timings (`time/...`): a sum means nothing either.
 

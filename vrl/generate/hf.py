@@ -106,13 +106,12 @@ def meta_model(name: str, revision: str | None = None) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(cfg)
 
 
-def render_prompt(tokenizer: Any, prompt: Prompt) -> str:
-    """Text for the model: chat messages go through the tokenizer's chat template."""
-    if isinstance(prompt, str):
-        return prompt
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant: "
+def render_prompt(tokenizer: Any, prompt: Prompt, chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """Text for the model: chat messages go through the tokenizer's chat template, with `chat_template_kwargs`
+    (`sampling.chat_template_kwargs`); the episodes' first prompt renders the same way (`vrl.episodes.render`)."""
+    from vrl.episodes import render
+
+    return render(tokenizer, prompt, None, chat_template_kwargs)
 
 
 def cpu_threads(threads: int | None, model: str, device: torch.device) -> int | None:
@@ -315,7 +314,7 @@ class HFGenerator(Generator):
 
         seed = _fresh_seed() if seed is None else seed
         rows = [Row(task=t, variant=variant, sample=j, seed=seed + i * n + j) for i, t in enumerate(tasks) for j in range(n)]
-        return self._episodes.run(rows, self.tokenizer, self._continue)
+        return self._episodes.run(rows, self.tokenizer, self._continue, self.sampling.chat_template_kwargs)
 
     def _episode_population(self, tasks: Sequence[Task], start: int, members: Sequence[Variant], seed: int
                             ) -> list[Completion]:
@@ -326,7 +325,8 @@ class HFGenerator(Generator):
         rows = [Row(task=t, variant=v.index, sample=j, seed=seed + (start + i) * v.samples_per_task + j, member=p)
                 for p, v in enumerate(members) for i, t in enumerate(tasks) for j in range(v.samples_per_task)]
         signs = [(v.seed, v.sign) for v in members]
-        return self._episodes.run(rows, self.tokenizer, lambda ids, seeds, rm: self._continue(ids, seeds, rm, signs))
+        return self._episodes.run(rows, self.tokenizer, lambda ids, seeds, rm: self._continue(ids, seeds, rm, signs),
+                                  self.sampling.chat_template_kwargs)
 
     def _continue(self, sequences: list[list[int]], seeds: list[int | None], row_member: list[int],
                   members: list[tuple[int, int]] | None = None) -> list[Any]:
@@ -376,7 +376,7 @@ class HFGenerator(Generator):
         return kwargs, sampler
 
     def _encode(self, tasks: Sequence[Task]) -> Any:
-        texts = [render_prompt(self.tokenizer, t.prompt) for t in tasks]
+        texts = [render_prompt(self.tokenizer, t.prompt, self.sampling.chat_template_kwargs) for t in tasks]
         return self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
 
     def _generate_population(self, tasks: Sequence[Task], start: int, members: Sequence[Variant], seed: int

@@ -574,7 +574,8 @@ class VLLMGenerator(Generator):
         self.mover.before_pass()
         try:
             return self._episodes.run(rows, self.tokenizer,
-                                      lambda seqs, seeds, members: self._continue(seqs, seeds, members, slots, lora))
+                                      lambda seqs, seeds, members: self._continue(seqs, seeds, members, slots, lora),
+                                      self.sampling.chat_template_kwargs)
         finally:
             if self.sleep:
                 self._sleep()
@@ -617,7 +618,8 @@ class VLLMGenerator(Generator):
     def _prompts(self, tasks: Sequence[Task]) -> list[list[int]]:
         """Each task's prompt as token ids (as the hf backend encodes it), checked against max_model_len."""
         tok = self.tokenizer
-        prompts = [tok(render_prompt(tok, t.prompt), add_special_tokens=False)["input_ids"] for t in tasks]
+        chat = self.sampling.chat_template_kwargs
+        prompts = [tok(render_prompt(tok, t.prompt, chat), add_special_tokens=False)["input_ids"] for t in tasks]
         limit = getattr(getattr(self.llm, "model_config", None), "max_model_len", None)
         too_long = [(t.id, len(p)) for t, p in zip(tasks, prompts) if limit and len(p) >= limit]
         if too_long:  # vLLM would reject the whole batch with an error about one request
