@@ -31,8 +31,9 @@ from __future__ import annotations
 import os
 import sys
 
-#: Where the emulator binds this machine's bubblewrap inside a container (images.py `Layout.bwrap`).
-REAL = "/opt/emu/real-bwrap"
+#: Where the emulator binds this machine's bubblewrap inside a container (images.py `Layout.bwrap`); the
+#: plugins' tests run this program on the host through tests/fixtures/gvisor/bwrap, which names the real one.
+REAL = os.environ.get("VRL_GVISOR_REAL_BWRAP", "/opt/emu/real-bwrap")
 #: Beside this program in a container: when present, every call is refused with its text.
 REFUSE = "/opt/emu/gvisor/refuse"
 
