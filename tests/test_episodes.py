@@ -290,3 +290,30 @@ def test_an_interactions_own_step_timeout_and_token_budget() -> None:
             assert len(c.token_ids) == len(c.token_mask) <= budget, budget
             assert c.episode.metrics["model_tokens"] + c.episode.metrics["env_tokens"] <= budget
             assert len(c.token_ids) == budget or c.episode.metrics["over_budget"] or c.episode.metrics["turns"] == 4
+
+
+@pytest.mark.parametrize("env", ["guess", "echo-with-a-slow-step"])
+def test_hf_keeps_each_episodes_kv_cache_across_turns(env: str) -> None:
+    """With `generator.hf.turn_cache` (the default), a turn's `generate` computes only what its episode's cached row
+    does not hold (the environment's reply and the new turn), not the whole sequence again: the model is fed far
+    fewer tokens, and every episode samples the same ids, masks and log-probs as with the cache off (games of
+    different lengths; an episode whose slow step makes it join a later turn)."""
+    def play(cache: bool) -> tuple[list[Any], int]:
+        host = _host(max_new_tokens=4, decoupled=True)
+        host.turn_cache = cache
+        fed = [0]
+        host.model.register_forward_pre_hook(lambda m, args, kw: fed.__setitem__(0, fed[0] + kw["input_ids"].numel()),
+                                             with_kwargs=True)
+        environment = GuessEnvironment(turns=3) if env == "guess" else EchoEnv(t1=Echo(delay=0.6))
+        tasks = environment.tasks(limit=3) if env == "guess" else TASKS
+        host.episodes(Episodes(environment, gather_s=0.05))
+        out = [c for b in host.sample(tasks, [Variant(0, samples_per_task=3)], seed=5) for c in b]
+        return out, fed[0]
+
+    (plain, fed_plain), (cached, fed_cached) = play(False), play(True)
+    assert [c.episode.metrics["turns"] for c in cached] == [c.episode.metrics["turns"] for c in plain]
+    assert max(c.episode.metrics["turns"] for c in plain) == 3
+    for a, b in zip(plain, cached):
+        assert (a.prompt_token_ids, a.token_ids, a.token_mask) == (b.prompt_token_ids, b.token_ids, b.token_mask)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert fed_cached < 0.7 * fed_plain, (fed_cached, fed_plain)

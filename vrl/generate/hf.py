@@ -184,6 +184,13 @@ def own_generation_config(model: Any) -> Iterator[None]:
 class HFConfig(Section):
     """The `hf` backend (`generator.backend: hf`): transformers' `generate`, on CPU or GPU."""
 
+    turn_cache: bool = Field(
+        True,
+        description="Episodes keep each turn's KV cache for the next turn (the next `generate` computes only the "
+        "tokens after what its episode's row already holds: the environment's reply and what follows). Off: every "
+        "turn recomputes the whole sequence (the same tokens, up to floating-point effects).",
+    )
+
     threads: int | None = Field(
         None, ge=1,
         description="torch's intra-op CPU threads, set process-wide when the model loads. None: 1 for the "
@@ -217,6 +224,8 @@ class HFGenerator(Generator):
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.train_device: Any = None  # where `decouple`'s training copy goes (None: the sampler's device)
         self._decoupled, self._train_model = False, None
+        self.turn_cache = True  # episodes keep their KV cache across turns (`generator.hf.turn_cache`)
+        self._weights_version = 0  # bumped by `publish`: a turn cache made before then is dropped
 
     @classmethod
     def from_config(cls, config: Any, needs: HostNeeds | None = None, *, gpu: str | None = None) -> HFGenerator:
@@ -226,6 +235,7 @@ class HFGenerator(Generator):
         model, tokenizer = _load(config, device or g.device)
         gen = cls(model, tokenizer, config.sampling)
         gen.train_device = resolve_device(g.device)
+        gen.turn_cache = g.hf.turn_cache
         return gen
 
     @classmethod
@@ -271,6 +281,7 @@ class HFGenerator(Generator):
         from vrl.weights.export import published_buckets
 
         own = dict(self.model.named_parameters())
+        self._weights_version += 1
         with torch.no_grad():
             for bucket in published_buckets(model):  # checkpoint names, LoRA merged
                 unknown = sorted({name for name, _ in bucket} - set(own))
@@ -314,7 +325,9 @@ class HFGenerator(Generator):
 
         seed = _fresh_seed() if seed is None else seed
         rows = [Row(task=t, variant=variant, sample=j, seed=seed + i * n + j) for i, t in enumerate(tasks) for j in range(n)]
-        return self._episodes.run(rows, self.tokenizer, self._continue, self.sampling.chat_template_kwargs)
+        cache = _TurnCache() if self.turn_cache else None
+        return self._episodes.run(rows, self.tokenizer, lambda ids, seeds, rm: self._continue(ids, seeds, rm, cache=cache),
+                                  self.sampling.chat_template_kwargs)
 
     def _episode_population(self, tasks: Sequence[Task], start: int, members: Sequence[Variant], seed: int
                             ) -> list[Completion]:
@@ -325,24 +338,44 @@ class HFGenerator(Generator):
         rows = [Row(task=t, variant=v.index, sample=j, seed=seed + (start + i) * v.samples_per_task + j, member=p)
                 for p, v in enumerate(members) for i, t in enumerate(tasks) for j in range(v.samples_per_task)]
         signs = [(v.seed, v.sign) for v in members]
-        return self._episodes.run(rows, self.tokenizer, lambda ids, seeds, rm: self._continue(ids, seeds, rm, signs),
+        cache = _TurnCache() if self.turn_cache else None
+        return self._episodes.run(rows, self.tokenizer,
+                                  lambda ids, seeds, rm: self._continue(ids, seeds, rm, signs, cache=cache),
                                   self.sampling.chat_template_kwargs)
 
     def _continue(self, sequences: list[list[int]], seeds: list[int | None], row_member: list[int],
-                  members: list[tuple[int, int]] | None = None) -> list[Any]:
+                  members: list[tuple[int, int]] | None = None, cache: _TurnCache | None = None) -> list[Any]:
         """One model turn for each token-id sequence (left-padded into one batch), row r drawn from its own
         generator seeded `seeds[r]`, so a row samples the same whichever rows share the call; with `members`
-        (low-rank ES), row r runs member `row_member[r]`. Returns `vrl.episodes.Sampled` per row."""
+        (low-rank ES), row r runs member `row_member[r]`. With `cache` (one episode batch's `_TurnCache`), each row
+        starts from the KV cache of the earlier turn its sequence continues and only its new tokens are computed.
+        Returns `vrl.episodes.Sampled` per row."""
         import contextlib
 
         import torch
 
         from vrl.episodes import Sampled
 
-        pad, width = self.tokenizer.pad_token_id, max(len(x) for x in sequences)
-        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in sequences], device=self.device)
-        attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in sequences], device=self.device)
+        pad = self.tokenizer.pad_token_id
+        if cache is not None and cache.version != self._weights_version:
+            cache.reset()
+        plan = cache.plan(sequences, row_member, pad) if cache is not None else None
+        if plan is not None:
+            rows_ids, rows_mask = plan
+        else:
+            width = max(len(x) for x in sequences)
+            rows_ids = [[pad] * (width - len(x)) + x for x in sequences]
+            rows_mask = [[0] * (width - len(x)) + [1] * len(x) for x in sequences]
+        width = len(rows_ids[0])
+        input_ids = torch.tensor(rows_ids, device=self.device)
+        attention = torch.tensor(rows_mask, device=self.device)
         kwargs, sampler = self._row_sampled([_fresh_seed() if s is None else s for s in seeds], self._decoupled)
+        if cache is not None:
+            from transformers import DynamicCache
+
+            if plan is None:
+                cache.kv = DynamicCache(config=self.model.config)
+            kwargs["cache"] = cache.kv
         with torch.inference_mode():
             if members:
                 from vrl.generate.hf_population import population
@@ -359,6 +392,8 @@ class HFGenerator(Generator):
             raw = self.tokenizer.decode(ids, skip_special_tokens=False)
             sampled.append(Sampled(ids=ids, text=text, raw=raw, finish_reason=finish,
                                    logprobs=logps[r, : len(ids)].tolist() if logps is not None else None))
+        if cache is not None:
+            cache.keep(sequences, rows_mask, [s.ids for s in sampled], row_member, self._weights_version)
         return sampled
 
     def _row_sampled(self, seeds: Sequence[int], record: bool = False) -> tuple[dict[str, Any], _RowSampler | None]:
@@ -495,6 +530,92 @@ class HFGenerator(Generator):
             prompt_token_ids=prompt_ids,
             token_ids=new_ids,
         )
+
+
+class _TurnCache:
+    """The KV cache of one batch of episodes across its turns (`generator.hf.turn_cache`).
+
+    After a turn, cache row j holds the keys and values of the positions `generate` saw: its left padding, its
+    sequence, then the sampled tokens (past a row's end, the tokens sampled while the others went on: junk).
+    `mask[j]` marks the positions that hold its sequence and its kept tokens (`valid[j]`, in order). The next
+    turn's sequence r picks the row of its member holding the longest prefix of it and becomes: that row's
+    positions, masked to the prefix (the rest, as padding, masked out and written as pad ids), then the
+    sequence's remaining tokens, left-padded to a common width. `generate` computes only those; the position of
+    each token is its count of unmasked positions before it, as when the cached ones were computed, so every
+    cached key and value is what a fresh pass would compute (up to floating-point effects of the batch shape).
+    A sequence no row holds a prefix of (an episode joining a later turn is still found: rows persist until the
+    batch ends), or weights published since (`HFGenerator.publish`), make the turn recompute everything."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.kv: Any = None
+        self.mask: list[list[int]] = []
+        self.valid: list[list[int]] = []
+        self.member: list[int] = []
+        self.version = -1
+        self.reused = 0  # tokens not computed again, over the batch's turns (measured by tests and benchmarks)
+
+    def plan(self, sequences: list[list[int]], members: list[int], pad: int
+             ) -> tuple[list[list[int]], list[list[int]]] | None:
+        """The next turn's input ids and attention mask over the cache's positions and then the new tokens, with
+        the cache's rows selected to match; None (and no cache) when some sequence continues no cached row."""
+        if self.kv is None or not self.valid:
+            self.reset()
+            return None
+        picks, lengths = [], []
+        for seq, member in zip(sequences, members):
+            best, length = -1, 0
+            for j, valid in enumerate(self.valid):
+                if self.member[j] != member:
+                    continue
+                n = _common_prefix(valid, seq)
+                if n > length:
+                    best, length = j, n
+            if best < 0:
+                self.reset()
+                return None
+            picks.append(best)
+            lengths.append(min(length, len(seq) - 1))  # at least one new token for `generate` to compute
+        tail = max(len(seq) - n for seq, n in zip(sequences, lengths))
+        rows_ids, rows_mask = [], []
+        for seq, j, n in zip(sequences, picks, lengths):
+            ids, mask, used = [], [], 0
+            for flag in self.mask[j]:
+                keep = flag and used < n
+                ids.append(seq[used] if keep else pad)
+                mask.append(1 if keep else 0)
+                used += bool(flag)
+            rest = seq[n:]
+            rows_ids.append(ids + [pad] * (tail - len(rest)) + rest)
+            rows_mask.append(mask + [0] * (tail - len(rest)) + [1] * len(rest))
+            self.reused += n
+        import torch
+
+        index = torch.tensor(picks, device=self.kv.layers[0].keys.device) if self.kv.layers else None
+        for layer in self.kv.layers:
+            layer.batch_select_indices(index)
+        return rows_ids, rows_mask
+
+    def keep(self, sequences: list[list[int]], rows_mask: list[list[int]], kept: list[list[int]], members: list[int],
+             version: int) -> None:
+        """Record what each row's cache holds after the turn: its sequence, then the kept tokens the cache has."""
+        sampled = self.kv.get_seq_length() - len(rows_mask[0])  # the last sampled token was never fed back
+        self.mask, self.valid = [], []
+        for seq, mask, ids in zip(sequences, rows_mask, kept):
+            k = max(0, min(len(ids), sampled))
+            self.mask.append(mask + [1] * k + [0] * (sampled - k))
+            self.valid.append(seq + ids[:k])
+        self.member, self.version = list(members), version
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _fresh_seed() -> int:
