@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vrl.errors import UsageError
-from vrl.types import Completion, Episode, Prompt, Result, Task, Turn
+from vrl.types import Attempt, Completion, Episode, Prompt, Result, Task, Turn, Verdict
 
 #: How long, after the first environment step of a turn finishes, the loop waits for the others before it
 #: samples the next turn of those that are ready: long enough that fast steps share one engine call, short
@@ -67,6 +67,9 @@ class Reply:
     done: bool = False  # the episode ends here (also when `messages` is empty)
     passed: bool | None = None  # the environment's verdict on this turn, if it gives one (metrics: pass rate by turn)
     metrics: dict[str, float] = field(default_factory=dict)  # counters added to the episode's (tool_calls, tool_errors)
+    #: The run's verifier's verdict on this turn, when the environment judged the turn with it (a repair episode,
+    #: `vrl.repair`): if this turn is the episode's last, its verdict, not judged again (`judged_verdict`).
+    verdict: Verdict | None = None
 
 
 class Interaction(ABC):
@@ -156,6 +159,7 @@ class _State:
     model_turns: int = 0
     finish_reason: str = "stop"
     text: str = ""
+    judged: tuple[int, Verdict] | None = None  # the model turn the environment's verifier judged last, and its verdict
 
     def add(self, key: str, value: float) -> None:
         self.metrics[key] = self.metrics.get(key, 0.0) + value
@@ -271,6 +275,8 @@ class Episodes:
             s.add(key, float(value))
         if reply.passed is not None:
             s.turns[-1].passed = bool(reply.passed)
+        if reply.verdict is not None:
+            s.judged = (s.model_turns, reply.verdict)
         goes_on = bool(reply.messages) and not reply.done and s.model_turns < s.max_turns
         if not goes_on:
             if reply.metrics.get("step_errors"):  # keep the error in the conversation, outside the trajectory
@@ -310,6 +316,8 @@ class Episodes:
         c.episode = Episode(turns=s.turns, reward=None if reward is None else float(reward), metrics=s.metrics)
         if s.interaction.environment is not None:
             _keep_environment(c.episode, s.interaction.environment)
+        if s.judged is not None and s.judged[0] == s.model_turns:  # the last turn's verdict: the episode's
+            _keep_verdict(c.episode, s.row.task.id, s.text, s.judged[1])
         return c
 
 
@@ -371,6 +379,28 @@ def _forget(key: int, pooled: tuple[InstancePool, Any] | None) -> None:
     _ENVIRONMENTS.pop(key, None)
     if pooled is not None:
         pooled[0].give(pooled[1])
+
+
+# The verdict the run's verifier already gave an episode's last turn (a repair episode), by the episode: (task id,
+# the text judged, the verdict). In this process only; an episode from elsewhere is judged by the pool as usual.
+_VERDICTS: dict[int, tuple[weakref.ref[Episode], str, str, Verdict]] = {}
+
+
+def _keep_verdict(episode: Episode, task_id: str, text: str, verdict: Verdict) -> None:
+    key = id(episode)
+    _VERDICTS[key] = (weakref.ref(episode), task_id, text, verdict)
+    weakref.finalize(episode, _VERDICTS.pop, key, None)
+
+
+def judged_verdict(attempt: Attempt) -> Verdict | None:
+    """The verdict the run's verifier gave this attempt's episode on its last turn, when nothing changed since
+    (the same task and text): the verification pool takes it as the episode's instead of judging the turn a second
+    time (for Lean, a second compile and re-check). A copy: the caller may annotate it. None otherwise."""
+    episode = attempt.completion.episode
+    kept = _VERDICTS.get(id(episode)) if episode is not None else None
+    if kept is None or kept[0]() is not episode or kept[1] != attempt.task.id or kept[2] != attempt.completion.text:
+        return None
+    return kept[3].model_copy(deep=True)
 
 
 def environment_of(completion: Completion) -> Any:

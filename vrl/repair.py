@@ -4,9 +4,11 @@ A prover repairs a proof from the compiler's errors, a coder a function from the
 `Repair` is the interaction for that: each model turn goes through the environment's verifier — the
 whole pipeline, integrity checks included, exactly as a final attempt does — and a failed turn gets the
 verdict's report back (an environment may format it, e.g. add the failing line), trimmed to a budget,
-until a turn passes or `max_turns` is reached. The episode's verdict is still the verifier's on the
-last turn, judged again by the run's verification pool: what the interaction saw only feeds the
-conversation and the pass-rate-by-turn metrics.
+until a turn passes or `max_turns` is reached. The episode's verdict is the verifier's on the last turn:
+the one this interaction already got (`Reply.verdict`), which the run's verification pool takes as it is
+(`vrl.episodes.judged_verdict`) rather than judging the same text again (for Lean, a second compile and
+re-check). It is a verdict of the whole pipeline, canaries included, so the run's alarms and verifier
+counters see every pass as before; an episode whose last step failed (no verdict) is judged by the pool.
 """
 
 from __future__ import annotations
@@ -62,10 +64,10 @@ class Repair(Interaction):
     async def reply(self, turn: ModelTurn) -> Reply:
         attempt = Attempt(task=self.task, completion=Completion(task_id=self.task.id, text=turn.text))
         [verdict] = await self.verifier.get().verify([attempt])
-        if verdict.passed or verdict.alarm or turn.last:  # an alarm is the final verification's to report
-            return Reply(done=True, passed=verdict.passed)
+        if verdict.passed or verdict.alarm or turn.last:  # the episode's verdict (an alarm stops the run there)
+            return Reply(done=True, passed=verdict.passed, verdict=verdict)
         report = trim(self.feedback(self.task, turn.text, verdict), self.budget)
-        return Reply(messages=[{"role": "user", "content": report}], passed=False)
+        return Reply(messages=[{"role": "user", "content": report}], passed=False, verdict=verdict)
 
 
 class RepairEpisodes:

@@ -130,11 +130,19 @@ class VerificationPool:
         return futures
 
     async def _run(self, chunk: list[Attempt]) -> list[Verdict]:
+        from vrl.episodes import judged_verdict
+
+        # A repair episode's last turn was judged by the run's verifier already: its verdict is the attempt's.
+        known = {i: v for i, a in enumerate(chunk) if (v := judged_verdict(a)) is not None}
+        rest = [a for i, a in enumerate(chunk) if i not in known]
         try:
+            if not rest:
+                return [known[i] for i in range(len(chunk))]
             async with self._sem:
                 start = time.perf_counter()
                 try:
-                    return await self._judge(chunk)
+                    judged = iter(await self._judge(rest))
+                    return [known[i] if i in known else next(judged) for i in range(len(chunk))]
                 finally:
                     with self._lock:
                         self._busy_s += time.perf_counter() - start
