@@ -9,7 +9,7 @@ after each ES update, a rank to break, and the rank that judged each verdict. He
 - VRL_TEST_DRIFT=r:i: rank r applies iteration i's update with its first member's weight nudged (a rank
   whose θ drifts silently, as from a nondeterministic kernel).
 - VRL_TEST_VERIFIER_ERROR=m: the letters verifier raises on every attempt of member m (a bug of the
-  verifier's own, scored as crashed and reported once on rank 0's console), wherever it runs.
+  verifier's own, crashed verdicts with no reward, reported once on rank 0's console), wherever it runs.
 - Every verdict counts the rank whose process judged it: `test/verified_by_rank{r}` in metrics.jsonl.
 
 The variables are read when they are used, so each job of a launch may set its own.

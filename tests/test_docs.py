@@ -140,3 +140,39 @@ def test_multi_turn_md_examples_run_each_on_its_own(tmp_path, monkeypatch):
     assert made == ["vowel", "dataset", "dataset"]
     readme = (ROOT / "README.md").read_text()
     assert "[docs/multi-turn.md](docs/multi-turn.md)" in readme[readme.index("## Documentation"):]
+
+
+def test_a_verifier_error_is_said_to_have_no_reward_where_it_is_reported(tmp_path):
+    """Issue 56, item 8: a verifier error has no reward for GRPO (NaN) or ES (left out), never 0. The console line
+    of a run whose verifier raises on some attempts, and docs/plugins.md's section on it, say so; neither says they
+    are "scored as crashed" (which read as reward 0)."""
+    import io
+    import itertools
+
+    from rich.console import Console
+
+    from vrl.config import build
+    from vrl.envs.letters import LettersEnvironment, LettersVerifier
+    from vrl.trainer import Trainer
+
+    checks = itertools.count()
+
+    class SometimesRaises(LettersVerifier):
+        def check(self, attempt):
+            if next(checks) % 4 == 0:
+                raise ValueError("cannot parse this one")
+            return super().check(attempt)
+
+    class Env(LettersEnvironment):
+        def verifier(self):
+            return SometimesRaises()
+
+    out = io.StringIO()
+    layer = {"optimizer": "grpo", "iterations": 1, "tasks_per_iteration": 2, "sampling": {"max_new_tokens": 4},
+             "grpo": {"num_generations": 4}, "logging": {"runs_dir": str(tmp_path), "name": "errors"}}
+    Trainer(build(layer, {}), environment=Env(), console=Console(file=out, width=400)).run()
+    [line] = [x for x in out.getvalue().splitlines() if "reported once" in x]
+    assert "no reward" in line and "GRPO leaves them out" in line and "scored as crashed" not in line
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    section = text[text.index("### A broken verifier or shaper stops the run"):text.index("## Options")]
+    assert "no reward, never\n0" in section and "NaN" in section and "scored as crashed" not in section

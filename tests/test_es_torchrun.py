@@ -120,7 +120,9 @@ def reference(tmp_path_factory):
     ref = record(tmp / "runs" / "es", tmp / "sums")
     assert len(ref["rewards"]) == 5 and all(r[3] > 0 for r in ref["rewards"])  # members' rewards differ
     ref["error_line"] = verifier_error_line(done.stderr)
-    assert ref["error_line"].startswith("verifier error on 3 of 15 attempts (scored as crashed; reported once): "
+    assert ref["error_line"].startswith("verifier error on 3 of 15 attempts (crashed verdicts with no reward: GRPO "
+                                        "leaves them out of its statistics and update, ES out of the member's fitness; "
+                                        "reported once): "
                                         "RuntimeError: the test's verifier fails on member 1 (")
     assert ref["verified"] == {i: {"rank0": 12} for i in range(5)}  # members 0, 2, 3, 4 (1's raised)
     return ref

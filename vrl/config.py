@@ -146,7 +146,8 @@ class VerifierConfig(Section):
         0.5, ge=0.0, le=1.0,
         description="Stop the run (exit 2, before the update) when more than this share of an iteration's verdicts "
         "are the verifier's own errors (its code raised or broke the contract), and always when all are; below it "
-        "each kind of error is reported once on the console and its attempts score as crashed.",
+        "each kind of error is reported once on the console and its attempts are crashed verdicts with no reward (GRPO: "
+        "NaN, out of the group statistics and the update; ES: out of the member's fitness; never 0).",
     )
 
 

@@ -167,7 +167,8 @@ class Trainer:
             if kind not in self._reported_errors:
                 self._reported_errors.add(kind)
                 self._log(f"[yellow]verifier error on {sum(error_kind(d) == kind for d in errors)} of {len(results)} "
-                          f"attempts (scored as crashed; reported once): {detail}")
+                          f"attempts (crashed verdicts with no reward: GRPO leaves them out of its statistics and update, ES "
+                          f"out of the member's fitness; reported once): {detail}")
 
     def _check_alarms(self, iteration: int, results: list[Result]) -> None:
         """The verifier found its own integrity breached (a canary false theorem passed): keep the
