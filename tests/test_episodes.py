@@ -317,3 +317,12 @@ def test_hf_keeps_each_episodes_kv_cache_across_turns(env: str) -> None:
         assert (a.prompt_token_ids, a.token_ids, a.token_mask) == (b.prompt_token_ids, b.token_ids, b.token_mask)
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     assert fed_cached < 0.7 * fed_plain, (fed_cached, fed_plain)
+
+
+def test_no_turn_cache_under_a_repetition_penalty() -> None:
+    """transformers' repetition penalty reads every id of a row, the cache's masked positions (pad ids) included,
+    so with a penalty every turn recomputes the whole sequence and samples exactly as it did."""
+    host = _host()
+    assert host._turn_cache() is not None
+    host.sampling = SamplingConfig(max_new_tokens=5, repetition_penalty=1.3)
+    assert host._turn_cache() is None

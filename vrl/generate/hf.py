@@ -188,7 +188,8 @@ class HFConfig(Section):
         True,
         description="Episodes keep each turn's KV cache for the next turn (the next `generate` computes only the "
         "tokens after what its episode's row already holds: the environment's reply and what follows). Off: every "
-        "turn recomputes the whole sequence (the same tokens, up to floating-point effects).",
+        "turn recomputes the whole sequence (the same tokens, up to floating-point effects). Not used with a "
+        "repetition penalty (sampling.repetition_penalty != 1), which would see the cache's masked positions.",
     )
 
     threads: int | None = Field(
@@ -325,7 +326,7 @@ class HFGenerator(Generator):
 
         seed = _fresh_seed() if seed is None else seed
         rows = [Row(task=t, variant=variant, sample=j, seed=seed + i * n + j) for i, t in enumerate(tasks) for j in range(n)]
-        cache = _TurnCache() if self.turn_cache else None
+        cache = self._turn_cache()
         return self._episodes.run(rows, self.tokenizer, lambda ids, seeds, rm: self._continue(ids, seeds, rm, cache=cache),
                                   self.sampling.chat_template_kwargs)
 
@@ -338,10 +339,18 @@ class HFGenerator(Generator):
         rows = [Row(task=t, variant=v.index, sample=j, seed=seed + (start + i) * v.samples_per_task + j, member=p)
                 for p, v in enumerate(members) for i, t in enumerate(tasks) for j in range(v.samples_per_task)]
         signs = [(v.seed, v.sign) for v in members]
-        cache = _TurnCache() if self.turn_cache else None
+        cache = self._turn_cache()
         return self._episodes.run(rows, self.tokenizer,
                                   lambda ids, seeds, rm: self._continue(ids, seeds, rm, signs, cache=cache),
                                   self.sampling.chat_template_kwargs)
+
+    def _turn_cache(self) -> _TurnCache | None:
+        """A KV cache for one batch of episodes (`generator.hf.turn_cache`). None with a repetition penalty:
+        transformers' penalty reads every id of the row, and the cached rows' masked positions hold pad ids where
+        a fresh pass has none, so the penalty (of the pad token, often EOS) would differ."""
+        if not self.turn_cache or self.sampling.effective()["repetition_penalty"] != 1.0:
+            return None
+        return _TurnCache()
 
     def _continue(self, sequences: list[list[int]], seeds: list[int | None], row_member: list[int],
                   members: list[tuple[int, int]] | None = None, cache: _TurnCache | None = None) -> list[Any]:
