@@ -9,7 +9,7 @@
 #   benchmarks/real_model_curves.sh base             # held-out pass rate of the model as it is
 #   benchmarks/real_model_curves.sh es SEED          # ES run (ITER iterations), then its held-out pass rate
 #   benchmarks/real_model_curves.sh grpo SEED        # GRPO run, then its held-out pass rate
-# Settings: ITER (default 30); ES as vrl's defaults (the paper's N = 30, σ = 0.001, α = 0.0005, all weights)
+# Settings: ITER (default 30), TASKS per iteration (default 32), BACKEND (default vllm; hf needs no vLLM); ES as vrl's defaults (the paper's N = 30, σ = 0.001, α = 0.0005, all weights)
 # unless ES_SET adds --set pairs; GRPO 8 samples per task, learning rate 2e-5 (GRPO_SET adds more).
 set -euo pipefail
 out="${OUT:-/tmp/real-model-out}"; mkdir -p "$out"
@@ -17,11 +17,13 @@ runs="${RUNS:-/tmp/real-model-runs}"; mkdir -p "$runs"
 model="${VRL_REAL_MODEL:?VRL_REAL_MODEL names the GGUF file}"
 iterations="${ITER:-30}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-vrl() { python3 -m vrl.cli "$@"; }
-held_out=(--plugin sums --split test --limit 200 --seed 1234 --set generator.backend=hf --json)
-train=(--plugin sums --model "$model" --iterations "$iterations" --set tasks_per_iteration=32
-       --set generator.backend=vllm --set generator.vllm.enforce_eager=true
-       --set generator.vllm.gpu_memory_utilization=0.3 --set logging.runs_dir="$runs")
+vrl() { "${PYTHON:-python3}" -m vrl.cli "$@"; }
+held_out=(--plugin sums --split test --limit "${EVAL_LIMIT:-200}" --seed 1234 --set generator.backend=hf --json)
+train=(--plugin sums --model "$model" --iterations "$iterations" --set tasks_per_iteration="${TASKS:-32}"
+       --set logging.runs_dir="$runs" --set generator.backend="${BACKEND:-vllm}")
+if [ "${BACKEND:-vllm}" = vllm ]; then
+  train+=(--set generator.vllm.enforce_eager=true --set generator.vllm.gpu_memory_utilization=0.3)
+fi
 
 evaluate() {  # evaluate NAME MODEL
   local t0=$SECONDS
