@@ -94,3 +94,34 @@ def test_the_command_line_refuses_an_unreadable_gguf_model_in_one_line(tmp_path)
     assert res.exit_code == 2, res.output
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "architecture 'mamba9'" in lines[0], res.output
+
+
+def test_the_vllm_engine_starts_on_the_conversion_in_its_own_dtype_without_a_revision(tmp_path, monkeypatch):
+    """VLLMGenerator.from_config hands vLLM the converted folder (bfloat16 for generator.dtype=auto, as the engine
+    runs), never the GGUF file or a Hub revision. vLLM itself is a stand-in here that records its arguments; the
+    real engine on the real model: tests/test_real_model_gpu.py."""
+    import dataclasses
+    import types
+
+    from vrl.config import build
+    from vrl.generate import vllm as vllm_backend
+
+    monkeypatch.setenv("VRL_GGUF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf, "_write_folder", lambda path, dtype, out: (out / "config.json").write_text("{}"))
+    started = {}
+
+    class Started(Exception):
+        pass
+
+    def llm(**kwargs):
+        started.update(kwargs)
+        raise Started
+
+    fake = types.SimpleNamespace(LLM=llm, EngineArgs=dataclasses.make_dataclass("EngineArgs", ["model"]), __version__="0")
+    monkeypatch.setattr(vllm_backend, "import_vllm", lambda: fake)
+    model = write_gguf(tmp_path / "m.gguf", "llama")
+    config = build({"model": str(model), "generator": {"backend": "vllm", "revision": "main"}})
+    with pytest.raises(Started):
+        vllm_backend.VLLMGenerator.from_config(config)
+    assert started["model"] == str(gguf.folder_for(str(model), "bfloat16")) and started["dtype"] == "bfloat16"
+    assert started["revision"] is None
