@@ -179,6 +179,7 @@ def convert(name: str, dtype: str = "auto") -> Path:
                 "seconds": round(time.perf_counter() - t0, 1)}, indent=2) + "\n")
             if out.exists():  # an unfinished folder from an interrupted conversion
                 shutil.rmtree(out)
+            os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide it from other users of a shared cache
             os.replace(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
