@@ -11,7 +11,7 @@ from vrl.plugins import registry
 DECLARED = {
     "countdown": ["size", "seed", "min_numbers", "max_numbers", "calculator", "max_turns"],
     "guess": ["size", "turns", "seed"],
-    "letters": ["size"],
+    "letters": ["size", "mix"],
     "lean": ["server", "api_key", "data", "test_fraction", "timeout_s", "max_heartbeats", "repls", "recheck", "recheck_api_key",
              "recheck_sandbox", "lean_project", "lean_command", "recheck_timeout_s", "canary_rate", "turns", "feedback_chars",
              "on_exploit"],
