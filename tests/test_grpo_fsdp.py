@@ -293,7 +293,8 @@ def trained(tmp_path_factory):
     """The module's `torchrun … vrl train` jobs, in one launch on two nodes of one process each (`jobs_launch`):
     the 3-iteration sampling jobs ("one", rank 0 sampling; "every", `grpo.sample_on_every_rank`; "pool",
     two engines on rank 0), the asynchronous job ("async", 3 iterations) and its resume to a 4th
-    ("async_resumed"), the LoRA adapter's job ("lora"), and last the job whose rank 0 fails to take the trained
+    ("async_resumed"), the LoRA adapter's job ("lora"), dynamic sampling on every rank ("filter",
+    `FILTER_JOB`), and last the job whose rank 0 fails to take the trained
     weights ("failing_push", tests/failing_push_patches.py), which ends the launch. Per name: (rank 0's output,
     the run folder)."""
     tmp = tmp_path_factory.mktemp("fsdp_cli")
@@ -308,7 +309,8 @@ def trained(tmp_path_factory):
     failing = _letters_job(tmp / "failing_push")
     failing[failing.index("--iterations") + 1] = "4"
     jobs["failing_push"] = {"args": failing, "patch": "tests.failing_push_patches"}
-    order = ("one", "every", "pool", "async", "async_resumed", "lora", "failing_push")
+    jobs["filter"] = [*_letters_job(tmp / "filter"), *FILTER_JOB]
+    order = ("one", "every", "pool", "async", "async_resumed", "lora", "filter", "failing_push")
     outputs = jobs_launch(tmp, {k: jobs[k] for k in order}, nodes=2, fails="failing_push")
     return {name: (out, tmp / name.removesuffix("_resumed") / "fsdp") for name, out in outputs.items()}
 
@@ -350,6 +352,38 @@ def test_asynchronous_rollouts_under_torchrun_sample_and_train_as_one_process(tr
     assert [m[2] for m in two[1]] == pytest.approx([m[2] for m in one[1]], abs=1e-5)
     metrics = [json.loads(x) for x in (trained["async"][1] / "metrics.jsonl").read_text().splitlines()]
     assert [(m["iteration"], m["grpo/staleness/max"]) for m in metrics] == [(0, 0), (1, 1), (2, 1), (3, 0)]
+
+
+FILTER_JOB = ["-o", "mix=true", "--set", "grpo.filter_groups=true", "--set", "grpo.gen_batch_multiplier=1",
+              "--set", "grpo.max_num_gen_batches=4", "--set", "grpo.filter_groups_exhausted=train",
+              "--set", "grpo.sample_on_every_rank=true", "--set", "sampling.batch_size=1", "--set", "iterations=3"]
+"""Dynamic sampling under torchrun: `letters -o mix=true` (3 in 4 tasks always or never solved), 3 tasks per
+generation batch, every rank sampling its share of each batch, so an iteration draws several batches."""
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_under_torchrun_draws_the_batches_and_trains_the_groups_of_one_process(trained, tmp_path):
+    """`grpo.filter_groups=true` on 2 ranks, each sampling its share of every generation batch: rank 0 decides
+    the groups from the whole batch and both ranks train the batch it sends, so they agree on its size (a
+    disagreement would hang or fail the collectives). Against the same job on one process (this process,
+    `vrl.cli.main`): the same tasks.jsonl (every drawn task: batch, attempts, passes, outcome, kept or why
+    not), the same samples, the same `filter/*` metrics and rewards, losses within 1e-5; and some iteration
+    drew more than one generation batch."""
+    runs = tmp_path / "runs"
+    done = CliRunner().invoke(cli_main, [*_letters_job(runs), *FILTER_JOB], catch_exceptions=False)
+    assert done.exit_code == 0, done.output[-3000:]
+    keys = ("reward_mean", "reward_mean_trained", "tokens", "tokens_discarded", "filter/gen_batches",
+            "filter/trained_groups", "filter/informative_frac", "filter/exhausted", "grpo/frac_reward_zero_std")
+    one, two = _rows(runs / "fsdp", *keys, "grpo/loss"), _rows(trained["filter"][1], *keys, "grpo/loss")
+    assert len(two[1]) == 3 and two[0] == one[0]
+    assert [m[:-1] for m in two[1]] == [m[:-1] for m in one[1]]
+    assert [m[-1] for m in two[1]] == pytest.approx([m[-1] for m in one[1]], abs=1e-5)
+    tasks = (trained["filter"][1] / "tasks.jsonl").read_text()
+    assert tasks == (runs / "fsdp" / "tasks.jsonl").read_text()
+    rows = [json.loads(x) for x in tasks.splitlines()]
+    assert max(r["batch"] for r in rows) >= 1 and max(m[4] for m in two[1]) >= 2  # several generation batches
+    assert {r["outcome"] for r in rows} >= {"all_pass", "all_fail"} and any(r["kept"] for r in rows)
+    assert all(m[-2] == 0 for m in two[1])  # grpo/frac_reward_zero_std: only informative groups trained
 
 
 @pytest.mark.slow
