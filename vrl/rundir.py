@@ -5,6 +5,7 @@
       versions.json   python, torch, transformers, vrl and plugin versions
       metrics.jsonl   one line per finished iteration
       samples.jsonl   a bounded number of attempts per iteration (prompt, completion, verdict, reward)
+      tasks.jsonl     with dynamic sampling or a curriculum: one row per drawn task (vrl.schedule)
       state.json      the last finished iteration (written last, atomically)
       summary.json    status (running, finished, interrupted, failed) and totals
       lock            the pid of the process writing the run (held with flock while it runs)
