@@ -143,7 +143,8 @@ def flat(data: dict) -> dict:
 # old run directory has them.
 SINCE_ISSUE_28 = {"members_per_call", "min_containers", "orchestrator_timeout_s", "sandbox_idle_timeout_s",
                   "snapshot_every", "weight_transfer", "output",  # output: issue 40
-                  "driver_processes"}  # issue 44
+                  "driver_processes",  # issue 44
+                  "turn_cache"}  # issue 56: generator.hf.turn_cache
 
 
 def test_migrate_puts_old_keys_where_they_are_now():
