@@ -212,7 +212,8 @@ def self_check() -> str | None:
 def namespace_args(network: str | None = None) -> list[str]:
     """The namespace flags of every jail (`network`: 'own' or 'shared'; default: what `probe` found)."""
     network = network or probe().network
-    argv = ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    # --unshare-user as well: --unshare-all only tries one (a setuid bwrap would go on without it).
+    argv = ["--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     return argv + (["--share-net"] if network == "shared" else [])
 
 
