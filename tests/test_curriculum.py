@@ -4,16 +4,15 @@ tasks.jsonl; then ES in the real loop retiring tasks and resuming bit for bit.""
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from rich.console import Console
 
 from tests.test_filtering import MixedEnvironment
+from tests.test_filtering import _run as _train
 from vrl.config import ConfigError, build
 from vrl.curriculum import Curriculum
 from vrl.errors import UsageError
@@ -193,17 +192,6 @@ def _loop_config(tmp_path: Path, name: str, iterations: int = 5):
                   "es": {"population_size": N, "sigma": 0.05, "alpha": 0.05, "normalization": "group"},
                   "curriculum": {"kind": "pass_rate", "min_observations": 1, "readmit_prob": 0.25},
                   "logging": {"runs_dir": str(tmp_path), "name": name}})
-
-
-def _train(cfg, run_dir: RunDir | None = None, stop_after: int | None = None) -> Trainer:
-    def interrupt(metrics):
-        if stop_after is not None and metrics["iteration"] + 1 == stop_after:
-            raise KeyboardInterrupt
-
-    trainer = Trainer(cfg, run_dir=run_dir, environment=MixedEnvironment(), console=Console(file=io.StringIO()),
-                      on_iteration=interrupt)
-    trainer.run()
-    return trainer
 
 
 def test_es_with_the_curriculum_retires_tasks_and_resumes_bit_for_bit(tmp_path: Path):

@@ -172,12 +172,7 @@ def plot_outcomes(runs: list[Run], path: Path) -> Path:
         ax.set(ylim=(0, 1))
         ax.tick_params(labelsize=7)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    for ax in flat[len(runs):]:
-        ax.set_visible(False)
-    for ax in axes[-1]:
-        ax.set_xlabel("iteration (first = 1)", fontsize=8)
-    for row in axes:
-        row[0].set_ylabel("fraction", fontsize=8)
+    _label_grid(axes, flat, len(runs), "fraction")
     handles = [plt.Rectangle((0, 0), 1, 1, color=STATUS_COLORS[s]) for s in STATUSES]
     fig.legend(handles, STATUSES, loc="outside lower center", ncols=len(STATUSES), fontsize=8, frameon=False)
     fig.suptitle("verdicts per iteration", fontsize=10)
@@ -273,14 +268,19 @@ def plot_turns(runs: list[Run], path: Path) -> Path:
         ax.tick_params(labelsize=7)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=7, frameon=False)
-    for ax in flat[len(shown):]:
+    _label_grid(axes, flat, len(shown), "share of episodes passed")
+    fig.suptitle("pass rate by turn (passed at or before turn k)", fontsize=10)
+    return _save(fig, path)
+
+
+def _label_grid(axes, flat, used: int, ylabel: str) -> None:
+    """A grid of per-run panels: the unused ones hidden, iterations along the bottom row, `ylabel` on the left."""
+    for ax in flat[used:]:
         ax.set_visible(False)
     for ax in axes[-1]:
         ax.set_xlabel("iteration (first = 1)", fontsize=8)
     for row in axes:
-        row[0].set_ylabel("share of episodes passed", fontsize=8)
-    fig.suptitle("pass rate by turn (passed at or before turn k)", fontsize=10)
-    return _save(fig, path)
+        row[0].set_ylabel(ylabel, fontsize=8)
 
 
 def _save(fig: Any, path: Path) -> Path:
