@@ -18,6 +18,7 @@ one after another in it); what is checked does not need two at once.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from types import SimpleNamespace
@@ -589,7 +590,7 @@ def test_repair_episodes_are_refused_on_modal_before_anything_starts(tmp_path, m
     for plugin in ("python-tests", "lean"):
         cfg = modal_cfg(tmp_path, "repair", {"plugin": plugin, "env_options": {"turns": 2}})
         detached = modal_cfg(tmp_path, "repair", {"plugin": plugin, "env_options": {"turns": 2}}, detach=True)
-        for refuse in (lambda: ModalRuntime.check(cfg), lambda: launch_detached(detached)):
+        for refuse in (functools.partial(ModalRuntime.check, cfg), functools.partial(launch_detached, detached)):
             with pytest.raises(UsageError, match=rf"^environment '{plugin}' judges every turn of its episodes with its "
                                                  r"verifier \(-o turns=2: repair\).*runtime.kind=local for repair$"):
                 refuse()
