@@ -106,6 +106,11 @@ def test_role_images_carry_what_the_case_study_used_plus_vrl_and_plugins(built):
     assert orch.extra_index_url is None and "torch==2.11.0" in orch.pip
     light = orchestrator_recipe()  # no GPU: no CUDA wheels in the light image
     assert light.extra_index_url and "cpu" in light.extra_index_url
+    # Judging attempts itself (verify_in=local: a detached python-tests run), it needs the jail's bubblewrap;
+    # verification in sandboxes (the default) leaves the loop's image without it.
+    assert orch.apt == () and light.apt == ()
+    local = build_app(build({"runtime": {"kind": "modal", "modal": {"verify_in": "local"}}}))
+    assert local.recipes["orchestrator"].apt == ("bubblewrap",)
     # vrl as an installed distribution (a wheel of this checkout); countdown is built in, so no plugin goes in
     for recipe in (gpu, orch):
         assert recipe.distributions == ("vrl-core",) and recipe.dists[0].wheel.endswith(".whl")

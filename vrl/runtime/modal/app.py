@@ -77,7 +77,8 @@ def build_app(config: Any) -> ModalApp:
 
     rt = config.runtime.modal
     plugins = requested_plugins(config)  # the run's plugins only, installed in each image as distributions
-    recipes = {"gpu": gpu_recipe(plugins), "orchestrator": orchestrator_recipe(plugins, gpu=bool(rt.orchestrator_gpu))}
+    recipes = {"gpu": gpu_recipe(plugins),
+               "orchestrator": orchestrator_recipe(plugins, gpu=bool(rt.orchestrator_gpu), verifies=rt.verify_in == "local")}
     images = {role: recipe.build() for role, recipe in recipes.items()}
     volume = modal.Volume.from_name(rt.volume, create_if_missing=True)
     secrets = [modal.Secret.from_name(name) for name in rt.secrets]

@@ -389,13 +389,16 @@ def gpu_recipe(plugins: tuple[InstalledPlugin, ...] = ()) -> ImageRecipe:
     return ImageRecipe("gpu", pip=pip, dists=dists_for(plugins))
 
 
-def orchestrator_recipe(plugins: tuple[InstalledPlugin, ...] = (), gpu: bool = False) -> ImageRecipe:
+def orchestrator_recipe(plugins: tuple[InstalledPlugin, ...] = (), gpu: bool = False, verifies: bool = False
+                        ) -> ImageRecipe:
     """The detached loop: light, CPU torch (ES keeps no weights here; the history is the state), or the
-    GPU build of the workers' torch when the orchestrator has a GPU (GRPO's learner, runtime.modal.orchestrator_gpu)."""
+    GPU build of the workers' torch when the orchestrator has a GPU (GRPO's learner, runtime.modal.orchestrator_gpu).
+    `verifies` (runtime.modal.verify_in=local): it judges attempts itself, so it gets the verifier image's
+    Debian packages (bubblewrap, for vrl's jail) too."""
     # CPU or GPU build, the same torch version as the workers' (the CPU index's 2.11.0+cpu meets the pin)
     pip = tuple(dict.fromkeys((*ORCHESTRATOR_PACKAGES, TORCH, *vrl_requires(), *_plugin_requires(plugins))))
     return ImageRecipe("orchestrator", pip=pip, extra_index_url=None if gpu else TORCH_CPU_INDEX,
-                       dists=dists_for(plugins))
+                       dists=dists_for(plugins), apt=VERIFIER_APT if verifies else ())
 
 
 def verifier_recipe(plugin: InstalledPlugin | None, base: str | None = None, apt: tuple[str, ...] = ()
