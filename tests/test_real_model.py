@@ -33,8 +33,11 @@ GREEDY_TOKENS = 12
 
 
 def greedy_tasks() -> list[Task]:
-    """The recorded prompts: four one-digit and two two-digit sums of the test split."""
-    return SumsEnvironment().tasks("test", limit=4) + SumsEnvironment(digits=2).tasks("test", limit=2)
+    """The recorded prompts: four one-digit and two two-digit sums of the test split, with ids of their own (both
+    splits start at test-0; vLLM's generator orders a batch's completions by task id, so equal ids would pair a
+    completion with the wrong prompt: the GPU test's first run, docs/benchmarks.md)."""
+    tasks = SumsEnvironment().tasks("test", limit=4) + SumsEnvironment(digits=2).tasks("test", limit=2)
+    return [t.model_copy(update={"id": f"g{i}-{t.id}"}) for i, t in enumerate(tasks)]
 
 
 def passes(tasks, completions) -> int:
