@@ -217,8 +217,13 @@ def namespace_args(network: str | None = None) -> list[str]:
     return argv + (["--share-net"] if network == "shared" else [])
 
 
-_SYSTEM = ("/usr/bin", "/usr/sbin", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32", "/usr/libexec",
-           "/usr/share/zoneinfo", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+USR_PARTS = ("/usr/bin", "/usr/sbin", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32", "/usr/share/zoneinfo")
+"""The parts of /usr a program and its libraries need: programs, shared libraries (a Python's standard library
+under lib/pythonX.Y) and time zones. Not /usr/share, /usr/local, /usr/src: data a deployment keeps there (task
+files included) stays outside."""
+SYSTEM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+"""The top-level program and library folders (often symlinks into /usr, kept as symlinks)."""
+_SYSTEM = (*USR_PARTS, *SYSTEM_DIRS)
 
 
 def system_binds() -> list[str]:

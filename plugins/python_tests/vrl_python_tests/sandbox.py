@@ -41,7 +41,7 @@ _HARNESS_SOURCE = Path(harness.__file__).read_text()
 # Modules most attempts import, loaded once in the server so that each fork starts with them.
 PRELOAD = ("math", "re", "collections", "itertools", "functools", "heapq", "bisect", "string", "typing",
            "operator", "fractions", "decimal", "statistics", "datetime", "copy", "random", "json", "base64")
-_SYSTEM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_SYSTEM_DIRS = jail.SYSTEM_DIRS
 _UID_INSIDE = 1000
 _START_TIMEOUT_S = 30.0
 _CONTROL_TIMEOUT_S = 10.0
@@ -227,10 +227,7 @@ def bwrap_argv(python: str, tmpfs_mb: int, seccomp_fd: int | None = None) -> lis
     return argv
 
 
-# Parts of /usr an interpreter and its extension modules need: programs, shared libraries (with the
-# standard library under lib/pythonX.Y) and time zones. Not /usr/share, /usr/local, /usr/src...: data
-# a deployment keeps there (task files included) stays outside.
-_USR_PARTS = ("/usr/bin", "/usr/sbin", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32", "/usr/share/zoneinfo")
+_USR_PARTS = jail.USR_PARTS  # what an interpreter and its extension modules need of /usr (vrl.jail's list)
 
 
 def visible_paths(python: str) -> tuple[list[str], list[tuple[str, str]], list[str]]:
