@@ -51,8 +51,9 @@ theorem cfg_helper : 2 + 2 = 4 := by simp (config := cfgFromHelper)
 """
 
 
-def _line(name: str) -> int:
-    return next(i for i, text in enumerate(FACTS.splitlines(), 1) if f"theorem {name} " in text)
+def _line(name: str, source: str = FACTS) -> int:
+    """The line of `theorem NAME` in `source` (FACTS or NAMES), as Lean counts lines."""
+    return next(i for i, text in enumerate(source.splitlines(), 1) if f"theorem {name} " in text)
 
 
 def test_the_policy_refuses_what_real_lean_would_accept_with_another_meaning(tmp_path):
@@ -157,17 +158,13 @@ NAME_HELPERS = {  # the helpers of NAMES, as a completion writes them (ℕ for N
 }
 
 
-def _named(name: str) -> int:
-    return next(i for i, text in enumerate(NAMES.splitlines(), 1) if f"theorem {name} " in text)
-
-
 def test_names_are_read_as_lean_reads_them_and_where_helpers_are_definitions(tmp_path):
     path = tmp_path / "Names.lean"
     path.write_text(NAMES)
     messages = lean(path)
 
     def said(name: str) -> str:
-        return " ".join(errors(messages, _named(name)))
+        return " ".join(errors(messages, _line(name, NAMES)))
 
     # 1. An escaped name is the name: `+«native»`, `{ «native» := true }`, `(«native» := true)` and
     # `(«config» := .mk ...)` all evaluate natively, as `+native` does; the kernel's `decide` proves.
