@@ -636,12 +636,6 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid on the result channel")
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 # -- a pool of sandboxes ---------------------------------------------------------------------------
 
 def default_workers() -> int:
