@@ -9,7 +9,9 @@ Weights are random (no downloads); prompts are random printable text through the
 `vrl.generate.tiny`, 64 tokens each. An episode has 3 model turns of up to `--turn-tokens` tokens each,
 and the environment answers each of the first two with a short message (about 30 tokens, rendered by
 the chat template); the single-turn baseline generates up to 3 × `--turn-tokens` tokens per prompt.
-Repeats alternate the two, medians reported.
+Repeats alternate the two, medians reported (of each kind's tok/s, and of the ratio within each pair).
+`engine_s` is the time in the engine's steps as the episode loop streams turns through them; `env_share`
+the rest of the wall time (rendering, tokenising, environment steps not overlapped with generation).
 """
 
 from __future__ import annotations
@@ -77,16 +79,18 @@ def main() -> None:
     start_s = time.perf_counter() - t0
     runner = Episodes(Env())
     generate_s = [0.0]
-    original = gen._continue
+    from vrl.generate import vllm as vllm_backend
 
-    def timed(*a, **k):
+    original = vllm_backend._Turns.step
+
+    def timed(self):  # the engine's steps, as the episode loop streams turns through them
         t = time.perf_counter()
         try:
-            return original(*a, **k)
+            return original(self)
         finally:
             generate_s[0] += time.perf_counter() - t
 
-    gen._continue = timed
+    vllm_backend._Turns.step = timed
     rows = {"episodes": [], "single": []}
     for r in range(args.repeats + 1):  # the first round warms both paths up and is not kept
         for kind in ("episodes", "single"):
@@ -111,8 +115,10 @@ def main() -> None:
             print(kind, row, flush=True)
     gen.close()
     med = {k: statistics.median(x["tok_s"] for x in v) for k, v in rows.items()}
+    pairs = [e["tok_s"] / s["tok_s"] for e, s in zip(rows["episodes"], rows["single"])]
     result = {"prompts": args.prompts, "turn_tokens": args.turn_tokens, "small": args.small, "eager": args.eager,
               "engine_start_s": start_s, "runs": rows, "tok_s_median": med, "ratio": med["episodes"] / med["single"],
+              "pair_ratios": pairs, "pair_ratio_median": statistics.median(pairs),
               "env_share_median": statistics.median(x["env_share"] for x in rows["episodes"])}
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -2,12 +2,14 @@
 request surface (`enqueue`, `llm_engine.step`, `abort_request`) and answers each request greedily with the
 real tiny model, finishing them in reverse order and in separate steps as an engine may. Against the hf
 backend's greedy episodes on the same model: the same token ids, masks and turns, so requests are joined
-to their episodes by id, each turn continues from the episode's exact ids, and ended episodes are not
-sent again. The real engine is checked on the GPU by tests/test_episodes_vllm_gpu.py."""
+to their episodes by id, each turn continues from the episode's exact ids, ended episodes are not sent
+again, and an episode's next turn joins the engine while other episodes' turns are still running
+(streamed, not one pass per turn). The real engine is checked on the GPU by tests/test_episodes_vllm_gpu.py."""
 
 from __future__ import annotations
 
 import sys
+import time
 from types import SimpleNamespace
 
 import torch
@@ -25,6 +27,7 @@ class _GreedyLLM:
 
     def __init__(self, model, eos: int):
         self.model, self.eos, self.pending, self.sent = model, eos, [], []
+        self.running_at_send: list[int] = []  # how many requests were in the engine when each was sent
         self.llm_engine = SimpleNamespace(has_unfinished_requests=lambda: bool(self.pending), step=self._step,
                                           abort_request=lambda ids: None)
 
@@ -33,11 +36,13 @@ class _GreedyLLM:
         for k, (p, sp) in enumerate(zip(prompts, params)):
             rid = f"{len(self.sent)}"
             self.sent.append(list(p["prompt_token_ids"]))
+            self.running_at_send.append(len(self.pending))
             self.pending.append((rid, p["prompt_token_ids"], sp["max_tokens"]))
             ids.append(f"{rid}-abc{k}")
         return ids
 
     def _step(self):
+        time.sleep(0.02)  # a step takes time: the environment's steps (another thread) return meanwhile
         rid, prompt, n = self.pending.pop()  # the newest first: finished out of order, one per step
         with torch.no_grad():
             out = self.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -70,8 +75,13 @@ def test_vllm_episodes_continue_each_episode_from_its_ids_as_hf_does(monkeypatch
            [(c.task_id, c.prompt_token_ids, c.token_ids, c.token_mask) for c in theirs]
     assert all(c.episode.metrics["turns"] == 3 for c in ours)
     assert len({tuple(c.token_ids) for c in ours}) == 3  # the episodes differ: a mix-up would show
-    # Three passes of three requests; every request of a later pass extends one of the pass before.
-    passes = [llm.sent[0:3], llm.sent[3:6], llm.sent[6:9]]
-    assert len(llm.sent) == 9
-    for before, after in zip(passes, passes[1:]):
-        assert all(any(len(seq) > len(prev) and seq[: len(prev)] == prev for prev in before) for seq in after)
+    # Nine turns: the three prompts first; each later turn continues one episode (extends exactly one prompt)
+    # and every turn of that episode sent before it; some joined the engine while other episodes' turns were
+    # still running.
+    prompts = llm.sent[:3]
+    assert len(llm.sent) == 9 and prompts == [c.prompt_token_ids for c in ours]
+    for k, seq in enumerate(llm.sent[3:], 3):
+        [own] = [p for p in prompts if seq[: len(p)] == p]
+        earlier = [prev for prev in llm.sent[:k] if prev[: len(own)] == own]
+        assert all(len(seq) > len(prev) and seq[: len(prev)] == prev for prev in earlier)
+    assert any(n > 0 for n in llm.running_at_send[3:])

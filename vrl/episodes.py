@@ -11,11 +11,15 @@ messages are rendered through the chat template once, tokenised once and appende
 which ids the model sampled (1) and which the environment wrote (0), so GRPO trains on exactly what was
 sampled and masks the rest out, as TRL masks tool results. Nothing is re-tokenised from text.
 
-`Episodes.run` is the backend-independent loop: a backend gives it one primitive, "continue these
-token-id sequences by one model turn" (batched, one seed per row), and it batches one turn of every
-live episode per call. Environment steps run concurrently on an event loop in another thread, each
-bounded by a timeout (`Interaction.step_timeout_s`, else `STEP_TIMEOUT_S`); an episode whose step is slow joins
-a later batch, so it delays only itself.
+`Episodes.run` is the backend-independent loop. A backend gives it one of two primitives:
+- `Continue`, "continue these token-id sequences by one model turn" (batched, one seed per row): the loop
+  batches one turn of every live episode per call (hf, whose `generate` is a batch);
+- a `TurnStream` (vLLM, a continuous-batching engine): each episode's next turn is sent to the engine as
+  soon as its environment step returns, and each turn comes back as soon as it finishes, so one episode's
+  environment step overlaps the other episodes' generation and no turn waits for the slowest of its batch.
+Environment steps run concurrently on an event loop in another thread, each bounded by a timeout
+(`Interaction.step_timeout_s`, else `STEP_TIMEOUT_S`); an episode whose step is slow joins a later batch
+(or, streamed, the engine's running batch), so it delays only itself.
 
 One budget per episode (`Interaction.max_tokens`, TRL's `max_completion_length`): the model's and the
 environment's tokens after the prompt together. As TRL 1.16 does, a model turn is cut to what is left of
@@ -34,7 +38,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from vrl.errors import UsageError
 from vrl.types import Attempt, Completion, Episode, Prompt, Result, Task, Turn, Verdict
@@ -129,6 +133,24 @@ class Sampled:
 Continue = Callable[[list[list[int]], list[int | None], list[int]], list[Sampled]]
 
 
+@runtime_checkable
+class TurnStream(Protocol):
+    """The streaming primitive of a continuous-batching engine: turns go in as their episodes are ready and
+    come out as they finish, keyed by the caller's `key`; the same seeds and members as `Continue`."""
+
+    def submit(self, keys: list[int], sequences: list[list[int]], seeds: list[int | None], members: list[int]) -> None:
+        """Start one model turn per sequence (they join the engine's running batch)."""
+
+    def step(self) -> list[tuple[int, Sampled]]:
+        """Advance the engine; the turns that finished since the last call, with their keys."""
+
+    def busy(self) -> bool:
+        """Whether any submitted turn has not come back yet."""
+
+    def abort(self) -> None:
+        """Drop every turn still in the engine (the loop failed or was interrupted)."""
+
+
 def attach(host: Any, environment: Any) -> None:
     """Where `environment` answers back (`multi_turn`), `host` samples its tasks as whole episodes; a
     single-turn environment leaves the host as it is. Every place that samples for training or evaluation
@@ -176,16 +198,26 @@ class Episodes:
         # verifier's client, a sandbox pool) stays on the loop it was made on.
         self._loop: _LoopThread | None = None
 
-    def run(self, rows: Sequence[Row], tokenizer: Any, generate: Continue,
+    def run(self, rows: Sequence[Row], tokenizer: Any, generate: Continue | TurnStream,
             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[Completion]:
         """The completions of `rows` (in order): each an episode, or a single turn where the environment
-        gives no interaction for the task. `chat_template_kwargs` (TRL's name; `sampling.chat_template_kwargs`)
-        reach every rendering through the chat template: the first prompt and the environment's messages."""
+        gives no interaction for the task. `generate` is a backend's `Continue` (one turn of every live
+        episode per call) or its `TurnStream` (turns streamed through a continuous-batching engine).
+        `chat_template_kwargs` (TRL's name; `sampling.chat_template_kwargs`) reach every rendering through the
+        chat template: the first prompt and the environment's messages."""
         chat = dict(chat_template_kwargs or {})
         states = [self._start(row, tokenizer, chat) for row in rows]
         if self._loop is None:
             self._loop = _LoopThread()
-        loop = self._loop
+        if isinstance(generate, TurnStream):
+            self._stream(states, tokenizer, generate, chat)
+        else:
+            self._batched(states, tokenizer, generate, chat)
+        return [self._completion(s, self._loop) for s in states]
+
+    def _batched(self, states: list[_State], tokenizer: Any, generate: Continue, chat: Mapping[str, Any]) -> None:
+        """One engine call per round: every ready episode's next turn; a round's environment steps are gathered
+        for up to `gather_s` after the first returns, so fast steps share the next call."""
         ready = list(range(len(states)))
         pending: dict[concurrent.futures.Future[tuple[Reply, float]], int] = {}
         try:
@@ -196,22 +228,59 @@ class Episodes:
                                     [turn_seed(s.row.seed, s.model_turns) for s in batch],
                                     [s.row.member for s in batch])
                     for i, out in zip(ready, outs):
-                        turn = self._model_turn(states[i], out, tokenizer)
-                        if turn is not None:
-                            pending[loop.submit(self._step(states[i].interaction, turn, self._timeout(states[i])))] = i
+                        self._sampled(states, i, out, tokenizer, pending)
                     ready = []
                 if pending:
                     done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
                     more, _ = concurrent.futures.wait(set(pending) - done, timeout=self.gather_s)
-                    for fut in sorted(done | more, key=pending.__getitem__):
-                        i = pending.pop(fut)
-                        if self._environment_turn(states[i], *fut.result(), tokenizer, chat):
-                            ready.append(i)
-                    ready.sort()
+                    ready = self._replied(states, done | more, pending, tokenizer, chat)
         finally:
             for fut in pending:
                 fut.cancel()
-        return [self._completion(s, loop) for s in states]
+
+    def _stream(self, states: list[_State], tokenizer: Any, stream: TurnStream, chat: Mapping[str, Any]) -> None:
+        """Turns streamed through a continuous-batching engine: a finished turn goes to its environment step at
+        once, and the episode's next turn goes back into the engine as soon as that step returns."""
+        pending: dict[concurrent.futures.Future[tuple[Reply, float]], int] = {}
+
+        def send(keys: list[int]) -> None:
+            if keys:
+                stream.submit(keys, [states[i].prompt_ids + states[i].ids for i in keys],
+                              [turn_seed(states[i].row.seed, states[i].model_turns) for i in keys],
+                              [states[i].row.member for i in keys])
+
+        try:
+            send(list(range(len(states))))
+            while stream.busy() or pending:
+                if stream.busy():
+                    for i, out in sorted(stream.step(), key=lambda x: x[0]):
+                        self._sampled(states, i, out, tokenizer, pending)
+                    done = {f for f in pending if f.done()}
+                else:  # only environment steps are running: wait for one
+                    done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                send(self._replied(states, done, pending, tokenizer, chat))
+        finally:
+            for fut in pending:
+                fut.cancel()
+            stream.abort()
+
+    def _sampled(self, states: list[_State], i: int, out: Sampled, tokenizer: Any,
+                 pending: dict[concurrent.futures.Future[tuple[Reply, float]], int]) -> None:
+        """A model turn of episode `i` came back: record it, and start its environment step unless it ended."""
+        turn = self._model_turn(states[i], out, tokenizer)
+        if turn is not None:
+            pending[self._loop.submit(self._step(states[i].interaction, turn, self._timeout(states[i])))] = i
+
+    def _replied(self, states: list[_State], done: set[concurrent.futures.Future[tuple[Reply, float]]],
+                 pending: dict[concurrent.futures.Future[tuple[Reply, float]], int], tokenizer: Any,
+                 chat: Mapping[str, Any]) -> list[int]:
+        """Record the finished environment steps (in episode order); the episodes that take another turn."""
+        ready = []
+        for fut in sorted(done, key=pending.__getitem__):
+            i = pending.pop(fut)
+            if self._environment_turn(states[i], *fut.result(), tokenizer, chat):
+                ready.append(i)
+        return ready
 
     # -- one episode ---------------------------------------------------------------------------------
     def _start(self, row: Row, tokenizer: Any, chat: Mapping[str, Any] | None = None) -> _State:

@@ -555,15 +555,15 @@ class VLLMGenerator(Generator):
             return
         yield from self._run(tasks, [(i, variant, n, lora) for i in range(len(tasks))], seed)
 
-    # -- episodes (vrl.episodes): one turn of every live episode per engine pass -----------------------
+    # -- episodes (vrl.episodes): turns streamed through the engine's running batch ----------------------
     def episodes(self, runner: Any) -> None:
         self._episodes = runner
 
     def _episode_pass(self, tasks: Sequence[Task], groups: Sequence[tuple[int, int, int]], seed: int | None,
                       slots: Sequence[Any], lora: Any = None) -> list[Completion]:
         """Every episode of `groups` (variant, samples per task, member: −1 or an index into `slots`) on `tasks`,
-        all at once: each turn of the live episodes is one pass of the engine (prefix-cached: a turn's prompt
-        is the last one's ids plus the new ones), and an episode that ends is not sent again."""
+        all at once: each episode's turns are streamed through the engine's continuous batch (`_Turns`), a turn's
+        prompt the last one's ids plus the new ones (prefix-cached), and an episode that ends is not sent again."""
         from vrl.episodes import Row
 
         if seed is None:
@@ -573,47 +573,10 @@ class VLLMGenerator(Generator):
         self._wake()
         self.mover.before_pass()
         try:
-            return self._episodes.run(rows, self.tokenizer,
-                                      lambda seqs, seeds, members: self._continue(seqs, seeds, members, slots, lora),
-                                      self.sampling.chat_template_kwargs)
+            return self._episodes.run(rows, self.tokenizer, _Turns(self, slots, lora), self.sampling.chat_template_kwargs)
         finally:
             if self.sleep:
                 self._sleep()
-
-    def _continue(self, sequences: list[list[int]], seeds: list[int | None], members: list[int], slots: Sequence[Any],
-                  lora: Any = None) -> list[Any]:
-        """One model turn for each token-id sequence, in one engine pass; row r samples with seed `seeds[r]`
-        (vLLM's per-request generator: the same whichever requests share the pass) under its member's slot."""
-        import vllm
-
-        from vrl.episodes import Sampled
-
-        params = [self._sampling_params(1, s, vllm) for s in seeds]
-        salt = f"vrl-weights-{self._weights_version}"
-        loras = [slots[m] if m >= 0 else lora for m in members]
-        extra = {"lora_request": loras} if any(loras) else {}
-        internal = self.llm.enqueue([{"prompt_token_ids": seq, "cache_salt": salt} for seq in sequences], params,
-                                    use_tqdm=False, **extra)
-        position = {(rid.rsplit("-", 1)[0] if "-" in rid else rid): k for k, rid in enumerate(internal)}
-        outs: dict[int, Any] = {}
-        engine = self.llm.llm_engine
-        try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished and out.request_id in position:
-                        outs[position[out.request_id]] = out.outputs[0]
-        finally:
-            left = sorted(rid for rid, k in position.items() if k not in outs)
-            if left:
-                engine.abort_request(left)
-        if len(outs) != len(sequences):
-            raise RuntimeError(f"the vLLM engine went idle with {len(sequences) - len(outs)} of {len(sequences)} turns unanswered")
-        sampled = []
-        for k in range(len(sequences)):
-            c = self._completion(Task(id="turn", prompt=""), sequences[k], outs[k], 0)
-            sampled.append(Sampled(ids=c.token_ids, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs,
-                                   raw=self.tokenizer.decode(c.token_ids, skip_special_tokens=False)))
-        return sampled
 
     def _prompts(self, tasks: Sequence[Task]) -> list[list[int]]:
         """Each task's prompt as token ids (as the hf backend encodes it), checked against max_model_len."""
@@ -886,3 +849,50 @@ def _load_tokenizer(path: str, revision: str | None) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, revision=revision)
+
+
+class _Turns:
+    """Episode turns streamed through a vLLM engine (`vrl.episodes.TurnStream`): `submit` adds requests to the
+    engine's running batch, `step` runs one engine step and hands back the turns it finished. Row r samples
+    with seed `seeds[r]` (vLLM's per-request generator: the same whichever requests share a step) under its
+    member's LoRA slot."""
+
+    def __init__(self, gen: VLLMGenerator, slots: Sequence[Any], lora: Any = None):
+        self.gen, self.slots, self.lora = gen, slots, lora
+        self.engine = gen.llm.llm_engine
+        self.waiting: dict[str, tuple[int, list[int]]] = {}  # vLLM's request id → (key, the sequence it continues)
+
+    def submit(self, keys: list[int], sequences: list[list[int]], seeds: list[int | None], members: list[int]) -> None:
+        import vllm
+
+        gen = self.gen
+        params = [gen._sampling_params(1, s, vllm) for s in seeds]
+        salt = f"vrl-weights-{gen._weights_version}"
+        loras = [self.slots[m] if m >= 0 else self.lora for m in members]
+        extra = {"lora_request": loras} if any(loras) else {}
+        internal = gen.llm.enqueue([{"prompt_token_ids": seq, "cache_salt": salt} for seq in sequences], params,
+                                   use_tqdm=False, **extra)
+        for key, seq, rid in zip(keys, sequences, internal):  # outputs carry the id without enqueue's suffix
+            self.waiting[rid.rsplit("-", 1)[0] if "-" in rid else rid] = (key, seq)
+
+    def busy(self) -> bool:
+        return bool(self.waiting)
+
+    def step(self) -> list[tuple[int, Any]]:
+        from vrl.episodes import Sampled
+
+        if not self.engine.has_unfinished_requests():
+            raise RuntimeError(f"the vLLM engine went idle with {len(self.waiting)} turns unanswered")
+        done = []
+        for out in self.engine.step():
+            if out.finished and out.request_id in self.waiting:
+                key, seq = self.waiting.pop(out.request_id)
+                c = self.gen._completion(Task(id="turn", prompt=""), seq, out.outputs[0], 0)
+                done.append((key, Sampled(ids=c.token_ids, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs,
+                                          raw=self.gen.tokenizer.decode(c.token_ids, skip_special_tokens=False))))
+        return done
+
+    def abort(self) -> None:
+        if self.waiting:
+            self.engine.abort_request(sorted(self.waiting))
+            self.waiting.clear()
