@@ -710,3 +710,88 @@ def test_a_dict_environment_factory_routes_rows_by_their_environment_column(tmp_
     assert all(t == own and name.lower() == routed for name, t, own, routed in batch)
     [row] = [json.loads(line) for line in (tmp_path / "routed" / "metrics.jsonl").read_text().splitlines()]
     assert row["reward/Reach/applied"] == 2  # get_reward scores the Reach rows only
+
+
+INCREMENT_ENV = '''
+import random
+
+RESETS = []
+
+
+class IncrementEnv:
+    """TRL's lead example, as its docs write it: no dataset; reset() self-samples the task and returns the prompt."""
+
+    def reset(self, **kwargs) -> str | None:
+        RESETS.append(kwargs)
+        self.counter = 0
+        self.target = random.randint(1, 6)
+        return f"Increment the counter by {self.target}."
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+
+
+SEEN = []
+
+
+def prompt_reward(prompts, environments, **kwargs):
+    SEEN.append([(p, e.target) for p, e in zip(prompts, environments)])
+    return [0.0 for _ in prompts]
+'''
+
+
+def test_training_without_data_the_environment_owns_it_and_rewards_get_the_prompts_reset_gave(tmp_path) -> None:
+    """TRL's lead environment example, with no dataset at all: placeholder rows (TRL's one empty user message, which
+    reset(**row) receives as `prompt`, as TRL's placeholder dataset passes it), each episode's reset() giving its
+    prompt; reward functions get `prompts` as TRL 1.16 builds them, reset's text appended to the last message (also
+    kept in the sample's episode). From Python under GRPO, and from the CLI with get_reward as the only reward.
+    Without data and without one environment class, the options are refused in one line."""
+    import vrl
+
+    module = tmp_path / "increment_env.py"
+    module.write_text(INCREMENT_ENV)
+    ns = load_reward_function(f"{module}:prompt_reward").__globals__
+    env = DatasetEnvironment(environment_factory=f"{module}:IncrementEnv", reward=[f"{module}:prompt_reward"])
+    tasks = env.tasks()
+    assert len(tasks) == 1024 and env.splits == ("train",) and len(env.tasks(limit=3)) == 3
+    assert (tasks[5].id, tasks[5].prompt, tasks[5].data) == ("train-5", [{"role": "user", "content": ""}], {})
+    with pytest.raises(UnknownSplitError, match="no data .* is one split, 'train'"):
+        env.tasks("test")
+    config = vrl.TrainConfig(plugin="dataset", model="tiny", optimizer="grpo", iterations=2, tasks_per_iteration=2,
+                             sampling={"max_new_tokens": 4}, grpo={"num_generations": 2},
+                             logging={"runs_dir": str(tmp_path), "name": "py"})
+    assert vrl.Trainer(config, environment=env).run()["status"] == "finished"
+    assert ns["RESETS"] and all(r == {"prompt": [{"role": "user", "content": ""}]} for r in ns["RESETS"])
+    assert [len(batch) for batch in ns["SEEN"]] == [4, 4]
+    for batch in ns["SEEN"]:  # TRL: prompt[:-1] + [{**prompt[-1], "content": content + observation}]
+        assert all(p == [{"role": "user", "content": f"Increment the counter by {t}."}] for p, t in batch), batch
+    sample = json.loads((tmp_path / "py" / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["episode"]["prompt"][0]["content"].startswith("Increment the counter by ")
+
+    res = cli("train", "--plugin", "dataset", "--optimizer", "grpo", "-n", "1", "--name", "cli",
+              "-o", f"environment_factory={module}:IncrementEnv", "--set", "tasks_per_iteration=2",
+              "--set", "grpo.num_generations=2", "--set", "sampling.max_new_tokens=4", "--set", f"logging.runs_dir={tmp_path}")
+    assert res.exit_code == 0, res.output
+    [row] = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
+    assert row["reward/IncrementEnv/applied"] == 4 and row["episodes/count"] == 4
+
+    with pytest.raises(OptionsError, match=r"^environment 'dataset': no data; give -o data=FILE .*one environment_factory"):
+        DatasetEnvironment(reward=[f"{module}:prompt_reward"])
+    with pytest.raises(OptionsError, match="a dict environment_factory needs data whose 'environment' column"):
+        DatasetEnvironment(environment_factory={"a": f"{module}:IncrementEnv"})
+    with pytest.raises(RewardFunctionError, match="needs 'target', which training without data does not have"):
+        DatasetEnvironment(environment_factory=f"{module}:IncrementEnv",
+                           reward=[lambda completions, target: [0.0] * len(completions)]).tasks()

@@ -182,6 +182,7 @@ class _State:
     finish_reason: str = "stop"
     text: str = ""
     judged: tuple[int, Verdict] | None = None  # the model turn the environment's verifier judged last, and its verdict
+    prompt: Prompt | None = None  # the first prompt, where the interaction changed the task's (a reset() text appended)
 
     def add(self, key: str, value: float) -> None:
         self.metrics[key] = self.metrics.get(key, 0.0) + value
@@ -298,7 +299,8 @@ class Episodes:
         if budget is not None and int(budget) < 1:
             raise ValueError(f"environment {name!r}: an interaction's max_tokens must be at least 1, got {budget}")
         return _State(row=row, interaction=interaction, prompt_ids=list(ids), max_turns=turns,
-                      max_tokens=None if budget is None else int(budget))
+                      max_tokens=None if budget is None else int(budget),
+                      prompt=prompt if interaction is not None and prompt != row.task.prompt else None)
 
     def _timeout(self, s: _State) -> float:
         own = getattr(s.interaction, "step_timeout_s", None)
@@ -382,7 +384,8 @@ class Episodes:
         s.add("env_tokens", float(len(s.mask) - sum(s.mask)))
         s.add("turns", float(s.model_turns))
         c.token_mask = s.mask
-        c.episode = Episode(turns=s.turns, reward=None if reward is None else float(reward), metrics=s.metrics)
+        c.episode = Episode(turns=s.turns, reward=None if reward is None else float(reward), metrics=s.metrics,
+                            prompt=s.prompt)
         if s.interaction.environment is not None:
             _keep_environment(c.episode, s.interaction.environment)
         if s.judged is not None and s.judged[0] == s.model_turns:  # the last turn's verdict: the episode's
@@ -435,6 +438,13 @@ class InstancePool:
     def give(self, instance: Any) -> None:
         with self._lock:
             self._free.append(instance)
+
+
+def release(interaction: Any) -> None:
+    """Hand back the pooled instance of an interaction that runs no episode (one made only to look at its tools)."""
+    pooled = _POOLED.pop(id(getattr(interaction, "environment", None)), None)
+    if pooled is not None:
+        pooled[0].give(pooled[1])
 
 
 def _keep_environment(episode: Episode, instance: Any) -> None:

@@ -5,7 +5,8 @@ A reward function takes a batch and returns one reward per completion::
     def accuracy(prompts, completions, answer, **kwargs) -> list[float | None]: ...
     async def judge(prompts, completions, **kwargs) -> list[float | None]: ...
 
-`prompts` and `completions` are lists (a completion is a string, or `[{"role": "assistant",
+`prompts` and `completions` are lists (a prompt as the model saw it: an environment class's `reset()` text
+appended, as TRL 1.16 passes it; a completion is a string, or `[{"role": "assistant",
 "content": ...}]` when the prompt is chat messages, as in TRL; with tools, an episode's messages in TRL's
 parsed form: `reasoning_content`, structured `tool_calls`, then the tool messages); `completion_ids` holds
 the sampled token ids; every field of `Task.data` (the dataset's other columns) comes as a keyword list.
@@ -297,7 +298,9 @@ def batch_arguments(attempts: Sequence[Attempt], tools: dict[str, dict[str, Any]
     schemas, with which an episode's completion is in TRL's parsed form (`raw_completions` keeps it unparsed)."""
     from vrl.episodes import environment_of
 
-    prompts = [a.task.prompt for a in attempts]
+    # TRL's `prompts`: each episode's first prompt as the model saw it (its environment's reset() text appended)
+    prompts = [a.completion.episode.prompt if a.completion.episode is not None and a.completion.episode.prompt is not None
+               else a.task.prompt for a in attempts]
     kwargs: dict[str, list[Any]] = {"prompts": prompts,
                                     "completions": [_completion(a.task, a.completion, tools) for a in attempts],
                                     "completion_ids": [a.completion.token_ids for a in attempts],

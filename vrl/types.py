@@ -48,6 +48,9 @@ class Episode(BaseModel):
                                  "`get_reward`), for its verifier; None when the verifier judges the text.")
     metrics: dict[str, float] = Field(default_factory=dict, description="Per-episode counters: tool_calls, "
                                       "tool_errors, step_errors, env_step_s, model_tokens, env_tokens.")
+    prompt: Prompt | None = Field(None, description="The episode's first prompt where the environment changed the "
+                                  "task's (a TRL environment class's reset() text appended), as reward functions get "
+                                  "it in `prompts` (TRL's); None: the task's own.")
 
     def model_turns(self) -> list[str]:
         """The model's turns, in order."""

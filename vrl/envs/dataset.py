@@ -43,6 +43,8 @@ from vrl.types import Task
 FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 ENVIRONMENT_COLUMN = "environment"  # with a dict environment_factory: the row's environment (TRL's name)
 PLACEHOLDER = {"role": "user", "content": ""}  # a row without a prompt: reset() supplies it (TRL's placeholder)
+#: Without data: the placeholder rows of the one split, `train` (more than an iteration draws; they differ by id only).
+PLACEHOLDER_ROWS = 1024
 
 
 class MalformedDataset(UsageError, ValueError):
@@ -52,8 +54,10 @@ class MalformedDataset(UsageError, ValueError):
 class DatasetOptions(EnvOptions):
     """`-o` options of the dataset environment."""
 
-    data: str = Field(description="A .jsonl, .json, .csv or .parquet file, or a Hugging Face dataset id "
-                      "(`owner/name`, loaded with `datasets`).")
+    data: str | None = Field(None, description="A .jsonl, .json, .csv or .parquet file, or a Hugging Face dataset id "
+                             "(`owner/name`, loaded with `datasets`). Optional with one environment_factory class: "
+                             "without data, the environment owns it (TRL's dataset-less training): placeholder rows, "
+                             "each episode's reset() gives its prompt.")
     reward: list[str | Callable[..., Any]] = Field(
         [], validation_alias=AliasChoices("reward", "rewards"),
         description="Reward functions: `module:function` or `path/to/file.py:function`, comma-separated or a list "
@@ -160,6 +164,13 @@ class DatasetEnvironment(Environment):
         for name, factory in self.factories.items():
             self._classes[name] = self._environment_class(name, factory)
         self._pools: dict[str | None, InstancePool] = {}
+        if o.data is None and self.routed:  # as TRL refuses a missing train_dataset
+            raise OptionsError("environment 'dataset': a dict environment_factory needs data whose 'environment' "
+                               "column routes each row (-o data=FILE); without data, give one environment_factory class")
+        if o.data is None and self.factory is None:
+            raise OptionsError("environment 'dataset': no data; give -o data=FILE (or a Hugging Face id), or one "
+                               "environment_factory class whose reset() gives each prompt (TRL's training without a "
+                               "dataset)")
         if o.max_tool_calling_iterations is not None:
             if "max_turns" in o.model_fields_set:
                 raise OptionsError("environment 'dataset': give max_turns or max_tool_calling_iterations (TRL's name, "
@@ -193,16 +204,19 @@ class DatasetEnvironment(Environment):
         self.rewards = RewardFunctions(rewards, weights, timeout_s=o.reward_timeout_s,
                                        pass_threshold=o.pass_threshold, tools=schemas)
         self._tasks: dict[str, list[Task]] = {}
-        self._one_file = Path(o.data).expanduser().is_file()
+        self._one_file = o.data is None or Path(o.data).expanduser().is_file()
         if self._one_file:  # a file is one split (`vrl verify` looks for task ids in every split)
             self.splits = ("train",)
 
     # -- tasks -------------------------------------------------------------------------------------
     def tasks(self, split: str = "train", limit: int | None = None) -> list[Task]:
         if self._one_file and split == "test":
-            raise UnknownSplitError(f"{self.options.data} is one split, 'train'; there is no split 'test' "
-                                    "(evaluate on it with `vrl eval --split train`)")
+            raise UnknownSplitError(f"{self.options.data or 'no data (placeholder rows)'} is one split, 'train'; there "
+                                    "is no split 'test' (evaluate on it with `vrl eval --split train`)")
         self._check_split(split)
+        if split not in self._tasks and self.options.data is None:  # the environment owns the data (TRL's
+            self.rewards.check_columns([], "training without data", environments=True)  # dataset-less training)
+            self._tasks[split] = placeholder_tasks(self.options.system_prompt, PLACEHOLDER_ROWS)
         if split not in self._tasks:
             name = self.options.split if split == "train" else self.options.test_split
             source, rows = load_rows(self.options.data, name, self.options.subset)
@@ -248,7 +262,10 @@ class DatasetEnvironment(Environment):
         if not self.multi_turn:
             return None
         o = self.options
-        row = dict(task.data) if is_placeholder(task.prompt) else {o.prompt_column: task.prompt, **task.data}
+        if o.data is None:  # TRL's dataset-less rows hold the placeholder prompt, which reset(**row) gets
+            row = {"prompt": task.prompt, **task.data}
+        else:  # a row without the prompt column gets reset(**row) without it, as in TRL
+            row = dict(task.data) if is_placeholder(task.prompt) else {o.prompt_column: task.prompt, **task.data}
         name = None
         if self.routed:
             name = row.pop(ENVIRONMENT_COLUMN, None)  # a control column, not reset's (as TRL)
@@ -437,6 +454,13 @@ def rows_to_tasks(rows: Sequence[Row], source: str, split: str, prompt_column: s
                                    f"({', '.join(RESERVED)}); rename it")
         tasks.append(Task(id=task_id, prompt=prompt, data=data))
     return tasks
+
+
+def placeholder_tasks(system_prompt: str | None, count: int) -> list[Task]:
+    """Training without data (TRL's dataset-less `environment_factory`): `count` rows of TRL's placeholder prompt,
+    one empty user message (after the system prompt, if any), which each episode's reset() completes."""
+    prompt = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else []) + [dict(PLACEHOLDER)]
+    return [Task(id=f"train-{i}", prompt=prompt) for i in range(count)]
 
 
 def is_placeholder(prompt: Any) -> bool:
