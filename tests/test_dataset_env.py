@@ -795,3 +795,37 @@ def test_training_without_data_the_environment_owns_it_and_rewards_get_the_promp
     with pytest.raises(RewardFunctionError, match="needs 'target', which training without data does not have"):
         DatasetEnvironment(environment_factory=f"{module}:IncrementEnv",
                            reward=[lambda completions, target: [0.0] * len(completions)]).tasks()
+
+
+def test_tools_a_chat_template_cannot_show_are_refused_at_preflight_before_the_model_loads(tmp_path, monkeypatch):
+    """A text prompt with tools on a tokenizer whose chat template ignores tools (the npm Llama 3.1 one) is refused
+    by the preflight, from Python and from the CLI, in the one line the first episode would raise (naming the tools
+    and the fix), before any weights load and before a run directory is made; no environment class's reset runs."""
+    import vrl
+    from tests.test_tools import _tokenizer
+    from vrl.episodes import ToolsNotRendered
+
+    llama31 = _tokenizer("llama3_1").name_or_path
+    module, ns = _owned(tmp_path)
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "Reach 3.", "target": 3}) + "\n")
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights loaded before the preflight refused the tools")
+
+    monkeypatch.setattr("vrl.generate.hf.load_model_and_tokenizer", no_weights)
+    monkeypatch.setattr("vrl.generate.hf.meta_model", no_weights)
+    env = DatasetEnvironment(data=str(data), environment_factory=f"{module}:Reach", reward=[f"{module}:own_target"])
+    ns["RESETS"].clear()
+    config = vrl.TrainConfig(plugin="dataset", model=llama31, iterations=1, tasks_per_iteration=1,
+                             logging={"runs_dir": str(tmp_path), "name": "py"})
+    with pytest.raises(ToolsNotRendered, match=r"^the episode offers tools \(add\) but the model's chat template does "
+                       r"not render tools .*use a model whose template renders tools .* or give no tools$"):
+        vrl.Trainer(config, environment=env)
+    assert not (tmp_path / "py").exists() and ns["RESETS"] == []
+    res = cli("train", "--plugin", "dataset", "--model", llama31, "-n", "1", "--name", "cli", "-o", f"data={data}",
+              "-o", f"tool={FIXTURES.parent}/tools/counter_env.py:double", "-o", f"reward={REWARDS}:always_raises",
+              "--set", f"logging.runs_dir={tmp_path}")
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert res.exit_code == 2 and len(errors) == 1 and "offers tools (double)" in errors[0], res.output
+    assert not (tmp_path / "cli").exists()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vrl.optim import optimizer_class
 from vrl.runtime import runtime_class
@@ -35,6 +35,54 @@ def check_episodes(config: TrainConfig, env: Environment, runtime: type) -> None
         from vrl.plugins import environment_wire
 
         environment_wire(env, config, *elsewhere)  # those hosts build it from the plugin: refused if made in code
+    if runtime.weights_here:  # the tokenizer is where the weights are
+        check_tools_render(config, env)
+
+
+#: How many of the split's first tasks `check_tools_render` looks at for one whose episodes offer tools.
+TOOL_PROBE_TASKS = 32
+
+
+def check_tools_render(config: TrainConfig, env: Environment) -> None:
+    """Episodes that offer tools need a chat template that shows them to the model: refused here, before the model
+    loads, in the line the first episode would raise (`vrl.episodes.ToolsNotRendered`: use a model whose template
+    renders tools, or give no tools). Looks at the first episodes' tools (`Interaction.tools`) without starting
+    them (no environment class's `reset` runs); a tokenizer that does not load is left to the runtime's check."""
+    from vrl.episodes import _check_renders_tools, release
+    from vrl.errors import UnknownSplitError
+
+    try:
+        tasks = env.tasks(config.split, limit=TOOL_PROBE_TASKS)
+    except UnknownSplitError:  # (`vrl eval` of another split) the first episode still refuses, in the same line
+        return
+    for task in tasks:
+        interaction = env.interaction(task)
+        tools = getattr(interaction, "tools", None)
+        release(interaction)  # a pooled environment instance goes back unused
+        if tools:
+            tokenizer = _tokenizer(config)
+            if tokenizer is not None:
+                _check_renders_tools(tokenizer, tools)
+            return
+
+
+def _tokenizer(config: TrainConfig) -> Any:
+    """The policy's tokenizer (`tiny`: built; a GGUF file: its converted folder's), or None when it does not load."""
+    from vrl.generate.hf import TINY
+
+    if config.model == TINY:
+        from vrl.generate import tiny
+
+        return tiny.build_tokenizer()
+    from transformers import AutoTokenizer
+
+    from vrl.gguf import is_gguf, resolve_any
+
+    name, revision = (resolve_any(config.model), None) if is_gguf(config.model) else (config.model, config.generator.revision)
+    try:
+        return AutoTokenizer.from_pretrained(name, revision=revision)
+    except (OSError, ValueError):
+        return None
 
 
 def preflight(config: TrainConfig, env: Environment, *, training: bool = True) -> None:
