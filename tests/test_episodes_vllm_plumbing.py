@@ -85,3 +85,20 @@ def test_vllm_episodes_continue_each_episode_from_its_ids_as_hf_does(monkeypatch
         earlier = [prev for prev in llm.sent[:k] if prev[: len(own)] == own]
         assert all(len(seq) > len(prev) and seq[: len(prev)] == prev for prev in earlier)
     assert any(n > 0 for n in llm.running_at_send[3:])
+
+
+def test_tasks_that_share_an_id_keep_their_own_completions_in_order(monkeypatch):
+    """`generate` puts each completion back by its task's position, not by id: two prompts under one id (a
+    batch that drew a task twice, or a caller's own tasks) each get the completion of their own prompt, though
+    the engine finishes them newest first."""
+    from vrl.generate.vllm import VLLMGenerator
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: kw))
+    model, tok = load_model_and_tokenizer("tiny", "cpu", "float32")
+    llm = _GreedyLLM(model, tok.eos_token_id)
+    gen = VLLMGenerator(llm, tok, build({}).sampling, mode="sample")
+    gen.sampling = SamplingConfig(temperature=0.0, max_new_tokens=3, batch_size=8)
+    tasks = [Task(id="same", prompt="first prompt"), Task(id="other", prompt="x"), Task(id="same", prompt="zzzz")]
+    out = gen.generate(tasks)
+    assert [c.task_id for c in out] == ["same", "other", "same"]
+    assert [tok.decode(c.prompt_token_ids) for c in out] == [t.prompt for t in tasks]

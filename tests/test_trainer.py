@@ -14,7 +14,7 @@ import pytest
 
 from vrl.config import build
 from vrl.envs.letters import LettersEnvironment, LettersVerifier
-from vrl.errors import PluginError, RunDirError
+from vrl.errors import PluginError, RunDirError, UsageError
 from vrl.rundir import RunDir
 from vrl.runtime.local import LocalRuntime
 from vrl.trainer import Trainer
@@ -129,6 +129,25 @@ def test_task_schedule_is_deterministic_and_covers_the_pool(tmp_path):
     first_epoch = [t.id for i in range(3) for t in trainer.tasks_for(pool, i)][:6]
     assert sorted(first_epoch) == sorted(t.id for t in pool)
     assert [t.id for t in trainer.tasks_for(pool, 4)] == [t.id for t in trainer.tasks_for(pool, 4)]
+
+
+class SharedIds(LettersEnvironment):
+    """Letters whose second and fifth tasks carry one id (different prompts and answers)."""
+
+    def tasks(self, split="train", limit=None):
+        tasks = super().tasks(split, limit)
+        return [t.model_copy(update={"id": tasks[1].id}) if i == 4 else t for i, t in enumerate(tasks)]
+
+
+def test_tasks_that_share_an_id_are_refused_before_the_run_starts(tmp_path):
+    """Completions are joined to their tasks by id: two tasks under one id would be judged against each other's
+    answers, so the trainer refuses the split in one line naming the id, and writes no run."""
+    env = SharedIds(size=6)
+    shared = env.tasks()[1].id
+    with pytest.raises(UsageError, match=rf"split 'train': 1 task id\(s\) are used by more than one task "
+                                         rf"\(e.g. '{shared}', 2 times\)"):
+        Trainer(small_config(tmp_path), environment=env)
+    assert not (tmp_path / "run").exists()
 
 
 def test_ctrl_c_between_iterations_keeps_finished_work(tmp_path):

@@ -13,7 +13,7 @@ from vrl import episodes
 from vrl.environment import Environment
 from vrl.errors import UsageError
 from vrl.policy import Variant
-from vrl.types import Attempt
+from vrl.types import Attempt, refuse_shared_ids
 
 if TYPE_CHECKING:
     from vrl.config import TrainConfig
@@ -37,6 +37,7 @@ def evaluate(config: TrainConfig, split: str = "test", k: int = 1, limit: int | 
     tasks = env.tasks(split, limit=limit)
     if not tasks:
         raise UsageError(f"environment {env.name!r} has no tasks in split {split!r}; choose another --split")
+    refuse_shared_ids(tasks, env.name, split)
     preflight(config, env, training=False)
     runtime = make_runtime(config)
     policy = pool = None

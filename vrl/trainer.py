@@ -37,7 +37,7 @@ from vrl.preflight import preflight, verifies_in_process
 from vrl.rundir import RunDir
 from vrl.runtime.base import Runtime, VerificationPool
 from vrl.sinks import Sinks
-from vrl.types import Attempt, Result, Status, Task, Verdict, Verified
+from vrl.types import Attempt, Result, Status, Task, Verdict, Verified, refuse_shared_ids
 from vrl.verifier import (
     VERIFIER_ERROR,
     close_unused,
@@ -190,6 +190,7 @@ class Trainer:
         if not tasks:
             raise UsageError(f"environment {self.env.name!r} has no tasks in split {self.config.split!r}; "
                              f"choose one of {', '.join(self.env.splits)} with --set split=NAME")
+        refuse_shared_ids(tasks, self.env.name, self.config.split)
         return tasks
 
     def tasks_for(self, pool: list[Task], iteration: int) -> list[Task]:

@@ -12,6 +12,8 @@ from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vrl.errors import UsageError
+
 ChatMessage = dict[str, str]
 Prompt = Union[str, list[ChatMessage]]
 
@@ -27,6 +29,20 @@ class Task(BaseModel):
         default_factory=dict,
         description="Whatever the verifier needs (target, tests, formal statement...). Never shown to the model.",
     )
+
+
+def refuse_shared_ids(tasks: Sequence[Task], environment: str, split: str) -> None:
+    """Refuse a split where two tasks share an id, naming it: completions are joined to their tasks by id, so
+    they would be judged against each other's data."""
+    seen: dict[str, int] = {}
+    for t in tasks:
+        seen[t.id] = seen.get(t.id, 0) + 1
+    shared = {i: n for i, n in seen.items() if n > 1}
+    if shared:
+        task_id, n = next(iter(shared.items()))
+        raise UsageError(f"environment {environment!r}, split {split!r}: {len(shared)} task id(s) are used by more than "
+                         f"one task (e.g. {task_id!r}, {n} times); completions are matched to tasks by id, so each "
+                         "task needs an id of its own")
 
 
 class Turn(BaseModel):

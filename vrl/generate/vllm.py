@@ -644,12 +644,16 @@ class VLLMGenerator(Generator):
     def generate(
         self, tasks: Sequence[Task], n: int = 1, variant: int = 0, seed: int | None = None
     ) -> list[Completion]:
-        """All completions for `tasks`, in task order, n per task (the engine finishes them in any order)."""
-        first = {}
-        for i, t in enumerate(tasks):
-            first.setdefault(t.id, i)
-        out = [c for batch in self.stream(tasks, n=n, variant=variant, seed=seed) for c in batch]
-        return sorted(out, key=lambda c: (first[c.task_id], c.sample))
+        """All completions for `tasks`, in task order, n per task (the engine finishes them in any order). Each
+        completion is put back by its task's position, so tasks that share an id keep their own completions."""
+        if self._episodes is not None:  # episodes come back in row order, and environments read the tasks' own ids
+            return [c for batch in self.stream(tasks, n=n, variant=variant, seed=seed) for c in batch]
+        keyed = [t.model_copy(update={"id": f"{k}:{t.id}"}) for k, t in enumerate(tasks)]
+        out = [c for batch in self.stream(keyed, n=n, variant=variant, seed=seed) for c in batch]
+        out.sort(key=lambda c: (int(c.task_id.split(":", 1)[0]), c.sample))
+        for c in out:
+            c.task_id = c.task_id.split(":", 1)[1]
+        return out
 
     def _completion(self, task: Task, prompt_ids: list[int], out: Any, variant: int) -> Completion:
         if out.finish_reason not in ("stop", "length"):
