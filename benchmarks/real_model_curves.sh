@@ -9,6 +9,12 @@
 #   benchmarks/real_model_curves.sh base             # held-out pass rate of the model as it is
 #   benchmarks/real_model_curves.sh es SEED          # ES run (ITER iterations), then its held-out pass rate
 #   benchmarks/real_model_curves.sh grpo SEED        # GRPO run, then its held-out pass rate
+#   benchmarks/real_model_curves.sh es-lowrank SEED  # low-rank ES (es.noise=lowrank), then its held-out pass rate
+#   PLUGIN=countdown benchmarks/real_model_curves.sh grpo SEED   # the same on countdown (TOKENS new tokens, default 256)
+#   benchmarks/real_model_curves.sh all              # sums' base, 3 seeds of GRPO and ES, one low-rank ES, and
+#       countdown's base, GRPO and ES: every run at once on one GPU, each its own process with a share of the
+#       GPU's memory (GPU_UTIL, default 0.06 here), started STAGGER seconds apart (default 10), a run that fails
+#       retried once (concurrent vLLM start-ups can trip its memory profiling); the runs' wall times overlap
 # Settings: ITER (default 30), TASKS per iteration (default 32), BACKEND (default vllm; hf needs no vLLM); ES as vrl's defaults (the paper's N = 30, σ = 0.001, α = 0.0005, all weights)
 # unless ES_SET adds --set pairs; GRPO 8 samples per task, learning rate 2e-5 (GRPO_SET adds more).
 set -euo pipefail
@@ -18,11 +24,15 @@ model="${VRL_REAL_MODEL:?VRL_REAL_MODEL names the GGUF file}"
 iterations="${ITER:-30}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 vrl() { "${PYTHON:-python3}" -m vrl.cli "$@"; }
-held_out=(--plugin sums --split test --limit "${EVAL_LIMIT:-200}" --seed 1234 --set generator.backend=hf --json)
-train=(--plugin sums --model "$model" --iterations "$iterations" --set tasks_per_iteration="${TASKS:-32}"
+plugin="${PLUGIN:-sums}"
+held_out=(--plugin "$plugin" --split test --limit "${EVAL_LIMIT:-200}" --seed 1234 --set generator.backend=hf --json)
+train=(--plugin "$plugin" --model "$model" --iterations "$iterations" --set tasks_per_iteration="${TASKS:-32}"
        --set logging.runs_dir="$runs" --set generator.backend="${BACKEND:-vllm}")
+if [ "$plugin" = countdown ]; then  # SmolLM2 thinks aloud before its <answer>: more room than the tiny model's 64
+  held_out+=(--set sampling.max_new_tokens="${TOKENS:-256}"); train+=(--set sampling.max_new_tokens="${TOKENS:-256}")
+fi
 if [ "${BACKEND:-vllm}" = vllm ]; then
-  train+=(--set generator.vllm.enforce_eager=true --set generator.vllm.gpu_memory_utilization=0.3)
+  train+=(--set generator.vllm.enforce_eager=true --set generator.vllm.gpu_memory_utilization="${GPU_UTIL:-0.3}")
 fi
 
 evaluate() {  # evaluate NAME MODEL
@@ -32,7 +42,7 @@ evaluate() {  # evaluate NAME MODEL
 }
 
 run() {  # run RULE SEED EXTRA...
-  local rule=$1 seed=$2 name="$1-s$2" t0=$SECONDS; shift 2
+  local rule=$1 seed=$2 name="$plugin-${TAG:-$1}-s$2" t0=$SECONDS; shift 2
   vrl train "${train[@]}" --optimizer "$rule" --seed "$seed" --set logging.name="$name" "$@" >"$out/train-$name.log" 2>&1 \
     || { tail -30 "$out/train-$name.log"; return 1; }
   echo "train $name: $((SECONDS - t0)) s"
@@ -40,9 +50,25 @@ run() {  # run RULE SEED EXTRA...
   evaluate "$name" "$runs/$name"
 }
 
-case "${1:?stage: base | es SEED | grpo SEED}" in
-  base) evaluate base "$model" ;;
+case "${1:?stage: base | es SEED | es-lowrank SEED | grpo SEED | all}" in
+  base) evaluate "$plugin-base" "$model" ;;
   es) run es "${2:-0}" ${ES_SET:-} ;;
+  es-lowrank) TAG=es-lowrank run es "${2:-0}" --set es.noise=lowrank ${ES_SET:-} ;;
   grpo) run grpo "${2:-0}" --set grpo.num_generations=8 --set grpo.learning_rate=2e-5 ${GRPO_SET:-} ;;
+  all)
+    export GPU_UTIL="${GPU_UTIL:-0.06}"
+    "$0" base  # converts the GGUF file once (a cache keyed by its hash), before the runs share it
+    PLUGIN=countdown "$0" base
+    specs=("grpo 0" "grpo 1" "grpo 2" "es 0" "es 1" "es 2" "es-lowrank 0" "countdown grpo 0" "countdown es 0")
+    for spec in "${specs[@]}"; do
+      set -- $spec
+      if [ "$1" = countdown ]; then shift; export PLUGIN=countdown ITER=15 TASKS=16; else export PLUGIN=sums; unset ITER TASKS; fi
+      log="$out/all-$PLUGIN-$1-s$2.log"
+      ( "$0" "$@" || { echo "retrying $PLUGIN $*"; sleep 10; "$0" "$@"; } ) >"$log" 2>&1 &
+      sleep "${STAGGER:-10}"
+    done
+    unset PLUGIN
+    wait
+    tail -n 3 "$out"/all-*.log ;;
   *) echo "unknown stage $1" >&2; exit 64 ;;
 esac
