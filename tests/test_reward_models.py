@@ -401,3 +401,32 @@ def test_judge_credentials_never_show_and_a_model_name_may_hold_an_at(tmp_path, 
     Judge.fail_on = "abc"
     [error] = asyncio.run(judge(["p"], ["abc"]))
     assert isinstance(error, JudgeError) and "hunter2" not in str(error) and f"http://me:***@{host}" in str(error)
+
+
+def test_a_reward_model_renders_chats_with_the_runs_chat_template_kwargs_as_trl_does(tmp_path, classifier_dir):
+    """`sampling.chat_template_kwargs` reach a reward model's chats (given as an object, or as `model:PATH`), handed
+    over by the preflight: the text it scores is TRL 1.16's own rendering of prompt + completion for a reward model
+    (`apply_chat_template({"messages": ...}, tokenizer, **chat_template_kwargs)`), and its reward is the model's
+    logit on that text."""
+    from trl.data_utils import apply_chat_template
+
+    import vrl
+    from vrl.envs.dataset import DatasetEnvironment
+
+    rm = RewardModel(classifier_dir, device="cpu")
+    rm.tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}{% if enable_thinking is defined and not "
+                                  "enable_thinking %} quiet{% endif %}>{{ m.content }}\n{% endfor %}")
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "Say hi."}]}) + "\n")
+    env = DatasetEnvironment(data=str(data), reward=[rm, f"model:{classifier_dir}"])
+    config = vrl.TrainConfig(plugin="dataset", model="tiny", iterations=1, tasks_per_iteration=1,
+                             sampling={"chat_template_kwargs": {"enable_thinking": False}},
+                             logging={"runs_dir": str(tmp_path), "name": "rm"})
+    vrl.Trainer(config, environment=env)  # its preflight hands the environment the run's settings
+    assert [f.chat_template_kwargs for f in env.rewards.functions] == [{"enable_thinking": False}] * 2
+    prompt, completion = [{"role": "user", "content": "Say hi."}], [{"role": "assistant", "content": "hi"}]
+    trl_text = apply_chat_template({"messages": prompt + completion}, rm.tokenizer, enable_thinking=False)["text"]
+    assert rm.text(prompt, completion) == trl_text == "<user quiet>Say hi.\n<assistant quiet>hi\n"
+    with torch.inference_mode():
+        logit = rm.model(**rm.tokenizer([trl_text], return_tensors="pt", add_special_tokens=False)).logits[0, 0]
+    assert rm([prompt], [completion]) == pytest.approx([float(logit)], abs=1e-6)

@@ -25,7 +25,8 @@ from vrl.reward import Binary, RewardShaper
 from vrl.types import Task
 from vrl.verifier import Verifier
 
-if TYPE_CHECKING:  # a type only
+if TYPE_CHECKING:  # types only
+    from vrl.config import TrainConfig
     from vrl.episodes import Interaction
 
 
@@ -120,6 +121,11 @@ class Environment(ABC):
     def multi_turn(self) -> bool:
         """Whether episodes of this environment may take more than one turn (it overrides `interaction`)."""
         return type(self).interaction is not Environment.interaction
+
+    def configure(self, config: TrainConfig) -> None:
+        """The run's settings (`vrl.TrainConfig`), handed over by the preflight of `vrl train` and `vrl eval` before
+        anything is checked or generated. Default: nothing. `dataset` hands `sampling.chat_template_kwargs` to its
+        reward models (TRL renders a reward model's prompt and completion with them)."""
 
     def begin_iteration(self, iteration: int, iterations: int) -> None:
         """The run starts iteration `iteration` (0-based) of `iterations`, before it samples the iteration's tasks.

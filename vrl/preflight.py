@@ -86,9 +86,10 @@ def _tokenizer(config: TrainConfig) -> Any:
 
 
 def preflight(config: TrainConfig, env: Environment, *, training: bool = True) -> None:
-    """Seconds of checks before minutes of generation (train and eval): the runtime's own checks (the
-    local one: the model can be loaded, the devices exist), the optimizer's settings fit the model
-    (`training`), the verifier answers."""
+    """Seconds of checks before minutes of generation (train and eval), after handing the environment the run's
+    settings (`Environment.configure`): the runtime's own checks (the local one: the model can be loaded, the
+    devices exist), the optimizer's settings fit the model (`training`), the verifier answers."""
+    env.configure(config)
     runtime = runtime_class(config.runtime.kind)
     if env.multi_turn:
         check_episodes(config, env, runtime)

@@ -197,6 +197,13 @@ class RewardFunctions:
         terms = ", ".join(f"{n}×{w:g}" for n, w in zip(self.names, self.weights))
         return f"RewardFunctions({terms})"
 
+    def set_chat_template_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """The run's `sampling.chat_template_kwargs`, handed to each function that renders chats itself (a reward
+        model, `set_chat_template_kwargs`), as TRL renders a reward model's input with its `chat_template_kwargs`."""
+        for fn in self.functions:
+            if callable(getattr(fn, "set_chat_template_kwargs", None)):
+                fn.set_chat_template_kwargs(dict(kwargs))
+
     def begin_iteration(self, iteration: int, iterations: int) -> None:
         """The run is at `iteration` (0-based) of `iterations`: what `trainer_state` says to the functions."""
         self.iteration, self.iterations = int(iteration), int(iterations)

@@ -56,7 +56,8 @@ def _text(prompt: Any) -> str:
 class RewardModel:
     """A sequence-classification model (`AutoModelForSequenceClassification`) with its tokenizer, as a reward
     function: the reward of a completion is the model's first logit on prompt + completion, as TRL's
-    `reward_funcs="model id"` computes it (chat prompts through the reward tokenizer's chat template).
+    `reward_funcs="model id"` computes it (chat prompts through the reward tokenizer's chat template, with the run's
+    `sampling.chat_template_kwargs`, as TRL renders them with its `chat_template_kwargs`: `set_chat_template_kwargs`).
 
     Batched (`batch_size` texts per forward, right-padded), on `device`: 'auto' is the CUDA GPU with the
     most free memory when there is one, else the CPU. The model loads when this is built, so a path
@@ -68,6 +69,7 @@ class RewardModel:
         if batch_size < 1:
             raise RewardModelError(f"reward model batch_size must be at least 1, got {batch_size}")
         self.name_or_path, self.batch_size, self.max_length = model, batch_size, max_length
+        self.chat_template_kwargs: dict[str, Any] = {}  # the run's (`set_chat_template_kwargs`)
         self.__name__ = Path(model.rstrip("/")).name or "reward_model"  # logged as reward/<name>, as TRL names it
         self._lock = threading.Lock()  # calls run in threads of their own; one forward at a time
         self.device = _free_device(device)
@@ -111,13 +113,18 @@ class RewardModel:
         model.config.pad_token_id = tokenizer.pad_token_id
         return model.to(self.device).eval(), tokenizer
 
+    def set_chat_template_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """The run's `sampling.chat_template_kwargs` (TRL's `chat_template_kwargs`), for every chat this renders."""
+        self.chat_template_kwargs = dict(kwargs)
+
     def text(self, prompt: Any, completion: Any) -> str:
-        """What the reward model reads: a chat through its tokenizer's chat template, else prompt + completion."""
+        """What the reward model reads: a chat through its tokenizer's chat template (with the run's
+        `chat_template_kwargs`, as TRL renders prompt + completion for a reward model), else prompt + completion."""
         if isinstance(prompt, list):
             messages = prompt + (completion if isinstance(completion, list) else
                                  [{"role": "assistant", "content": completion}])
             if getattr(self.tokenizer, "chat_template", None):
-                return self.tokenizer.apply_chat_template(messages, tokenize=False)
+                return self.tokenizer.apply_chat_template(messages, tokenize=False, **self.chat_template_kwargs)
             return _text(messages)
         return prompt + (completion if isinstance(completion, str) else _text(completion))
 

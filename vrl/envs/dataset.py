@@ -277,6 +277,9 @@ class DatasetEnvironment(Environment):
                                row=row, feedback=o.tool_feedback, max_tokens=o.max_completion_length,
                                step_timeout_s=o.step_timeout_s)
 
+    def configure(self, config: Any) -> None:
+        self.rewards.set_chat_template_kwargs(config.sampling.chat_template_kwargs)  # a reward model's chats (TRL)
+
     def begin_iteration(self, iteration: int, iterations: int) -> None:
         self.rewards.begin_iteration(iteration, iterations)  # TRL's trainer_state
 
