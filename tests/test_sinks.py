@@ -49,11 +49,20 @@ def cli(tmp_path, *args, env=None):
                           capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.slow  # subprocesses / training runs: tens of seconds on a loaded 2-core machine
-def test_mlflow_works_with_no_environment_variables(tmp_path):
-    """The real CLI with no MLFLOW_* variable logs to <runs_dir>/.mlflow/mlflow.db; read back with MLflow's client."""
+@pytest.fixture(scope="module")
+def cli_mlflow_run(tmp_path_factory):
+    """The real CLI, with no MLFLOW_* variable, training 2 iterations with MLflow on: (its directory, its result).
+    One run for the module: creating an MLflow store (its schema migrations) costs a few CPU-seconds each time."""
     pytest.importorskip("mlflow")
-    res = cli(tmp_path, "train", "--plugin", "letters", "-n", "2", "--name", "r", "--set", "logging.mlflow=true", *SMALL)
+    here = tmp_path_factory.mktemp("cli-mlflow")
+    res = cli(here, "train", "--plugin", "letters", "-n", "2", "--name", "r", "--set", "logging.mlflow=true", *SMALL)
+    return here, res
+
+
+@pytest.mark.slow  # subprocesses / training runs: tens of seconds on a loaded 2-core machine
+def test_mlflow_works_with_no_environment_variables(cli_mlflow_run):
+    """The real CLI with no MLFLOW_* variable logs to <runs_dir>/.mlflow/mlflow.db; read back with MLflow's client."""
+    tmp_path, res = cli_mlflow_run
     assert res.returncode == 0, res.stderr
     assert "Unsupported" not in res.stderr and "metric sink" not in res.stderr
     run_dir = tmp_path / "runs" / "r"
@@ -69,10 +78,11 @@ def test_mlflow_works_with_no_environment_variables(tmp_path):
 
 
 @pytest.mark.slow
-def test_mlflow_resume_continues_the_run_and_respects_the_tracking_uri(tmp_path, monkeypatch):
-    pytest.importorskip("mlflow")
+def test_mlflow_resume_continues_the_run_and_respects_the_tracking_uri(tmp_path, monkeypatch, cli_mlflow_run):
+    """The user's MLFLOW_TRACKING_URI names an existing store elsewhere (the one the CLI run above made, in
+    another directory; an experiment of this test's own): the run and its resume log there, not to runs/.mlflow."""
     no_mlflow_env(monkeypatch)
-    uri = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    uri = f"sqlite:///{cli_mlflow_run[0] / 'runs' / '.mlflow' / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the user's choice wins over the default store
     Trainer(config(tmp_path, mlflow=True, mlflow_experiment="vrl-test"), environment=LettersEnvironment()).run()
     run_dir = tmp_path / "runs" / "r"
@@ -82,7 +92,7 @@ def test_mlflow_resume_continues_the_run_and_respects_the_tracking_uri(tmp_path,
     run_id = json.loads((run_dir / "sinks.json").read_text())["mlflow"]
     client = mlflow_client(uri)
     run = client.get_run(run_id)
-    assert run.info.status == "FINISHED"
+    assert run.info.status == "FINISHED" and client.get_experiment(run.info.experiment_id).name == "vrl-test"
     assert len(client.search_runs([run.info.experiment_id])) == 1  # the resume continued the same MLflow run
     history = client.get_metric_history(run_id, "reward_mean")
     assert [(h.step, h.value) for h in history] == [(r["iteration"], r["reward_mean"]) for r in local_rows(run_dir)]
@@ -90,25 +100,25 @@ def test_mlflow_resume_continues_the_run_and_respects_the_tracking_uri(tmp_path,
     assert "status/failed" in run.data.metrics
 
 
-@pytest.mark.slow  # subprocesses / training runs: tens of seconds on a loaded 2-core machine
+@pytest.mark.slow  # training runs: seconds on a loaded 2-core machine
 def test_a_sink_that_cannot_start_stops_the_run_before_iteration_0(tmp_path, monkeypatch):
-    """An unusable tracking URI: one error line, exit 2, no run directory; best effort trains without it."""
+    """An unusable tracking URI: one error line, exit 2, no run directory; best effort trains without it.
+    In-process (click's runner): the refusal, its one line and the exit status are vrl's, the same in a process
+    of its own (which paid ~6 CPU-seconds of torch and MLflow imports for them); that a real `vrl train` whose
+    sink cannot start prints that one line and nothing else is tests/test_cli_day_one.py's W&B test."""
     pytest.importorskip("mlflow")
-    env = {"MLFLOW_TRACKING_URI": "nosuchscheme://tracking"}
-    res = cli(tmp_path, "train", "--plugin", "letters", "-n", "1", "--name", "r", "--set", "logging.mlflow=true",
-              *SMALL, env=env)
-    assert res.returncode == 2, res.stderr
-    assert "Traceback" not in res.stderr
+    no_mlflow_env(monkeypatch)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://tracking")  # read from the environment at start
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--plugin", "letters", "-n", "1", "--name", "r", "--set", "logging.mlflow=true", *SMALL]
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "metric sink mlflow could not start" in lines[0], res.stderr
     assert "logging.sinks_best_effort=true" in lines[0]
     assert not (tmp_path / "runs" / "r").exists()
-    # Best effort, in-process (click's runner): what it checks is vrl's own warning line and the run directory,
-    # which do not depend on a process of its own; the store's URI is read from the environment at start.
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
-    monkeypatch.chdir(tmp_path)
-    res = CliRunner().invoke(main, ["train", "--plugin", "letters", "-n", "1", "--name", "r", "--set",
-                                    "logging.mlflow=true", "--set", "logging.sinks_best_effort=true", *SMALL])
+    res = CliRunner().invoke(main, [*args, "--set", "logging.sinks_best_effort=true"])
     assert res.exit_code == 0, res.output
     assert "metric sink mlflow failed" in res.stderr
     assert json.loads((tmp_path / "runs" / "r" / "summary.json").read_text())["status"] == "finished"
