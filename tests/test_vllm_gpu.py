@@ -244,6 +244,7 @@ def test_sleep_mode_frees_memory_and_sync_wakes_the_engine(model_dir, es_gen):
     from vrl.optim.grpo import GRPO, GRPOConfig
 
     es_gen.close()
+    print(f"\nfree before the sleeping engine starts: {torch.cuda.mem_get_info()[0] / 2**30:.1f} GiB")
     gen = trained_engine(config(model_dir, dtype="float32", sleep=True, gpu_memory_utilization=0.3))
     try:
         by_id = {t.id: t for t in tasks()}
