@@ -228,3 +228,172 @@ def test_episodes_equal_trls_tool_loop_ids_masks_messages_and_state_within_the_b
                           "{'error': 'Tool nope not found.'}", '{\'error\': "it\'s broken"}',
                           "{'error': \"Ledger.record() got an unexpected keyword argument 'm'\"}"]
     assert tool_texts[5].endswith("Ledger.record() argument after ** must be a mapping, not list'}")
+
+
+# TRL 1.16's docs' environment shapes, run through vrl's episodes with a scripted model (the calls are written, so every
+# tool runs): what reward functions receive is what TRL passes them.
+TRL_DOCS_ENVS = '''
+import asyncio
+import functools
+import random
+from typing import Literal, Optional
+
+
+class CodingEnv:
+    def reset(self, **kwargs) -> str:
+        self.n = random.randint(1, 20)
+        return f"Compute the {self.n}th Fibonacci number."
+
+    def run_code(self, code: str) -> str:
+        """Run the given Python code and return its stdout.
+
+        Args:
+            code: The Python source to execute.
+
+        Returns:
+            The captured standard output.
+        """
+        return "ran"
+
+
+class GameEnv:
+    def __init__(self, size: int = 3):
+        self.size = size
+
+    def reset(self, **kwargs) -> str | None:
+        self.position, self.reward = 0, 0.0
+        return f"Reach the goal tile of a {self.size}x{self.size} grid."
+
+    async def move(self, action: Literal["up", "down"], times: Optional[int] = None) -> dict:
+        """Apply an action to the game and return the new observation.
+
+        Args:
+            action: One of "up", "down".
+            times: How many moves (one if not given).
+        """
+        await asyncio.sleep(0)
+        self.position += times or 1
+        self.reward = float(self.position == self.size)
+        return {"position": self.position}
+
+    def look(self) -> str:
+        """Look around.
+
+        Returns:
+            What is in sight.
+        """
+        return f"{self.size - self.position} tiles to go"
+
+    async def get_reward(self) -> float:
+        return self.reward
+
+
+big_game = functools.partial(GameEnv, size=4)
+
+
+def reward_func(environments, **kwargs):
+    return [float(env.n % 2) if isinstance(env, CodingEnv) else env.reward for env in environments]
+'''
+
+
+def test_trl_docs_environments_run_unchanged_and_rewards_get_what_trl_passes(tmp_path) -> None:
+    """TRL 1.16's docs' shapes: a dict environment_factory over rows with only an `environment` column (env-owned
+    prompts), a factory that is a functools.partial, async tool methods with Literal/Optional arguments (a string
+    number typed by the schema), a tool without arguments, an async get_reward, and `reward_func(environments,
+    **kwargs)` branching on the instance's class. Reward functions get `prompts` with reset's text (TRL's), each
+    episode's own instance, and TRL's parsed completions; a routed row is offered its own environment's tools."""
+    import asyncio
+    import json
+
+    from tests.test_tools import _tokenizer
+    from vrl.envs.dataset import DatasetEnvironment
+    from vrl.episodes import Episodes, Row, Sampled
+    from vrl.reward_functions import load_reward_function
+    from vrl.types import Attempt
+
+    module = tmp_path / "docs_envs.py"
+    module.write_text(TRL_DOCS_ENVS)
+    ns = load_reward_function(f"{module}:reward_func").__globals__
+    data = tmp_path / "routes.jsonl"
+    data.write_text("".join(json.dumps({"environment": e}) + "\n" for e in ("coding", "game")))
+    tok = _tokenizer("qwen3")
+    script = ['<tool_call>\n{"name": "move", "arguments": {"action": "up", "times": "3"}}\n</tool_call>'
+              '<tool_call>\n{"name": "look", "arguments": {}}\n</tool_call>'
+              '<tool_call>\n{"name": "move", "arguments": {"action": "down"}}\n</tool_call><|im_end|>', "Done.<|im_end|>"]
+
+    def generate(seqs, seeds, members):
+        turns = [tok(script[min(tok.decode(s).count("<|im_start|>assistant") - 1, 1)], add_special_tokens=False)["input_ids"]
+                 for s in seqs]
+        return [Sampled(ids=t, text=tok.decode(t, skip_special_tokens=True), raw=tok.decode(t), finish_reason="stop")
+                for t in turns]
+
+    seen = {}
+
+    def spy(prompts, completions, environments, environment, **kwargs):
+        seen.update(prompts=prompts, completions=completions, environments=environments, environment=environment)
+        return [0.0] * len(prompts)
+
+    for game in ("GameEnv", "big_game"):
+        env = DatasetEnvironment(data=str(data), environment_factory={"coding": ns["CodingEnv"], "game": ns[game]},
+                                 reward=[f"{module}:reward_func", spy])
+        tasks = env.tasks()
+        assert [[t["function"]["name"] for t in env.interaction(task).tools] for task in tasks] == [["run_code"],
+                                                                                                  ["look", "move"]]
+        completions = Episodes(env).run([Row(task=t, seed=i) for i, t in enumerate(tasks)], tok, generate)
+        verdicts = asyncio.run(env.verifier().verify([Attempt(task=t, completion=c) for t, c in zip(tasks, completions)]))
+        coding, game_env = seen["environments"]
+        size = 4 if game == "big_game" else 3
+        assert isinstance(coding, ns["CodingEnv"]) and game_env.size == size and seen["environment"] == ["coding", "game"]
+        assert seen["prompts"] == [[{"role": "user", "content": f"Compute the {coding.n}th Fibonacci number."}],
+                                   [{"role": "user", "content": f"Reach the goal tile of a {size}x{size} grid."}]]
+        assert [m.get("content") for m in seen["completions"][1]] == [
+            "", "{'position': 3}", f"{size - 3} tiles to go", "{'position': 4}", "Done."]
+        assert seen["completions"][1][0]["tool_calls"][0]["function"]["arguments"] == {"action": "up", "times": 3}
+        assert seen["completions"][0][1] == {"role": "tool", "name": "move", "content": "{'error': 'Tool move not found.'}"}
+        rewards = [float(v.detail.split("reward_func=")[1].split(",")[0]) for v in verdicts]
+        assert rewards == [float(coding.n % 2), float(size == 4)]  # the instance's own state, as reward_func reads it
+        assert [c.episode.reward for c in completions] == [None, float(size == 4)]  # async get_reward: GameEnv's rows
+
+
+def test_an_environment_class_whose_reset_cannot_take_the_row_or_raises_is_named_in_one_line(tmp_path) -> None:
+    """TRL calls reset(**row): a class whose reset cannot take the row's columns (TRL would raise at the first
+    rollout) is refused when the tasks load, before any model loads, naming the class, the row and the fix, with
+    data and without; a reset that raises stops the run in one line naming the class and the task."""
+    import json
+
+    from vrl.envs.dataset import DatasetEnvironment
+    from vrl.errors import OptionsError, PluginError
+
+    class NoKwargs:
+        def reset(self) -> str:
+            return "Go."
+
+    class Named:
+        def reset(self, target, **kwargs) -> None:  # TRL's docs' shape: a named column
+            self.target = target
+
+    class Broken:
+        def reset(self, **kwargs) -> str:
+            raise RuntimeError("the simulator is down")
+
+    def zero(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "Go.", "target": 1}) + "\n" + json.dumps({"prompt": "Go."}) + "\n")
+    with pytest.raises(OptionsError, match=r"^environment 'dataset': NoKwargs.reset cannot take the row of task 'train-0' "
+                       r"\(training without data; its columns: prompt\): .*unexpected keyword argument 'prompt'; TRL "
+                       r"calls reset\(\*\*row\), so give it \*\*kwargs"):
+        DatasetEnvironment(environment_factory=NoKwargs, reward=[zero]).tasks()
+    with pytest.raises(OptionsError, match=r"Named.reset cannot take the row of task 'train-1' \(.*rows.jsonl; its "
+                       r"columns: prompt\): missing a required argument: 'target'"):
+        DatasetEnvironment(data=str(data), environment_factory=Named, reward=[zero]).tasks()
+    data.write_text(json.dumps({"prompt": "Go.", "target": 1}) + "\n")
+    env = DatasetEnvironment(data=str(data), environment_factory=Named, reward=[zero])
+    [task] = env.tasks()
+    env.interaction(task).prompt(task)  # accepted: the row has its target
+    env = DatasetEnvironment(data=str(data), environment_factory=Broken, reward=[zero])
+    [task] = env.tasks()
+    with pytest.raises(PluginError, match=r"^environment class Broken: reset\(\) raised RuntimeError: the simulator is "
+                       r"down .* on task 'train-0'$"):
+        env.interaction(task).prompt(task)

@@ -44,6 +44,7 @@ from types import MethodType
 from typing import Any, Literal
 
 from vrl.episodes import Interaction, ModelTurn, Reply
+from vrl.errors import PluginError, describe
 from vrl.types import Prompt, Task
 
 #: Wall-clock cap of one tool call, unless a `ToolInteraction` is given another.
@@ -346,11 +347,16 @@ class ToolInteraction(Interaction):
         self.max_tokens, self.step_timeout_s = max_tokens, step_timeout_s
 
     def prompt(self, task: Task) -> Prompt:
-        """The task's prompt; with an environment, `reset(**row)` first, its text appended to the last message."""
+        """The task's prompt; with an environment, `reset(**row)` first, its text appended to the last message. A
+        reset that raises stops the run (as in TRL) in one line naming the class (`PluginError`)."""
         prompt = task.prompt
         if self.environment is None:
             return prompt
-        observation = self.environment.reset(**(self.row if self.row is not None else {"prompt": prompt, **task.data}))
+        try:
+            observation = self.environment.reset(**(self.row if self.row is not None else {"prompt": prompt, **task.data}))
+        except Exception as exc:
+            raise PluginError(f"environment class {type(self.environment).__name__}: reset() raised {describe(exc)} "
+                              f"on task {task.id!r}") from exc
         if not observation:
             return prompt
         if isinstance(prompt, str):

@@ -20,6 +20,7 @@ the file and row, raised before anything is generated.
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -217,6 +218,7 @@ class DatasetEnvironment(Environment):
         if split not in self._tasks and self.options.data is None:  # the environment owns the data (TRL's
             self.rewards.check_columns([], "training without data", environments=True)  # dataset-less training)
             self._tasks[split] = placeholder_tasks(self.options.system_prompt, PLACEHOLDER_ROWS)
+            self._check_resets(self._tasks[split][:1], "training without data")
         if split not in self._tasks:
             name = self.options.split if split == "train" else self.options.test_split
             source, rows = load_rows(self.options.data, name, self.options.subset)
@@ -225,6 +227,7 @@ class DatasetEnvironment(Environment):
                                   environments=[str(n) for n in self.factories] if self.routed else None)
             self.rewards.check_columns(sorted({k for t in tasks for k in t.data}), source,
                                        environments=bool(self.factories))
+            self._check_resets(tasks, source)
             self._tasks[split] = tasks
         tasks = self._tasks[split]
         return tasks if limit is None else tasks[:limit]
@@ -250,6 +253,41 @@ class DatasetEnvironment(Environment):
                                "appended to the prompt)")
         return cls
 
+    def _reset_row(self, task: Task) -> dict[str, Any]:
+        """The keywords `reset` gets for `task`, as TRL passes a row: its columns (with the prompt, unless the row had
+        none; TRL's placeholder prompt without data), without a dict factory's `environment` column."""
+        o = self.options
+        if o.data is None:  # TRL's dataset-less rows hold the placeholder prompt, which reset(**row) gets
+            row = {"prompt": task.prompt, **task.data}
+        else:  # a row without the prompt column gets reset(**row) without it, as in TRL
+            row = dict(task.data) if is_placeholder(task.prompt) else {o.prompt_column: task.prompt, **task.data}
+        if self.routed:
+            row.pop(ENVIRONMENT_COLUMN, None)  # a control column, not reset's (as TRL)
+        return row
+
+    def _check_resets(self, tasks: Sequence[Task], source: str) -> None:
+        """Refuse, before anything loads, an environment class whose `reset` cannot take the rows' columns (TRL calls
+        `reset(**row)`, which would raise at the first episode): one line naming the class, a row and the fix."""
+        seen: set[tuple[str | None, tuple[str, ...]]] = set()
+        for task in tasks:
+            name = task.data.get(ENVIRONMENT_COLUMN) if self.routed else None
+            keys = tuple(sorted(self._reset_row(task)))
+            if (name, keys) in seen or name not in self._classes:
+                continue
+            seen.add((name, keys))
+            cls = self._classes[name]
+            try:
+                signature = inspect.signature(cls.reset)
+            except (TypeError, ValueError):  # a builtin or C method: nothing to check
+                continue
+            bound = isinstance(inspect.getattr_static(cls, "reset", None), (staticmethod, classmethod))
+            try:
+                signature.bind(**dict.fromkeys(keys)) if bound else signature.bind(None, **dict.fromkeys(keys))
+            except TypeError as exc:
+                raise OptionsError(f"environment 'dataset': {cls.__name__}.reset cannot take the row of task {task.id!r} "
+                                   f"({source}; its columns: {', '.join(keys) or 'none'}): {exc}; TRL calls reset(**row), "
+                                   "so give it **kwargs (def reset(self, **kwargs))") from None
+
     def _instance(self, name: str | None) -> Any:
         """A free instance of environment `name` from its pool (made only when none is free)."""
         if name not in self._pools:
@@ -262,13 +300,10 @@ class DatasetEnvironment(Environment):
         if not self.multi_turn:
             return None
         o = self.options
-        if o.data is None:  # TRL's dataset-less rows hold the placeholder prompt, which reset(**row) gets
-            row = {"prompt": task.prompt, **task.data}
-        else:  # a row without the prompt column gets reset(**row) without it, as in TRL
-            row = dict(task.data) if is_placeholder(task.prompt) else {o.prompt_column: task.prompt, **task.data}
+        row = self._reset_row(task)
         name = None
         if self.routed:
-            name = row.pop(ENVIRONMENT_COLUMN, None)  # a control column, not reset's (as TRL)
+            name = task.data.get(ENVIRONMENT_COLUMN)
             if name not in self.factories:
                 raise MalformedDataset(f"task {task.id!r}: environment {name!r} is not one of environment_factory's "
                                        f"({', '.join(map(str, self.factories))})")
