@@ -181,18 +181,25 @@ def _trl_episode(tok, budget: int):
     return prompt_ids, ids[0], mask[0], completions[0], env.seen, (calls, failures)
 
 
-def test_episodes_equal_trls_tool_loop_ids_masks_messages_and_state_within_the_budget(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def qwen3():
+    """The real Qwen3 tokenizer (npm, cached; tests/test_tools.py), loaded once for this module's episodes."""
+    from tests.test_tools import _tokenizer
+
+    return _tokenizer("qwen3")
+
+
+def test_episodes_equal_trls_tool_loop_ids_masks_messages_and_state_within_the_budget(tmp_path, qwen3) -> None:
     """For budgets from one that cuts the first turn to none at all: vrl's trajectory (ids and mask), the parsed
     completion its reward functions read, and the instance's state equal TRL's; no episode passes its budget."""
     import json
 
-    from tests.test_tools import _tokenizer
     from vrl.envs.dataset import DatasetEnvironment
     from vrl.episodes import Episodes, Row, Sampled, environment_of
     from vrl.reward_functions import batch_arguments
     from vrl.types import Attempt
 
-    tok = _tokenizer("qwen3")
+    tok = qwen3
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"prompt": [{"role": "user", "content": "Record."}]}) + "\n")
     next_turn = _scripted(tok)
@@ -296,7 +303,7 @@ def reward_func(environments, **kwargs):
 '''
 
 
-def test_trl_docs_environments_run_unchanged_and_rewards_get_what_trl_passes(tmp_path) -> None:
+def test_trl_docs_environments_run_unchanged_and_rewards_get_what_trl_passes(tmp_path, qwen3) -> None:
     """TRL 1.16's docs' shapes: a dict environment_factory over rows with only an `environment` column (env-owned
     prompts), a factory that is a functools.partial, async tool methods with Literal/Optional arguments (a string
     number typed by the schema), a tool without arguments, an async get_reward, and `reward_func(environments,
@@ -305,7 +312,6 @@ def test_trl_docs_environments_run_unchanged_and_rewards_get_what_trl_passes(tmp
     import asyncio
     import json
 
-    from tests.test_tools import _tokenizer
     from vrl.envs.dataset import DatasetEnvironment
     from vrl.episodes import Episodes, Row, Sampled
     from vrl.reward_functions import load_reward_function
@@ -316,7 +322,7 @@ def test_trl_docs_environments_run_unchanged_and_rewards_get_what_trl_passes(tmp
     ns = load_reward_function(f"{module}:reward_func").__globals__
     data = tmp_path / "routes.jsonl"
     data.write_text("".join(json.dumps({"environment": e}) + "\n" for e in ("coding", "game")))
-    tok = _tokenizer("qwen3")
+    tok = qwen3
     script = ['<tool_call>\n{"name": "move", "arguments": {"action": "up", "times": "3"}}\n</tool_call>'
               '<tool_call>\n{"name": "look", "arguments": {}}\n</tool_call>'
               '<tool_call>\n{"name": "move", "arguments": {"action": "down"}}\n</tool_call><|im_end|>', "Done.<|im_end|>"]
