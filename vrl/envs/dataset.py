@@ -269,7 +269,7 @@ class DatasetEnvironment(Environment):
         """Refuse, before anything loads, an environment class whose `reset` cannot take the rows' columns (TRL calls
         `reset(**row)`, which would raise at the first episode): one line naming the class, a row and the fix."""
         seen: set[tuple[str | None, tuple[str, ...]]] = set()
-        for task in tasks:
+        for task in tasks if self._classes else ():
             name = task.data.get(ENVIRONMENT_COLUMN) if self.routed else None
             keys = tuple(sorted(self._reset_row(task)))
             if (name, keys) in seen or name not in self._classes:
