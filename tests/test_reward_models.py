@@ -430,3 +430,24 @@ def test_a_reward_model_renders_chats_with_the_runs_chat_template_kwargs_as_trl_
     with torch.inference_mode():
         logit = rm.model(**rm.tokenizer([trl_text], return_tensors="pt", add_special_tokens=False)).logits[0, 0]
     assert rm([prompt], [completion]) == pytest.approx([float(logit)], abs=1e-6)
+
+
+def test_a_loaded_sequence_classification_model_is_a_reward_function_as_in_trl(classifier_dir, bad_heads, data_file):
+    """TRL's `reward_funcs=[model]` (a loaded sequence-classification model): it scores as `model:PATH` does, its
+    tokenizer loaded from the model's name, logged under the name's last part; a 2-label one is refused in one line."""
+    from transformers import AutoModelForSequenceClassification
+
+    from vrl.envs.dataset import DatasetEnvironment
+    from vrl.reward_functions import RewardFunctions
+
+    model = AutoModelForSequenceClassification.from_pretrained(classifier_dir, num_labels=1)
+    rewards = DatasetEnvironment(data=data_file, prompt_column="question", rewards=[model]).rewards
+    [rm] = rewards.functions
+    assert isinstance(rm, RewardModel) and rewards.names == [classifier_dir.rstrip("/").split("/")[-1]]
+    prompts = ["Say hi. ", [{"role": "user", "content": "Say hi."}]]
+    completions = ["hi", [{"role": "assistant", "content": "hi there"}]]
+    assert rm(prompts, completions) == pytest.approx(RewardModel(classifier_dir, device="cpu")(prompts, completions),
+                                                     abs=1e-6)
+    two = AutoModelForSequenceClassification.from_pretrained(bad_heads["two"])
+    with pytest.raises(RewardModelError, match=r"^reward model '.*two' has 2 labels, not one"):
+        RewardFunctions([two])

@@ -168,7 +168,7 @@ class RewardFunctions:
                  tools: dict[str, dict[str, Any]] | None = None):
         """`tools`: the schemas (by name) of the tools the episodes offer; with them, an episode's completion
         reaches the functions in TRL's parsed form (`vrl.tools.parse_message`), its arguments typed by them."""
-        loaded = [load_reward_function(f) if isinstance(f, str) else f for f in functions]
+        loaded = [load_reward_function(f) if isinstance(f, str) else _model_function(f) for f in functions]
         if not loaded:
             raise RewardFunctionError("give at least one reward function")
         for fn in loaded:
@@ -260,6 +260,16 @@ class RewardFunctions:
                 out[f"{key}/std"] = math.sqrt(max(0.0, sums.get(f"{key}/sq", 0.0) / n - mean * mean))
             out[f"{key}/applied"] = n
         return out
+
+
+def _model_function(fn: Any) -> Any:
+    """A loaded sequence-classification model (TRL's `reward_funcs=[model]`) as a `RewardModel`; else `fn`."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(fn, torch.nn.Module):
+        from vrl.reward_models import RewardModel
+
+        return RewardModel.from_model(fn)
+    return fn
 
 
 def _unique(names: list[str]) -> list[str]:

@@ -61,7 +61,8 @@ class RewardModel:
 
     Batched (`batch_size` texts per forward, right-padded), on `device`: 'auto' is the CUDA GPU with the
     most free memory when there is one, else the CPU. The model loads when this is built, so a path
-    that does not load fails before anything is generated.
+    that does not load fails before anything is generated. `from_model` wraps a model already loaded (TRL's
+    `reward_funcs=[model]`).
     """
 
     def __init__(self, model: str, *, device: str = "auto", batch_size: int = 16, max_length: int | None = None,
@@ -74,6 +75,39 @@ class RewardModel:
         self._lock = threading.Lock()  # calls run in threads of their own; one forward at a time
         self.device = _free_device(device)
         self.model, self.tokenizer = self._load(revision)
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any = None, *, batch_size: int = 16,
+                   max_length: int | None = None) -> RewardModel:
+        """A sequence-classification model already loaded (TRL's `reward_funcs=[model]`), on its own device; its
+        tokenizer is `tokenizer`, else loaded from the model's name as TRL loads it. A model with more than one
+        label is refused in one line (its first logit is one class's)."""
+        if batch_size < 1:
+            raise RewardModelError(f"reward model batch_size must be at least 1, got {batch_size}")
+        name = str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
+        labels = getattr(model.config, "num_labels", 1)
+        if labels != 1:
+            raise RewardModelError(f"reward model {name!r} has {labels} labels, not one: a classifier, whose first logit "
+                                   "is one class's score; a reward model has one output (num_labels=1)")
+        rm = cls.__new__(cls)
+        rm.name_or_path, rm.batch_size, rm.max_length = name, batch_size, max_length
+        rm.chat_template_kwargs = {}
+        rm.__name__ = Path(name.rstrip("/")).name or "reward_model"  # TRL: the name's last part
+        rm._lock = threading.Lock()
+        rm.device = next(model.parameters()).device
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(name)
+            except (OSError, ValueError) as exc:
+                raise RewardModelError(f"reward model {name!r}: cannot load its tokenizer ({type(exc).__name__}); pass "
+                                       "it: RewardModel.from_model(model, tokenizer)") from None
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model.config.pad_token_id = tokenizer.pad_token_id
+        rm.model, rm.tokenizer = model.eval(), tokenizer
+        return rm
 
     def __repr__(self) -> str:
         return f"RewardModel({self.name_or_path!r}, device={str(self.device)!r})"
