@@ -14,7 +14,8 @@ functions as a keyword list (see `vrl.reward_functions`). From Python, pass call
 
 A local file is one split, `train`; a Hub dataset has its own, and `split` / `test_split` say which
 serve vrl's `train` (training) and `test` (`vrl eval`) splits. A malformed row is an error naming
-the file and row, raised before anything is generated.
+the file and row, raised before anything is generated. With one TRL `environment_factory` class, `data` may be
+left out: the environment owns the data (placeholder rows; each episode's `reset()` gives its prompt, as in TRL).
 """
 
 from __future__ import annotations
