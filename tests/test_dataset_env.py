@@ -780,6 +780,7 @@ def test_training_without_data_the_environment_owns_it_and_rewards_get_the_promp
         assert all(p == [{"role": "user", "content": f"Increment the counter by {t}."}] for p, t in batch), batch
     sample = json.loads((tmp_path / "py" / "samples.jsonl").read_text().splitlines()[0])
     assert sample["episode"]["prompt"][0]["content"].startswith("Increment the counter by ")
+    assert sample["prompt"] == sample["episode"]["prompt"]  # the sample shows the prompt the model saw
 
     res = cli("train", "--plugin", "dataset", "--optimizer", "grpo", "-n", "1", "--name", "cli",
               "-o", f"environment_factory={module}:IncrementEnv", "--set", "tasks_per_iteration=2",

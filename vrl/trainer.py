@@ -599,7 +599,9 @@ def _samples(iteration: int, results: list[Result], limit: int) -> list[dict[str
         {
             "iteration": iteration,
             "task_id": r.task.id,
-            "prompt": r.task.prompt,
+            # The prompt the model saw: an episode's own where its environment changed it (TRL's reset text)
+            "prompt": r.task.prompt if r.completion.episode is None or r.completion.episode.prompt is None
+            else r.completion.episode.prompt,
             "variant": r.completion.variant,
             "sample": r.completion.sample,
             "completion": r.completion.text,
