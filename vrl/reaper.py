@@ -71,6 +71,12 @@ def children(pid: int | None = None) -> set[Identity]:
     return {(child, start) for child, (parent, start) in _processes().items() if parent == pid}
 
 
+def identities(pids: list[int]) -> set[Identity]:
+    """Those of `pids` that are running, each with its start time (for `reaped_children`'s set: a process
+    another one started for us, such as a fork server's child)."""
+    return {(pid, stat[1]) for pid in pids if (stat := _stat(pid)) is not None}
+
+
 def alive(identity: Identity) -> bool:
     """Whether that process is still running (the same process: same pid and start time)."""
     stat = _stat(identity[0])
@@ -167,8 +173,9 @@ if hasattr(os, "register_at_fork"):
 
 @contextlib.contextmanager
 def reaped_children() -> Iterator[set[Identity]]:
-    """Register the children this process starts inside the block (also when the block raises).
-    Yields a set that holds them after the block, for `release`."""
+    """Register the children this process starts inside the block (also when the block raises), and the
+    processes the block adds to the set it yields (`identities`). After the block the set holds them all,
+    for `release`."""
     out: set[Identity] = set()
     if not os.path.isdir("/proc/self"):
         yield out
