@@ -9,6 +9,9 @@ the AdamW state gathered from the shards.
 
     torchrun --standalone --nproc-per-node 2 tests/grpo_fsdp_worker.py OUT RUN_DIR '{"beta": 0.1, ...}' [OUT2 RUN_DIR2 FIELDS2 ...]
 
+or as a job of tests/torchrun_jobs.py (`{"worker": "tests.grpo_fsdp_worker", "args": [OUT, RUN_DIR, FIELDS, ...]}`),
+as tests/test_grpo_fsdp.py runs it: in the launch of its `vrl train` jobs.
+
 (`"_dtype": "bfloat16"` in the fields loads the model in bf16; `"_load": RUN` resumes RUN's checkpoint of
 iteration 1 first, and `"_seed"` seeds the sampled batch. With `"use_peft": true` the ranks train a
 LoRA adapter data-parallel, and OUT also holds every rank's adapter after the step, `replicas`.
@@ -163,8 +166,14 @@ def scenario(out: str, run_dir: str, fields: dict) -> None:
     opt.close()  # every rank: checkpoint writes finished, process group released
 
 
-if __name__ == "__main__":
-    args = sys.argv[1:]
+def run(args: list[str], job: int = 0) -> None:
+    """Every scenario of `args` (OUT RUN_DIR FIELDS, each), in order, as job `job` of a launch: each in a
+    process group of its own, but the launch's first, which takes the one torch's rendezvous set up."""
     for i in range(0, len(args), 3):
-        with fresh_group(i // 3) if i else contextlib.nullcontext():  # a process group of its own per scenario
+        first = job == 0 and i == 0
+        with contextlib.nullcontext() if first else fresh_group(f"{job}.{i // 3}"):
             main(args[i], args[i + 1], json.loads(args[i + 2]))
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])

@@ -6,10 +6,11 @@ checkpoints are written with `torch.distributed.checkpoint`; a LoRA adapter (`gr
 data-parallel, its gradients all-reduced; `grpo.compile` runs dynamo and AOTAutograd on every rank. Only the
 GPUs are absent (NCCL is the same code path with another backend).
 
-A launch costs every rank its interpreter, torch and transformers, more than a step: the optimizer-level
-scenarios run in one launch (`steps`, tests/grpo_fsdp_worker.py), and the `vrl train` jobs in another
-(`trained`, tests/torchrun_jobs.py), ended by the one job that fails (a failing push). Stopping a launch
-with SIGTERM is a fact about the launch itself: that test has a launch of its own.
+A launch costs its agents a start and every rank its interpreter, torch and transformers, more than a
+step: the module's facts share one launch (`launched`, tests/torchrun_jobs.py, on two nodes of one process
+each): first the optimizer-level scenarios (`steps`, tests/grpo_fsdp_worker.py), then the `vrl train` jobs
+(`trained`, the multi-turn episodes' among them), ended by the one job that fails (a failing push).
+Stopping a launch with SIGTERM is a fact about the launch itself: that test has a launch of its own.
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ BUCKET_LIMIT = 40_000  # "separate": the published weights gathered in buckets o
 # No LoRA dropout: its masks are drawn per micro-batch in order, and the ranks draw theirs apart.
 LORA = {**FIELDS, "use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
         "lora_target_modules": ["q_proj", "v_proj"]}
-# The worker's scenarios, all run in one launch (`steps`): the default step, then each variation a test checks
-# (and "lora_resumed", added by `steps`: the step after a one-process LoRA checkpoint). "compiled" comes last:
-# what dynamo compiled stays in the ranks' processes. Its micro-batches of 6 give each rank one: one width, so
+# The worker's scenarios, all run in one job of the module's launch (`steps`): the default step, then each variation
+# a test checks (and "lora_resumed", added by `step_scenarios`: the step after a one-process LoRA checkpoint).
+# "compiled" comes last of them: what dynamo compiled stays in the ranks' processes (the `vrl train` jobs after
+# it compile nothing). Its micro-batches of 6 give each rank one: one width, so
 # each rank compiles its graphs once (a second width recompiles them with dynamic shapes; tests/test_grpo_compile.py
 # covers new widths in one process). Its backend is aot_eager (`grpo.compile_backend`): dynamo captures the
 # layers' graphs and AOTAutograd splits them into forward and backward on every rank, as with inductor, and
@@ -91,19 +93,33 @@ SCENARIOS = {"default": FIELDS,
              "compiled": {**FIELDS, "compile": True, "compile_backend": "aot_eager", "micro_batch_size": 6}}
 
 
-def run_worker(tmp: Path, scenarios: dict[str, dict]) -> dict[str, tuple[dict, Path]]:
-    """tests/grpo_fsdp_worker.py's `scenarios` in one 2-rank launch: per name, what rank 0 saw and its run dir."""
-    args = [a for name, fields in scenarios.items() for a in (str(tmp / f"{name}.pt"), str(tmp / name), json.dumps(fields))]
-    torchrun(str(HERE / "grpo_fsdp_worker.py"), *args)
-    return {name: (torch.load(tmp / f"{name}.pt", weights_only=False), tmp / name) for name in scenarios}
+def worker_job(tmp: Path, scenarios: dict[str, dict]) -> dict:
+    """tests/grpo_fsdp_worker.py's `scenarios` as a job of the module's launch (`launched`)."""
+    return {"worker": "tests.grpo_fsdp_worker",
+            "args": [a for name, fields in scenarios.items()
+                     for a in (str(tmp / f"{name}.pt"), str(tmp / name), json.dumps(fields))]}
 
 
 @pytest.fixture(scope="module")
-def steps(tmp_path_factory):
-    """Every scenario of `SCENARIOS`, one GRPO step each on 2 ranks, in one launch; before "compiled",
-    "lora_resumed": the LoRA step after a one-process LoRA run's checkpoint of iteration 1 (made here
-    first, under "lora_one"; batch seed 7)."""
+def launched(tmp_path_factory):
+    """The module's one launch (`jobs_launch`, two nodes of one process each): the worker's scenarios
+    (`steps`), then the `vrl train` jobs (`trained`), the last of which ends the launch."""
     tmp = tmp_path_factory.mktemp("fsdp")
+    scenarios = step_scenarios(tmp)
+    jobs = train_jobs(tmp / "cli")
+    order = ("one", "every", "pool", "async", "async_resumed", "lora", "filter", "ep_one", "ep_every", "failing_push")
+    outputs = jobs_launch(tmp, {"steps": worker_job(tmp, scenarios), **{k: jobs[k] for k in order}}, nodes=2,
+                          fails="failing_push")
+    steps = {name: (torch.load(tmp / f"{name}.pt", weights_only=False), tmp / name) for name in scenarios}
+    trained = {name: (out, tmp / "cli" / name.removesuffix("_resumed") / ("ep" if name.startswith("ep_") else "fsdp"))
+               for name, out in outputs.items() if name != "steps"}
+    return steps, trained
+
+
+def step_scenarios(tmp: Path) -> dict[str, dict]:
+    """Every scenario of `SCENARIOS`, one GRPO step each on 2 ranks; before "compiled", "lora_resumed": the
+    LoRA step after a one-process LoRA run's checkpoint of iteration 1 (made here first, under "lora_one";
+    batch seed 7)."""
     gen = make_generator()
     first = GRPO(GRPOConfig(**LORA), seed=0, total_iterations=10)
     first.setup(gen)
@@ -113,7 +129,13 @@ def steps(tmp_path_factory):
     scenarios = dict(SCENARIOS)
     compiled = scenarios.pop("compiled")
     scenarios.update(lora_resumed={**LORA, "_load": str(tmp / "lora_one"), "_seed": 7}, compiled=compiled)
-    return run_worker(tmp, scenarios)
+    return scenarios
+
+
+@pytest.fixture(scope="module")
+def steps(launched):
+    """Per scenario of `step_scenarios`: what rank 0 saw (tests/grpo_fsdp_worker.py's record) and its run dir."""
+    return launched[0]
 
 
 @pytest.fixture
@@ -288,16 +310,13 @@ def _rows(run: Path, *keys: str, before: int | None = None) -> tuple[list, list]
             [tuple(m[k] for k in keys) for m in metrics if keep(m)])
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """The module's `torchrun … vrl train` jobs, in one launch on two nodes of one process each (`jobs_launch`):
-    the 3-iteration sampling jobs ("one", rank 0 sampling; "every", `grpo.sample_on_every_rank`; "pool",
-    two engines on rank 0), the asynchronous job ("async", 3 iterations) and its resume to a 4th
-    ("async_resumed"), the LoRA adapter's job ("lora"), dynamic sampling on every rank ("filter",
-    `FILTER_JOB`), and last the job whose rank 0 fails to take the trained
-    weights ("failing_push", tests/failing_push_patches.py), which ends the launch. Per name: (rank 0's output,
-    the run folder)."""
-    tmp = tmp_path_factory.mktemp("fsdp_cli")
+def train_jobs(tmp: Path) -> dict[str, list[str] | dict]:
+    """The module's `torchrun … vrl train` jobs (run in `launched`, in the order it gives): the 3-iteration
+    sampling jobs ("one", rank 0 sampling; "every", `grpo.sample_on_every_rank`; "pool", two engines on rank
+    0), the asynchronous job ("async", 3 iterations) and its resume to a 4th ("async_resumed"), the LoRA
+    adapter's job ("lora"), dynamic sampling on every rank ("filter", `FILTER_JOB`), the multi-turn episodes'
+    jobs ("ep_one", "ep_every": `EPISODE_JOBS`), and the job whose rank 0 fails to take the trained weights
+    ("failing_push", tests/failing_push_patches.py), which ends the launch."""
     # sampling.batch_size=1: the 3 tasks are dealt 2 + 1 (shards start at multiples of the batch size)
     sampling = ["iterations=3", "grpo.learning_rate=0.3", "sampling.batch_size=1"]
     sets = {"one": sampling, "every": [*sampling, "grpo.sample_on_every_rank=true"],
@@ -310,9 +329,16 @@ def trained(tmp_path_factory):
     failing[failing.index("--iterations") + 1] = "4"
     jobs["failing_push"] = {"args": failing, "patch": "tests.failing_push_patches"}
     jobs["filter"] = [*_letters_job(tmp / "filter"), *FILTER_JOB]
-    order = ("one", "every", "pool", "async", "async_resumed", "lora", "filter", "failing_push")
-    outputs = jobs_launch(tmp, {k: jobs[k] for k in order}, nodes=2, fails="failing_push")
-    return {name: (out, tmp / name.removesuffix("_resumed") / "fsdp") for name, out in outputs.items()}
+    for name, extra in EPISODE_JOBS.items():
+        sets = [a for x in [f"logging.runs_dir={tmp / name}", *extra] for a in ("--set", x)]
+        jobs[name] = ["train", "--plugin", "guess", "--iterations", "2", "--name", "ep", *sets]
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def trained(launched):
+    """Per job of `train_jobs`: (rank 0's output, the run folder)."""
+    return launched[1]
 
 
 @pytest.mark.slow
@@ -359,6 +385,29 @@ FILTER_JOB = ["-o", "mix=true", "--set", "grpo.filter_groups=true", "--set", "gr
               "--set", "grpo.sample_on_every_rank=true", "--set", "sampling.batch_size=1", "--set", "iterations=3"]
 """Dynamic sampling under torchrun: `letters -o mix=true` (3 in 4 tasks always or never solved), 3 tasks per
 generation batch, every rank sampling its share of each batch, so an iteration draws several batches."""
+
+
+EPISODE_JOBS = {name: ["tasks_per_iteration=2", "grpo.num_generations=2", "grpo.micro_batch_size=2",
+                       "sampling.batch_size=1", *extra]
+                for name, extra in {"ep_one": [], "ep_every": ["grpo.sample_on_every_rank=true"]}.items()}
+"""Episodes under torchrun: GRPO on the multi-turn `guess` game (2 iterations), rank 0 sampling alone or every
+rank its share (`grpo.sample_on_every_rank`: rank 1 runs whole episodes too)."""
+
+
+@pytest.mark.slow
+def test_every_rank_samples_whole_episodes_as_rank_0_alone_does(trained):
+    """GRPO on the multi-turn `guess` game under torchrun writes the same episodes (every turn's role, text
+    and tokens) and rewards whether rank 0 samples alone or every rank samples its share (`EPISODE_JOBS`)."""
+    rows = {}
+    for name in EPISODE_JOBS:
+        run = trained[name][1]
+        samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+        metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        rows[name] = ([(s["iteration"], s["task_id"], s["sample"],
+                        [(t["role"], t["content"], t["tokens"]) for t in s["episode"]["turns"]]) for s in samples],
+                      [(m["reward_mean"], m["episodes/count"], m["grpo/trained_tokens"]) for m in metrics])
+        assert all(m["episodes/count"] == 4 for m in metrics) and len(metrics) == 2
+    assert rows["ep_every"] == rows["ep_one"]
 
 
 @pytest.mark.slow

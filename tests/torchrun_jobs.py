@@ -10,7 +10,9 @@ status and all), as `torchrun … -m vrl.cli …` would run each alone:
 JOBS.json: `{"patch": MODULE or null, "jobs": [{"args": [...], "env": {...}, "patch": MODULE}, ...]}`.
 `patch` names a module whose `patched()` context is held around every job (a test's instrumentation, e.g.
 tests/es_torchrun_patches.py), or, given in a job, around that job; each job's `env` is set for that job
-only. Before each job rank 0 writes
+only. A job `{"worker": MODULE, "args": [...]}` is no `vrl` command but `MODULE.run(args, N)` (N: the job's
+index), which sets up its own process groups (`fresh_group`) and raises what fails, ending the launch:
+tests/grpo_fsdp_worker.py's GRPO steps, run in the launch of the `vrl train` jobs they share it with. Before each job rank 0 writes
 a line `=== job N ===` to stdout and stderr (`split` cuts its agent's output at them). A job that exits with a
 non-zero status ends the launch with that status and the jobs after it do not run, so a job meant
 to fail comes last; one that fails on rank 0 alone and releases the other ranks as a run does (an error
@@ -89,7 +91,7 @@ def agents(cmds: list[list[str]], env: dict[str, str], timeout: float) -> list[s
 
 
 @contextlib.contextmanager
-def fresh_group(index: int) -> Iterator[None]:
+def fresh_group(index: int | str) -> Iterator[None]:
     """Inside the block, `torch.distributed.init_process_group` called as vrl calls it (backend and
     timeout, no store) starts the default group under the prefix `job-{index}` of the launcher's store."""
     import torch.distributed as dist
@@ -151,6 +153,9 @@ def run(spec: dict) -> int:
         for i, job in enumerate(spec["jobs"]):
             for stream in (sys.stdout, sys.stderr) if os.environ.get("RANK", "0") == "0" else ():
                 print(MARK.format(i), file=stream, flush=True)
+            if job.get("worker"):
+                importlib.import_module(job["worker"]).run(job["args"], i)
+                continue
             patch = importlib.import_module(job["patch"]).patched() if job.get("patch") else contextlib.nullcontext()
             with environment(job.get("env", {})), (fresh_group(i) if i else contextlib.nullcontext()), patch:
                 try:
