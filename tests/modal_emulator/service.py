@@ -108,6 +108,7 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any, Callable
 
+from tests.modal_emulator import zygote
 from tests.modal_emulator.images import EMU, Layout, materialize, validate
 
 GRACE_S = 30.0  # a preempted container's time to exit before it is killed
@@ -156,6 +157,7 @@ class Container:
     pool: Pool
     proc: subprocess.Popen | None = None
     ready: bool = False
+    booted: bool = False  # it asked for its function (a fork that fails before is the zygote's fault)
     gone: bool = False
     stopping: bool = False
     preempted: bool = False
@@ -168,6 +170,7 @@ class Container:
     mounts: dict[str, tuple[str, Path]] = field(default_factory=dict)  # mount -> (volume, view dir)
     baselines: dict[str, dict] = field(default_factory=dict)
     inputs_done: int = 0
+    kind: tuple = ()  # what a zygote of its kind shares (zygote.py)
 
 
 @dataclass(eq=False)
@@ -500,16 +503,40 @@ class Service:
                **image.env, **self._secret_env(fn["secrets"]), **fn["env"],
                "VRL_MODAL_EMULATOR": f"{EMU}/sock/service.sock", "VRL_MODAL_EMULATOR_KEY": self.key,
                "VRL_MODAL_EMULATOR_CONTAINER": c.cid}
-        argv = self.layout.bwrap(image, binds, "/root", env) + [f"{EMU}/bin/python", "-m", "modal._container"]
         log = open(self.state / "logs" / f"{c.cid}.log", "wb")  # noqa: SIM115 - the child holds it
-        c.proc = self._popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        c.kind = zygote.kind(image.tree.parent.name, fn, env, list(fn["volumes"]))
+        c.proc = self._fork(c.kind, image, env, binds, log) if zygote.enabled() else None
+        if c.proc is None:
+            argv = self.layout.bwrap(image, binds, "/root", env) + [f"{EMU}/bin/python", "-m", "modal._container"]
+            c.proc = self._popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            zygote.starts["fresh"] += 1
+        else:
+            zygote.starts["forked"] += 1
         log.close()
         pool.containers.append(c)
         self.containers[c.cid] = c
         threading.Thread(target=self._reap, args=(c,), daemon=True, name=f"modal-emu-{c.cid}").start()
 
+    def _fork(self, kind: tuple, image, env: dict[str, str], binds: dict[str, Path], log) -> Any:
+        """A container forked from the zygote of its kind (zygote.py), or None: start a fresh one."""
+        def start_zygote(state: Path) -> tuple[list[str], dict]:
+            layout = Layout(state)
+            layout.write_gvisor()
+            empty = state / "empty"
+            empty.mkdir(exist_ok=True)
+            holes = {zygote.HOST: Path("/"), f"{EMU}/sock": empty, **{mount: empty for mount in binds if mount != f"{EMU}/sock"}}
+            shared = {k: v for k, v in env.items() if k not in zygote.PER_CONTAINER}
+            return layout.bwrap(image, holes, "/root", shared) + [f"{EMU}/bin/python"], {}
+
+        spec = {"module": "modal._container", "cwd": "/root", "env": env,
+                "binds": [(str(Path(source).resolve()), target, False) for target, source in binds.items()]
+                + [(str(self.layout.gvisor.resolve()), f"{EMU}/gvisor", True)]}
+        return zygote.fork(kind, start_zygote, spec, [log.fileno()])
+
     def _reap(self, c: Container) -> None:
         c.proc.wait()
+        if isinstance(c.proc, zygote.Forked) and not c.booted:
+            zygote.failed(c.kind, self.state / "logs" / f"{c.cid}.log")
         from modal.exception import RemoteError
 
         with self.cond:
@@ -532,6 +559,7 @@ class Service:
     def op_container_boot(self, cid: str) -> dict:
         with self.cond:
             c = self.containers[cid]
+            c.booted = True
             fn = c.pool.fn
             python = materialize(fn["image"], self.state / "images").python
             return {"kind": fn["kind"], "serialized": fn["serialized"], "blob": fn["blob"], "module": fn["module"],
@@ -550,9 +578,12 @@ class Service:
         with self.cond:
             self.containers[cid].ready = True
 
-    def op_container_next(self, cid: str) -> tuple | None:
+    def op_container_next(self, cid: str, modules: list[str] = ()) -> tuple | None:
+        """The container's next input (None: it stops). `modules`: those it loaded since it last asked
+        (what a zygote of its kind imports ahead, zygote.py)."""
         with self.cond:
             c = self.containers[cid]
+            zygote.learn(c.kind, modules)
             c.idle_since = time.monotonic()
             while True:
                 if c.stopping or c.gone or self._closed:

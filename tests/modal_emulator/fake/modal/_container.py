@@ -24,6 +24,7 @@ _stopping = threading.Event()
 _busy = threading.Event()  # set while user code runs: only then does an interrupt raise in it
 _current: list[str] = []  # the input whose user code runs now
 _cancel: list[str] = []  # the input a cancellation names
+_reported: set[str] = set()  # modules already reported to the service
 
 
 def _cancelled(signum, frame):
@@ -113,7 +114,9 @@ def main() -> int:
         _busy.clear()
         call("container_ready", cid)
         while not _stopping.is_set():
-            item = call("container_next", cid)
+            loaded = [name for name in sys.modules if name not in _reported]  # what a zygote imports ahead
+            _reported.update(loaded)
+            item = call("container_next", cid, loaded)
             if item is None:  # scaled down, app stopped
                 break
             iid, method_name, blob = item
