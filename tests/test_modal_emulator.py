@@ -365,8 +365,12 @@ def test_a_serialized_function_needs_the_clients_python_in_the_image(emu):
         assert g.remote() == 2
 
 
-def test_the_container_holds_the_image_not_the_developer_venv(emu):
+def test_the_container_holds_the_image_not_the_developer_venv(emu, monkeypatch):
+    """A fresh interpreter in the image (VRL_MODAL_EMULATOR_FRESH: no fork server, tests/modal_emulator/zygote.py),
+    as on Modal: the image's packages and files only, not the developer's venv or checkout."""
     import modal
+
+    monkeypatch.setenv("VRL_MODAL_EMULATOR_FRESH", "1")
 
     app = modal.App("image")
     image = modal.Image.debian_slim().add_local_python_source("vrl", "vrl_python_tests")

@@ -4,7 +4,9 @@ It runs in the test process (threads behind a Unix socket); the fake `modal` pac
 the client and from every container. The rules it enforces, and where Modal states them:
 
 Containers (modal.com/docs/guide/lifecycle-functions, /guide/scale, modal/_runtime/user_code_imports.py)
-- each container is its own OS process, in its image's filesystem (images.py), with its own warm state:
+- each container is its own OS process, in its image's filesystem (images.py), with its own warm state
+  (started fresh, or forked from a zygote of its kind that imported what a fresh one imports: zygote.py;
+  VRL_MODAL_EMULATOR_FRESH=1 starts every one fresh):
   the class is built with its parameters and `@modal.enter` runs once per container; one container
   pool per function and per set of class parameters; at most `max_containers` at once; a container idle
   for `scaledown_window` seconds (2 to 3600, modal/_functions.py; 60 when unset here: Modal's default

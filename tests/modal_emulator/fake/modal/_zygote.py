@@ -12,7 +12,7 @@ reported), then forks one container per request on CTL (a SOCK_SEQPACKET socket)
   container's Volume views over the mount points made for them, and hides this machine's root, which
   the zygote holds at /opt/emu/host only for those binds;
 - its child is PID 1 of the new namespace (bwrap's init: it mounts a fresh /proc and reaps), and that
-  one's child (PID 2, as under bwrap) runs the container: a new session, the request's stdio, exactly the
+  one's child (PID 2, as under bwrap, in PID 1's new session) runs the container: the request's stdio, exactly the
   request's environment and working directory, `modal._container` run as `__main__` (runpy, as `-m`
   does), the interpreter's exit handlers at its end.
 
@@ -126,6 +126,7 @@ def _init(spec: dict, fds: list[int], caps: dict[str, int], privileged: bool) ->
     """PID 1 of the container's namespace (bwrap's): a fresh /proc, the container as its child, reaping."""
     _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.setsid()  # bwrap's --new-session: the container is in PID 1's session
     pid = os.fork()
     if pid == 0:
         _container(spec, fds, caps, privileged)
@@ -144,7 +145,6 @@ def _container(spec: dict, fds: list[int], caps: dict[str, int], privileged: boo
     """The container's own process: what `python -m modal._container` would be, with the imports done."""
     code = 1
     try:
-        os.setsid()
         _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
         if not privileged:
             _drop_caps(caps)
@@ -157,6 +157,8 @@ def _container(spec: dict, fds: list[int], caps: dict[str, int], privileged: boo
         os.environ.clear()
         os.environ.update(spec["env"])
         os.chdir(spec["cwd"])
+        os.environ["PWD"] = spec["cwd"]  # what a fresh container's `init` shell exports
+        del sys.argv[1:]  # runpy sets argv[0]; `-m modal._container` has no arguments
         for name in spec["drop"]:
             sys.modules.pop(name, None)
         if "numpy.random" in sys.modules:  # a fresh interpreter seeds numpy's global generator from the OS
