@@ -6,10 +6,6 @@ from __future__ import annotations
 import secrets
 import time
 
-import pytest
-
-pytestmark = pytest.mark.slow
-
 
 def _facts_app(token: str):
     import modal
