@@ -7,7 +7,9 @@ states it). Every container and sandbox imports the same fake package. No accoun
 
 Containers are bubblewrap sandboxes (`bwrap`, as the python-tests plugin uses): without a working
 `bwrap` the emulator, and every test that needs it, is skipped. Inside its containers and sandboxes,
-`bwrap` follows gVisor's rules (gvisor.py), as it does on Modal.
+`bwrap` follows gVisor's rules (gvisor.py), as it does on Modal. A function container whose kind (image,
+function, environment, mounts) started before is forked from a zygote that imported what such a
+container imports (zygote.py); `VRL_MODAL_EMULATOR_FRESH=1` starts every one in a fresh interpreter.
 """
 
 from __future__ import annotations
