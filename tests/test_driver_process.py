@@ -52,12 +52,14 @@ def _key(batches) -> list:
 
 def _server(pids) -> tuple[int, int]:
     """The fork server that started the driver processes `pids` (their parent, not this process): it imported the
-    modules every child needs (torch's library is mapped) and never initialised CUDA (the driver library,
-    libcuda, is not mapped: a child forked after that would inherit a broken CUDA state)."""
+    modules every child needs (torch's library is mapped) and never initialised CUDA (it holds no NVIDIA
+    device file open, as CUDA's initialisation leaves it: a child forked after that would inherit a
+    broken CUDA state)."""
     [parent] = {reaper._stat(pid)[0] for pid in pids}
     assert parent != os.getpid()
-    maps = Path(f"/proc/{parent}/maps").read_text()
-    assert "libtorch" in maps and "libcuda.so" not in maps
+    assert "libtorch" in Path(f"/proc/{parent}/maps").read_text()
+    opened = [os.readlink(fd) for fd in Path(f"/proc/{parent}/fd").iterdir() if fd.is_symlink()]
+    assert not [f for f in opened if f.startswith("/dev/nvidia")], opened
     return parent, reaper._stat(parent)[1]
 
 

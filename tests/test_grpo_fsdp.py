@@ -9,15 +9,17 @@ GPUs are absent (NCCL is the same code path with another backend).
 A launch costs its agents a start and every rank its interpreter, torch and transformers, more than a
 step: the module's facts share one launch (`launched`, tests/torchrun_jobs.py, on two nodes of one process
 each): first the optimizer-level scenarios (`steps`, tests/grpo_fsdp_worker.py), then the `vrl train` jobs
-(`trained`, the multi-turn episodes' among them), ended by the one job that fails (a failing push).
-Stopping a launch with SIGTERM is a fact about the launch itself: that test has a launch of its own.
+(`trained`, the multi-turn episodes' among them; a push that fails on rank 0 and the launch goes on), and
+last a run that SIGTERM to the agents stops, which ends the launch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,6 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from tests import torchrun_jobs
-from tests.test_cli_errors import sigterm_after_an_iteration
 from tests.test_grpo import capture_grads, make_generator, sample_results
 from tests.torchrun_jobs import split
 from vrl.cli import main as cli_main
@@ -44,15 +45,17 @@ FIELDS = {"loss_type": "grpo", "micro_batch_size": 5, "learning_rate": 1e-3, "be
           "lr_scheduler_type": "constant"}
 
 
-def torchrun(*args: str, timeout: int = 600, nodes: int = 1, check: bool = True) -> subprocess.CompletedProcess:
+def torchrun(*args: str, timeout: int = 600, nodes: int = 1, check: bool = True,
+             stop_when: Callable[[], bool] | None = None) -> subprocess.CompletedProcess:
     """Two ranks on this machine, as a user starts them: one node of 2 processes (`torchrun --nnodes 1
     --nproc-per-node 2`), or `nodes=2`: two torchrun agents of one process each (`--nnodes 2 --node-rank
     i`, as on two hosts, here sharing this machine's filesystem), so rank 1 has LOCAL_RANK 0 and an
     agent of its own. Returns node 0's agent's output; with `check`, every agent must exit with 0. A
-    launch still running after `timeout` seconds fails the test, its ranks killed."""
+    launch still running after `timeout` seconds fails the test, its ranks killed; once `stop_when()`,
+    every agent gets SIGTERM (tests/torchrun_jobs.py's `agents`)."""
     cmds, env = launch(*args, nodes=nodes)
     try:
-        done = torchrun_jobs.agents(cmds, env, timeout)
+        done = torchrun_jobs.agents(cmds, env, timeout, stop_when)
     except TimeoutError as exc:
         pytest.fail(str(exc))
     if check:
@@ -103,13 +106,14 @@ def worker_job(tmp: Path, scenarios: dict[str, dict]) -> dict:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """The module's one launch (`jobs_launch`, two nodes of one process each): the worker's scenarios
-    (`steps`), then the `vrl train` jobs (`trained`), the last of which ends the launch."""
+    (`steps`), then the `vrl train` jobs (`trained`), the last of which runs until SIGTERM stops the launch."""
     tmp = tmp_path_factory.mktemp("fsdp")
     scenarios = step_scenarios(tmp)
     jobs = train_jobs(tmp / "cli")
-    order = ("one", "every", "pool", "async", "async_resumed", "lora", "filter", "ep_one", "ep_every", "failing_push")
+    order = ("one", "every", "pool", "async", "async_resumed", "lora", "filter", "ep_one", "ep_every", "failing_push",
+             "sigterm")
     outputs = jobs_launch(tmp, {"steps": worker_job(tmp, scenarios), **{k: jobs[k] for k in order}}, nodes=2,
-                          fails="failing_push")
+                          stopped=tmp / "cli" / "sigterm" / "fsdp")
     steps = {name: (torch.load(tmp / f"{name}.pt", weights_only=False), tmp / name) for name in scenarios}
     trained = {name: (out, tmp / "cli" / name.removesuffix("_resumed") / ("ep" if name.startswith("ep_") else "fsdp"))
                for name, out in outputs.items() if name != "steps"}
@@ -285,19 +289,32 @@ def test_a_rank_that_fails_to_sample_is_reported_by_rank_0_in_one_line_and_the_r
 LAUNCH_TIMEOUT_S = 600  # a jobs launch takes 1-3 minutes on the loaded 2-core machine
 
 
-def jobs_launch(tmp: Path, jobs: dict[str, list[str] | dict], nodes: int = 1, fails: str | None = None) -> dict[str, str]:
-    """`jobs` (name: `vrl` arguments, or tests/torchrun_jobs.py's job with its "patch") one after another in one
-    2-rank launch (`torchrun`), each as `torchrun … -m vrl.cli …` runs it alone. Every job must succeed, but
-    `fails`: the last job, which must end the launch with an error (node 0's agent exits non-zero; the
-    jobs before it succeeded, or it would not have started). Per name: rank 0's output."""
+def jobs_launch(tmp: Path, jobs: dict[str, list[str] | dict], nodes: int = 1, stopped: Path | None = None
+                ) -> dict[str, str]:
+    """`jobs` (name: `vrl` arguments, or tests/torchrun_jobs.py's job with its "patch" or "then") one after
+    another in one 2-rank launch (`torchrun`), each as `torchrun … -m vrl.cli …` runs it alone. Every job
+    must succeed (a job that fails ends the launch before the next: each must have started), but one marked
+    `"then": "continue"`, and `stopped`: the run folder of the last job, which runs until the launch is
+    stopped: once that run has finished an iteration, every agent gets SIGTERM (node 0's agent then exits
+    non-zero). Per name: rank 0's output."""
     spec = tmp / "jobs.json"
     spec.write_text(json.dumps({"jobs": [job if isinstance(job, dict) else {"args": job} for job in jobs.values()]}))
-    done = torchrun(str(HERE / "torchrun_jobs.py"), str(spec), timeout=LAUNCH_TIMEOUT_S, nodes=nodes, check=fails is None)
+    done = torchrun(str(HERE / "torchrun_jobs.py"), str(spec), timeout=LAUNCH_TIMEOUT_S, nodes=nodes,
+                    check=stopped is None and not any(isinstance(j, dict) and j.get("then") for j in jobs.values()),
+                    stop_when=None if stopped is None else lambda: finished_an_iteration(stopped))
     parts = [out + err for out, err in zip(split(done.stdout), split(done.stderr))]
     assert len(parts) == len(jobs), done.stderr[-6000:]
-    if fails is not None:
-        assert list(jobs)[-1] == fails and done.returncode != 0, done.stderr[-6000:]
+    if stopped is not None:
+        assert done.returncode != 0, done.stderr[-6000:]
     return dict(zip(jobs, parts))
+
+
+def finished_an_iteration(run: Path) -> bool:
+    """Whether `run` has finished an iteration: recorded in state.json, which a run writes last
+    (tests/test_cli_errors.py's `sigterm_after_an_iteration` says why)."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return json.loads((run / "state.json").read_text())["iteration"] >= 1
+    return False
 
 
 def _rows(run: Path, *keys: str, before: int | None = None) -> tuple[list, list]:
@@ -315,8 +332,9 @@ def train_jobs(tmp: Path) -> dict[str, list[str] | dict]:
     sampling jobs ("one", rank 0 sampling; "every", `grpo.sample_on_every_rank`; "pool", two engines on rank
     0), the asynchronous job ("async", 3 iterations) and its resume to a 4th ("async_resumed"), the LoRA
     adapter's job ("lora"), dynamic sampling on every rank ("filter", `FILTER_JOB`), the multi-turn episodes'
-    jobs ("ep_one", "ep_every": `EPISODE_JOBS`), and the job whose rank 0 fails to take the trained weights
-    ("failing_push", tests/failing_push_patches.py), which ends the launch."""
+    jobs ("ep_one", "ep_every": `EPISODE_JOBS`), the job whose rank 0 fails to take the trained weights
+    ("failing_push", tests/failing_push_patches.py; the launch goes on), and the job of 1000 iterations that
+    SIGTERM to the agents stops ("sigterm"), which ends the launch."""
     # sampling.batch_size=1: the 3 tasks are dealt 2 + 1 (shards start at multiples of the batch size)
     sampling = ["iterations=3", "grpo.learning_rate=0.3", "sampling.batch_size=1"]
     sets = {"one": sampling, "every": [*sampling, "grpo.sample_on_every_rank=true"],
@@ -327,7 +345,9 @@ def train_jobs(tmp: Path) -> dict[str, list[str] | dict]:
     jobs["async_resumed"] = ["train", "--resume", str(tmp / "async" / "fsdp"), "--iterations", "4"]
     failing = _letters_job(tmp / "failing_push")
     failing[failing.index("--iterations") + 1] = "4"
-    jobs["failing_push"] = {"args": failing, "patch": "tests.failing_push_patches"}
+    jobs["failing_push"] = {"args": failing, "patch": "tests.failing_push_patches", "then": "continue"}
+    jobs["sigterm"] = _letters_job(tmp / "sigterm")
+    jobs["sigterm"][jobs["sigterm"].index("--iterations") + 1] = "1000"
     jobs["filter"] = [*_letters_job(tmp / "filter"), *FILTER_JOB]
     for name, extra in EPISODE_JOBS.items():
         sets = [a for x in [f"logging.runs_dir={tmp / name}", *extra] for a in ("--set", x)]
@@ -511,23 +531,17 @@ def test_vrl_train_of_a_lora_adapter_under_torchrun_then_resume_on_one_process(t
 
 
 @pytest.mark.slow
-def test_sigterm_to_torchrun_stops_the_run_with_the_last_iteration_checkpointed(tmp_path):
-    """Stopping a launch (`kill <torchrun>`, a scheduler's stop) sends SIGTERM to every rank: rank 0 stops
-    the run as Ctrl-C does, and the other ranks, which ignore it, still take part in the checkpoint of the
-    last finished iteration (sharded: a collective) before rank 0 releases them. Before, they died at once
-    and rank 0 could write nothing; the iterations since the last timed checkpoint were lost."""
-    runs = tmp_path / "runs"
-    job = [*_letters_job(runs)]
-    job[job.index("--iterations") + 1] = "1000"
-    [cmd], env = launch(*VRL, *job)
-    agent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             cwd=HERE.parent)
-    run = runs / "fsdp"
-    err = sigterm_after_an_iteration(agent, run)
+def test_sigterm_to_torchrun_stops_the_run_with_the_last_iteration_checkpointed(trained):
+    """Stopping a launch (`kill <torchrun>`, a scheduler's stop: here SIGTERM to both nodes' agents, the module's
+    launch, once its last job has finished an iteration) sends SIGTERM to every rank: rank 0 stops the run as
+    Ctrl-C does, and the other ranks, which ignore it, still take part in the checkpoint of the last finished
+    iteration (sharded: a collective) before rank 0 releases them. Before, they died at once and rank 0 could
+    write nothing; the iterations since the last timed checkpoint were lost."""
+    output, run = trained["sigterm"]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "interrupted", (summary, err[-3000:])
+    assert summary["status"] == "interrupted", (summary, output[-3000:])
     done = summary["iterations_completed"]
-    assert done >= 1
+    assert 1 <= done < 1000
     state = torch.load(run / "grpo" / f"iter-{done:06d}" / "state.pt", weights_only=True)
     assert state["world_size"] == 2 and state["iteration"] == done
     trainer = Trainer(_toy_config_from(run, done + 1), run_dir=RunDir.open(run), environment=LettersEnvironment(),
@@ -539,11 +553,12 @@ def test_sigterm_to_torchrun_stops_the_run_with_the_last_iteration_checkpointed(
 @pytest.mark.slow
 def test_a_push_that_fails_on_rank_0_ends_the_launch_with_its_error_not_a_hang(trained):
     """Rank 0's host fails in the middle of taking the trained weights (an engine that loses its GPU):
-    the launch ends within seconds with that error (the module's launch, whose last job it is, within
-    LAUNCH_TIMEOUT_S), and the iteration before it is kept. Before, rank 0 left the step's remaining
+    the run ends with that error, the iteration before it kept, and every rank goes on (the module's
+    launch runs its next job, within LAUNCH_TIMEOUT_S). Before, rank 0 left the step's remaining
     collectives to go and release the other ranks, while rank 1 waited in the step's next all-reduce:
     both hung until the collective timeout (30 minutes by default)."""
-    output, run = trained["failing_push"]  # `trained` checked that the launch ended with an error
+    output, run = trained["failing_push"]
+    assert (trained["sigterm"][1] / "metrics.jsonl").is_file()  # the next job ran on both ranks
     assert "the engine lost its GPU in the middle of the push" in output
     assert json.loads((run / "summary.json").read_text())["status"] == "failed"
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1  # the first iteration, whose push went through

@@ -36,7 +36,9 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 MARK = "=== job {} ==="
@@ -62,14 +64,28 @@ def commands(*args: str, ranks: int = 2, nodes: int = 1,
              "--master-port", str(port), *args] for i in range(nodes)], environment
 
 
-def agents(cmds: list[list[str]], env: dict[str, str], timeout: float) -> list[subprocess.CompletedProcess]:
+def agents(cmds: list[list[str]], env: dict[str, str], timeout: float,
+           stop_when: Callable[[], bool] | None = None) -> list[subprocess.CompletedProcess]:
     """Start every command of `cmds` (a launch's agents, or one plain process) and wait for all. One still
     running after `timeout` seconds is killed with its ranks (torchrun starts each rank in a session of its
-    own, so they would outlive it) and TimeoutError raised; an agent left when another failed is killed."""
+    own, so they would outlive it) and TimeoutError raised; an agent left when another failed is killed.
+    `stop_when`: once it returns True (asked every 0.2 s), every agent gets SIGTERM, as a scheduler stops a
+    launch."""
     from vrl import reaper
 
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for c in cmds]
+    if stop_when is not None:
+        def stop() -> None:
+            while any(p.poll() is None for p in procs):
+                if stop_when():
+                    for p in procs:
+                        with contextlib.suppress(ProcessLookupError):
+                            p.send_signal(signal.SIGTERM)
+                    return
+                time.sleep(0.2)
+
+        threading.Thread(target=stop, daemon=True).start()
     outs = []
     try:
         for p in procs:
