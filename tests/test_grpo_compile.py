@@ -1,13 +1,18 @@
 """`grpo.compile`: decoder layers through the real `torch.compile` (dynamo + inductor, C++ on CPU).
 
-Nothing is emulated: each test compiles the tiny Qwen2 model's layers with inductor, as a GPU run
-does (only the code generator differs: C++ here, Triton there). A compile takes seconds to tens of
-seconds on CPU (inductor's on-disk cache makes later runs faster), hence the `slow` marks.
+Nothing is emulated: the tiny Qwen2 model's layers are compiled with inductor, as a GPU run does (only
+the code generator differs: C++ here, Triton there). A cold compile takes seconds to tens of seconds on
+CPU, hence the `slow` marks, and each distinct graph is compiled once in the file: the module's `runs`
+(the padded and checkpointing cases, one compiled GRPO trained on new lengths and one-row micro-batches)
+serve the step comparison, the recompile counts and the generation test; the other tests reuse their
+graphs where theirs are the same and compile only what is theirs alone (the LoRA layer, the head's
+chunks with entropies).
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -15,6 +20,7 @@ from torch._dynamo.utils import counters
 
 from tests.test_grpo import capture_grads, make_generator, sample_results
 from vrl.generate import tiny
+from vrl.generate.hf import HFGenerator
 from vrl.optim.compile import compile_layers, decoder_layers, restore_layers
 from vrl.optim.grpo import GRPO, GRPOConfig
 from vrl.optim.logprobs import completion_logprobs, pack
@@ -37,13 +43,18 @@ def _compile_in_process():
     workers: on the 2-core machine each worker costs its own torch import and buys no parallelism. Its C++
     kernels are scalar (`cpp.simdlen=1`): on a cold cache the vectorised ones cost g++ more (this file: 120
     against 107 s; its first test 61 against 51 s; idle machine, session 23), and a GPU run's kernels are
-    Triton's, not these; the graphs, fusions and dynamic shapes under test are the same."""
-    from torch._inductor import config
+    Triton's, not these; the graphs, fusions and dynamic shapes under test are the same. So inductor need
+    not probe which vector instruction sets this CPU has (`cpp.vec_isa_ok=False`): on a cold cache it
+    builds a test program per set, with ATen's vectorised headers, about 7 CPU-seconds of g++; the
+    kernels and their g++ flags are the same without it."""
+    from torch._inductor import config, cpu_vec_isa
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(config, "compile_threads", 1)
         mp.setattr(config.cpp, "simdlen", 1)
+        mp.setattr(config.cpp, "vec_isa_ok", False)
         yield
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()  # it kept the empty list of the probe-free answer
 
 
 def varied_results(seed: int, n: int = 6, group: int = 3) -> list[Result]:
@@ -62,17 +73,81 @@ def varied_results(seed: int, n: int = 6, group: int = 3) -> list[Result]:
     return out
 
 
-def step(compile: bool, results: list[Result], **fields) -> tuple[dict, dict[str, torch.Tensor], GRPO, float]:
-    """One `tell` on a fresh tiny model: metrics, the weights after it, the optimizer, and how far the
-    trained parameters moved (largest element)."""
+def make_generator_with(layers: int) -> HFGenerator:
+    """`make_generator`'s tiny model, with `layers` decoder layers."""
     gen = make_generator()
-    opt = GRPO(GRPOConfig(lr_scheduler_type="constant", micro_batch_size=2, learning_rate=LR, compile=compile,
-                          **fields), seed=0, total_iterations=10)
-    opt.setup(gen)
-    before = [p.detach().clone() for p in opt.params]
-    metrics = opt.tell(results)
-    moved = max(float((p.detach() - b).abs().max()) for p, b in zip(opt.params, before))
-    return metrics, {k: v.clone() for k, v in gen.model.state_dict().items()}, opt, moved
+    if layers != len(gen.model.model.layers):
+        gen.model = tiny.build_model(num_layers=layers)
+    return gen
+
+
+# The GRPO configs whose one compiled step `test_compiled_step_equals_eager_step` compares with the eager step.
+CASES = {"padded": {}, "checkpointing-beta-2-steps": {"gradient_checkpointing": True, "beta": 0.1, "num_iterations": 2},
+         "lora": {"use_peft": True, "lora_dropout": 0.0}}
+
+
+@dataclass
+class Steps:
+    """One `tell` on the same varied rows from two fresh tiny models, the layers eager and compiled."""
+
+    fields: dict  # the GRPO config's fields
+    eager: dict  # the eager step's metrics
+    compiled: dict
+    weights_eager: dict[str, torch.Tensor]  # the weights after it
+    weights_compiled: dict[str, torch.Tensor]
+    grads: list[list[torch.Tensor]]  # the master gradients at each optimizer step: the eager run's, then the compiled run's
+    names: list[str]  # the trained parameters' names, in the order of each step's gradients
+    moved: float  # how far the compiled step moved the trained parameters (largest element)
+    graphs: int  # the graphs dynamo compiled during the compiled step
+    opt: GRPO  # the compiled run's optimizer (its generator: `gen`), to train on
+    gen: HFGenerator
+
+
+def eager_and_compiled(fields: dict, layers: int = 2) -> Steps:
+    """`Steps` for GRPO config `fields` on `varied_results(0)` in micro-batches of 2."""
+    results = varied_results(0)
+    runs = []
+    with pytest.MonkeyPatch.context() as mp:
+        grads = capture_grads(mp)
+        for compile in (False, True):
+            gen = make_generator_with(layers)
+            opt = GRPO(GRPOConfig(lr_scheduler_type="constant", micro_batch_size=2, learning_rate=LR, compile=compile,
+                                  **fields), seed=0, total_iterations=10)
+            opt.setup(gen)
+            before = [p.detach().clone() for p in opt.params]
+            graphs = counters["stats"]["unique_graphs"]
+            metrics = opt.tell(results)
+            moved = max(float((p.detach() - b).abs().max()) for p, b in zip(opt.params, before))
+            runs.append((metrics, {k: v.clone() for k, v in gen.model.state_dict().items()}, opt, gen, moved,
+                         counters["stats"]["unique_graphs"] - graphs))
+    (eager, weights_eager, eager_opt, *_), (compiled, weights_compiled, opt, gen, moved, graphs) = runs
+    return Steps(fields, eager, compiled, weights_eager, weights_compiled, grads, eager_opt.param_names, moved,
+                 graphs, opt, gen)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """The 2-layer model's compiled runs, once for the module, in an order that compiles each graph once.
+    From a reset dynamo (so its `graphs` count all it needed), the padded case's `Steps`; its compiled
+    GRPO trained on rows of other lengths; the checkpointing case's `Steps` (its layer graph is the padded
+    one, so from inductor's cache: a one-row specialisation compiled before it made that a miss); then
+    the padded GRPO on micro-batches of one row. `tells`: the graphs each of those `tell`s compiled
+    (`test_new_lengths_do_not_recompile`). The padded GRPO's generator is left to
+    `test_generation_after_a_compiled_step_stays_eager`."""
+    torch._dynamo.reset()
+    out = {"padded": eager_and_compiled(CASES["padded"]), "tells": {}}
+
+    def tell(name: str, results: list[Result]) -> None:
+        before = counters["stats"]["unique_graphs"]
+        out["padded"].opt.tell(results)
+        out["tells"][name] = counters["stats"]["unique_graphs"] - before
+
+    tell("other lengths", varied_results(1))
+    tell("more rows", varied_results(2, n=8, group=4))
+    out["checkpointing-beta-2-steps"] = eager_and_compiled(CASES["checkpointing-beta-2-steps"])
+    tell("one row", varied_results(3, n=5, group=5))  # 5 rows: the last micro-batch holds one
+    tell("one row again", varied_results(4, n=3, group=3))  # other lengths, the last micro-batch one row again
+    return out
 
 
 def assert_adamw_step_close(names, grads_a, grads_b, metrics_a, metrics_b, weights_a, weights_b) -> None:
@@ -91,32 +166,28 @@ def assert_adamw_step_close(names, grads_a, grads_b, metrics_a, metrics_b, weigh
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fields", [
-    {},
-    {"gradient_checkpointing": True, "beta": 0.1, "num_iterations": 2},
-    {"use_peft": True, "lora_dropout": 0.0},
-], ids=["padded", "checkpointing-beta-2-steps", "lora"])
-def test_compiled_step_equals_eager_step(fields, monkeypatch):
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_step_equals_eager_step(case, request):
     """One `tell` with the layers compiled gives the eager step's loss, gradients (every optimizer step)
     and updated weights, on padded rows of varied lengths, within float reordering. With
     checkpointing the compiled layer is recomputed in backward; with beta > 0 and 2 steps the eval-mode
     (eager) reference and old log-probs meet compiled training log-probs. LoRA without dropout
-    (inductor draws dropout masks with its own generator, so masks differ from eager's)."""
-    grads = capture_grads(monkeypatch)
-    results = varied_results(0)
-    eager, weights_eager, opt, _ = step(False, results, **fields)
-    n_steps = len(grads)
-    compiled, weights_compiled, _, moved = step(True, results, **fields)
-    assert len(grads) == 2 * n_steps == 2 * fields.get("num_iterations", 1)
-    assert compiled["grpo/loss"] == pytest.approx(eager["grpo/loss"], rel=1e-6, abs=1e-9)
-    assert compiled["grpo/grad_norm"] == pytest.approx(eager["grpo/grad_norm"], rel=1e-5)
+    (inductor draws dropout masks with its own generator, so masks differ from eager's) on a one-layer
+    model: with LoRA the first layer's input has no gradient (the embedding is frozen) and a later
+    layer's has, two graphs; one layer puts peft's wrapped projections through the compiler, a second
+    would cost a second cold compile. The other cases are the module's `runs`."""
+    s = eager_and_compiled(CASES[case], layers=1) if case == "lora" else request.getfixturevalue("runs")[case]
+    grads, n_steps = s.grads, len(s.grads) // 2
+    assert len(grads) == 2 * n_steps == 2 * s.fields.get("num_iterations", 1)
+    assert s.compiled["grpo/loss"] == pytest.approx(s.eager["grpo/loss"], rel=1e-6, abs=1e-9)
+    assert s.compiled["grpo/grad_norm"] == pytest.approx(s.eager["grpo/grad_norm"], rel=1e-5)
     for i, (a_step, b_step) in enumerate(zip(grads[:n_steps], grads[n_steps:])):
         for a, b in zip(a_step, b_step):
             assert float((a - b).abs().max()) <= (LATER_GRAD_RTOL if i else GRAD_RTOL) * float(a.abs().max()) + 1e-12
     assert any(float(g.abs().max()) > 0 for g in grads[0])
     if n_steps == 1:
-        assert_adamw_step_close(opt.param_names, grads[0], grads[1], eager, compiled, weights_eager, weights_compiled)
-    assert moved > 0.5 * LR  # the step did move the weights
+        assert_adamw_step_close(s.names, grads[0], grads[1], s.eager, s.compiled, s.weights_eager, s.weights_compiled)
+    assert s.moved > 0.5 * LR  # the step did move the weights
 
 
 @pytest.mark.slow
@@ -159,30 +230,18 @@ def test_the_compiled_head_chunks_give_eager_logprobs_entropies_and_gradients():
 
 
 @pytest.mark.slow
-def test_new_lengths_do_not_recompile():
+def test_new_lengths_do_not_recompile(runs):
     """Micro-batches of new lengths reuse the compiled graph (shapes are dynamic); both layers share it.
     A one-row micro-batch (size 1 is specialised) adds at most one graph, and only once."""
-    torch._dynamo.reset()  # count from nothing: earlier tests in this process may have compiled this layer class
-    graphs = lambda: counters["stats"]["unique_graphs"]  # noqa: E731
-    before = graphs()
-    gen = make_generator()
-    opt = GRPO(GRPOConfig(lr_scheduler_type="constant", micro_batch_size=2, compile=True), seed=0, total_iterations=10)
-    opt.setup(gen)
-    first = varied_results(0)
     widths = {max(len(r.completion.prompt_token_ids) + len(r.completion.token_ids) for r in pair)
-              for pair in _micro_batches(first, 2)}
-    assert len(widths) == 3  # three micro-batches, three lengths
-    opt.tell(first)
-    compiled = graphs() - before
-    assert 1 <= compiled <= 2  # one graph for both layers and every length, one for the head's chunks
-    opt.tell(varied_results(1))  # other lengths again
-    opt.tell(varied_results(2, n=8, group=4))
-    assert graphs() - before == compiled
-    opt.tell(varied_results(3, n=5, group=5))  # the last micro-batch holds one row
-    once = graphs() - before
-    assert once <= compiled + 1
-    opt.tell(varied_results(4, n=3, group=3))
-    assert graphs() - before == once
+              for pair in _micro_batches(varied_results(0), 2)}
+    assert len(widths) == 3  # the first step's three micro-batches have three lengths
+    assert len(runs["padded"].gen.model.model.layers) == 2
+    assert 1 <= runs["padded"].graphs <= 2  # one graph for both layers and every length, one for the head's chunks
+    tells = runs["tells"]
+    assert tells["other lengths"] == tells["more rows"] == 0
+    assert tells["one row"] <= 1
+    assert tells["one row again"] == 0
 
 
 def _micro_batches(results: list[Result], size: int) -> list[list[Result]]:
@@ -191,14 +250,10 @@ def _micro_batches(results: list[Result], size: int) -> list[list[Result]]:
 
 
 @pytest.mark.slow
-def test_generation_after_a_compiled_step_stays_eager():
-    """The host samples from the module GRPO trains (one process): after a compiled step, generation
+def test_generation_after_a_compiled_step_stays_eager(runs):
+    """The host samples from the module GRPO trains (one process): after compiled steps, generation
     compiles nothing and samples exactly what an uncompiled model with the same weights samples."""
-    gen = make_generator()
-    opt = GRPO(GRPOConfig(lr_scheduler_type="constant", micro_batch_size=4, learning_rate=LR, compile=True),
-               seed=0, total_iterations=10)
-    opt.setup(gen)
-    opt.tell(sample_results(gen))
+    gen = runs["padded"].gen
     frames = dict(counters["frames"])
     sampled = [c.text for c in (r.completion for r in sample_results(gen, seed=7))]
     assert dict(counters["frames"]) == frames
