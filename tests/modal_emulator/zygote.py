@@ -174,15 +174,15 @@ def _launch(key: tuple, names: list[str], start_zygote) -> None:
     finally:
         log.close()
         theirs.close()
-    _zygotes[key] = Zygote(proc, ours, next(_ids), base / f"zygote-{n}.log")
+    _zygotes[key] = Zygote(key, proc, ours, next(_ids), base / f"zygote-{n}.log")
 
 
 class Zygote:
     """The service's side of one zygote: fork requests, the exit statuses of its containers."""
 
-    def __init__(self, proc: subprocess.Popen, sock: socket.socket, used: int, log: Path):
-        self.proc, self.sock, self.used, self.log = proc, sock, used, log
-        self.ready = self.dead = False
+    def __init__(self, key: tuple, proc: subprocess.Popen, sock: socket.socket, used: int, log: Path):
+        self.key, self.proc, self.sock, self.used, self.log = key, proc, sock, used, log
+        self.ready = self.dead = self.served = self.closing = False
         self.host_pid: int | None = None
         self.info: dict = {}
         self.children: dict[int, Forked] = {}  # pid in the zygote's namespace -> handle
@@ -201,7 +201,7 @@ class Zygote:
                 if what == "ready":
                     ns_pid, self.info = rest
                     self.host_pid = _host_pid(self.proc.pid, ns_pid)
-                    self.ready = self.info["problem"] is None and self.host_pid is not None
+                    self.ready = self.served = self.info["problem"] is None and self.host_pid is not None
                     if not self.ready:
                         break
                 elif what == "forked":
@@ -216,6 +216,9 @@ class Zygote:
                         handle._ended(os.waitstatus_to_exitcode(status))
         except OSError:
             pass
+        if not self.served and not self.closing:  # refused, or died importing: its kind starts fresh from now on
+            with _lock:
+                _broken.add(self.key)
         self.dead, self.ready = True, False
         for reply in list(self.replies.values()):
             reply.put(None)
@@ -250,7 +253,8 @@ class Zygote:
         return handle
 
     def close(self) -> None:
-        self.dead = self.ready = True
+        self.closing = self.dead = True
+        self.ready = False
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         if self.proc.poll() is None:
