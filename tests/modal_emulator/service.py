@@ -585,7 +585,7 @@ class Service:
         (what a zygote of its kind imports ahead, zygote.py)."""
         with self.cond:
             c = self.containers[cid]
-            zygote.learn(c.kind, modules)
+            zygote.learn(c.kind, modules, c.inputs_done > 0)
             c.idle_since = time.monotonic()
             while True:
                 if c.stopping or c.gone or self._closed:

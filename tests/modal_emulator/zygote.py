@@ -13,8 +13,8 @@ shortcut, made so that a container cannot tell:
   with the environment the container has.
 - It imports what a fresh container of that kind had imported, nothing more: every container reports
   the modules it has loaded (`container_next`), the first one of a kind always starts fresh, and the
-  zygote imports those names in the same order (modal/_zygote.py). The second start of a kind
-  launches the zygote (in the background: that container starts fresh too); from then on its
+  zygote imports those names in the same order (modal/_zygote.py). The zygote is launched (in the
+  background) once a container of its kind has run an input, or at the kind's second start; from then on its
   containers fork from it, each with its own mount and PID namespace, its service socket, gVisor
   folder and Volume views bound in, its own session, stdio, environment and working directory.
 - The service gets a `Forked` handle (pid, poll, wait, kill, returncode), as it gets a Popen from a
@@ -60,6 +60,7 @@ _lock = threading.Lock()
 _profiles: dict[tuple, dict[str, None]] = {}  # kind -> modules a container of that kind loaded, in order
 _seen: dict[tuple, int] = {}  # kind -> container starts so far
 _zygotes: dict[tuple, Zygote] = {}
+_starters: dict[tuple, Any] = {}  # kind -> how to start its zygote
 _broken: set[tuple] = set()  # kinds whose forks failed: fresh containers only
 _spawns: queue.Queue = queue.Queue()
 _spawner: threading.Thread | None = None
@@ -77,22 +78,24 @@ def kind(image_key: str, fn: dict, env: dict[str, str], mounts: list[str]) -> tu
     return (image_key, fn["module"], fn["qualname"], shared, tuple(sorted(mounts)))
 
 
-def learn(key: tuple, modules: list[str]) -> None:
-    """A container of `key` reports modules it loaded (in its import order)."""
-    if not modules:
-        return
+def learn(key: tuple, modules: list[str], worked: bool) -> None:
+    """A container of `key` reports modules it loaded (in its import order); `worked`: it has run an
+    input, so it imported what its inputs need: the kind's zygote starts now (in the background)."""
     with _lock:
         profile = _profiles.setdefault(key, {})
         for name in modules:
             if name not in NOT_PRELOADED:
                 profile[name] = None
+        if worked and profile and key in _starters and key not in _zygotes and key not in _broken:
+            _launch(key, list(profile), _starters[key])
 
 
 def fork(key: tuple, start_zygote, spec: dict, fds: list[int]) -> Forked | None:
     """A container forked from the zygote of `key`, or None (start it fresh). The second start of a kind
-    whose modules are known launches its zygote (`start_zygote(names, workdir) -> (argv, kwargs)`)."""
+    whose modules are known launches its zygote (`start_zygote(folder) -> (argv, kwargs)`)."""
     with _lock:
         _seen[key] = _seen.get(key, 0) + 1
+        _starters[key] = start_zygote
         zygote = _zygotes.get(key)
         if key in _broken:
             return None
