@@ -126,16 +126,3 @@ def test_the_vllm_engine_starts_on_the_conversion_in_its_own_dtype_without_a_rev
     assert started["model"] == str(gguf.folder_for(str(model), "bfloat16")) and started["dtype"] == "bfloat16"
     assert started["revision"] is None
 
-
-def test_a_runtime_that_loads_the_weights_elsewhere_refuses_a_gguf_model_in_one_line(tmp_path):
-    """Modal's workers load weights from the Volume's Hugging Face cache: a GGUF file converted on this machine has
-    no path there yet, so the preflight says so before anything starts."""
-    from vrl.config import build
-    from vrl.envs.sums import SumsEnvironment
-    from vrl.errors import UsageError
-    from vrl.preflight import preflight
-
-    model = write_gguf(tmp_path / "m.gguf", "llama")
-    config = build({"model": str(model), "plugin": "sums", "runtime": {"kind": "modal"}})
-    with pytest.raises(UsageError, match="is a GGUF file.*runtime.kind=local"):
-        preflight(config, SumsEnvironment())

@@ -93,14 +93,7 @@ def preflight(config: TrainConfig, env: Environment, *, training: bool = True) -
     runtime = runtime_class(config.runtime.kind)
     if env.multi_turn:
         check_episodes(config, env, runtime)
-    from vrl.errors import UsageError
-    from vrl.gguf import is_gguf
-
-    if not runtime.weights_here and is_gguf(config.model):
-        raise UsageError(f"--model {config.model} is a GGUF file, converted on this machine (docs/gguf.md); runtime "
-                         f"{config.runtime.kind!r} loads the weights elsewhere, which cannot take it yet: run it with "
-                         "--set runtime.kind=local, or give a Hugging Face model id")
-    runtime.check(config)
+    runtime.check(config)  # a runtime whose weights load elsewhere carries a local model there (Modal: its Volume)
     if training:  # the weightless module tree is built only for a rule that asks for it
         # Imported here, not at the top: it loads torch, which `import vrl` must not (issue 28).
         from vrl.generate import generator_class

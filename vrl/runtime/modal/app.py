@@ -8,7 +8,8 @@ image, in the spirit of modal-labs' examples::
                        one variant on a shard of tasks, on the host the local runtime would build
                        (vllm or hf): an ES member (seed + the run's updates, replayed warm) or the
                        current weights (GRPO, eval; trained weights from the Volume) -> completions
-    prepare_model      orchestrator image, CPU only, Volume, secrets: base weights + tokenizer onto the Volume
+    prepare_model      orchestrator image, CPU only, Volume, secrets: base weights + tokenizer of a Hub id onto the
+                       Volume (a local model is uploaded from the user's machine instead: models.py)
     orchestrate        orchestrator image (+ optional GPU for GRPO), Volume, secrets: the detached loop
     stop_app           orchestrator image, a quarter core: stops a detached run's app after its last call
     verifier sandboxes verifier image per plugin, block_network, no secrets (created by the runtime)
@@ -98,8 +99,8 @@ def build_app(config: Any) -> ModalApp:
         """Generation on one GPU; warm across calls (base weights, replayed ES state, loaded shards)."""
         if probe:  # `vrl modal doctor`: what this image holds, and whether CUDA sees the GPU
             return workers.environment_report(gpu=True)
-        if weights:
-            # New GRPO weights were committed after this container mounted the Volume.
+        if weights or not workers.model_visible(config, root):
+            # New GRPO weights, or a local model uploaded, after this container mounted the Volume.
             _reload(root)
         # ES: a worker that is behind reloads to see the newest updates; a θ snapshot it writes is committed.
         return workers.sample_call(variant, start, stop, write_snapshot, config=config, tasks=tasks, seed=seed,

@@ -147,6 +147,17 @@ def _model_check(config: Any, volume: Any) -> Check:
     name = f"model {model} on the Volume (workers load it offline)"
     if model == TINY:
         return Check(name, True, 0.0, 0.0, "built in every worker: nothing to load")
+    from vrl.runtime.modal import models
+
+    if models.is_local(model):  # a GGUF file or a model folder here: uploaded by its content (models.py)
+        try:
+            folder = config.runtime.modal.model_folder or models.volume_folder(model, models.model_dtype(config))
+        except Exception as exc:  # noqa: BLE001 - a missing or unreadable file: the finding
+            return Check(name, False, time.perf_counter() - t0, 0.0, _line(exc))
+        found = models.on_volume(volume, folder)
+        detail = (f"uploaded as {folder}" if found else f"not in {config.runtime.modal.volume}:{folder} yet: a run "
+                  f"uploads it when it starts, or `vrl modal prepare --model {model}` now")
+        return Check(name, found, time.perf_counter() - t0, 0.0, detail)
     folder = f"{HF_DIR}/models--{model.replace('/', '--')}/snapshots"
     try:
         found = [e.path for e in volume.listdir(folder, recursive=True) if e.path.endswith(".safetensors")]

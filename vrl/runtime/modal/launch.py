@@ -23,9 +23,25 @@ def _modal_errors():
 
 
 def prepare(config: Any, model: str, revision: str | None = None) -> dict[str, Any]:
-    """Put `model` (weights + tokenizer) on the run's Volume once, from inside Modal."""
+    """Put `model` (weights + tokenizer) on the run's Volume once: a Hub id from inside Modal; a local model (a
+    GGUF file, converted here first, or a model folder) uploaded from this machine, no app started (models.py).
+    "downloaded" says whether anything was put there now."""
+    from vrl.runtime.modal import models
     from vrl.runtime.modal.app import build_app
 
+    if models.is_local(model):
+        modal_section = config.runtime.modal.model_copy(update={"model_folder": None})  # placed from `model` now
+        config = config.model_copy(update={"model": model, "runtime": config.runtime.model_copy(
+            update={"modal": modal_section})})
+        models.place(config)  # a missing or unreadable file: one line, before any Modal call
+        require_credentials()
+        import modal
+
+        try:
+            info = models.upload(config, modal.Volume.from_name(config.runtime.modal.volume, create_if_missing=True))
+        except _modal_errors() as exc:
+            raise ModalUnavailable(NO_ACCOUNT.format(error=exc)) from None
+        return {**info, "revision": None, "downloaded": info["uploaded"]}
     app = build_app(config)
     try:
         with modal_output(config.runtime.modal.output), app.app.run():
@@ -106,6 +122,10 @@ def launch_detached(config: Any, resume: bool = False) -> str:
     try:
         with modal_output(config.runtime.modal.output), app.app.run(detach=True):
             app_id = app.app.app_id
+            if config.runtime.modal.model_folder is not None:  # a local model: on the Volume before the run starts
+                from vrl.runtime.modal.models import upload
+
+                upload(config, app.volume)
             call = app.orchestrate.spawn(dump(config), resume, worker=app.sample, orchestrator=app.orchestrate,
                                          app_id=app_id, stopper=app.stop_app)
         # Kept in the lease Dict: a start that fails before its first iteration leaves no run directory.

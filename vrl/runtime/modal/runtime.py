@@ -138,6 +138,7 @@ class ModalPolicy(PolicyHost):
         self._last_sample: float | None = None
         self._warned_cold = False
         self.environment: dict[str, Any] | None = None  # the run's environment, where it answers back
+        self.mounted: Path | None = None  # the Volume's mount, in a container (a local model's copy comes from it)
 
     def episodes(self, runner: Any) -> None:
         """Each worker samples whole episodes with its own instance of the run's environment, built from the
@@ -247,7 +248,13 @@ class ModalPolicy(PolicyHost):
         if self._trainable is None:
             from vrl.generate.hf import HFGenerator
 
-            local = HFGenerator.from_config(self.config)
+            config, folder = self.config, self.config.runtime.modal.model_folder
+            if self.mounted is not None and folder is not None:  # a detached orchestrator: the local model's copy
+                from vrl.runtime.modal.models import local_copy
+
+                config = config.model_copy(update={"model": str(local_copy(self.mounted, folder)), "generator":
+                                                   config.generator.model_copy(update={"revision": None})})
+            local = HFGenerator.from_config(config)
             self._trainable = Trainable(local.model, local.tokenizer, self.config.sampling)
         return self._trainable
 
@@ -292,6 +299,11 @@ class ModalConfig(Section):
         0, ge=0, description="ES members sampled by one worker call; 0: one for es.noise=full, and for lowrank as many "
         "as share runtime.modal.max_containers (one engine pass serves several low-rank members).")
     volume: str = Field("vrl", min_length=1, description="Modal Volume holding base weights, the HF cache and run directories.")
+    model_folder: str | None = Field(
+        None, description="Where a local --model (a GGUF file, converted on this machine first, or a model folder) "
+        "lies on the Volume: models/<content hash>, recorded by vrl when the run starts and uploaded once; the workers "
+        "and a detached orchestrator load it from there (docs/modal.md). None: --model is a Hub id or tiny. A resumed "
+        "run refuses a file whose content changed.")
     secrets: list[str] = Field(
         default_factory=list,
         description="Modal Secret names (e.g. 'huggingface'), mounted on `vrl modal prepare` and the detached "
@@ -374,7 +386,8 @@ class ModalRuntime(Runtime):
 
     @classmethod
     def check(cls, config: Any) -> None:
-        """Refused before anything starts: episodes whose turns the environment's own verifier judges
+        """Refused before anything starts: a local --model that cannot go to the Volume (`models.place`, which
+        records its Volume folder in `runtime.modal.model_folder`); episodes whose turns the environment's own verifier judges
         (`vrl.repair.RepairEpisodes` with more than one turn: proof repair, test-report repair). On Modal a
         worker runs its episodes beside its engine, and no verifier runs there (a Lean server and its
         re-check, a bubblewrap sandbox for model code: those are in the verifier sandboxes), so each repair
@@ -382,7 +395,9 @@ class ModalRuntime(Runtime):
         from vrl.errors import UsageError
         from vrl.plugins import registry
         from vrl.repair import RepairEpisodes
+        from vrl.runtime.modal.models import place
 
+        place(config)
         env = registry().environment(config.plugin, **config.env_options)
         if isinstance(env, RepairEpisodes) and env.multi_turn:
             raise UsageError(f"environment {env.name!r} judges every turn of its episodes with its verifier (-o turns="
@@ -401,8 +416,17 @@ class ModalRuntime(Runtime):
     def policy(self, config: Any, needs: HostNeeds | None = None) -> PolicyHost:
         self._ensure_running()
         run = config.logging.name or "run"
-        return ModalPolicy(self.caller, self.worker, config, self._weights_store(run), self.before_sample,
-                           put=self._put_files)
+        policy = ModalPolicy(self.caller, self.worker, config, self._weights_store(run), self.before_sample,
+                             put=self._put_files)
+        if self.in_container:  # the detached orchestrator: a local model is on the Volume already
+            policy.mounted = self.volume_root
+        elif config.runtime.modal.model_folder is not None:  # a local model (models.py): uploaded once, before the
+            import modal  # first worker call (the app runs, so its Volume exists)
+
+            from vrl.runtime.modal.models import upload
+
+            upload(config, modal.Volume.from_name(config.runtime.modal.volume))
+        return policy
 
     def _put_files(self, files: dict[str, bytes]) -> None:
         """Files onto the Volume for the workers (ES updates): one batch upload, allowed from anywhere and

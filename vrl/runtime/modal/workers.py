@@ -7,6 +7,7 @@ Modal boundary as dicts). Workers load weights from the Volume (`root`), never f
 Volume layout (mounted at `VOLUME_ROOT` in Modal containers)::
 
     hf/                      Hugging Face cache (`vrl modal prepare` fills it; workers read it offline)
+    models/<key>/            local models (a GGUF file's conversion, a model folder), by content (models.py)
     runs/<name>/             run directories of detached runs (metrics, es_history.json, state)
     runs/<name>/es/          ES updates (updates/<n>.json) and θ snapshots (theta/<n>.safetensors) workers catch up from
     runs/<name>/weights/vN/  GRPO weights after update N (the shard workers reload them)
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 VOLUME_ROOT = "/vrl"
 HF_DIR = "hf"
 RUNS_DIR = "runs"
+MODELS_DIR = "models"
+#: The files of a model that go to the Volume (a Hub snapshot, a local folder): weights, config, tokenizer.
+MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
 
 
 def volume_env(root: str | os.PathLike = VOLUME_ROOT, offline: bool = True) -> dict[str, str]:
@@ -50,6 +54,13 @@ def volume_env(root: str | os.PathLike = VOLUME_ROOT, offline: bool = True) -> d
     if offline:
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     return env
+
+
+def model_visible(config: dict[str, Any], root: str | os.PathLike = VOLUME_ROOT) -> bool:
+    """False when the call's model is a local model's folder on the Volume (models.py) that this container does
+    not see yet (uploaded after it mounted the Volume: it reloads first)."""
+    model = str(config.get("model", ""))
+    return not model.startswith(f"{Path(root)}/{MODELS_DIR}/") or Path(model).is_dir()
 
 
 # -- wire formats --------------------------------------------------------------------------------
@@ -95,11 +106,17 @@ def spec_from_wire(data: dict[str, Any] | None) -> PerturbationSpec | None:
 
 def engine_config(config: Any) -> dict[str, Any]:
     """What a worker builds its host from: the run's model, seed, generator and sampling sections
-    (JSON); runtime and logging do not concern it."""
+    (JSON); runtime and logging do not concern it. A local model is its folder on the Volume (models.py),
+    which has no Hub revision."""
     from vrl.config import dump
+    from vrl.runtime.modal.models import worker_path
 
     data = dump(config)
-    return {k: data[k] for k in ("model", "seed", "generator", "sampling")}
+    out = {k: data[k] for k in ("model", "seed", "generator", "sampling")}
+    on_volume = worker_path(config)
+    if on_volume is not None:
+        out["model"], out["generator"] = on_volume, {**out["generator"], "revision": None}
+    return out
 
 
 # -- ES state: what a member call carries, and what a worker catches up from --------------------------
@@ -461,7 +478,7 @@ def prepare_model(model: str, revision: str | None, root: str | os.PathLike) -> 
 
     cache = Path(root) / HF_DIR
     cache.mkdir(parents=True, exist_ok=True)
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+    patterns = list(MODEL_FILES)
     try:
         path = snapshot_download(model, revision=revision, cache_dir=str(cache), allow_patterns=patterns, local_files_only=True)
         downloaded = False
