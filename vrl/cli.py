@@ -496,14 +496,16 @@ def modal() -> None:
 
 
 @modal.command()
-@click.option("--model", "-m", required=True, help="Hugging Face model id to put on the Volume.")
+@click.option("--model", "-m", required=True,
+              help="Hugging Face model id, a GGUF file or a local model folder to put on the Volume.")
 @click.option("--revision", help="Branch, tag or commit (default: main).")
 @click.option("--secret", "secrets", multiple=True, help="Modal Secret name to mount, e.g. huggingface (repeatable).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="runtime.modal.* overrides, e.g. runtime.modal.volume=vrl2.")
 @click.option("--quiet", "-q", is_flag=True, help="Hide Modal's image build and container output.")
 def prepare(model, revision, secrets, overrides, quiet) -> None:
-    """Download base weights and tokenizer onto the Modal Volume once; workers load them from there."""
+    """Put base weights and tokenizer on the Modal Volume once (a Hub id is downloaded there; a GGUF file or a
+    model folder is uploaded from here); workers load them from there."""
     from vrl.runtime.modal.launch import prepare as run_prepare
 
     with _checking_input():
@@ -512,7 +514,13 @@ def prepare(model, revision, secrets, overrides, quiet) -> None:
     with _checking_input():  # Modal's own refusals (no token, no such model) are the user's to fix
         info = run_prepare(cfg, model, revision)
     console.print(f"{model}: {len(info['files'])} files, {info['bytes'] / 1e9:.2f} GB on Volume "
-                  f"{cfg.runtime.modal.volume!r} ({'downloaded' if info['downloaded'] else 'already there'})")
+                  f"{cfg.runtime.modal.volume!r} ({_prepared(info)})")
+
+
+def _prepared(info: dict) -> str:
+    if not info["downloaded"]:
+        return "already there"
+    return "uploaded" if info.get("uploaded") else "downloaded"
 
 
 @modal.command(name="resume")
