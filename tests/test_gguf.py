@@ -72,6 +72,9 @@ def test_a_finished_conversion_is_reused_and_an_unfinished_one_is_redone(tmp_pat
     assert gguf.resolve_any(str(model)) == str(folder)  # what needs only the config takes any dtype's
     with pytest.raises(ValueError, match="int8"):
         gguf.convert(str(model), "int8")
+    # Once converted, checking the file (every `vrl train`/`eval` preflight) reads the record, not the file's fields
+    monkeypatch.setattr(gguf, "read_header", lambda path: pytest.fail("parsed the GGUF file again"))
+    assert gguf.check(str(model)) == {"architecture": "llama", "name": "test model", "tensor_types": ["F32"]}
 
 
 def test_refusals_are_one_line_naming_the_cause(tmp_path):

@@ -114,7 +114,12 @@ def check(name: str) -> dict[str, Any]:
     if not path.is_file():
         raise ModelUnavailable(f"GGUF file {str(path)!r} does not exist" if not path.exists()
                                else f"{str(path)!r} is not a file; --model gguf:PATH names one GGUF file")
-    header = read_header(path)
+    done = _conversions(path)
+    if done:  # converted before: its record holds the header, and nothing needs dequantizing again
+        record = json.loads((done[0] / DONE).read_text())
+        return {"architecture": record["architecture"], "name": record.get("name", ""),
+                "tensor_types": record["tensor_types"]}
+    header = read_header(path)  # parses every field, the vocabulary included: seconds for a real model
     supported, quants = _transformers_support()
     arch = header["architecture"]
     if supported is not None and arch not in supported and _alias(arch, header["name"]) not in supported:
@@ -142,10 +147,16 @@ def resolve_any(name: str) -> str:
     else the conversion in this machine's default dtype (the one a run with generator.dtype=auto loads)."""
     if not is_gguf(name):
         return name
-    prefix = file_hash(gguf_path(name))[:16] + "-"
-    root = cache_root()
-    done = sorted(p for p in root.glob(prefix + "*") if (p / DONE).is_file()) if root.is_dir() else []
+    done = _conversions(gguf_path(name))
     return str(done[0]) if done else resolve(name, "auto")
+
+
+def _conversions(path: Path) -> list[Path]:
+    """The finished conversions of the GGUF file at `path`, in any dtype."""
+    root = cache_root()
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob(file_hash(path)[:16] + "-*") if _finished(p))
 
 
 DONE = "vrl_gguf.json"
@@ -175,7 +186,7 @@ def convert(name: str, dtype: str = "auto") -> Path:
             _write_folder(path, dtype, tmp)
             (tmp / DONE).write_text(json.dumps({
                 "format": FORMAT, "source": str(path.resolve()), "sha256": file_hash(path), "dtype": dtype,
-                "architecture": header["architecture"], "tensor_types": header["tensor_types"],
+                "architecture": header["architecture"], "name": header["name"], "tensor_types": header["tensor_types"],
                 "seconds": round(time.perf_counter() - t0, 1)}, indent=2) + "\n")
             if out.exists():  # an unfinished folder from an interrupted conversion
                 shutil.rmtree(out)
