@@ -141,13 +141,14 @@ def test_the_orchestrator_continues_itself_before_its_function_timeout(emu, tmp_
 
     Real Modal ends a call at its `timeout` (24 h at most; modal.com/docs/guide/timeouts), killing the
     loop mid-iteration (a 400-iteration Lean run is ~60 h). The emulator enforces the timeout (60 s
-    here); each iteration takes at least 8 s (two members, each 4 s late, one after another in the one
-    GPU container), so five cannot fit one call: the orchestrator stops before an iteration that might
-    not end in time, commits, and a new call resumes the run.
+    here); each iteration takes at least 10 s (two members, each 5 s late, one after another in the one
+    GPU container), so after four at most 20 s are left, under twice the longest iteration plus the
+    6 s reserve however fast the start-up was: the orchestrator stops before an iteration that might
+    not end in time, commits, and a new call resumes the run. (With 4 s, a fast start fitted all five.)
     """
     import modal
 
-    _slow_workers(emu, 4.0)
+    _slow_workers(emu, 5.0)
     cfg = modal_config(tmp_path, name="long", iterations=5, runtime={"orchestrator_timeout_s": 60})
     summary = run_detached(cfg, timeout=600)
     assert summary["status"] == "finished" and summary["iterations_completed"] == 5

@@ -594,10 +594,11 @@ class VLLMGenerator(Generator):
             )
         return prompts
 
-    def _run(self, tasks: Sequence[Task], requests: Sequence[tuple[int, int, int, Any]], seed: int | None
-             ) -> Iterator[list[Completion]]:
+    def _run(self, tasks: Sequence[Task], requests: Sequence[tuple[int, int, int, Any]], seed: int | None,
+             task_of: dict[int, int] | None = None) -> Iterator[list[Completion]]:
         """Send every request (task index, variant, samples n, LoRA request or None) to the engine at once;
-        yield finished completions `batch_size` prompts' worth at a time."""
+        yield finished completions `batch_size` prompts' worth at a time (`task_of`, if given, gets each
+        completion's task index by the completion's id())."""
         import vllm
 
         if not tasks or not requests:
@@ -627,7 +628,10 @@ class VLLMGenerator(Generator):
                         continue
                     open_ids.discard(out.request_id)
                     i, variant, _, _ = requests[position[out.request_id]]
-                    ready += [self._completion(tasks[i], prompts[i], o, variant) for o in out.outputs]
+                    done = [self._completion(tasks[i], prompts[i], o, variant) for o in out.outputs]
+                    if task_of is not None:
+                        task_of.update((id(c), i) for c in done)
+                    ready += done
                     if len(ready) >= per_batch:
                         yield ready
                         ready = []
@@ -646,14 +650,13 @@ class VLLMGenerator(Generator):
     ) -> list[Completion]:
         """All completions for `tasks`, in task order, n per task (the engine finishes them in any order). Each
         completion is put back by its task's position, so tasks that share an id keep their own completions."""
-        if self._episodes is not None:  # episodes come back in row order, and environments read the tasks' own ids
+        if self._episodes is not None:  # episodes come back in row order
             return [c for batch in self.stream(tasks, n=n, variant=variant, seed=seed) for c in batch]
-        keyed = [t.model_copy(update={"id": f"{k}:{t.id}"}) for k, t in enumerate(tasks)]
-        out = [c for batch in self.stream(keyed, n=n, variant=variant, seed=seed) for c in batch]
-        out.sort(key=lambda c: (int(c.task_id.split(":", 1)[0]), c.sample))
-        for c in out:
-            c.task_id = c.task_id.split(":", 1)[1]
-        return out
+        task_of: dict[int, int] = {}  # id(completion) → its task's index
+        lora = self.mover.lora_request()
+        out = [c for batch in self._run(tasks, [(i, variant, n, lora) for i in range(len(tasks))], seed, task_of)
+               for c in batch]
+        return sorted(out, key=lambda c: (task_of[id(c)], c.sample))
 
     def _completion(self, task: Task, prompt_ids: list[int], out: Any, variant: int) -> Completion:
         if out.finish_reason not in ("stop", "length"):
