@@ -6,6 +6,10 @@ docstring says what real Modal would do and what the fix does.
 
 from __future__ import annotations
 
+import io
+
+import pytest
+
 from tests.modal_emulated import modal_config, run_detached
 
 
@@ -66,3 +70,18 @@ def test_a_detached_grpo_run_commits_its_weights_for_the_workers(emu, tmp_path):
     published = [e.path for e in modal.Volume.from_name("vrl").listdir("runs/grpo-detached/weights")]
     assert published == ["runs/grpo-detached/weights/v000001.safetensors",
                          "runs/grpo-detached/weights/v000002.safetensors"]
+
+
+def test_a_never_used_volume_is_created_by_its_first_use_only_when_asked(emu):
+    """modal/volume.py `from_name` hydrates lazily: with create_if_missing=True the first use (here an upload from
+    the user's machine, before any app has mounted the Volume) creates it; without, the same use is refused."""
+    import modal
+    from modal.exception import NotFoundError
+
+    with pytest.raises(NotFoundError, match="Volume 'never-used' not found"):
+        modal.Volume.from_name("never-used").listdir("/")
+    volume = modal.Volume.from_name("never-used", create_if_missing=True)
+    with volume.batch_upload() as batch:
+        batch.put_file(io.BytesIO(b"weights"), "models/a/model.safetensors")
+    assert b"".join(modal.Volume.from_name("never-used").read_file("models/a/model.safetensors")) == b"weights"
+    assert [e.path for e in volume.listdir("models", recursive=True)] == ["models/a", "models/a/model.safetensors"]

@@ -791,14 +791,14 @@ class Service:
                 shutil.copytree(self._volume_dir(name), view, dirs_exist_ok=True)
                 holder.baselines[m] = _scan(view)
 
-    def op_volume_read(self, name: str, path: str) -> bytes:
-        target = self._volume_dir(name) / path.lstrip("/")
+    def op_volume_read(self, name: str, path: str, create: bool = False) -> bytes:
+        target = self._volume_dir(name, create) / path.lstrip("/")
         if not target.is_file():
             raise FileNotFoundError(f"No such file: {path}")
         return target.read_bytes()
 
-    def op_volume_listdir(self, name: str, path: str, recursive: bool) -> list[tuple]:
-        base = self._volume_dir(name)
+    def op_volume_listdir(self, name: str, path: str, recursive: bool, create: bool = False) -> list[tuple]:
+        base = self._volume_dir(name, create)
         start = base / path.lstrip("/")
         if not start.exists():
             raise FileNotFoundError(f"No such file or directory: {path}")
@@ -806,8 +806,8 @@ class Service:
         return [(str(p.relative_to(base)), "directory" if p.is_dir() else "file", p.stat().st_mtime,
                  p.stat().st_size) for p in entries]
 
-    def op_volume_put(self, name: str, files: list[tuple[str, bytes]], force: bool) -> None:
-        base = self._volume_dir(name)
+    def op_volume_put(self, name: str, files: list[tuple[str, bytes]], force: bool, create: bool = False) -> None:
+        base = self._volume_dir(name, create)
         with self.cond:
             for rel, data in files:
                 target = base / rel.lstrip("/")
@@ -817,9 +817,9 @@ class Service:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(data)
 
-    def op_volume_remove(self, name: str, path: str, recursive: bool) -> None:
+    def op_volume_remove(self, name: str, path: str, recursive: bool, create: bool = False) -> None:
         """`Volume.remove_file`: from the committed state, from anywhere (a directory needs `recursive`)."""
-        target = self._volume_dir(name) / path.lstrip("/")
+        target = self._volume_dir(name, create) / path.lstrip("/")
         with self.cond:
             if not target.exists():
                 raise FileNotFoundError(f"No such file or directory: {path}")

@@ -276,6 +276,11 @@ class FileEntry:
 
 
 class Volume:
+    """A named Volume. `from_name` is lazy; the first use hydrates it, and with `create_if_missing=True` that
+    creates a missing Volume, from a container or from the user's machine alike (modal/volume.py `from_name`:
+    "Hydration is lazy"; its loader sends VolumeGetOrCreate with OBJECT_CREATION_TYPE_CREATE_IF_MISSING), so `batch_upload`, `read_file`, `listdir` and
+    `remove_file` of a never-used Volume work there too; without it they raise NotFoundError."""
+
     def __init__(self, name: str, create: bool):
         self._name, self._create = name, create
 
@@ -315,19 +320,19 @@ class Volume:
 
     def read_file(self, path: str):
         """The committed bytes of `path` (FileNotFoundError if absent), as an iterator of chunks."""
-        data = call("volume_read", self._name, str(path))
+        data = call("volume_read", self._name, str(path), self._create)
         for i in range(0, max(len(data), 1), 1 << 20):
             yield data[i:i + (1 << 20)]
 
     def listdir(self, path: str, recursive: bool = False) -> list[FileEntry]:
-        return [FileEntry(*row) for row in call("volume_listdir", self._name, str(path), recursive)]
+        return [FileEntry(*row) for row in call("volume_listdir", self._name, str(path), recursive, self._create)]
 
     def batch_upload(self, force: bool = False) -> _BatchUpload:
-        return _BatchUpload(self._name, force)
+        return _BatchUpload(self._name, force, self._create)
 
     def remove_file(self, path: str, recursive: bool = False) -> None:
         """Remove a file (or, `recursive`, a directory) from the committed Volume, from anywhere."""
-        call("volume_remove", self._name, str(path), recursive)
+        call("volume_remove", self._name, str(path), recursive, self._create)
 
     def _mount_spec(self) -> tuple[str, bool]:
         return self._name, self._create
@@ -367,15 +372,15 @@ class _BatchUpload:
     """`Volume.batch_upload()`: files go straight to the committed Volume when the block ends
     (allowed from anywhere; an existing file is an error unless force=True)."""
 
-    def __init__(self, name: str, force: bool):
-        self._name, self._force, self._files = name, force, []
+    def __init__(self, name: str, force: bool, create: bool = False):
+        self._name, self._force, self._create, self._files = name, force, create, []
 
     def __enter__(self) -> _BatchUpload:
         return self
 
     def __exit__(self, exc_type, *_):
         if exc_type is None:
-            call("volume_put", self._name, self._files, self._force)
+            call("volume_put", self._name, self._files, self._force, self._create)
 
     def put_file(self, local_file: Any, remote_path: Any, mode: int | None = None) -> None:
         data = local_file.read() if isinstance(local_file, io.IOBase) else Path(local_file).read_bytes()
