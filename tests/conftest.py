@@ -16,24 +16,22 @@ torch.set_num_threads(1)
 
 
 # The longest test files, in seconds of test time (each file's tests' times summed from a junit report of the
-# fresh-clone run of `./scripts/test`, 4 workers on the idle 2-core machine, session 24, 27499c9; docs/testing.md).
+# fresh-clone run of `./scripts/test`, 4 workers on the idle 2-core machine, inductor's cache cold, session 25; docs/testing.md).
 # scripts/test hands files to pytest-xdist's workers longest
 # first (`--dist loadfile --no-loadscope-reorder`): a long file that starts last keeps one worker busy
 # after the others have finished. Only the order depends on these figures; a file not named here runs
 # after them, in collection order. Refresh them when a file's cost changes by much.
-LONGEST = {"tests/test_grpo_compile.py": 200, "plugins/lean/tests/test_lean_wasm.py": 150,
-           "tests/test_driver_process.py": 140, "tests/test_grpo_fsdp.py": 140, "tests/test_cli_errors.py": 100,
-           "tests/test_modal_emulated_detached.py": 80, "tests/test_modal_emulated_sandboxes.py": 80,
-           "tests/test_modal_app.py": 70, "tests/test_modal_emulated_lease.py": 70,
-           "tests/test_modal_generation.py": 60, "tests/test_modal_emulated_scale.py": 60,
-           "tests/test_real_model.py": 60, "tests/test_modal_emulator.py": 50, "tests/test_sinks.py": 50,
-           "plugins/lean/tests/test_lean_recheck.py": 40, "tests/test_es_torchrun.py": 40,
-           "tests/test_modal_emulated_volumes.py": 30, "tests/test_guess.py": 30, "tests/test_report.py": 30,
-           "tests/test_python_api.py": 20, "tests/test_modal_emulated_containers.py": 20, "tests/test_grpo.py": 20,
-           "tests/test_docs.py": 20, "tests/test_episodes_torchrun.py": 20, "tests/test_export.py": 20,
-           "tests/test_grpo_checkpoints.py": 20, "tests/test_es_trainer.py": 20, "tests/test_modal_images.py": 20,
-           "tests/test_custom_plugin.py": 20, "tests/test_modal_emulated_doctor.py": 20,
-           "plugins/lean/tests/test_lean_env.py": 20, "tests/test_cli_day_one.py": 20}
+LONGEST = {"tests/test_grpo_compile.py": 170, "tests/test_driver_process.py": 100, "tests/test_cli_errors.py": 90,
+           "tests/test_grpo_fsdp.py": 90, "tests/test_modal_emulated_sandboxes.py": 80,
+           "tests/test_modal_emulated_detached.py": 70, "plugins/lean/tests/test_lean_wasm.py": 60,
+           "tests/test_modal_emulated_lease.py": 60, "tests/test_modal_emulator.py": 50,
+           "plugins/lean/tests/test_lean_recheck.py": 40, "tests/test_sinks.py": 40, "tests/test_es_torchrun.py": 30,
+           "tests/test_modal_emulated_volumes.py": 30, "tests/test_modal_emulated_containers.py": 30,
+           "tests/test_modal_app.py": 20, "tests/test_guess.py": 20, "tests/test_docs.py": 20,
+           "tests/test_grpo.py": 20, "tests/test_python_api.py": 20, "tests/test_es_trainer.py": 20,
+           "tests/test_modal_images.py": 20, "tests/test_export.py": 20, "tests/test_report.py": 20,
+           "plugins/lean/tests/test_lean_env.py": 20, "tests/test_cli_day_one.py": 20,
+           "tests/test_real_model.py": 20, "tests/test_modal_generation.py": 20, "tests/test_dataset_env.py": 20}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
