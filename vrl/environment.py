@@ -26,7 +26,6 @@ from vrl.types import Task
 from vrl.verifier import Verifier
 
 if TYPE_CHECKING:  # types only
-    from vrl.config import TrainConfig
     from vrl.episodes import Interaction
 
 
@@ -122,7 +121,7 @@ class Environment(ABC):
         """Whether episodes of this environment may take more than one turn (it overrides `interaction`)."""
         return type(self).interaction is not Environment.interaction
 
-    def configure(self, config: TrainConfig) -> None:
+    def configure(self, config: Any) -> None:  # a vrl.TrainConfig: not imported here (vrl.config -> plugins -> here)
         """The run's settings (`vrl.TrainConfig`), handed over by the preflight of `vrl train` and `vrl eval` before
         anything is checked or generated. Default: nothing. `dataset` hands `sampling.chat_template_kwargs` to its
         reward models (TRL renders a reward model's prompt and completion with them)."""

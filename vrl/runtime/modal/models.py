@@ -34,7 +34,7 @@ from typing import Any
 
 from vrl import gguf
 from vrl.errors import ModelUnavailable, UsageError
-from vrl.runtime.modal.workers import MODEL_FILES, MODELS_DIR, VOLUME_ROOT
+from vrl.runtime.modal.workers import MODEL_FILES, MODELS_DIR, VOLUME_ROOT, worker_dtype
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,6 @@ def place(config: Any) -> None:
 
 def model_dtype(config: Any) -> str:
     """The dtype a GGUF file is converted in: the workers' (`runtime.worker_dtype`)."""
-    from vrl.runtime.modal.runtime import worker_dtype
 
     return worker_dtype(config)
 
@@ -111,13 +110,6 @@ def model_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file()
                   and not any(part.startswith(".") for part in p.relative_to(folder).parts)
                   and any(fnmatch.fnmatch(p.name, pattern) for pattern in MODEL_FILES))
-
-
-def worker_path(config: Any, root: str | Path = VOLUME_ROOT) -> str | None:
-    """Where a container that mounts the Volume at `root` finds the run's local model (None: not a local one)."""
-    rt = getattr(config.runtime, "modal", None)
-    folder = getattr(rt, "model_folder", None)
-    return f"{str(root).rstrip('/')}/{folder}" if folder else None
 
 
 def on_volume(volume: Any, folder: str) -> bool:

@@ -52,6 +52,7 @@ from vrl.runtime.modal.sandbox import (
 )
 from vrl.runtime.modal.verification import SandboxVerification
 from vrl.runtime.modal.volume import VolumeWeights
+from vrl.runtime.modal.workers import worker_dtype
 from vrl.types import Completion, Task
 from vrl.verifier import Verifier, close_unused
 
@@ -102,14 +103,6 @@ class ModalCaller:
 
     def close(self) -> None:
         """Nothing runs in the background once a stream is closed (its calls are done or cancelled)."""
-
-
-def worker_dtype(config: Any) -> str:
-    """The dtype workers load the base model in (recorded in the ES history)."""
-    dtype = config.generator.dtype
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if config.generator.device != "cpu" else "float32"
 
 
 # -- the policy host of a Modal run -------------------------------------------------------------------

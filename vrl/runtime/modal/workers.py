@@ -104,12 +104,26 @@ def spec_from_wire(data: dict[str, Any] | None) -> PerturbationSpec | None:
     return PerturbationSpec(**{**data, "include": tuple(data["include"]), "exclude": tuple(data["exclude"])})
 
 
+def worker_dtype(config: Any) -> str:
+    """The dtype workers load the base model in (recorded in the ES history)."""
+    dtype = config.generator.dtype
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if config.generator.device != "cpu" else "float32"
+
+
+def worker_path(config: Any, root: str | Path = VOLUME_ROOT) -> str | None:
+    """Where a container that mounts the Volume at `root` finds the run's local model (None: not a local one)."""
+    rt = getattr(config.runtime, "modal", None)
+    folder = getattr(rt, "model_folder", None)
+    return f"{str(root).rstrip('/')}/{folder}" if folder else None
+
+
 def engine_config(config: Any) -> dict[str, Any]:
     """What a worker builds its host from: the run's model, seed, generator and sampling sections
     (JSON); runtime and logging do not concern it. A local model is its folder on the Volume (models.py),
     which has no Hub revision."""
     from vrl.config import dump
-    from vrl.runtime.modal.models import worker_path
 
     data = dump(config)
     out = {k: data[k] for k in ("model", "seed", "generator", "sampling")}
