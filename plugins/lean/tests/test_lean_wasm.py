@@ -52,6 +52,15 @@ theorem cfg_helper : 2 + 2 = 4 := by simp (config := cfgFromHelper)
 """
 
 
+def _policy_says(text: str, thm: Theorem, refused: str | None) -> None:
+    """The policy accepts `text` (`refused` None) or refuses it with a reason matching `refused`."""
+    if refused is None:
+        prepare(text, thm)
+    else:
+        with pytest.raises(Rejected, match=refused):
+            prepare(text, thm)
+
+
 def _line(name: str, source: str = FACTS) -> int:
     """The line of `theorem NAME` in `source` (FACTS or NAMES), as Lean counts lines."""
     return next(i for i, text in enumerate(source.splitlines(), 1) if f"theorem {name} " in text)
@@ -116,11 +125,7 @@ def test_the_policy_refuses_what_real_lean_would_accept_with_another_meaning(che
                             ("decide +kernel", None),
                             ("simp (config := { decide := true, maxSteps := 1000, zeta := false })", None)):
         text = f"```lean4\ntheorem t : 2 + 2 = 4 := by\n  {tactic}\n```"
-        if refused is None:
-            prepare(text, thm)
-        else:
-            with pytest.raises(Rejected, match=refused):
-                prepare(text, thm)
+        _policy_says(text, thm, refused)
 
 
 def test_the_checker_names_only_what_exists_in_real_lean(checked):
@@ -242,8 +247,4 @@ def test_names_are_read_as_lean_reads_them_and_where_helpers_are_definitions(che
         ("vrl_h", "simp (maxSteps := 100000)", None),
     ):
         text = f"```lean4\n{NAME_HELPERS.get(helper, '')}{thm.statement} := by\n  {tactic}\n```"
-        if refused is None:
-            prepare(text, thm)
-        else:
-            with pytest.raises(Rejected, match=refused):
-                prepare(text, thm)
+        _policy_says(text, thm, refused)
