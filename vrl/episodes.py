@@ -224,10 +224,7 @@ class Episodes:
         try:
             while ready or pending:
                 if ready:
-                    batch = [states[i] for i in ready]
-                    outs = generate([s.prompt_ids + s.ids for s in batch],
-                                    [turn_seed(s.row.seed, s.model_turns) for s in batch],
-                                    [s.row.member for s in batch])
+                    outs = generate(*_next_turns(states, ready))
                     for i, out in zip(ready, outs):
                         self._sampled(states, i, out, tokenizer, pending)
                     ready = []
@@ -246,9 +243,7 @@ class Episodes:
 
         def send(keys: list[int]) -> None:
             if keys:
-                stream.submit(keys, [states[i].prompt_ids + states[i].ids for i in keys],
-                              [turn_seed(states[i].row.seed, states[i].model_turns) for i in keys],
-                              [states[i].row.member for i in keys])
+                stream.submit(keys, *_next_turns(states, keys))
 
         try:
             send(list(range(len(states))))
@@ -391,6 +386,13 @@ class Episodes:
         if s.judged is not None and s.judged[0] == s.model_turns:  # the last turn's verdict: the episode's
             _keep_verdict(c.episode, s.row.task.id, s.text, s.judged[1])
         return c
+
+
+def _next_turns(states: list[_State], keys: list[int]) -> tuple[list[list[int]], list[int | None], list[int]]:
+    """What the next model turn of each episode in `keys` continues: its ids so far, its turn's seed, its member."""
+    return ([states[i].prompt_ids + states[i].ids for i in keys],
+            [turn_seed(states[i].row.seed, states[i].model_turns) for i in keys],
+            [states[i].row.member for i in keys])
 
 
 def _cut(out: Sampled, n: int, tokenizer: Any) -> Sampled:

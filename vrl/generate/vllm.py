@@ -594,6 +594,16 @@ class VLLMGenerator(Generator):
             )
         return prompts
 
+    def _enqueue(self, prompts: list[list[int]], params: list[Any], loras: list[Any]) -> list[str]:
+        """Add token-id prompts to the engine's running batch (each with its sampling params and LoRA request or
+        None), the prefix cache salted by the weights' version; the request ids their outputs will carry."""
+        salt = f"vrl-weights-{self._weights_version}"
+        extra = {"lora_request": loras} if any(loras) else {}
+        internal = self.llm.enqueue([{"prompt_token_ids": p, "cache_salt": salt} for p in prompts], params,
+                                    use_tqdm=False, **extra)
+        # enqueue returns the engine's internal ids ("<id>-<random suffix>"); outputs carry "<id>".
+        return [rid.rsplit("-", 1)[0] if "-" in rid else rid for rid in internal]
+
     def _run(self, tasks: Sequence[Task], requests: Sequence[tuple[int, int, int, Any]], seed: int | None,
              task_of: dict[int, int] | None = None) -> Iterator[list[Completion]]:
         """Send every request (task index, variant, samples n, LoRA request or None) to the engine at once;
@@ -609,13 +619,7 @@ class VLLMGenerator(Generator):
         # Seed of prompt i's sample j is seed + i·n + j (vLLM adds j): distinct across prompts and samples,
         # and the same for every variant (members share their random numbers).
         params = [self._sampling_params(n, None if seed is None else seed + i * n, vllm) for i, _, n, _ in requests]
-        salt = f"vrl-weights-{self._weights_version}"
-        loras = [lora for *_, lora in requests]
-        extra = {"lora_request": loras} if any(loras) else {}
-        internal = self.llm.enqueue([{"prompt_token_ids": prompts[i], "cache_salt": salt} for i, *_ in requests],
-                                    params, use_tqdm=False, **extra)
-        # enqueue returns the engine's internal ids ("<id>-<random suffix>"); outputs carry "<id>".
-        ids = [rid.rsplit("-", 1)[0] if "-" in rid else rid for rid in internal]
+        ids = self._enqueue([prompts[i] for i, *_ in requests], params, [lora for *_, lora in requests])
         position = {rid: k for k, rid in enumerate(ids)}
         engine = self.llm.llm_engine
         open_ids = set(ids)
@@ -872,15 +876,10 @@ class _Turns:
     def submit(self, keys: list[int], sequences: list[list[int]], seeds: list[int | None], members: list[int]) -> None:
         import vllm
 
-        gen = self.gen
-        params = [gen._sampling_params(1, s, vllm) for s in seeds]
-        salt = f"vrl-weights-{gen._weights_version}"
+        params = [self.gen._sampling_params(1, s, vllm) for s in seeds]
         loras = [self.slots[m] if m >= 0 else self.lora for m in members]
-        extra = {"lora_request": loras} if any(loras) else {}
-        internal = gen.llm.enqueue([{"prompt_token_ids": seq, "cache_salt": salt} for seq in sequences], params,
-                                   use_tqdm=False, **extra)
-        for key, seq, rid in zip(keys, sequences, internal):  # outputs carry the id without enqueue's suffix
-            self.waiting[rid.rsplit("-", 1)[0] if "-" in rid else rid] = (key, seq)
+        for key, seq, rid in zip(keys, sequences, self.gen._enqueue(sequences, params, loras)):
+            self.waiting[rid] = (key, seq)
 
     def busy(self) -> bool:
         return bool(self.waiting)
