@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vrl.runtime.modal.cost import CPU_CORE_PER_S, H100_PER_S, MEMORY_GIB_PER_S, SANDBOX_CPU_FACTOR
-from vrl.runtime.modal.workers import DOCTOR_DIR
+from vrl.runtime.modal.workers import DOCTOR_DIR, worker_dtype
 
 
 @dataclass
@@ -151,10 +151,10 @@ def _model_check(config: Any, volume: Any) -> Check:
 
     if models.is_local(model):  # a GGUF file or a model folder here: uploaded by its content (models.py)
         try:
-            folder = config.runtime.modal.model_folder or models.volume_folder(model, models.model_dtype(config))
+            folder = config.runtime.modal.model_folder or models.volume_folder(model, worker_dtype(config))
         except Exception as exc:  # noqa: BLE001 - a missing or unreadable file: the finding
             return Check(name, False, time.perf_counter() - t0, 0.0, _line(exc))
-        found = models.on_volume(volume, folder)
+        found = models.on_volume(volume, folder) is not None
         detail = (f"uploaded as {folder}" if found else f"not in {config.runtime.modal.volume}:{folder} yet: a run "
                   f"uploads it when it starts, or `vrl modal prepare --model {model}` now")
         return Check(name, found, time.perf_counter() - t0, 0.0, detail)

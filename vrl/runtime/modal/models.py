@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 RECORD = "vrl_model.json"
 
 
+def _names_gguf(name: str) -> bool:
+    """`--model name` names a GGUF file, whether or not it exists (a missing one is refused naming it)."""
+    return name.startswith(gguf.PREFIX) or name.lower().endswith(".gguf")
+
+
 def is_local(name: str) -> bool:
     """Whether `--model name` names something on this machine (a GGUF file, a folder, a path) rather than a Hub
     id or `tiny`."""
@@ -50,14 +55,12 @@ def is_local(name: str) -> bool:
 
     if name == TINY:
         return False
-    if name.startswith(gguf.PREFIX) or name.lower().endswith(".gguf"):
-        return True
-    return Path(name).expanduser().exists() or _looks_like_path(name)
+    return _names_gguf(name) or Path(name).expanduser().exists() or _looks_like_path(name)
 
 
 def source(name: str) -> Path:
     """The file or folder `--model name` names on this machine."""
-    return gguf.gguf_path(name) if gguf.is_gguf(name) or name.lower().endswith(".gguf") else Path(name).expanduser()
+    return gguf.gguf_path(name) if _names_gguf(name) else Path(name).expanduser()
 
 
 def place(config: Any) -> None:
@@ -72,22 +75,16 @@ def place(config: Any) -> None:
         return
     if rt.model_folder is not None and not source(name).exists():
         return
-    folder = volume_folder(name, model_dtype(config))
+    folder = volume_folder(name, worker_dtype(config))  # a GGUF file: converted in the workers' dtype
     if rt.model_folder is not None and rt.model_folder != folder:
         raise UsageError(f"--model {name} is no longer what the run put on the Volume as {rt.model_folder} (it is "
                          f"{folder} now): resume with the file the run started from, or start a new run (--name)")
     rt.model_folder = folder
 
 
-def model_dtype(config: Any) -> str:
-    """The dtype a GGUF file is converted in: the workers' (`runtime.worker_dtype`)."""
-
-    return worker_dtype(config)
-
-
 def volume_folder(name: str, dtype: str) -> str:
     """`models/<key>` for local model `name` (checked first: one line naming what is wrong)."""
-    if name.startswith(gguf.PREFIX) or name.lower().endswith(".gguf"):
+    if _names_gguf(name):
         gguf.check(name)  # exists, is GGUF, transformers can dequantize it
         return f"{MODELS_DIR}/gguf-{gguf.file_hash(gguf.gguf_path(name))[:16]}-{dtype}"
     from vrl.hub import check_model
@@ -112,17 +109,16 @@ def model_files(folder: Path) -> list[Path]:
                   and any(fnmatch.fnmatch(p.name, pattern) for pattern in MODEL_FILES))
 
 
-def on_volume(volume: Any, folder: str) -> bool:
-    """Whether the Volume holds a finished upload of `folder` (its record, written last)."""
+def on_volume(volume: Any, folder: str) -> dict[str, Any] | None:
+    """The record of a finished upload of `folder` on the Volume (written last), or None."""
     try:
-        b"".join(volume.read_file(f"{folder}/{RECORD}"))
+        return json.loads(b"".join(volume.read_file(f"{folder}/{RECORD}")))
     except Exception as exc:  # noqa: BLE001 - absent: modal raises NotFoundError or FileNotFoundError
         import modal.exception
 
         if isinstance(exc, modal.exception.AuthError):
             raise
-        return False
-    return True
+        return None
 
 
 def upload(config: Any, volume: Any) -> dict[str, Any]:
@@ -131,14 +127,14 @@ def upload(config: Any, volume: Any) -> dict[str, Any]:
     "uploaded"}."""
     folder, name = config.runtime.modal.model_folder, config.model
     info = {"model": name, "folder": folder, "path": f"{VOLUME_ROOT}/{folder}"}
-    if on_volume(volume, folder):
+    record = on_volume(volume, folder)
+    if record is not None:
         log.info("%s is on the Volume already (%s): nothing to upload", name, folder)
-        record = json.loads(b"".join(volume.read_file(f"{folder}/{RECORD}")))
         return {**info, "files": record["files"], "bytes": record["bytes"], "uploaded": False}
     if not source(name).exists():
         raise ModelUnavailable(f"model {name} is not on this machine and the Volume has no {folder}; give the file "
                                "the run started from")
-    local = gguf.convert(name, model_dtype(config)) if gguf.is_gguf(name) else source(name)
+    local = gguf.convert(name, worker_dtype(config)) if gguf.is_gguf(name) else source(name)
     files = model_files(Path(local))
     rel = [p.relative_to(local).as_posix() for p in files]
     size = sum(p.stat().st_size for p in files)
