@@ -139,6 +139,30 @@ def engine_equals_hf(gen) -> bool:
     return all(torch.equal(engine[n], hf[n]) for n in hf)
 
 
+def divergence_margins(gen, ours, theirs) -> list[float]:
+    """Where a greedy completion of the engine first parts from the hf backend's on the same prompt: the
+    trained (hf) model's logit gap between hf's token and the engine's there, given the common prefix.
+    One gap per completion that parts; empty when all are equal token for token. A gap near 0 is a
+    near-tie that float32 kernels summing in another order may flip; a wrong weight or a stale cache
+    gives gaps of whole logits."""
+    model = gen.trainable().model
+    device = next(model.parameters()).device
+    eos = gen.tokenizer.eos_token_id
+    gaps = []
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a.task_id, a.prompt_token_ids) == (b.task_id, b.prompt_token_ids)
+        x, y = list(a.token_ids), list(b.token_ids)
+        k = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        if x == y:
+            continue
+        mine, hfs = (x[k] if k < len(x) else eos), (y[k] if k < len(y) else eos)
+        ids = torch.tensor([list(a.prompt_token_ids) + y[:k]], device=device)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, -1].float()
+        gaps.append(float(logits[hfs] - logits[mine]))
+    return gaps
+
+
 def test_weight_sync_makes_vllm_follow_the_trained_model(grpo_gen):
     from vrl.optim.grpo import GRPO, GRPOConfig
 
@@ -258,8 +282,15 @@ def test_sleep_mode_frees_memory_and_sync_wakes_the_engine(model_dir, es_gen):
         opt.setup(gen)
         opt.tell(results)  # trains, then publish wakes the engine and pushes
         assert not gen._asleep
+        assert engine_equals_hf(gen)  # the woken engine holds the trained weights, bit for bit
         gen.sampling = greedy()
-        assert same(gen.generate(tasks()), hf_side(gen, greedy()).generate(tasks()))
+        ours, theirs = gen.generate(tasks()), hf_side(gen, greedy()).generate(tasks())
+        # Token for token, except where two float32 implementations meet a near-tie after the update (one
+        # run in three on an H100, session 26): there the trained model's two candidates score within 1e-2.
+        margins = divergence_margins(gen, ours, theirs)
+        print(f"\nafter waking: {len(margins)} of {len(ours)} greedy completions part from hf's; "
+              f"top-two logit gaps there: {[f'{m:.1e}' for m in margins]}")
+        assert all(m < 1e-2 for m in margins), margins
     finally:
         gen.close()
 
