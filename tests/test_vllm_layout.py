@@ -199,6 +199,9 @@ def test_engine_kwargs_read_every_vllm_field():
     assert default["dtype"] == "bfloat16" and default["revision"] is None and default["max_model_len"] is None
     assert default["enforce_eager"] is False and default["enable_sleep_mode"] is False
     assert default["max_num_seqs"] == 512  # vLLM's largest CUDA-graph batch; its own default (1024) decodes eagerly
+    assert "kv_cache_memory_bytes" not in default  # vLLM sizes the cache from gpu_memory_utilization
+    sized = build({"model": "tiny", "generator": {"backend": "vllm", "vllm": {"kv_cache_memory_gb": 1.5}}})
+    assert engine_kwargs(sized, "/tmp/t")["kv_cache_memory_bytes"] == 1610612736
 
 
 def test_config_rejects_bad_vllm_values():
@@ -208,6 +211,8 @@ def test_config_rejects_bad_vllm_values():
         build({"generator": {"vllm": {"gpu_memory_utilization": 1.5}}})
     with pytest.raises(ConfigError, match="generator.vllm.sync_every"):
         build({"generator": {"vllm": {"sync_every": 0}}})
+    with pytest.raises(ConfigError, match="generator.vllm.kv_cache_memory_gb"):
+        build({"generator": {"vllm": {"kv_cache_memory_gb": 0}}})
     with pytest.raises(ConfigError, match="generator.vllm.max_num_seqs"):
         build({"generator": {"vllm": {"max_num_seqs": 0}}})
     with pytest.raises(ConfigError, match="generator.vllm.tensor_parallel_size"):

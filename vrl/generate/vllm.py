@@ -62,6 +62,13 @@ class VLLMConfig(Section):
     max_model_len: int | None = Field(
         None, ge=1, description="Longest prompt + completion in tokens; None: the model's own limit."
     )
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0.0,
+        description="KV cache of each engine in GiB, in place of the share gpu_memory_utilization leaves after a "
+        "profile run. Set it when other processes start engines on the same GPU at the same time: the profile "
+        "counts their allocations as this engine's (vLLM assumes no other process changes its memory meanwhile, "
+        "vllm/v1/worker/gpu_worker.py) and may refuse with 'No available memory for the cache blocks'.",
+    )
     enforce_eager: bool = Field(
         False, description="Skip torch.compile and CUDA graphs (starts ~3x faster, generates ~3x slower)."
     )
@@ -230,6 +237,7 @@ def engine_kwargs(config: Any, model_path: str, needs: HostNeeds | None = None) 
         "dtype": engine_dtype(config),
         "gpu_memory_utilization": v.gpu_memory_utilization,
         "max_model_len": v.max_model_len,
+        **({} if v.kv_cache_memory_gb is None else {"kv_cache_memory_bytes": int(v.kv_cache_memory_gb * 2**30)}),
         "enforce_eager": v.enforce_eager,
         "max_num_seqs": v.max_num_seqs,
         "tensor_parallel_size": v.tensor_parallel_size,
@@ -395,6 +403,9 @@ class VLLMGenerator(Generator):
             log.warning("vLLM %s cannot restrict its LoRA layers to the modules ES selects (lora_target_modules "
                         "came in a later version): every supported module runs LoRA kernels", vllm.__version__)
             del kwargs["lora_target_modules"]
+        if "kv_cache_memory_bytes" in kwargs and "kv_cache_memory_bytes" not in known:
+            raise ValueError(f"generator.vllm.kv_cache_memory_gb needs vLLM's kv_cache_memory_bytes (vLLM 0.11 or "
+                             f"later); this is vLLM {vllm.__version__}: leave it unset")
         if "specialize_active_lora" in kwargs and "specialize_active_lora" not in known:
             del kwargs["specialize_active_lora"]  # a speed setting of later vLLM versions; older ones run without it
         # The driver sends CUDA IPC handles and ES terms through collective_rpc, which vLLM only
