@@ -11,10 +11,15 @@
 #   benchmarks/real_model_curves.sh grpo SEED        # GRPO run, then its held-out pass rate
 #   benchmarks/real_model_curves.sh es-lowrank SEED  # low-rank ES (es.noise=lowrank), then its held-out pass rate
 #   PLUGIN=countdown benchmarks/real_model_curves.sh grpo SEED   # the same on countdown (TOKENS new tokens, default 256)
-#   benchmarks/real_model_curves.sh all              # sums' base, 3 seeds of GRPO and ES, one low-rank ES, and
-#       countdown's base, GRPO and ES: every run at once on one GPU, each its own process with a share of the
-#       GPU's memory (GPU_UTIL, default 0.06 here), started STAGGER seconds apart (default 10), a run that fails
-#       retried once (concurrent vLLM start-ups can trip its memory profiling); the runs' wall times overlap
+#   benchmarks/real_model_curves.sh all              # sums: 3 seeds of ES, one low-rank ES, 3 seeds of GRPO (COUNTDOWN=1
+#       adds countdown's GRPO and ES): every run at once on one GPU, each its own process with a share of the GPU's
+#       memory (GPU_UTIL, default 0.06 here) and a fixed KV cache (KV_GB GiB, default 1: concurrent vLLM start-ups
+#       refuse otherwise, docs/vllm.md `kv_cache_memory_gb`), the longest (ES) first, STAGGER seconds apart
+#       (default 10), a run that fails retried once; the runs' wall times overlap. The base model's held-out pass
+#       rate is the `base` stage's (run it apart: it is the same for every run).
+#   benchmarks/real_model_curves.sh pack             # the runs' small files (metrics, evals, logs, ES histories)
+#       into $OUT/curves-small.tgz, without weights: what a device call should bring back (a whole run
+#       directory holds a 270 MB checkpoint per GRPO save)
 # Settings: ITER (default 30), TASKS per iteration (default 32), BACKEND (default vllm; hf needs no vLLM); ES as vrl's defaults (the paper's N = 30, σ = 0.001, α = 0.0005, all weights)
 # unless ES_SET adds --set pairs; GRPO 8 samples per task, learning rate 2e-5 (GRPO_SET adds more).
 set -euo pipefail
@@ -33,6 +38,7 @@ if [ "$plugin" = countdown ]; then  # SmolLM2 thinks aloud before its <answer>: 
 fi
 if [ "${BACKEND:-vllm}" = vllm ]; then
   train+=(--set generator.vllm.enforce_eager=true --set generator.vllm.gpu_memory_utilization="${GPU_UTIL:-0.3}")
+  [ -z "${KV_GB:-}" ] || train+=(--set generator.vllm.kv_cache_memory_gb="$KV_GB")
 fi
 
 evaluate() {  # evaluate NAME MODEL
@@ -50,16 +56,17 @@ run() {  # run RULE SEED EXTRA...
   evaluate "$name" "$runs/$name"
 }
 
-case "${1:?stage: base | es SEED | es-lowrank SEED | grpo SEED | all}" in
+case "${1:?stage: base | es SEED | es-lowrank SEED | grpo SEED | all | pack}" in
   base) evaluate "$plugin-base" "$model" ;;
   es) run es "${2:-0}" ${ES_SET:-} ;;
   es-lowrank) TAG=es-lowrank run es "${2:-0}" --set es.noise=lowrank ${ES_SET:-} ;;
   grpo) run grpo "${2:-0}" --set grpo.num_generations=8 --set grpo.learning_rate=2e-5 ${GRPO_SET:-} ;;
   all)
-    export GPU_UTIL="${GPU_UTIL:-0.06}"
-    "$0" base  # converts the GGUF file once (a cache keyed by its hash), before the runs share it
-    PLUGIN=countdown "$0" base
-    specs=("grpo 0" "grpo 1" "grpo 2" "es 0" "es 1" "es 2" "es-lowrank 0" "countdown grpo 0" "countdown es 0")
+    export GPU_UTIL="${GPU_UTIL:-0.06}" KV_GB="${KV_GB:-1}"
+    # the GGUF file's conversion (a cache keyed by its hash), once, before the runs share it
+    "${PYTHON:-python3}" -c "import sys; from vrl.gguf import resolve; print(resolve(sys.argv[1], 'bfloat16'))" "$model"
+    specs=("es 0" "es 1" "es 2" "es-lowrank 0" "grpo 0" "grpo 1" "grpo 2")
+    [ -z "${COUNTDOWN:-}" ] || specs+=("countdown es 0" "countdown grpo 0")
     for spec in "${specs[@]}"; do
       set -- $spec
       if [ "$1" = countdown ]; then shift; export PLUGIN=countdown ITER=15 TASKS=16; else export PLUGIN=sums; unset ITER TASKS; fi
@@ -70,5 +77,9 @@ case "${1:?stage: base | es SEED | es-lowrank SEED | grpo SEED | all}" in
     unset PLUGIN
     wait
     tail -n 3 "$out"/all-*.log ;;
+  pack)
+    find "$runs" "$out" -type f \( -name '*.jsonl' -o -name '*.json' -o -name '*.log' \) ! -name 'tokenizer*.json' -size -20M -print0 \
+      | tar czf "$out/curves-small.tgz" --null -T -
+    ls -l "$out/curves-small.tgz" ;;
   *) echo "unknown stage $1" >&2; exit 64 ;;
 esac
