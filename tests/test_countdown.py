@@ -154,3 +154,23 @@ def test_the_calculator_reaches_the_model_in_a_real_chat_template():
     # chat_template_kwargs reach the same rendering: Qwen3's enable_thinking=False closes an empty think block.
     [c] = Episodes(env).run([Row(task=task, seed=0)], qwen3, generate, {"enable_thinking": False})
     assert qwen3.decode(c.prompt_token_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_the_chat_option_sends_the_task_as_a_user_message_through_the_template():
+    """`-o chat=true` (instruct models such as SmolLM2-135M-Instruct, which continues the bare text with
+    anything but an <answer>): the same task, as one user message, rendered by a real chat template with the
+    assistant's turn opened; the verifier's data and the default (plain text) are unchanged."""
+    from tests.test_tools import _tokenizer
+    from vrl.generate.hf import render_prompt
+
+    plain, chat = CountdownEnvironment(size=3), CountdownEnvironment(size=3, chat=True)
+    for a, b in zip(plain.tasks(), chat.tasks(), strict=True):
+        assert isinstance(a.prompt, str) and b.prompt == [{"role": "user", "content": a.prompt}]
+        assert (a.id, a.data) == (b.id, b.data)
+    inline = chat.task_from_data({"numbers": [3, 5, 7], "target": 22})
+    assert inline.prompt[0]["role"] == "user" and judge("<answer>3 * 5 + 7</answer>", inline).passed
+    qwen3 = _tokenizer("qwen3")
+    text = render_prompt(qwen3, chat.tasks()[0].prompt)
+    assert f"<|im_start|>user\n{plain.tasks()[0].prompt}<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert render_prompt(qwen3, plain.tasks()[0].prompt) == plain.tasks()[0].prompt  # text goes as it is

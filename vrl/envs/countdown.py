@@ -62,6 +62,8 @@ class CountdownOptions(EnvOptions):
     calculator: bool = Field(False, description="Give the model a `calculate` tool (multi-turn episodes, up to "
                              "max_turns model turns; docs/multi-turn.md): the built-in tool-use environment.")
     max_turns: int = Field(4, ge=1, description="Most model turns of an episode with the calculator.")
+    chat: bool = Field(False, description="Send the prompt as a user message through the model's chat template "
+                       "(instruct models; the default sends the text as it is, which a base model continues).")
 
     @model_validator(mode="after")
     def _check(self) -> CountdownOptions:
@@ -83,6 +85,7 @@ class CountdownEnvironment(Environment):
         self.size, self.seed = o.size, o.seed
         self.min_numbers, self.max_numbers = o.min_numbers, o.max_numbers
         self.calculator, self.max_turns = o.calculator, o.max_turns
+        self.chat = o.chat
 
     @property
     def multi_turn(self) -> bool:
@@ -104,7 +107,13 @@ class CountdownEnvironment(Environment):
     def task(self, split: str, index: int) -> Task:
         rng = random.Random(self.seed * 7_919 + _SPLIT_OFFSET[split] + index)
         numbers, target, solution = make_problem(rng, self.min_numbers, self.max_numbers)
-        return make_task(f"{split}-{index}", numbers, target, solution)
+        return self._form(make_task(f"{split}-{index}", numbers, target, solution))
+
+    def _form(self, task: Task) -> Task:
+        """The task's prompt as `-o chat` asks: the text, or one user message holding it."""
+        if self.chat and isinstance(task.prompt, str):
+            return task.model_copy(update={"prompt": [{"role": "user", "content": task.prompt}]})
+        return task
 
     def verifier(self) -> Verifier:
         return CountdownVerifier()
@@ -116,7 +125,7 @@ class CountdownEnvironment(Environment):
     def task_from_data(self, data: dict[str, Any]) -> Task:
         if "numbers" in data and "target" in data and "prompt" not in data:
             numbers, target = [int(n) for n in data["numbers"]], int(data["target"])
-            return make_task(str(data.get("id", f"inline-{target}")), numbers, target, data.get("solution"))
+            return self._form(make_task(str(data.get("id", f"inline-{target}")), numbers, target, data.get("solution")))
         return super().task_from_data(data)
 
 
