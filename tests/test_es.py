@@ -387,6 +387,30 @@ def test_snapshots_bound_the_replay(tmp_path: Path, caplog: pytest.LogCaptureFix
     assert sorted(p.name for p in (tmp_path / "es_snapshots").iterdir()) == ["iter-000004.safetensors", "iter-000006.safetensors"]
 
 
+def test_a_long_replay_says_how_far_it_is(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rebuilding θ replays every member's noise (about a minute an iteration for 135M weights on 2 cores): the
+    replay announces its length and reports its progress every REPLAY_REPORT_S seconds, never after the last
+    iteration (the caller reports the end); a one-iteration replay stays quiet."""
+    from vrl.optim import es as es_module
+
+    es = _es(population_size=3)
+    _run(es, 4, tmp_path)
+    monkeypatch.setattr(es_module, "REPLAY_REPORT_S", 0.0)
+    fresh = _es(population_size=3)
+    with caplog.at_level(logging.INFO, logger="vrl.optim.es"):
+        fresh.load(tmp_path, _finished(tmp_path))
+    lines = [r.getMessage() for r in caplog.records]
+    assert "ES: rebuilding θ: replaying 4 iterations of 3 members" in lines
+    assert [m.split(" (")[0] for m in lines if m.startswith("ES: replayed")] == \
+        [f"ES: replayed {i} of 4 iterations" for i in (1, 2, 3)]
+    assert _same_bits(_weights(fresh), _weights(es))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vrl.optim.es"):
+        es_module.replay(fresh.history, fresh.host, 3, 4)  # one iteration
+    assert not [r for r in caplog.records if "replay" in r.getMessage()]
+
+
 def test_snapshot_from_another_history_is_not_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     es = _es(population_size=3, snapshot_every=2)
     _run(es, 3, tmp_path)

@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import math
+import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -289,6 +290,11 @@ def iteration_update(history: ESHistory, record: IterationRecord) -> Update:
     return update_terms(record, history.antithetic, history.alpha)
 
 
+#: Seconds between the progress lines of a long replay (on a CPU a 135M model takes about a minute an iteration
+#: of 30 members: the noise of every member is regenerated).
+REPLAY_REPORT_S = 10.0
+
+
 def replay(history: ESHistory, target: PolicyHost | FlatParams | LowRankParams, start: int = 0,
            stop: int | None = None) -> None:
     """Apply the updates of iterations [start, stop) of `history` to `target` (θ_start → θ_stop):
@@ -302,9 +308,17 @@ def replay(history: ESHistory, target: PolicyHost | FlatParams | LowRankParams, 
                          "for es.noise=full")
     if lowrank and history.rank != target.rank:
         raise ValueError(f"this history used rank {history.rank}; these parameters are low-rank with rank {target.rank}")
+    records = history.iterations[start:stop]
+    if len(records) > 1:
+        log.info("ES: rebuilding θ: replaying %d iterations of %d members", len(records), history.population_size)
+    began = last = time.monotonic()
     with _no_grad():
-        for record in history.iterations[start:stop]:
+        for done, record in enumerate(records, 1):
             target.update(iteration_update(history, record))
+            now = time.monotonic()
+            if now - last >= REPLAY_REPORT_S and done < len(records):  # a long replay (a CPU, a big model) shows it moves
+                log.info("ES: replayed %d of %d iterations (%.0f s)", done, len(records), now - began)
+                last = now
 
 
 def _instance(target: Any, module: str, name: str) -> bool:
