@@ -58,6 +58,27 @@ def test_chunks_agree_with_the_whole_range() -> None:
     assert torch.equal(torch.cat([nz.noise_int(keys, 0, 1234), nz.noise_int(keys, 1234, 3766)]), whole)
 
 
+def test_the_references_cpu_chunking_changes_no_bit(monkeypatch) -> None:
+    """perturb_reference and update_reference walk a CPU tensor in cache-sized chunks (2^15 elements; 10x faster
+    than 2^23): over a tensor of several chunks and a ragged end, every bit equals one whole-tensor pass."""
+    n = 3 * nz._CPU_CHUNK + 777
+    words, terms = [nz.name_words("layer.weight")], [(11, 0.25), (12, -0.5), (13, 0.125)]
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        master = torch.linspace(-1, 1, n)
+        perturbed = torch.empty(n, dtype=torch.bfloat16)
+        nz.perturb_reference([master], [perturbed], words, 7, nz.noise_scale(0.01))
+        weights = torch.empty(n, dtype=torch.bfloat16)
+        nz.update_reference([master], [weights], words, terms)
+        return master, perturbed, weights
+
+    chunked = run()
+    monkeypatch.setattr(nz, "_CPU_CHUNK", n)
+    whole = run()
+    assert all(torch.equal(a, b) for a, b in zip(chunked, whole))
+    assert not torch.equal(chunked[0], torch.linspace(-1, 1, n))  # the update did move θ
+
+
 def test_pure_function_of_seed_name_and_index() -> None:
     a = nz.noise(9, "layer.weight", (64, 32))
     assert torch.equal(a, nz.noise(9, "layer.weight", (64, 32)))

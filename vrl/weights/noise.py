@@ -158,8 +158,16 @@ def noise_scale(scale: float) -> float:
     return round_sig(scale * C, SCALE_BITS)
 
 
-# Elements of noise generated at once by the reference: bounds its int64 temporaries (~64 MB).
+# Elements of noise generated at once by the reference. On a GPU: large, to bound the int64 temporaries (~64 MB)
+# and the kernel launches. On a CPU: small, so that the ~36 elementwise steps of `noise_int` run in cache instead
+# of streaming 64 MB temporaries through memory: 2^15 elements made `update_reference` 10.7x faster than 2^23
+# for 30 members of a 4M-element tensor (2 loaded cores, medians of 3 interleaved; 2^14 and 2^16 slower).
 _CHUNK = 1 << 23
+_CPU_CHUNK = 1 << 15
+
+
+def _chunk(device: torch.device) -> int:
+    return _CPU_CHUNK if device.type == "cpu" else _CHUNK
 
 
 def perturb_reference(
@@ -171,8 +179,9 @@ def perturb_reference(
     for m, w, nw in zip(master, weights, words):
         keys = tensor_keys(seed, nw)
         m_flat, w_flat = m.view(-1), w.view(-1)
-        for start in range(0, m_flat.numel(), _CHUNK):
-            count = min(_CHUNK, m_flat.numel() - start)
+        step = _chunk(m.device)
+        for start in range(0, m_flat.numel(), step):
+            count = min(step, m_flat.numel() - start)
             s = noise_int(keys, start, count, m.device).to(torch.float32)
             w_flat[start : start + count].copy_(m_flat[start : start + count] + s * scale)
 
@@ -189,8 +198,9 @@ def update_reference(
     for m, w, nw in zip(master, weights, words):
         keys = [(tensor_keys(seed, nw), c) for seed, c in terms]
         m_flat = m.view(-1)
-        for start in range(0, m_flat.numel(), _CHUNK):
-            count = min(_CHUNK, m_flat.numel() - start)
+        step = _chunk(m.device)
+        for start in range(0, m_flat.numel(), step):
+            count = min(step, m_flat.numel() - start)
             acc = torch.zeros(count, dtype=torch.float32, device=m.device)
             for k, c in keys:
                 acc += noise_int(k, start, count, m.device).to(torch.float32) * c
