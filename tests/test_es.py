@@ -389,7 +389,7 @@ def test_snapshots_bound_the_replay(tmp_path: Path, caplog: pytest.LogCaptureFix
 
 def test_a_long_replay_says_how_far_it_is(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rebuilding θ replays every member's noise (about a minute an iteration for 135M weights on 2 cores): the
+    """Rebuilding θ replays every member's noise (72-80 s an iteration for 135M weights on 2 cores): the
     replay announces its length and reports its progress every REPLAY_REPORT_S seconds, never after the last
     iteration (the caller reports the end); a one-iteration replay stays quiet."""
     from vrl.optim import es as es_module

@@ -160,8 +160,8 @@ def noise_scale(scale: float) -> float:
 
 # Elements of noise generated at once by the reference. On a GPU: large, to bound the int64 temporaries (~64 MB)
 # and the kernel launches. On a CPU: small, so that the ~36 elementwise steps of `noise_int` run in cache instead
-# of streaming 64 MB temporaries through memory: 2^15 elements made `update_reference` 10.7x faster than 2^23
-# for 30 members of a 4M-element tensor (2 loaded cores, medians of 3 interleaved; 2^14 and 2^16 slower).
+# of streaming 64 MB temporaries through memory: 2^15 elements made `update_reference` 11.2x faster than 2^23
+# for 30 members of a 4M-element tensor (benchmarks/noise_cpu.py, docs/benchmarks.md; 2^14 and 2^16 slower).
 _CHUNK = 1 << 23
 _CPU_CHUNK = 1 << 15
 
