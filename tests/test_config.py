@@ -145,7 +145,8 @@ SINCE_ISSUE_28 = {"members_per_call", "min_containers", "orchestrator_timeout_s"
                   "snapshot_every", "weight_transfer", "output",  # output: issue 40
                   "driver_processes",  # issue 44
                   "turn_cache",  # issue 56: generator.hf.turn_cache
-                  "model_folder"}  # issue 57: runtime.modal.model_folder (a local model on the Volume)
+                  "model_folder",  # issue 57: runtime.modal.model_folder (a local model on the Volume)
+                  "kv_cache_memory_gb"}  # issue 57: generator.vllm.kv_cache_memory_gb (engines started side by side)
 
 
 def test_migrate_puts_old_keys_where_they_are_now():

@@ -9,7 +9,7 @@ from vrl.errors import OptionsError
 from vrl.plugins import registry
 
 DECLARED = {
-    "countdown": ["size", "seed", "min_numbers", "max_numbers", "calculator", "max_turns"],
+    "countdown": ["size", "seed", "min_numbers", "max_numbers", "calculator", "max_turns", "chat"],
     "guess": ["size", "turns", "seed"],
     "letters": ["size", "mix"],
     "lean": ["server", "api_key", "data", "test_fraction", "timeout_s", "max_heartbeats", "repls", "recheck", "recheck_api_key",
