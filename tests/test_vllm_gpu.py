@@ -152,9 +152,9 @@ def divergence_margins(gen, ours, theirs) -> list[float]:
     for a, b in zip(ours, theirs, strict=True):
         assert (a.task_id, a.prompt_token_ids) == (b.task_id, b.prompt_token_ids)
         x, y = list(a.token_ids), list(b.token_ids)
-        k = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
         if x == y:
             continue
+        k = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
         mine, hfs = (x[k] if k < len(x) else eos), (y[k] if k < len(y) else eos)
         ids = torch.tensor([list(a.prompt_token_ids) + y[:k]], device=device)
         with torch.no_grad():

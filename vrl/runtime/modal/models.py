@@ -90,13 +90,13 @@ def volume_folder(name: str, dtype: str) -> str:
     from vrl.hub import check_model
 
     check_model(name)  # exists and is a directory
-    files = model_files(Path(name).expanduser())
+    base = source(name)
+    files = model_files(base)
     names = {p.name for p in files}
     if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
         raise ModelUnavailable(f"model folder {name} has no config.json and .safetensors weights, which Modal's workers "
                                "load (save it with save_pretrained), or give a GGUF file or a Hugging Face model id")
     digest = hashlib.sha256()
-    base = Path(name).expanduser()
     for path in files:
         digest.update(f"{path.relative_to(base).as_posix()}\0{gguf.file_hash(path)}\0".encode())
     return f"{MODELS_DIR}/dir-{digest.hexdigest()[:16]}"
