@@ -218,6 +218,51 @@ def test_resume_checks_only_fields_the_recorded_config_has(tmp_path, finished_ru
         RunDir(run).check_resume(build({**recorded, "es": {**recorded["es"], "sigma": 0.5}}))
 
 
+def test_a_local_model_changed_under_a_run_is_refused_on_resume_and_export(tmp_path, monkeypatch):
+    """A run from a model folder records its content (model.json); the same files with new mtimes still resume,
+    other weights in the same folder are refused by `--resume` and `vrl export` in one line, run left as it was
+    (ES would replay its updates onto weights it never trained)."""
+    import shutil
+
+    import torch
+
+    from vrl.generate import tiny
+
+    folder = tmp_path / "model"
+    model, tokenizer = tiny.build_model(), tiny.build_tokenizer()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    cfg = build({"plugin": "letters", "optimizer": "es", "model": str(folder), "iterations": 1, "tasks_per_iteration": 2,
+                 "sampling": {"max_new_tokens": 4}, "es": {"population_size": 2},
+                 "logging": {"runs_dir": str(tmp_path / "runs"), "name": "es"}})
+    assert Trainer(cfg, environment=LettersEnvironment()).run()["status"] == "finished"
+    run = tmp_path / "runs" / "es"
+    recorded = json.loads((run / "model.json").read_text())
+    assert recorded["model"] == str(folder) and len(recorded["sha256"]) == 64
+    saved = tmp_path / "saved"
+    shutil.copytree(folder, saved)  # new mtimes, same bytes
+    shutil.rmtree(folder)
+    shutil.copytree(saved, folder)
+    monkeypatch.chdir(tmp_path)
+    assert "is finished (1 of 1 iterations)" in cli("train", "--resume", str(run))  # past the model check
+    with torch.no_grad():
+        model.model.embed_tokens.weight[0, 0] += 1.0  # one weight of another checkpoint
+    model.save_pretrained(folder)
+    before = tree_digest(run)
+    line = cli("train", "--resume", str(run), "--iterations", "2")
+    for fragment in ("cannot resume", f"model {folder} changed since the run started", recorded["sha256"][:16],
+                     "new run"):
+        assert fragment in line
+    line = cli("export", str(run), "--out", str(tmp_path / "out"), "--device", "cpu")
+    assert "cannot export" in line and "changed since the run started" in line
+    assert tree_digest(run) == before and not (tmp_path / "out").exists()
+    shutil.rmtree(folder)
+    shutil.copytree(saved, folder)  # the run's own weights back: it resumes
+    res = CliRunner().invoke(main, ["train", "--resume", str(run), "--iterations", "2"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert json.loads((run / "state.json").read_text())["iteration"] == 2
+
+
 def test_resuming_a_finished_run_says_how_to_extend_it(tmp_path, finished_runs, monkeypatch):
     run = finished_runs["es"]
     before = tree_digest(run)

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vrl.errors import RunDirError
 from vrl.optim import optimizer_class
 from vrl.rundir import RunDir
 
@@ -86,4 +87,8 @@ def _check_run(run: Path) -> tuple[dict[str, Any], int]:
     finished = run_dir.completed_iterations()
     if finished < 1:
         raise ExportError(f"{run} has no finished iteration yet; train it first (`vrl train --resume {run}`)")
+    try:
+        run_dir.check_model("export")  # ES rebuilds θ from the base weights, a LoRA checkpoint applies to them
+    except RunDirError as exc:
+        raise ExportError(str(exc)) from None
     return run_dir.config(), finished

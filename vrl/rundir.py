@@ -3,6 +3,7 @@
     runs/<name>/
       config.json     the resolved TrainConfig
       versions.json   python, torch, transformers, vrl and plugin versions
+      model.json      a local --model's content digest (vrl.local_model): a resume or an export refuses a changed one
       metrics.jsonl   one line per finished iteration
       samples.jsonl   a bounded number of attempts per iteration (prompt, completion, verdict, reward)
       tasks.jsonl     with dynamic sampling or a curriculum: one row per drawn task (vrl.schedule)
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "lock"
+MODEL_FILE = "model.json"
 #: Config fields that define the weights or what the finished iterations mean: a resume keeps them,
 #: with the run's optimizer's own (`Optimizer.fixed_on_resume`: ES replays its history with those
 #: settings; a GRPO checkpoint holds LoRA weights of that shape).
@@ -133,6 +135,9 @@ class RunDir:
         run.acquire()
         write_json(path / "config.json", dump(config))
         write_json(path / "versions.json", versions())
+        identity = model_identity(config.model)
+        if identity is not None:
+            write_json(path / MODEL_FILE, identity)
         return run
 
     @classmethod
@@ -206,6 +211,25 @@ class RunDir:
                     f"cannot resume {self.path} with {field}={after!r}: the run was trained with {field}={before!r}, "
                     "which a resume keeps; start a new run (--name) to change it"
                 )
+        self.check_model("resume")
+
+    def check_model(self, doing: str) -> None:
+        """Refuse to `doing` (resume, export) a run whose local --model's files changed since it started: both
+        rebuild from the base weights. Nothing to compare for a Hub id (its revision is `generator.revision`), a
+        run older than model.json, or a model absent here (a Modal run's folder on its Volume is checked by
+        content there: `vrl.runtime.modal.models.place`)."""
+        recorded_path = self.path / MODEL_FILE
+        if not recorded_path.is_file():
+            return
+        recorded = json.loads(recorded_path.read_text())
+        now = model_identity(recorded["model"])
+        if now is None or now["sha256"] == recorded["sha256"]:
+            return
+        raise RunDirError(
+            f"cannot {doing} {self.path}: model {recorded['model']} changed since the run started (its files' sha256 "
+            f"was {recorded['sha256'][:16]}…, is {now['sha256'][:16]}… now), and the finished iterations were trained "
+            "from the old weights; put the old files back, or start a new run (--name) from the new ones"
+        )
 
     @property
     def name(self) -> str:
@@ -257,6 +281,15 @@ class RunDir:
 
 
 _MISSING = object()
+
+
+def model_identity(model: str) -> dict[str, Any] | None:
+    """{"model", "sha256"} of a local --model that exists here (`vrl.local_model.digest`), else None."""
+    from vrl import local_model
+
+    if not local_model.is_local(model) or not local_model.source(model).exists():
+        return None
+    return {"model": model, "sha256": local_model.digest(model, local_model.WEIGHT_FILES)}
 
 
 def _get(data: dict[str, Any], dotted: str, missing: Any = None) -> Any:

@@ -21,8 +21,6 @@ the orchestrator's commits).
 
 from __future__ import annotations
 
-import fnmatch
-import hashlib
 import io
 import json
 import logging
@@ -32,35 +30,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vrl import gguf
+from vrl import gguf, local_model
 from vrl.errors import ModelUnavailable, UsageError
-from vrl.runtime.modal.workers import MODEL_FILES, MODELS_DIR, VOLUME_ROOT, worker_dtype
+from vrl.local_model import is_local, model_files, names_gguf, source
+from vrl.runtime.modal.workers import MODELS_DIR, VOLUME_ROOT, worker_dtype
 
 log = logging.getLogger(__name__)
 
 #: Written last into a model's Volume folder: the upload finished (a batch upload lands whole or not at all).
 RECORD = "vrl_model.json"
-
-
-def _names_gguf(name: str) -> bool:
-    """`--model name` names a GGUF file, whether or not it exists (a missing one is refused naming it)."""
-    return name.startswith(gguf.PREFIX) or name.lower().endswith(".gguf")
-
-
-def is_local(name: str) -> bool:
-    """Whether `--model name` names something on this machine (a GGUF file, a folder, a path) rather than a Hub
-    id or `tiny`."""
-    from vrl.generate.hf import TINY
-    from vrl.hub import _looks_like_path
-
-    if name == TINY:
-        return False
-    return _names_gguf(name) or Path(name).expanduser().exists() or _looks_like_path(name)
-
-
-def source(name: str) -> Path:
-    """The file or folder `--model name` names on this machine."""
-    return gguf.gguf_path(name) if _names_gguf(name) else Path(name).expanduser()
 
 
 def place(config: Any) -> None:
@@ -84,7 +62,7 @@ def place(config: Any) -> None:
 
 def volume_folder(name: str, dtype: str) -> str:
     """`models/<key>` for local model `name` (checked first: one line naming what is wrong)."""
-    if _names_gguf(name):
+    if names_gguf(name):
         gguf.check(name)  # exists, is GGUF, transformers can dequantize it
         return f"{MODELS_DIR}/gguf-{gguf.file_hash(gguf.gguf_path(name))[:16]}-{dtype}"
     from vrl.hub import check_model
@@ -96,17 +74,7 @@ def volume_folder(name: str, dtype: str) -> str:
     if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
         raise ModelUnavailable(f"model folder {name} has no config.json and .safetensors weights, which Modal's workers "
                                "load (save it with save_pretrained), or give a GGUF file or a Hugging Face model id")
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(f"{path.relative_to(base).as_posix()}\0{gguf.file_hash(path)}\0".encode())
-    return f"{MODELS_DIR}/dir-{digest.hexdigest()[:16]}"
-
-
-def model_files(folder: Path) -> list[Path]:
-    """The files of a model folder that go to the Volume: `MODEL_FILES` patterns, hidden folders left out."""
-    return sorted(p for p in folder.rglob("*") if p.is_file()
-                  and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-                  and any(fnmatch.fnmatch(p.name, pattern) for pattern in MODEL_FILES))
+    return f"{MODELS_DIR}/dir-{local_model.digest(name)[:16]}"
 
 
 def on_volume(volume: Any, folder: str) -> dict[str, Any] | None:

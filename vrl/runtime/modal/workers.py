@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from vrl.fileio import atomic_path
+from vrl.local_model import MODEL_FILES  # what goes to the Volume (a Hub snapshot, a local folder)
 from vrl.policy import HostNeeds, PerturbationSpec, Variant
 from vrl.types import Completion, Task
 
@@ -41,8 +42,6 @@ VOLUME_ROOT = "/vrl"
 HF_DIR = "hf"
 RUNS_DIR = "runs"
 MODELS_DIR = "models"
-#: The files of a model that go to the Volume (a Hub snapshot, a local folder): weights, config, tokenizer.
-MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
 
 
 def volume_env(root: str | os.PathLike = VOLUME_ROOT, offline: bool = True) -> dict[str, str]:
