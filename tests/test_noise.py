@@ -77,6 +77,10 @@ def test_the_references_cpu_chunking_changes_no_bit(monkeypatch) -> None:
     whole = run()
     assert all(torch.equal(a, b) for a, b in zip(chunked, whole))
     assert not torch.equal(chunked[0], torch.linspace(-1, 1, n))  # the update did move θ
+    step = torch.zeros(n)  # the update as defined: the members' noise_int, summed in order
+    for seed, c in terms:
+        step += nz.noise_int(nz.tensor_keys(seed, words[0]), 0, n).to(torch.float32) * c
+    assert torch.equal(chunked[0], torch.linspace(-1, 1, n) + step)
 
 
 def test_pure_function_of_seed_name_and_index() -> None:
