@@ -1,8 +1,8 @@
 """vrl's jail (`vrl.jail`), the sandbox rules every plugin shares, run for real: real bubblewrap, the
 real seccomp filter, real rlimits. Each rule is checked in both set-ups the jail has: a network
 namespace of its own (Linux), and the host's network namespace under gVisor's rules for bubblewrap,
-acted out by `tests/fixtures/gvisor/bwrap` (a real gVisor cannot be built here; the stand-in refuses
-what gVisor refuses, citing the trackers)."""
+acted out by `tests/fixtures/gvisor/bwrap` (the stand-in refuses what gVisor refuses, citing the trackers;
+tests/test_gvisor_real.py checks its rules against a real runsc where one is installed)."""
 
 from __future__ import annotations
 
@@ -128,6 +128,13 @@ def test_a_bwrap_that_cannot_make_namespaces_is_named_with_its_cause(tmp_path, m
     why = jail.self_check()
     assert why is not None and why.startswith("bubblewrap cannot create its sandbox here: bwrap: No permissions")
     assert "user namespaces" in why
+    for line, hint in (("bwrap: Failed to make / slave: Operation not permitted", "f229b3e"),  # runsc < 20240923
+                       ("bwrap: Can't mkdir parents for /tmp: Function not implemented", "openat2")):  # gvisor#14451
+        jail._probe.cache_clear()
+        fake.write_text(f'#!/bin/sh\necho "{line}" >&2\nexit 1\n')
+        why = jail.self_check()
+        assert why.startswith(f"bubblewrap cannot create its sandbox here: {line}.") and hint in why, why
+        assert "user namespaces" not in why  # not the advice for a Linux without them
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert "not installed" in jail.self_check()
 

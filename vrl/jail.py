@@ -194,6 +194,13 @@ def _probe(program: str) -> Probe:
 def _hint(error: str) -> str:
     if "seccomp" in error.lower():
         return "The kernel refused vrl's seccomp filter (bwrap --seccomp needs seccomp-bpf)."
+    if "make / slave" in error:  # seen under runsc 20240729 (docs/modal.md, "Tried on a real gVisor")
+        return ("Under gVisor this is a bug of releases before 20240923.0: clone() gave bubblewrap's new mount namespace "
+                "the wrong owner (google/gvisor commit f229b3e); run on a newer gVisor")
+    if "Function not implemented" in error:  # ENOSYS from the kernel, not a refusal
+        return ("The kernel lacks a system call this bubblewrap needs: gVisor before release 20260831.0 has no openat2, "
+                "which bubblewrap 0.12 built without its fallback requires (google/gvisor#14451); install a "
+                "bubblewrap of 0.11 or older (Debian's), or run on a newer gVisor")
     return ("It needs unprivileged user namespaces: check `sysctl user.max_user_namespaces` (> 0), "
             "`kernel.unprivileged_userns_clone=1` (Debian) and `kernel.apparmor_restrict_unprivileged_userns=0` "
             "(Ubuntu 24.04+); inside Docker run with --security-opt seccomp=unconfined")
