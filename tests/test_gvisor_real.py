@@ -1,20 +1,25 @@
-"""The Modal emulator's gVisor rules for bubblewrap (tests/modal_emulator/gvisor.py) against a real gVisor.
+"""vrl's jail and the Modal emulator's gVisor rules for bubblewrap (tests/modal_emulator/gvisor.py), on a real
+gVisor: runsc, run as `runsc --network=none do` (root).
 
-Runs only where a runsc of release 20240729 or later is installed (`VRL_RUNSC`, else `runsc` on PATH) and this
-process is root (`runsc do` needs it); otherwise skipped with the reason. Debian sid ships that build
-(`apt-get download runsc/sid`, then `dpkg -x` it anywhere); bookworm's 20221219 cannot run bwrap at all (its
-/proc lacks kernel/overflowuid). Modal runs a newer gVisor than any Debian build (docs/modal.md, "Tried on a
-real gVisor"), so these tests check the rules a stand-in enforces, not the whole of Modal's kernel:
+The runsc is `scripts/gvisor`'s build (Debian sid's gVisor 20240729 with upstream's fix f229b3e and the Go
+runtime offsets of its toolchain: about 2 minutes, once per machine, started by scripts/test), or `VRL_RUNSC`.
+Where neither can be had (not root, no debootstrap, the build failed) every test skips with the reason. Modal
+runs a newer gVisor than this build (docs/modal.md, "Tried on a real gVisor"): these tests check the rules a
+stand-in enforces and the jail's guarantees on a real gVisor kernel, not all of Modal's.
 
 - rule 1 (a network namespace bwrap makes fails in its loopback set-up; google/gvisor#13438): the real
   refusal and the emulator's share bwrap's own message up to the errno (`loopback: Failed RTM_NEWADDR`), the
   part vrl's jail keys on;
 - rule 2's cause (no /proc/sys/user/max_user_namespaces, which `--disable-userns` writes; google/gvisor#11210);
-- bubblewrap itself runs there (its own pid and ipc namespaces), so the rules are the refusals, not all of it.
+- the jail starts there, falls back to the sandbox's network as the emulator predicts, and keeps every
+  guarantee tests/test_jail.py checks on Linux: no socket, no new namespace, processes and threads work,
+  nothing of the host's files but the binds.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import re
 import shutil
@@ -24,67 +29,111 @@ from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).parents[1]
 EMULATED = Path(__file__).parent / "fixtures" / "gvisor" / "bwrap"
+GVISOR = REPO / "scripts" / "gvisor"
 LOOPBACK = "bwrap: loopback: Failed RTM_NEWADDR"
 
 
-def _runsc() -> tuple[str | None, str]:
-    path = os.environ.get("VRL_RUNSC") or shutil.which("runsc")
-    if path is None:
-        return None, "no runsc (gVisor): set VRL_RUNSC or install one of release 20240729 or later"
-    if os.geteuid() != 0:
-        return None, "runsc do needs root"
+def _where() -> dict[str, str]:
+    out = subprocess.run([str(GVISOR), "where"], capture_output=True, text=True, timeout=60).stdout
+    return dict(line.split("=", 1) for line in out.splitlines())
+
+
+def _check() -> str:
+    """Why these tests cannot run here (instant: at collection, on every worker), or '' when they may."""
     if shutil.which("bwrap") is None:
-        return None, "no bwrap on PATH"
-    out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
-    found = re.search(r"(20\d{6})", out)
-    if not found or int(found.group(1)) < 20240729:
-        return None, f"runsc {out.split(chr(10))[0]!r} is older than 20240729 (it cannot run bwrap at all)"
-    return path, ""
+        return "no bwrap on PATH"
+    if os.environ.get("VRL_RUNSC"):
+        out = subprocess.run([os.environ["VRL_RUNSC"], "--version"], capture_output=True, text=True, timeout=30).stdout
+        found = re.search(r"(20\d{6})", out)
+        if found and int(found.group(1)) < 20240729:
+            return f"VRL_RUNSC's {out.split(chr(10))[0]!r} is older than 20240729 (it cannot run bwrap at all)"
+        return ""
+    if os.geteuid() != 0:
+        return "runsc do needs root"
+    where = _where()
+    return where["REASON"] if where["STATE"] == "cannot" else ""
 
 
-RUNSC, WHY = _runsc()
-pytestmark = pytest.mark.skipif(RUNSC is None, reason=WHY)
+WHY = _check()
+pytestmark = pytest.mark.skipif(bool(WHY), reason=WHY)
 
 
-def under_gvisor(*argv: str) -> subprocess.CompletedProcess:
-    """`argv` run by `runsc do`; tried again (3 tries) when runsc itself dies, exit 2 with nothing written: the
-    Debian 20240729 build's sentry panics now and then (`assertTaskGoroutine`), whatever the program does."""
-    for _ in range(3):
-        res = subprocess.run([RUNSC, "--network=none", "do", *argv], capture_output=True, text=True, timeout=120,
+@pytest.fixture(scope="module")
+def runsc() -> tuple[str, bool]:
+    """(runsc's path, whether it is scripts/gvisor's build); builds it here (or waits for scripts/test's build
+    under way) when it is not built yet. A build that failed skips with its log, and is not retried here: it
+    depends on Debian sid's packages of the day, not on vrl's code."""
+    if os.environ.get("VRL_RUNSC"):
+        return os.environ["VRL_RUNSC"], False
+    where = _where()
+    if where["STATE"] == "failed" and where["BUSY"] != "1":  # retried by scripts/test or by hand, not here
+        pytest.skip(f"the gVisor build failed (log: {where['LOG']}); scripts/gvisor build retries it")
+    build = subprocess.run([str(GVISOR), "build"], capture_output=True, text=True, timeout=1800)
+    if build.returncode != 0:
+        pytest.skip(f"the gVisor build failed: {build.stderr.strip()[-500:]}")
+    return build.stdout.strip(), True
+
+
+def under_gvisor(runsc: tuple[str, bool], *argv: str) -> subprocess.CompletedProcess:
+    """`argv` run by `runsc do`; tried again (3 tries) when runsc itself dies, exit 2 with nothing written:
+    Debian's own 20240729 build (given by VRL_RUNSC) panics now and then (`assertTaskGoroutine`), whatever the
+    program does; scripts/gvisor's build, with the toolchain's runtime offsets, does not."""
+    for _ in range(3 if not runsc[1] else 1):
+        res = subprocess.run([runsc[0], "--network=none", "do", *argv], capture_output=True, text=True, timeout=120,
                              stdin=subprocess.DEVNULL)
         if not (res.returncode == 2 and not res.stdout and not res.stderr):
             return res
     return res
 
 
-def test_the_emulated_loopback_refusal_is_the_real_one_up_to_the_errno():
+def test_the_emulated_loopback_refusal_is_the_real_one_up_to_the_errno(runsc):
     bwrap = shutil.which("bwrap")
-    real = under_gvisor(bwrap, "--ro-bind", "/", "/", "--unshare-net", "/bin/true")
+    real = under_gvisor(runsc, bwrap, "--ro-bind", "/", "/", "--unshare-net", "/bin/true")
     emulated = subprocess.run([str(EMULATED), "--ro-bind", "/", "/", "--unshare-net", "/bin/true"],
                               capture_output=True, text=True, timeout=60)
     assert real.returncode != 0 and LOOPBACK in real.stderr, real.stderr
     assert emulated.returncode != 0 and LOOPBACK in emulated.stderr, emulated.stderr
     # bwrap itself runs there (a shell inside it crashes the 20240729 Debian build's sentry every time)
-    ok = under_gvisor(bwrap, "--ro-bind", "/", "/", "--unshare-pid", "--unshare-ipc", "/bin/echo", "ran")
+    ok = under_gvisor(runsc, bwrap, "--ro-bind", "/", "/", "--unshare-pid", "--unshare-ipc", "/bin/echo", "ran")
     assert ok.returncode == 0 and ok.stdout.strip() == "ran", ok.stdout + ok.stderr
 
 
-def test_gvisor_has_no_max_user_namespaces_which_disable_userns_writes():
-    res = under_gvisor("/bin/sh", "-c", "test -e /proc/sys/user/max_user_namespaces && echo present || echo absent")
+def test_gvisor_has_no_max_user_namespaces_which_disable_userns_writes(runsc):
+    res = under_gvisor(runsc, "/bin/sh", "-c", "test -e /proc/sys/user/max_user_namespaces && echo present || echo absent")
     assert res.stdout.strip() == "absent", res.stdout + res.stderr
     assert Path("/proc/sys/user/max_user_namespaces").exists()  # as on Linux: the rule is gVisor's
 
 
-def test_the_jail_says_in_one_line_what_stops_it_under_gvisor():
-    """runsc before 20240923 refuses every bwrap user namespace (gVisor bug f229b3e, fixed since); the jail's
-    probe must then refuse in one line naming bubblewrap's error, never start half a sandbox."""
-    probe = ("import sys; sys.path.insert(0, %r)\nfrom vrl import jail\ntry:\n    print('started', jail.probe())\n"
-             "except jail.Unavailable as exc:\n    print('refused', exc)\n") % str(Path(__file__).parents[1])
-    res = under_gvisor(sys.executable, "-I", "-c", probe)
-    out = res.stdout.strip()
-    assert res.returncode == 0 and len(out.splitlines()) == 1, res.stdout + res.stderr
-    if out.startswith("refused"):
-        assert "bubblewrap cannot create its sandbox here: bwrap: Failed to make / slave" in out
-    else:  # a gVisor with the fix: the loopback rule makes the jail share the sandbox's network
-        assert "network='shared'" in out and "gVisor" in out
+def test_the_jail_starts_under_gvisor_and_keeps_its_guarantees(runsc):
+    """The jail's own probe and tests/test_jail.py's probe of its rules, run inside the jail inside runsc. A runsc
+    before 20240923 (Debian's, say, by VRL_RUNSC) refuses every bwrap user namespace (gVisor bug f229b3e): then
+    the jail must refuse in one line naming bubblewrap's error and the cause, never start half a sandbox."""
+    script = ("import json, os, sys\nsys.path[:0] = [%r, %r]\nfrom vrl import jail\n"
+              "try:\n    found = jail.probe()\nexcept jail.Unavailable as exc:\n"
+              "    print(json.dumps({'refused': str(exc)})); raise SystemExit\n"
+              "import test_jail\n"
+              "proc = test_jail.jailed([test_jail.PYTHON, '-I', '-c', test_jail.PROBE,"
+              " json.dumps(jail.SYSCALLS[os.uname().machine])])\n"
+              "print(json.dumps({'network': found.network, 'note': found.note, 'rc': proc.returncode,"
+              " 'err': proc.stderr[-400:], 'out': json.loads(proc.stdout) if proc.returncode == 0 else None}))\n"
+              ) % (str(REPO), str(REPO / "tests"))
+    res = under_gvisor(runsc, sys.executable, "-I", "-c", script)
+    lines = res.stdout.strip().splitlines()
+    assert res.returncode == 0 and len(lines) == 1, res.stdout + res.stderr
+    got = json.loads(lines[0])
+    if "refused" in got:
+        assert not runsc[1], got  # scripts/gvisor's build has the fix
+        assert got["refused"].startswith("bubblewrap cannot create its sandbox here: bwrap: Failed to make / slave")
+        assert "f229b3e" in got["refused"]
+        return
+    assert got["network"] == "shared" and "gVisor" in got["note"] and "RTM_NEWADDR" in got["note"], got
+    assert got["rc"] == 0, got["err"]
+    out = got["out"]
+    for refused in ("inet", "inet6", "unix", "netlink", "unshare_user", "clone_newuser", "clone_newnet",
+                    "io_uring_setup", "keyctl"):
+        assert out[refused] == errno.EPERM, (refused, out)
+    assert out["clone3"] == errno.ENOSYS
+    assert (out["socketpair"], out["fork"], out["subprocess"], out["thread"]) == (0, 7, "hi", [1])
+    assert not {"home", "root", "etc", "run", "var", "work", "opt"} & set(out["root"])
