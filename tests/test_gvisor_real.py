@@ -13,7 +13,8 @@ stand-in enforces and the jail's guarantees on a real gVisor kernel, not all of 
 - rule 2's cause (no /proc/sys/user/max_user_namespaces, which `--disable-userns` writes; google/gvisor#11210);
 - the jail starts there, falls back to the sandbox's network as the emulator predicts, and keeps every
   guarantee tests/test_jail.py checks on Linux: no socket, no new namespace, processes and threads work,
-  nothing of the host's files but the binds.
+  nothing of the host's files but the binds;
+- the python-tests verifier judges there, and what an attempt tries against it fails.
 """
 
 from __future__ import annotations
@@ -137,3 +138,65 @@ def test_the_jail_starts_under_gvisor_and_keeps_its_guarantees(runsc):
     assert out["clone3"] == errno.ENOSYS
     assert (out["socketpair"], out["fork"], out["subprocess"], out["thread"]) == (0, 7, "hi", [1])
     assert not {"home", "root", "etc", "run", "var", "work", "opt"} & set(out["root"])
+
+
+VERIFIER_UNDER_GVISOR = r"""
+import json, os, socket, sys, tempfile
+from vrl import jail
+from vrl.types import Attempt, Completion
+from vrl_python_tests.datasets import to_tasks
+from vrl_python_tests.verifier import PythonTestsVerifier
+
+def judge(v, entry, tests, code):
+    row = {"id": entry, "text": "t", "entry_point": entry, "tests": tests, "hidden_tests": []}
+    task = to_tasks([("inline", row)], "vrl")[0]
+    return v.judge(Attempt(task=task, completion=Completion(task_id=task.id, text=code))).verdict.passed
+
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0)); listener.listen(1); listener.settimeout(0.3)
+port = listener.getsockname()[1]
+secret = os.path.join(tempfile.mkdtemp(), "secret.txt")
+open(secret, "w").write("host-secret-7731")
+reach = (
+    "import socket\n"
+    "def reach(port):\n"
+    "    s = socket.socket(); s.settimeout(0.3)\n"
+    "    try:\n        s.connect(('127.0.0.1', port)); s.sendall(b'pwned'); return 'reached'\n"
+    "    except OSError as e:\n        return str(e)\n")
+read = "def read(path):\n    try:\n        return open(path).read()\n    except OSError as e:\n        return str(e)\n"
+v = PythonTestsVerifier(workers=1, test_timeout_s=2.0, attempt_timeout_s=8.0, memory_mb=256, max_processes=8)
+try:
+    out = {
+        "network": jail.probe().network,
+        "correct": judge(v, "add", ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"], "def add(a, b):\n    return a + b\n"),
+        "wrong": judge(v, "add", ["assert add(1, 2) == 3"], "def add(a, b):\n    return a - b\n"),
+        "exit_0": judge(v, "add", ["assert add(1, 2) == 3"], "import os\nos._exit(0)\n"),
+        "socket": judge(v, "reach", [f"assert reach({port}) == 'reached'"], reach),
+        "host_file": judge(v, "read", [f"assert read({secret!r}) == 'host-secret-7731'"], read),
+    }
+finally:
+    v.close()
+try:
+    listener.accept()
+    out["reached"] = True
+except socket.timeout:
+    out["reached"] = False
+print(json.dumps(out))
+"""
+
+
+def test_the_python_tests_verifier_judges_and_contains_attempts_under_gvisor(runsc):
+    """The python-tests plugin's verifier (its sandboxes in vrl's jail) inside a real gVisor, as on Modal: a
+    right answer passes; a wrong one, one that exits 0 before any test, one that reaches a listener of the
+    verify server's network namespace (shared with the jail under gVisor: only seccomp stands between them) and
+    one that reads a file of the server's do not, and the listener is never reached."""
+    if not runsc[1]:  # another runsc (VRL_RUNSC) may refuse every jail: the previous test checks that refusal
+        probe = under_gvisor(runsc, sys.executable, "-I", "-c", "from vrl import jail; print(jail.self_check())")
+        if probe.stdout.strip() != "None":
+            pytest.skip(f"the jail does not start under this runsc: {probe.stdout.strip()[:200]}")
+    res = under_gvisor(runsc, sys.executable, "-I", "-c", VERIFIER_UNDER_GVISOR)
+    lines = res.stdout.strip().splitlines()
+    assert res.returncode == 0 and lines, res.stdout + res.stderr[-2000:]
+    got = json.loads(lines[-1])
+    assert got == {"network": "shared", "correct": True, "wrong": False, "exit_0": False, "socket": False,
+                   "host_file": False, "reached": False}, got
