@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BWRAP_PROBLEM, attempt, make_task, needs_bwrap
+from conftest import BWRAP_PROBLEM, attempt, gvisor_rules, make_task, needs_bwrap
 from vrl_python_tests.sandbox import LocalSandboxUnavailable, SandboxConfig, check_bwrap, pick_python
 from vrl_python_tests.verifier import PythonTestsVerifier
 
@@ -273,3 +273,28 @@ def test_each_kind_of_call_result_becomes_its_test_outcome():
     assert judged[0].elapsed_s == 0.5 and judged[3].elapsed_s == 2.0
     assert judged[2].message == "raised ZeroDivisionError: division by zero"
     assert [judged[4].message, judged[5].message] == ["crashed: not run", "crashed: unknown"]
+
+
+@needs_bwrap
+def test_the_server_without_pidfd_open_judges_attempt_after_attempt(monkeypatch):
+    """Where pidfd_open is missing (gVisor's release 20240729 answers ENOSYS; tests/test_gvisor_real.py runs it
+    there) the sandbox server learns of an attempt's exit from SIGCHLD instead. Forced here on Linux: one sandbox
+    judges a run of attempts that pass, fail, time out, exit early and crash, each with its own verdict, and
+    the sandbox is never restarted (a server that died after an attempt was, before)."""
+    import vrl_python_tests.sandbox as sandbox_module
+
+    monkeypatch.setattr(sandbox_module, "SERVER_PIDFD", False)
+    task = make_task("add", ["assert add(1, 2) == 3", "assert add(2, 2) == 4"])
+    cases = [("def add(a, b):\n    return a + b\n", "passed"), ("def add(a, b):\n    return a - b\n", "failed"),
+             ("def add(a, b):\n    while True:\n        pass\n", "timeout"), ("import os\nos._exit(0)\n", "crashed"),
+             ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n", "crashed"),
+             ("def add(a, b):\n    return a + b\n", "passed")]
+    with gvisor_rules():
+        v = PythonTestsVerifier(workers=1, test_timeout_s=1.0, attempt_timeout_s=4.0, memory_mb=256, max_processes=8)
+        try:
+            got = [v.judge(attempt(task, code)).verdict.status.value for code, _ in cases]
+            starts = v.pool.starts
+        finally:
+            v.close()
+    assert got == [want for _, want in cases], got
+    assert starts == 1, starts  # one server judged them all

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import collections
 import enum
+import errno
 import json
 import math
 import os
@@ -261,6 +262,7 @@ def _child(config, start):
     os.closerange(keep[0] + 1, keep[1])
     os.closerange(keep[1] + 1, 1 << 16)
     os.chdir(config["workdir"])
+    signal.set_wakeup_fd(-1)  # the server's SIGCHLD pipe (closed above) is not the attempt's
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an over-large file write fails instead of killing
@@ -345,6 +347,26 @@ def _reply(obj):
     _send(1, obj)
 
 
+def _sigchld_pipe():
+    """The read end of a non-blocking pipe that every SIGCHLD writes a byte to (`signal.set_wakeup_fd`): how the
+    server learns that its attempt exited where the kernel has no pidfd_open (gVisor before 2024's releases
+    with it: `os.pidfd_open` raises ENOSYS there, which used to end the server after every attempt)."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # a Python handler: the wakeup byte is written
+    return r
+
+
+def _drain(fd):
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
 def serve(config):
     """Answer host commands until stdin closes."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # as pid 1, signals without a handler are dropped
@@ -358,13 +380,23 @@ def serve(config):
     _reply({"op": "hello", "python": sys.version.split()[0], "init": is_init})
     buffer = b""
     child = pidfd = None
+    use_pidfd = config.get("pidfd", True)  # False: the SIGCHLD pipe, as where pidfd_open is missing (tests)
+    sigchld = None  # the read end of _sigchld_pipe, once needed
+    waiting = False  # the SIGCHLD pipe is watched for the attempt's exit
     while True:
-        watch = [0] + ([pidfd] if pidfd is not None else [])
+        watch = [0] + ([pidfd] if pidfd is not None else []) + ([sigchld] if waiting else [])
         ready, _, _ = select.select(watch, [], [])
+        status = None
         if pidfd is not None and pidfd in ready:
             _, status = os.waitpid(child, 0)
             os.close(pidfd)
             pidfd = None
+        elif waiting and sigchld in ready:
+            _drain(sigchld)
+            done, status = os.waitpid(child, os.WNOHANG)
+            waiting = not done
+            status = status if done else None
+        if status is not None:
             _reply({"op": "exited", "status": _status_text(status)})
         if 0 not in ready:
             continue
@@ -382,11 +414,22 @@ def serve(config):
                         _child(config, int(command["start"]))
                     finally:
                         os._exit(70)
-                pidfd = os.pidfd_open(child)
+                if use_pidfd:
+                    try:
+                        pidfd = os.pidfd_open(child)
+                    except OSError as exc:  # ENOSYS: gVisor without pidfd_open (release 20240729 has none)
+                        if exc.errno != errno.ENOSYS:
+                            raise
+                        use_pidfd = False
+                if not use_pidfd:
+                    sigchld = sigchld if sigchld is not None else _sigchld_pipe()
+                    waiting = True
+                    os.kill(os.getpid(), signal.SIGCHLD)  # an attempt that exited before the handler still counts
             elif command["op"] == "kill":
                 if pidfd is not None:
                     os.close(pidfd)
                     pidfd = None
+                waiting = False
                 _kill_all(child, is_init)
                 child = None
                 clean = all([_wipe(d) for d in config["scratch"]])  # noqa: C419 - wipe every directory, no short-circuit

@@ -57,6 +57,12 @@ class LocalSandboxUnavailable(ValueError):
     """
 
 
+#: How the sandbox server learns that an attempt exited: a pidfd (Linux 5.3+), falling back by itself to a pipe
+#: that SIGCHLD writes to where pidfd_open answers ENOSYS (gVisor's release 20240729, tests/test_gvisor_real.py).
+#: False takes the fallback everywhere: the tests check it on Linux too.
+SERVER_PIDFD = True
+
+
 @dataclass(frozen=True)
 class SandboxConfig:
     """Limits and isolation settings shared by every sandbox of a pool."""
@@ -337,7 +343,8 @@ class Sandbox:
             argv = []
             env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
         server_config = {"limits": limits, "scratch": scratch, "workdir": workdir, "preload": list(PRELOAD),
-                         "fds": {"results": results_w, "output": output_w, "payload": payload_r}}
+                         "fds": {"results": results_w, "output": output_w, "payload": payload_r},
+                         "pidfd": SERVER_PIDFD}
         argv = argv + [self.python, "-I", "-S", "-B", "-c", _HARNESS_SOURCE, json.dumps(server_config)]
         stderr = tempfile.TemporaryFile()
         # bwrap's --die-with-parent follows the *thread* that starts it: a sandbox started from a thread
