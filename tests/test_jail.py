@@ -73,6 +73,17 @@ def jailed(argv: list[str], network: str | None = None, **kw) -> subprocess.Comp
         os.close(fd)
 
 
+def assert_jailed(out: dict) -> None:
+    """What PROBE reports from inside the jail: every refused operation refused, the allowed ones working, no
+    host folder beyond the binds (also asserted inside a real gVisor: tests/test_gvisor_real.py)."""
+    for refused in ("inet", "inet6", "unix", "netlink", "unshare_user", "clone_newuser", "clone_newnet",
+                    "io_uring_setup", "keyctl"):
+        assert out[refused] == errno.EPERM, (refused, out)
+    assert out["clone3"] == errno.ENOSYS  # libc then falls back to clone, whose flags the filter reads
+    assert (out["socketpair"], out["fork"], out["subprocess"], out["thread"]) == (0, 7, "hi", [1])
+    assert not {"home", "root", "etc", "run", "var", "work", "opt"} & set(out["root"])
+
+
 @pytest.fixture
 def gvisor(monkeypatch):
     """bwrap as Modal's gVisor lets it run, for this test."""
@@ -96,13 +107,7 @@ def test_no_socket_no_namespace_but_processes_and_threads_work(kernel, request):
     try:
         proc = jailed([PYTHON, "-I", "-c", PROBE, json.dumps(jail.SYSCALLS[os.uname().machine])])
         assert proc.returncode == 0, proc.stderr
-        out = json.loads(proc.stdout)
-        for refused in ("inet", "inet6", "unix", "netlink", "unshare_user", "clone_newuser", "clone_newnet",
-                        "io_uring_setup", "keyctl"):
-            assert out[refused] == errno.EPERM, (refused, out)
-        assert out["clone3"] == errno.ENOSYS  # libc then falls back to clone, whose flags the filter reads
-        assert (out["socketpair"], out["fork"], out["subprocess"], out["thread"]) == (0, 7, "hi", [1])
-        assert not {"home", "root", "etc", "run", "var", "work", "opt"} & set(out["root"])
+        assert_jailed(json.loads(proc.stdout))
         with pytest.raises(socket.timeout):
             listener.accept()
     finally:
