@@ -64,7 +64,7 @@ def volume_folder(name: str, dtype: str) -> str:
     """`models/<key>` for local model `name` (checked first: one line naming what is wrong)."""
     if names_gguf(name):
         gguf.check(name)  # exists, is GGUF, transformers can dequantize it
-        return f"{MODELS_DIR}/gguf-{gguf.file_hash(gguf.gguf_path(name))[:16]}-{dtype}"
+        return f"{MODELS_DIR}/gguf-{local_model.digest(name)[:16]}-{dtype}"
     from vrl.hub import check_model
 
     check_model(name)  # exists and is a directory
